@@ -1,0 +1,1 @@
+"""swarmloco peer daemon (placeholder; the map of the code is written below as modules land)."""

@@ -1,0 +1,369 @@
+"""Butterfly all-reduce of one fragment's outer gradient within an assembled group.
+
+Protocol (messages in protos/allreduce.proto, RPC ``AllReduceServicer.rpc_reduce``):
+
+1. The fragment's flat vector is cut into one contiguous span per non-client member
+   (:func:`member_spans`); member i reduces span i.
+2. Every member streams its encoded part of span i, with its weight, to reducer i (its own part
+   goes through the same encode/decode locally).
+3. Reducer i waits until all members' parts arrived or ``part_timeout`` passed, averages the parts
+   it received in FP32 weighted by tokens, **encodes the average once**, and streams that same
+   encoding back to every member, with the list of contributors.
+4. Every member (the reducer included) decodes those bytes: all members hold bit-identical
+   averages. A span whose reducer failed comes back as ``None``: it is not applied, and logged.
+
+Unlike hivemind's ``AllReduceRunner`` nobody returns ``average - own part`` or keeps its own
+uncompressed span, so a lossy codec cannot make peers drift apart. Everything read from a peer is
+validated (group membership, span, offsets, sizes, weight, codec, finiteness) before use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Optional, Sequence
+
+import torch
+from google.protobuf.message import DecodeError
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+
+from peer.codec import Codec, CodecError, get_codec
+from peer.outer import Span
+from peer.proto import allreduce_pb2 as pb
+
+log = logging.getLogger(__name__)
+PROTOCOL_VERSION = 1
+MAX_GROUP_SIZE = 256
+Status = pb.ReduceResponse.Status
+
+
+class GroupError(ValueError):
+    """The assembled group's metadata is inconsistent or malformed; the round is skipped."""
+
+
+def member_spans(numel: int, client_mode: Sequence[bool], align: int) -> list[tuple[int, int]]:
+    """Splits ``[0, numel)`` into one span per member: equal shares (in blocks of ``align``
+    elements) for members that can be reached, empty spans for client-mode members."""
+    reducers = [i for i, client in enumerate(client_mode) if not client]
+    if not reducers:
+        raise GroupError("no member of the group accepts connections (all are in client mode)")
+    n_blocks = math.ceil(numel / align)
+    per, extra = divmod(n_blocks, len(reducers))
+    spans = [(0, 0)] * len(client_mode)
+    pos = 0
+    for k, i in enumerate(reducers):
+        end = min(numel, pos + (per + (k < extra)) * align)
+        spans[i] = (pos, end)
+        pos = end
+    return spans
+
+
+@dataclass
+class GroupPlan:
+    """Everything every member agrees on about one all-reduce, derived from matchmaking's GroupInfo."""
+
+    group_id: bytes
+    peer_ids: tuple[PeerID, ...]
+    infos: list[pb.MemberInfo]
+    my_index: int
+    numel: int
+    spans: list[tuple[int, int]]
+    codec: Codec
+    label: str  # "fragment 0 round 7", for logs
+
+    @classmethod
+    def from_group(cls, group: GroupInfo, me: PeerID, codec: Codec, numel: int, label: str) -> "GroupPlan":
+        """Parses and checks every member's MemberInfo. Raises GroupError when they disagree."""
+        if not 1 <= len(group.peer_ids) <= MAX_GROUP_SIZE or len(group.gathered) != len(group.peer_ids):
+            raise GroupError(f"malformed group of {len(group.peer_ids)} peers")
+        if me not in group.peer_ids:
+            raise GroupError("this peer is not in its own group")
+        infos = []
+        for peer_id, blob in zip(group.peer_ids, group.gathered):
+            try:
+                info = pb.MemberInfo.FromString(blob)
+            except DecodeError:
+                raise GroupError(f"peer {peer_id} sent unparsable member info") from None
+            if info.protocol_version != PROTOCOL_VERSION or info.numel != numel:
+                raise GroupError(f"peer {peer_id} has protocol {info.protocol_version}/numel {info.numel}, "
+                                 f"expected {PROTOCOL_VERSION}/{numel}")
+            if not (math.isfinite(info.weight) and info.weight > 0):
+                raise GroupError(f"peer {peer_id} declared weight {info.weight}")
+            infos.append(info)
+        spans = member_spans(numel, [i.client_mode for i in infos], codec.block_size)
+        return cls(group.group_id, tuple(group.peer_ids), infos, group.peer_ids.index(me), numel, spans,
+                   codec, label)
+
+
+@dataclass
+class Traffic:
+    """Protocol bytes this peer sent/received for one all-reduce (serialized message sizes)."""
+
+    sent: int = 0
+    received: int = 0
+
+
+def encode_pieces(codec: Codec, values: torch.Tensor, chunk_elems: int) -> list[tuple[int, object]]:
+    """Cuts a flat vector into (offset, EncodedTensor) pieces of at most ``chunk_elems`` elements."""
+    step = max(codec.block_size, chunk_elems - chunk_elems % codec.block_size)
+    return [(off, codec.encode_flat(values[off:off + step])) for off in range(0, values.numel(), step)]
+
+
+def decode_piece(codec: Codec, piece, offset: int, filled: int, length: int) -> torch.Tensor:
+    """Decodes one streamed piece after checking it continues the span exactly where ``filled`` ends."""
+    if offset != filled or piece.numel == 0 or filled + piece.numel > length:
+        raise CodecError(f"piece [{offset}, {offset + piece.numel}) does not continue [0, {filled}) of {length}")
+    if piece.codec != codec.name or piece.codec_version != codec.version:
+        raise CodecError(f"piece uses codec {piece.codec} v{piece.codec_version}, group uses {codec.name}")
+    values = codec.decode_flat(piece)
+    if values.numel() != piece.numel or not bool(torch.isfinite(values).all()):
+        raise CodecError("piece decodes to the wrong size or to non-finite values")
+    return values
+
+
+class SpanReduction:
+    """Reducer-side state of one group: accumulates members' parts of our span, averages once."""
+
+    def __init__(self, plan: GroupPlan, part_timeout: float, chunk_elems: int):
+        self.plan = plan
+        start, end = plan.spans[plan.my_index]
+        self.length = end - start
+        self.sum = torch.zeros(self.length, dtype=torch.float32)
+        self.total_weight = 0.0
+        self.contributors: set[int] = set()
+        self.all_in = asyncio.Event()
+        self.deadline = time.monotonic() + part_timeout
+        self.chunk_elems = chunk_elems
+        self.traffic = Traffic()  # parts received here; the averages we send are counted in sent_bytes()
+        self.requesters: set[int] = set()
+        self.result = asyncio.ensure_future(self._finalize())
+
+    def sent_bytes(self) -> int:
+        """Bytes of the encoded average times the remote members that asked for it."""
+        if not self.result.done() or self.result.exception() is not None:
+            return 0
+        remote = self.requesters - {self.plan.my_index}
+        return len(remote) * sum(r.ByteSize() for r in self.result.result())
+
+    def add(self, index: int, weight: float, part: torch.Tensor) -> bool:
+        """Adds a member's complete, decoded part; False if it came too late or twice."""
+        if self.result.done() or index in self.contributors:
+            return False
+        self.sum.add_(part, alpha=weight)
+        self.total_weight += weight
+        self.contributors.add(index)
+        if len(self.contributors) == len(self.plan.peer_ids):
+            self.all_in.set()
+        return True
+
+    async def _finalize(self) -> list[pb.ReduceResponse]:
+        try:
+            await asyncio.wait_for(self.all_in.wait(), timeout=max(0.0, self.deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            missing = sorted(set(range(len(self.plan.peer_ids))) - self.contributors)
+            log.warning("%s: reducer averages without members %s (no part within part_timeout)",
+                        self.plan.label, [str(self.plan.peer_ids[i])[-8:] for i in missing])
+        if not self.contributors:
+            return [pb.ReduceResponse(status=Status.FAILED, error="no parts arrived")]
+        average = self.sum / self.total_weight
+        responses = []
+        for k, (offset, piece) in enumerate(encode_pieces(self.plan.codec, average, self.chunk_elems)):
+            msg = pb.ReduceResponse(status=Status.OK, offset=offset, piece=piece)
+            if k == 0:
+                msg.contributors.extend(sorted(self.contributors))
+                msg.total_weight = self.total_weight
+            responses.append(msg)
+        return responses
+
+
+@dataclass
+class AllReduceResult:
+    """What one member got out of a round: a span per member (``average`` None where it failed)."""
+
+    spans: list[Span]
+    contributors: list[list[int]]
+    traffic: Traffic = field(default_factory=Traffic)
+
+    @property
+    def complete(self) -> bool:
+        return all(s.average is not None for s in self.spans)
+
+
+class AllReduceServicer(ServicerBase):
+    """Serves ``rpc_reduce`` for the groups this peer is currently reducing for.
+
+    Owned by the swarm's networking thread: :meth:`register` must be called (in that event loop)
+    before the group's members are told the group exists, :meth:`unregister` when the round ends.
+    """
+
+    def __init__(self, *, registration_timeout: float, max_pending: int = 64):
+        self._groups: dict[bytes, SpanReduction] = {}
+        self._waiters: dict[bytes, asyncio.Event] = {}
+        self.registration_timeout = registration_timeout
+        self.max_pending = max_pending
+
+    def register(self, reduction: SpanReduction) -> None:
+        gid = reduction.plan.group_id
+        self._groups[gid] = reduction
+        self._waiters.pop(gid, asyncio.Event()).set()
+
+    def unregister(self, group_id: bytes) -> None:
+        self._groups.pop(group_id, None)
+
+    async def _lookup(self, group_id: bytes) -> Optional[SpanReduction]:
+        # A member may learn of the group (and call us) slightly before our own matchmaking returns.
+        if group_id not in self._groups and len(self._waiters) < self.max_pending:
+            event = self._waiters.setdefault(group_id, asyncio.Event())
+            try:
+                await asyncio.wait_for(event.wait(), timeout=self.registration_timeout)
+            except asyncio.TimeoutError:
+                self._waiters.pop(group_id, None)
+        return self._groups.get(group_id)
+
+    async def rpc_reduce(self, requests: AsyncIterator[pb.ReduceRequest],
+                         context: P2PContext) -> AsyncIterator[pb.ReduceResponse]:
+        try:
+            header = await asyncio.wait_for(requests.__anext__(), timeout=self.registration_timeout)
+            red = await self._lookup(header.group_id)
+            if red is None:
+                yield pb.ReduceResponse(status=Status.REJECTED, error="unknown group")
+                return
+            plan = red.plan
+            if context.remote_id not in plan.peer_ids:
+                yield pb.ReduceResponse(status=Status.REJECTED, error="sender is not in the group")
+                return
+            sender = plan.peer_ids.index(context.remote_id)
+            if header.span_index != plan.my_index or not (math.isfinite(header.weight) and header.weight > 0):
+                yield pb.ReduceResponse(status=Status.REJECTED, error="wrong span index or invalid weight")
+                return
+            red.requesters.add(sender)
+            part = torch.empty(red.length, dtype=torch.float32)
+            filled, msg = 0, header
+            while True:
+                values = decode_piece(plan.codec, msg.piece, msg.offset, filled, red.length)
+                part[filled:filled + values.numel()] = values
+                filled += values.numel()
+                red.traffic.received += msg.ByteSize()
+                if filled == red.length:
+                    break
+                msg = await asyncio.wait_for(requests.__anext__(), timeout=max(0.0, red.deadline - time.monotonic()))
+            if not red.add(sender, header.weight, part):
+                log.info("%s: part from %s arrived after averaging; it is not included", plan.label,
+                         str(context.remote_id)[-8:])
+            for response in await asyncio.shield(red.result):
+                yield response
+        except (CodecError, asyncio.TimeoutError, StopAsyncIteration) as e:
+            log.warning("rpc_reduce from %s: dropped a member's part: %s", str(context.remote_id)[-8:],
+                        type(e).__name__ + (f": {e}" if str(e) else ""))
+            yield pb.ReduceResponse(status=Status.REJECTED, error=f"bad or incomplete part: {type(e).__name__}")
+
+
+async def _own_span(red: SpanReduction, values: torch.Tensor, weight: float) -> list[pb.ReduceResponse]:
+    """Contributes our own part to our own span through the same encode/decode as remote parts."""
+    part = torch.cat([red.plan.codec.decode_flat(piece) for _, piece in
+                      encode_pieces(red.plan.codec, values, red.chunk_elems)]) if red.length else values
+    red.add(red.plan.my_index, weight, part)
+    return await asyncio.shield(red.result)
+
+
+async def _remote_span(p2p: P2P, plan: GroupPlan, j: int, values: torch.Tensor, weight: float,
+                       chunk_elems: int, deadline: float, traffic: Traffic) -> list[pb.ReduceResponse]:
+    """Streams our part of span j to reducer j and returns its response messages."""
+    pieces = encode_pieces(plan.codec, values, chunk_elems)
+
+    async def requests() -> AsyncIterator[pb.ReduceRequest]:
+        for k, (offset, piece) in enumerate(pieces):
+            msg = pb.ReduceRequest(offset=offset, piece=piece)
+            if k == 0:
+                msg.group_id, msg.span_index, msg.weight = plan.group_id, j, weight
+            traffic.sent += msg.ByteSize()
+            yield msg
+
+    stub = AllReduceServicer.get_stub(p2p, plan.peer_ids[j])
+    stream = await asyncio.wait_for(stub.rpc_reduce(requests()), timeout=max(0.0, deadline - time.monotonic()))
+    responses = []
+    try:
+        while True:
+            msg = await asyncio.wait_for(stream.__anext__(), timeout=max(0.0, deadline - time.monotonic()))
+            traffic.received += msg.ByteSize()
+            responses.append(msg)
+    except StopAsyncIteration:
+        return responses
+    finally:
+        await stream.aclose()
+
+
+def _span_from_responses(plan: GroupPlan, j: int, responses: list[pb.ReduceResponse]
+                         ) -> tuple[Optional[torch.Tensor], list[int], str]:
+    """Decodes a reducer's averaged span, or returns (None, [], reason) when it is unusable."""
+    start, end = plan.spans[j]
+    if not responses or responses[0].status != Status.OK:
+        return None, [], (responses[0].error if responses else "no response")
+    contributors = list(responses[0].contributors)
+    if not contributors or any(c >= len(plan.peer_ids) for c in contributors):
+        return None, [], "invalid contributor list"
+    out = torch.empty(end - start, dtype=torch.float32)
+    filled = 0
+    try:
+        for msg in responses:
+            values = decode_piece(plan.codec, msg.piece, msg.offset, filled, end - start)
+            out[filled:filled + values.numel()] = values
+            filled += values.numel()
+    except CodecError as e:
+        return None, [], f"bad average: {e}"
+    if filled != end - start:
+        return None, [], f"average covers {filled} of {end - start} elements"
+    return out, contributors, ""
+
+
+async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, delta: torch.Tensor,
+                        weight: float, *, part_timeout: float, allreduce_timeout: float,
+                        chunk_bytes: int) -> AllReduceResult:
+    """Runs one butterfly all-reduce as member ``plan.my_index``; never raises for peer failures.
+
+    Must run in the event loop that owns ``servicer`` and ``p2p``. Returns within
+    ``allreduce_timeout`` seconds (plus scheduling slack).
+    """
+    chunk_elems = max(1, chunk_bytes // 4)
+    deadline = time.monotonic() + allreduce_timeout
+    my_start, my_end = plan.spans[plan.my_index]
+    red = SpanReduction(plan, part_timeout, chunk_elems)
+    servicer.register(red)
+    traffic = Traffic()
+    try:
+        tasks = []
+        for j, (start, end) in enumerate(plan.spans):
+            if end == start:
+                continue
+            values = delta[start:end]
+            if j == plan.my_index:
+                tasks.append((j, asyncio.ensure_future(_own_span(red, values, weight))))
+            else:
+                tasks.append((j, asyncio.ensure_future(
+                    _remote_span(p2p, plan, j, values, weight, chunk_elems, deadline, traffic))))
+        spans, contributors = [], []
+        for j, task in tasks:
+            start, end = plan.spans[j]
+            try:
+                responses = await task
+                average, who, why = _span_from_responses(plan, j, responses)
+            except Exception as e:  # a dead or misbehaving reducer: this span is missing
+                average, who, why = None, [], f"{type(e).__name__}: {e}"
+            if average is None:
+                log.warning("%s: span %d [%d, %d) from reducer %s is missing and NOT applied: %s", plan.label,
+                            j, start, end, str(plan.peer_ids[j])[-8:], why)
+            spans.append(Span(start, end, average))
+            contributors.append(who)
+        # Let our own reducer finish serving members still reading, within the round's deadline.
+        if my_end > my_start:
+            await asyncio.wait([red.result], timeout=max(0.0, deadline - time.monotonic()))
+        traffic.sent += red.sent_bytes()
+        traffic.received += red.traffic.received
+        return AllReduceResult(spans, contributors, traffic)
+    finally:
+        asyncio.get_running_loop().call_later(max(0.0, deadline - time.monotonic()), servicer.unregister,
+                                              plan.group_id)

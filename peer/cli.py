@@ -1,0 +1,98 @@
+"""``swarm-peer``: the peer daemon's command line.
+
+``swarm-peer run [--config FILE] [flags]`` trains in the swarm. Every config field has a flag and
+an ``SWARM_*`` env-var twin (see peer/config.py); invalid input exits with status 2 and one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+from peer.config import SECTIONS, ConfigError, build_config, env_name, flag_name, iter_fields
+
+import dataclasses
+
+
+def _field_help(section: str, key: str) -> str:
+    """The field's docstring (the string literal after it in peer/config.py), for --help."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(SECTIONS[section]))
+    body = tree.body[0].body
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == key:
+            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                return str(nxt.value.value)
+    return ""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="swarm-peer", description="swarmloco peer daemon: trains a shared model "
+                                     "with Streaming DiLoCo in a hivemind DHT swarm.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="join the swarm and train", description="Join the swarm and train. Flags "
+                         "override the --config TOML file, which overrides defaults; every flag has an env twin.")
+    run.add_argument("--config", help="TOML config file (sections: " + ", ".join(SECTIONS) + ")")
+    defaults = {s: {f.name: f for f in dataclasses.fields(cls)} for s, cls in SECTIONS.items()}
+    for section, key, typ in iter_fields():
+        group_title = f"[{section}]"
+        groups = {g.title: g for g in run._action_groups}
+        group = groups.get(group_title) or run.add_argument_group(group_title)
+        f = defaults[section][key]
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        help_text = f"{_field_help(section, key)} (env {env_name(section, key)}; default {default!r})"
+        dest = f"{section}__{key}"
+        if typ is bool:
+            group.add_argument(flag_name(section, key), dest=dest, action=argparse.BooleanOptionalAction,
+                               default=None, help=help_text)
+        elif typ == list[str]:
+            group.add_argument(flag_name(section, key), dest=dest, action="extend", nargs="+", default=None,
+                               metavar="VALUE", help=help_text)
+        else:
+            group.add_argument(flag_name(section, key), dest=dest, type=str, default=None,
+                               metavar=getattr(typ, "__name__", "VALUE").upper(), help=help_text)
+    return parser
+
+
+def parse_overrides(ns: argparse.Namespace) -> dict[tuple[str, str], object]:
+    from peer.config import parse_scalar
+
+    out = {}
+    types = {(s, k): t for s, k, t in iter_fields()}
+    for dest, value in vars(ns).items():
+        if "__" not in dest or value is None:
+            continue
+        section, key = dest.split("__", 1)
+        typ = types[(section, key)]
+        if typ in (int, float):
+            value = parse_scalar(section, key, typ, value)
+        elif typ == list[str]:
+            value = [item for v in value for item in v.replace(",", " ").split()]
+        out[(section, key)] = value
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        cfg = build_config(ns.config, parse_overrides(ns))
+    except ConfigError as e:
+        print(f"swarm-peer: error: {e}", file=sys.stderr)
+        return 2
+    if ns.command == "run":
+        from peer.train import Trainer  # heavy imports only when we really run
+
+        try:
+            return Trainer(cfg).run()
+        except (ValueError, FileNotFoundError) as e:  # bad data/model settings found while building
+            print(f"swarm-peer: error: {e}", file=sys.stderr)
+            return 2
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,363 @@
+"""Typed, validated configuration of a peer: TOML file + environment + command-line flags.
+
+Precedence (lowest first): dataclass defaults < ``--config`` TOML < ``SWARM_*`` env vars < flags.
+Every field of every section has exactly one flag and one env-var twin:
+
+- sections ``run`` and ``swarm`` use bare names: ``swarm.initial_peers`` -> ``--initial-peers``,
+  ``SWARM_INITIAL_PEERS``;
+- the other sections are prefixed: ``outer.lr`` -> ``--outer-lr``, ``SWARM_OUTER_LR``.
+
+List values are repeatable flags, or space/comma-separated in env vars. Any invalid value or unknown
+key raises :class:`ConfigError` with one line naming the key and what is allowed; the CLI turns it
+into exit status 2.
+
+The *run hash* (:meth:`PeerConfig.run_hash`) covers every setting that changes the shared
+computation (model, outer optimizer, schedule, codec, inner hyper-parameters, vocabulary, run id);
+it is part of every DHT key and matchmaking key, so peers with different run configs never group.
+Local choices (network addresses, run dir, device, batch size, data files) are not in it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration problem, reported to the user as one line (exit status 2)."""
+
+
+def _check(cond: bool, key: str, allowed: str, value: Any) -> None:
+    if not cond:
+        raise ConfigError(f"{key}: must be {allowed} (got {value!r})")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    preset: str = "tiny"
+    """Built-in shape: tiny, small, 35M, 100M, 200M, 300M, 500M, 1B (see peer/model.py)."""
+    factory: str = ""
+    """Optional user model as ``module:factory`` returning ``(model, blocks)``; overrides preset."""
+    seq_len: int = 128
+    """Tokens per training sequence."""
+    init_seed: int = 0
+    """Seed of the initial weights; every peer of a run starts from the same ``theta_0``."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.preset), "model.preset", "a preset name", self.preset)
+        _check(self.factory == "" or ":" in self.factory, "model.factory", "'module:callable'", self.factory)
+        _check(self.seq_len >= 2, "model.seq_len", ">= 2", self.seq_len)
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    source: str = "synthetic"
+    """synthetic (seeded Markov corpus, known entropy floor), text (byte-level files), bin (uint16 shards)."""
+    paths: list[str] = field(default_factory=list)
+    """Input files for text/bin sources."""
+    vocab_size: int = 256
+    """Vocabulary size (256 for byte-level text)."""
+    batch_size: int = 8
+    """Sequences per inner step on this peer (peers may differ: contributions are weighted by tokens)."""
+    seed: int = 1234
+    """Seed of the synthetic corpus (the same for every peer of a run: they learn one distribution)."""
+    shard: int = -1
+    """This peer's data shard; -1 derives it from the peer id, so every peer reads its own stream."""
+
+    def __post_init__(self) -> None:
+        _check(self.source in ("synthetic", "text", "bin"), "data.source", "one of synthetic, text, bin", self.source)
+        _check(self.source == "synthetic" or bool(self.paths), "data.paths", "non-empty for text/bin", self.paths)
+        _check(2 <= self.vocab_size <= 1 << 20, "data.vocab_size", "in [2, 1048576]", self.vocab_size)
+        _check(self.batch_size >= 1, "data.batch_size", ">= 1", self.batch_size)
+        _check(self.shard >= -1, "data.shard", ">= -1", self.shard)
+
+
+@dataclass(kw_only=True)
+class InnerConfig:
+    lr: float = 3e-3
+    """Peak AdamW learning rate."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    warmup_steps: int = 50
+    """Linear warm-up steps."""
+    total_steps: int = 5000
+    """Step at which the cosine schedule reaches lr * min_lr_ratio."""
+    min_lr_ratio: float = 0.1
+    """Final LR as a fraction of the peak."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+    z_loss: float = 1e-4
+    """z-loss coefficient (Chinchilla / Streaming DiLoCo)."""
+    device: str = "auto"
+    """auto (cuda if available), cpu, cuda, cuda:N."""
+    threads: int = 0
+    """torch intra-op CPU threads (0 keeps torch's default)."""
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, "inner.lr", "> 0", self.lr)
+        _check(self.weight_decay >= 0, "inner.weight_decay", ">= 0", self.weight_decay)
+        _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "inner.beta1/beta2", "in [0, 1)", (self.beta1, self.beta2))
+        _check(self.warmup_steps >= 0, "inner.warmup_steps", ">= 0", self.warmup_steps)
+        _check(self.total_steps >= 1, "inner.total_steps", ">= 1", self.total_steps)
+        _check(0 <= self.min_lr_ratio <= 1, "inner.min_lr_ratio", "in [0, 1]", self.min_lr_ratio)
+        _check(self.grad_clip >= 0, "inner.grad_clip", ">= 0", self.grad_clip)
+        _check(self.z_loss >= 0, "inner.z_loss", ">= 0", self.z_loss)
+        ok = self.device in ("auto", "cpu", "cuda") or (self.device.startswith("cuda:") and self.device[5:].isdigit())
+        _check(ok, "inner.device", "auto, cpu, cuda or cuda:N", self.device)
+        _check(self.threads >= 0, "inner.threads", ">= 0", self.threads)
+
+
+@dataclass(kw_only=True)
+class OuterConfig:
+    lr: float = 0.7
+    """Outer Nesterov learning rate (DiLoCo: 0.7)."""
+    momentum: float = 0.9
+    """Outer Nesterov momentum (DiLoCo: 0.9)."""
+    sync_every: int = 100
+    """H: inner steps between two syncs of the same fragment."""
+    schedule: str = "steps"
+    """When rounds happen: ``steps`` (lockstep on each peer's step counter, paper schedule)."""
+    codec: str = "fp32"
+    """Wire codec of outer gradients: fp32."""
+    alpha: float = 0.0
+    """Merge factor: theta <- alpha*theta + (1-alpha)*G after a round (0 = take the synced value)."""
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, "outer.lr", "> 0", self.lr)
+        _check(0 <= self.momentum < 1, "outer.momentum", "in [0, 1)", self.momentum)
+        _check(self.sync_every >= 1, "outer.sync_every", ">= 1", self.sync_every)
+        _check(self.schedule == "steps", "outer.schedule", "steps", self.schedule)
+        _check(self.codec == "fp32", "outer.codec", "fp32", self.codec)
+        _check(0 <= self.alpha <= 1, "outer.alpha", "in [0, 1]", self.alpha)
+
+
+@dataclass(kw_only=True)
+class SwarmConfig:
+    run_id: str = "swarmloco"
+    """Name of the training run; part of every DHT key."""
+    initial_peers: list[str] = field(default_factory=list)
+    """Multiaddrs of bootstrap nodes or peers (from swarm-bootstrap's paste line)."""
+    new_swarm: bool = False
+    """Start a new swarm without initial peers (otherwise empty initial_peers is an error)."""
+    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
+    """Multiaddrs to listen on."""
+    announce_maddrs: list[str] = field(default_factory=list)
+    """Multiaddrs other peers should dial (public address behind port forwarding)."""
+    identity_path: str = ""
+    """libp2p private key file (created if missing; stable peer id). Default: RUN_DIR/identity.key."""
+    client_mode: bool = False
+    """Outbound connections only (behind NAT): the peer contributes but reduces no span."""
+    nat_port_map: bool = False
+    """Opt-in UPnP/NAT-PMP port mapping on the local gateway."""
+    min_peers: int = 1
+    """Wait at start until this many peers of the run are visible (bounded by start_timeout)."""
+    start_timeout: float = 120.0
+    """Seconds to wait for min_peers before training anyway."""
+    min_group_size: int = 2
+    """Smallest group that averages; a peer alone skips the round (its progress is kept)."""
+    matchmaking_time: float = 15.0
+    """Seconds a group leader waits for stragglers; the group forms at once when every live peer joined."""
+    matchmaking_timeout: float = 30.0
+    """Seconds to find a group for a round before the round counts as missed."""
+    request_timeout: float = 3.0
+    """Seconds to wait for one matchmaking request to a potential leader."""
+    allreduce_timeout: float = 60.0
+    """Seconds a member waits for all averaged spans after its group formed."""
+    part_timeout: float = 30.0
+    """Seconds a reducer waits for members' parts before averaging what it has (< allreduce_timeout)."""
+    chunk_bytes: int = 1 << 20
+    """Target payload bytes of one streamed all-reduce message."""
+    progress_period: float = 5.0
+    """Seconds between progress records published to the DHT."""
+    progress_ttl: float = 30.0
+    """Lifetime of a progress record: a peer silent this long no longer counts as live."""
+    startup_timeout: float = 30.0
+    """Seconds for the local DHT/p2p daemon to start."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.run_id) and "." not in self.run_id and " " not in self.run_id, "swarm.run_id",
+               "a non-empty name without '.' or spaces", self.run_id)
+        for key in ("start_timeout", "matchmaking_time", "matchmaking_timeout", "request_timeout",
+                    "allreduce_timeout", "part_timeout", "progress_period", "progress_ttl", "startup_timeout"):
+            _check(getattr(self, key) > 0, f"swarm.{key}", "> 0 seconds", getattr(self, key))
+        _check(self.min_peers >= 1, "swarm.min_peers", ">= 1", self.min_peers)
+        _check(self.min_group_size >= 1, "swarm.min_group_size", ">= 1", self.min_group_size)
+        _check(self.part_timeout < self.allreduce_timeout, "swarm.part_timeout", "< swarm.allreduce_timeout",
+               self.part_timeout)
+        _check(self.request_timeout < self.matchmaking_time, "swarm.request_timeout", "< swarm.matchmaking_time "
+               "(hivemind's matchmaking can deadlock otherwise)", self.request_timeout)
+        _check(self.matchmaking_time < self.matchmaking_timeout, "swarm.matchmaking_time",
+               "< swarm.matchmaking_timeout", self.matchmaking_time)
+        _check(self.progress_ttl > self.progress_period, "swarm.progress_ttl", "> swarm.progress_period",
+               self.progress_ttl)
+        _check(4096 <= self.chunk_bytes <= 1 << 24, "swarm.chunk_bytes", "in [4096, 16777216]", self.chunk_bytes)
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    run_dir: str = "runs/peer"
+    """Directory for identity, logs and (later) checkpoints."""
+    max_steps: int = 0
+    """Stop cleanly after this many inner steps (0 = run until stopped)."""
+    log_json: str = ""
+    """Path of a JSON-lines event log (step and round events); empty disables."""
+    log_every: int = 10
+    """Inner steps between two step events / log lines."""
+    status_interval: float = 2.0
+    """Seconds between console status lines (0 disables)."""
+    log_level: str = "INFO"
+    """Python log level of the console log."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.run_dir), "run.run_dir", "a directory path", self.run_dir)
+        _check(self.max_steps >= 0, "run.max_steps", ">= 0", self.max_steps)
+        _check(self.log_every >= 1, "run.log_every", ">= 1", self.log_every)
+        _check(self.status_interval >= 0, "run.status_interval", ">= 0", self.status_interval)
+        _check(self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "run.log_level",
+               "DEBUG, INFO, WARNING or ERROR", self.log_level)
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig, "data": DataConfig, "inner": InnerConfig, "outer": OuterConfig,
+    "swarm": SwarmConfig, "run": RunConfig,
+}
+BARE_SECTIONS = ("run", "swarm")  # their flags carry no section prefix
+# Fields that do not change the shared computation (see module docstring).
+LOCAL_KEYS = {"swarm": {"initial_peers", "new_swarm", "host_maddrs", "announce_maddrs", "identity_path",
+                        "client_mode", "nat_port_map", "min_peers", "start_timeout", "startup_timeout"},
+              "data": {"source", "paths", "batch_size", "shard"}, "inner": {"device", "threads"},
+              "run": {"run_dir", "max_steps", "log_json", "log_every", "status_interval", "log_level"}}
+
+
+@dataclass(kw_only=True)
+class PeerConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    inner: InnerConfig = field(default_factory=InnerConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    swarm: SwarmConfig = field(default_factory=SwarmConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def run_hash(self) -> str:
+        """Hex digest (16 chars) of every setting that must agree across the peers of one run."""
+        shared = {sec: {k: v for k, v in vals.items() if k not in LOCAL_KEYS.get(sec, ())}
+                  for sec, vals in self.to_dict().items()}
+        blob = json.dumps(shared, sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    @property
+    def identity_path(self) -> Path:
+        return Path(self.swarm.identity_path or Path(self.run.run_dir) / "identity.key")
+
+
+def flag_name(section: str, key: str) -> str:
+    """``--initial-peers`` for swarm.initial_peers, ``--outer-lr`` for outer.lr."""
+    name = key if section in BARE_SECTIONS else f"{section}_{key}"
+    return "--" + name.replace("_", "-")
+
+
+def env_name(section: str, key: str) -> str:
+    return "SWARM_" + flag_name(section, key)[2:].replace("-", "_").upper()
+
+
+def iter_fields():
+    """Yields (section, field_name, python_type) for every config field."""
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            yield section, f.name, hints[f.name]
+
+
+def parse_scalar(section: str, key: str, typ: Any, raw: str) -> Any:
+    """Converts a string from a flag or env var to the field's type (ConfigError names the key)."""
+    where = f"{section}.{key}"
+    try:
+        if typ is bool:
+            low = raw.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off", ""):
+                return False
+            raise ValueError
+        if typ is int:
+            return int(raw)
+        if typ is float:
+            return float(raw)
+        if typ == list[str]:
+            return [item for item in raw.replace(",", " ").split() if item]
+        return raw
+    except ValueError:
+        raise ConfigError(f"{where}: expected {getattr(typ, '__name__', typ)} (got {raw!r})") from None
+
+
+def _coerce_toml(section: str, key: str, typ: Any, value: Any, source: str) -> Any:
+    where = f"{section}.{key}"
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typ == list[str]:
+        if isinstance(value, str):
+            return [value]
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return value
+        raise ConfigError(f"{where} in {source}: expected a list of strings (got {value!r})")
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise ConfigError(f"{where} in {source}: expected {typ.__name__} (got {value!r})")
+    return value
+
+
+def load_toml(path: str | Path) -> dict[str, dict[str, Any]]:
+    """Reads a config file into {section: {key: value}}; unknown sections/keys are errors."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"--config: file not found: {path}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config: {path} is not valid TOML: {e}") from None
+    types = {(s, k): t for s, k, t in iter_fields()}
+    out: dict[str, dict[str, Any]] = {}
+    for section, table in data.items():
+        if section not in SECTIONS or not isinstance(table, dict):
+            raise ConfigError(f"unknown section [{section}] in {path}; allowed: {', '.join(SECTIONS)}")
+        for key, value in table.items():
+            if (section, key) not in types:
+                allowed = ", ".join(f.name for f in dataclasses.fields(SECTIONS[section]))
+                raise ConfigError(f"unknown key '{section}.{key}' in {path}; allowed in [{section}]: {allowed}")
+            out.setdefault(section, {})[key] = _coerce_toml(section, key, types[(section, key)], value, str(path))
+    return out
+
+
+def build_config(toml_path: str | None, overrides: dict[tuple[str, str], Any],
+                 environ: dict[str, str] | None = None) -> PeerConfig:
+    """Merges defaults < TOML < env < ``overrides`` (parsed flags, keyed by (section, key)) and validates."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, dict[str, Any]] = load_toml(toml_path) if toml_path else {}
+    for section, key, typ in iter_fields():
+        env = env_name(section, key)
+        if env in environ:
+            values.setdefault(section, {})[key] = parse_scalar(section, key, typ, environ[env])
+    for (section, key), value in overrides.items():
+        values.setdefault(section, {})[key] = value
+    try:
+        sections = {name: cls(**values.get(name, {})) for name, cls in SECTIONS.items()}
+    except TypeError as e:  # a programming error in overrides, not user input
+        raise ConfigError(str(e)) from None
+    cfg = PeerConfig(**sections)
+    if not cfg.swarm.initial_peers and not cfg.swarm.new_swarm:
+        raise ConfigError("--initial-peers is empty: pass the multiaddr printed by swarm-bootstrap "
+                          "(is the variable you used unset?), or --new-swarm to start a new swarm")
+    return cfg

@@ -1,0 +1,73 @@
+"""Group formation for one round of one fragment, on top of hivemind's leader-based Matchmaking.
+
+Each round gets its own matchmaking prefix ``{run_key}_f{fragment}_r{round}``: peers only meet
+peers of the same run (the run hash covers model, codec, outer settings), fragment and round.
+hivemind's Matchmaking handles leader election, join requests and group assembly; we register its
+``rpc_join_group`` handler under the round's namespace for the round's duration only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import AsyncIterator, Optional
+
+from dataclasses import dataclass
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.matchmaking import Matchmaking
+from hivemind.dht import DHT
+from hivemind.p2p import P2P, P2PContext, ServicerBase
+from hivemind.proto import averaging_pb2
+from hivemind.utils import get_dht_time
+
+
+class JoinServicer(ServicerBase):
+    """Forwards join requests of one round to that round's Matchmaking instance."""
+
+    def __init__(self, matchmaking: Matchmaking):
+        self.matchmaking = matchmaking
+
+    async def rpc_join_group(self, request: averaging_pb2.JoinRequest,
+                             context: P2PContext) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        async for message in self.matchmaking.rpc_join_group(request, context):
+            yield message
+
+
+@dataclass
+class RoundStep:
+    """The part of hivemind's StepControl that Matchmaking reads. (StepControl itself expects an
+    averager process to attach trigger futures, and complains when garbage-collected without.)"""
+
+    scheduled_time: float
+    deadline: float
+    data_for_gather: bytes
+
+    def get_timeout(self) -> float:
+        return max(0.0, self.deadline - get_dht_time())
+
+
+def round_prefix(run_key: str, fragment: int, round_: int) -> str:
+    return f"{run_key}_f{fragment}_r{round_}"
+
+
+async def form_group(p2p: P2P, dht: DHT, *, prefix: str, gather: bytes, target_group_size: int,
+                     min_group_size: int, min_matchmaking_time: float, request_timeout: float,
+                     client_mode: bool, timeout: float) -> Optional[GroupInfo]:
+    """Finds a group for the round named by ``prefix``; None if none formed within ``timeout`` s.
+
+    ``gather`` (this peer's serialized MemberInfo) reaches every member of the group. The group
+    assembles as soon as ``target_group_size`` peers joined, or after ``min_matchmaking_time`` with
+    at least ``min_group_size``. Must run in the event loop that owns ``p2p``.
+    """
+    schema_hash = hashlib.sha256(prefix.encode()).digest()
+    mm = Matchmaking(p2p, schema_hash, dht, servicer_type=JoinServicer, prefix=prefix,
+                     target_group_size=max(target_group_size, min_group_size), min_group_size=min_group_size,
+                     min_matchmaking_time=min_matchmaking_time, request_timeout=request_timeout,
+                     client_mode=client_mode)
+    servicer = JoinServicer(mm)
+    await servicer.add_p2p_handlers(p2p, namespace=prefix)
+    try:
+        now = get_dht_time()
+        step = RoundStep(scheduled_time=now + min_matchmaking_time, deadline=now + timeout, data_for_gather=gather)
+        return await mm.look_for_group(step)
+    finally:
+        await servicer.remove_p2p_handlers(p2p, namespace=prefix)

@@ -1,0 +1,174 @@
+"""This peer's networking: the DHT process, one asyncio event-loop thread, RPC servicers, rounds.
+
+:class:`Swarm` is the owner of every background task of the networking layer: :meth:`Swarm.start`
+starts the DHT (a forked process, so it must be created before CUDA is initialized) and the
+``swarm-net`` thread that runs our P2P replica, the all-reduce servicer and every round;
+:meth:`Swarm.shutdown` stops all of them. The training loop talks to it only through blocking or
+future-returning methods; no torch state is shared except the tensors handed to :meth:`run_round`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from hivemind.p2p import P2P
+from hivemind.utils import get_dht_time
+
+from peer.allreduce import PROTOCOL_VERSION, AllReduceServicer, GroupError, GroupPlan, Traffic, run_allreduce
+from peer.codec import codec_key, get_codec
+from peer.config import SwarmConfig
+from peer.dht_node import create_dht
+from peer.matchmaking import form_group, round_prefix
+from peer.outer import Span
+from peer.progress import ProgressRecord, make_validators, parse_records, progress_key
+from peer.proto import allreduce_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RoundOutcome:
+    """What one round produced for this peer. ``spans`` is empty unless ``status`` is ok/partial."""
+
+    fragment: int
+    round: int
+    status: str  # "ok" (all spans), "partial" (some spans missing), "no_group", "failed"
+    group_size: int = 0
+    spans: list[Span] = field(default_factory=list)
+    contributors: list[list[int]] = field(default_factory=list)
+    traffic: Traffic = field(default_factory=Traffic)
+    seconds: float = 0.0
+    error: str = ""
+
+
+class Swarm:
+    """Owns the DHT, the ``swarm-net`` event loop thread, the P2P replica and the servicers.
+
+    Must be started before CUDA is initialized (the DHT forks). Every method except :meth:`start`
+    must be called after :meth:`start` and before :meth:`shutdown`.
+    """
+
+    def __init__(self, cfg: SwarmConfig, *, run_key: str, codec: str, identity_path: str):
+        self.cfg = cfg
+        self.run_key = f"{cfg.run_id}_{run_key}_{codec_key(codec)}"
+        self.codec = get_codec(codec)
+        self.identity_path = identity_path
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="swarm-net", daemon=True)
+        self.dht = None
+        self.p2p: Optional[P2P] = None
+        self.servicer: Optional[AllReduceServicer] = None
+        self._subkey = b""
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        validators, self._subkey = make_validators(self.run_key)
+        self.dht = create_dht(initial_peers=self.cfg.initial_peers, host_maddrs=self.cfg.host_maddrs,
+                              announce_maddrs=self.cfg.announce_maddrs, identity_path=self.identity_path,
+                              client_mode=self.cfg.client_mode, nat_port_map=self.cfg.nat_port_map,
+                              record_validators=validators, startup_timeout=self.cfg.startup_timeout)
+        self._thread.start()
+        self.p2p = self._call(self.dht.replicate_p2p(), self.cfg.startup_timeout)
+        self.servicer = AllReduceServicer(registration_timeout=self.cfg.request_timeout)
+        if not self.cfg.client_mode:
+            self._call(self.servicer.add_p2p_handlers(self.p2p), self.cfg.startup_timeout)
+
+    def shutdown(self) -> None:
+        """Withdraws our progress record, stops the event loop thread and the DHT. Idempotent."""
+        if self.dht is not None and self._thread.is_alive():
+            try:
+                self._call(self.dht.store(progress_key(self.run_key), None, get_dht_time() + self.cfg.progress_ttl,
+                                          subkey=self._subkey, return_future=True), self.cfg.request_timeout)
+            except Exception as e:  # leaving is best effort: the record expires on its own
+                log.debug("could not withdraw progress record: %s", e)
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._cancel_all_and_stop)
+            self._thread.join(timeout=10)
+        if self.dht is not None:
+            self.dht.shutdown()
+            self.dht = None
+
+    def _cancel_all_and_stop(self) -> None:
+        for task in asyncio.all_tasks(self._loop):
+            task.cancel()
+        self._loop.call_soon(self._loop.stop)
+
+    def _call(self, coro, timeout: float):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    @property
+    def peer_id(self) -> str:
+        return str(self.dht.peer_id)
+
+    def visible_maddrs(self) -> list[str]:
+        return [str(m) for m in self.dht.get_visible_maddrs()]
+
+    # ---- progress records ------------------------------------------------------------------
+    def publish_progress(self, step: int, round_: int, tokens_per_second: float) -> None:
+        """Stores our signed progress record (in the background; failures are logged at debug)."""
+        rec = ProgressRecord(peer_id=self.peer_id, step=step, round=round_, tokens_per_second=float(tokens_per_second),
+                             client_mode=self.cfg.client_mode, time=get_dht_time())
+        fut = self.dht.store(progress_key(self.run_key), rec.model_dump(), get_dht_time() + self.cfg.progress_ttl,
+                             subkey=self._subkey, return_future=True)
+        fut.add_done_callback(lambda f: f.exception() and log.debug("progress store failed: %s", f.exception()))
+
+    def live_peers(self, timeout: Optional[float] = None) -> dict[str, ProgressRecord]:
+        """Progress records of the peers of this run that published within ``progress_ttl``."""
+        found = self.dht.get(progress_key(self.run_key), latest=True, return_future=True)
+        return parse_records(found.result(timeout or self.cfg.request_timeout * 3), get_dht_time())
+
+    # ---- rounds ----------------------------------------------------------------------------
+    def run_round(self, *, fragment: int, round_: int, delta: torch.Tensor, weight: float, inner_step: int,
+                  target_group_size: int) -> "concurrent.futures.Future[RoundOutcome]":
+        """Starts round ``round_`` of ``fragment`` in the background; the future never raises.
+
+        ``delta`` (fp32 CPU, the outer gradient) must not be modified until the future is done.
+        The future completes within matchmaking_timeout + allreduce_timeout seconds.
+        """
+        coro = self._round(fragment, round_, delta, weight, inner_step, target_group_size)
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    async def _round(self, fragment: int, round_: int, delta: torch.Tensor, weight: float, inner_step: int,
+                     target_group_size: int) -> RoundOutcome:
+        t0 = time.monotonic()
+        label = f"peer {self.peer_id[-8:]} fragment {fragment} round {round_}"
+        out = RoundOutcome(fragment, round_, "failed")
+        log.info("%s: looking for a group (weight %.0f, target %d)", label, weight, target_group_size)
+        try:
+            info = pb.MemberInfo(protocol_version=PROTOCOL_VERSION, weight=weight, inner_step=inner_step,
+                                 client_mode=self.cfg.client_mode, numel=delta.numel())
+            group = await form_group(
+                self.p2p, self.dht, prefix=round_prefix(self.run_key, fragment, round_),
+                gather=info.SerializeToString(), target_group_size=target_group_size,
+                min_group_size=self.cfg.min_group_size, min_matchmaking_time=self.cfg.matchmaking_time,
+                request_timeout=self.cfg.request_timeout, client_mode=self.cfg.client_mode,
+                timeout=self.cfg.matchmaking_timeout)
+            if group is None:
+                out.status, out.error = "no_group", "no group formed within matchmaking_timeout"
+                return out
+            out.group_size = len(group.peer_ids)
+            log.info("%s: group of %d assembled, all-reduce starting", label, out.group_size)
+            plan = GroupPlan.from_group(group, self.p2p.peer_id, self.codec, delta.numel(), label)
+            result = await run_allreduce(self.p2p, self.servicer, plan, delta, weight,
+                                         part_timeout=self.cfg.part_timeout,
+                                         allreduce_timeout=self.cfg.allreduce_timeout,
+                                         chunk_bytes=self.cfg.chunk_bytes)
+            out.spans, out.contributors, out.traffic = result.spans, result.contributors, result.traffic
+            out.status = "ok" if result.complete else "partial"
+            return out
+        except GroupError as e:
+            out.error = f"group rejected: {e}"
+            return out
+        except Exception as e:  # never let a round crash the trainer
+            log.exception("%s failed", label)
+            out.error = f"{type(e).__name__}: {e}"
+            return out
+        finally:
+            out.seconds = time.monotonic() - t0

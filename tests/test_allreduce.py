@@ -1,0 +1,129 @@
+"""Our butterfly all-reduce on real hivemind P2P daemons (loopback), in one process.
+
+Covers the semantics the swarm relies on: every member gets bit-identical, token-weighted averages;
+a reducer that never shows up leaves its span missing (None) on every survivor instead of a
+silently partial result; malformed metadata rejects the group.
+"""
+
+import asyncio
+
+import pytest
+import torch
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.p2p import P2P
+
+from peer.allreduce import (PROTOCOL_VERSION, AllReduceServicer, GroupError, GroupPlan, member_spans,
+                            run_allreduce)
+from peer.codec import get_codec
+from peer.proto import allreduce_pb2 as pb
+
+NUMEL = 1000
+
+
+def test_member_spans_cover_exactly_and_skip_client_mode():
+    spans = member_spans(1000, [False, True, False, False], align=64)
+    assert spans[1] == (0, 0)
+    covered = sorted(s for s in spans if s[1] > s[0])
+    assert covered[0][0] == 0 and covered[-1][1] == 1000
+    assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
+    assert all(start % 64 == 0 for start, _ in covered)
+    with pytest.raises(GroupError):
+        member_spans(10, [True, True], align=1)
+
+
+def _group(peer_ids, weights, numel=NUMEL):
+    gathered = tuple(pb.MemberInfo(protocol_version=PROTOCOL_VERSION, weight=w, numel=numel).SerializeToString()
+                     for w in weights)
+    return GroupInfo(b"g" * 20, tuple(peer_ids), gathered)
+
+
+def test_group_plan_rejects_inconsistent_members():
+    codec = get_codec("fp32")
+    ids = ["a", "b"]
+    with pytest.raises(GroupError, match="numel"):
+        GroupPlan.from_group(_group(ids, [1.0, 1.0], numel=5), "a", codec, NUMEL, "t")
+    with pytest.raises(GroupError, match="weight"):
+        GroupPlan.from_group(_group(ids, [1.0, float("nan")]), "a", codec, NUMEL, "t")
+    bad = GroupInfo(b"g", ("a", "b"), (b"\xff\xff\xff", b""))
+    with pytest.raises(GroupError):
+        GroupPlan.from_group(bad, "a", codec, NUMEL, "t")
+
+
+async def _make_p2ps(n):
+    p2ps = [await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False)]
+    for _ in range(n - 1):
+        p2ps.append(await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False,
+                                     initial_peers=await p2ps[0].get_visible_maddrs()))
+    for a in p2ps:  # full mesh, as the DHT would provide
+        for b in p2ps:
+            if a is not b:
+                addrs = [m.decapsulate("/p2p/" + str(b.peer_id)) for m in await b.get_visible_maddrs()]
+                await a._client.connect(b.peer_id, addrs)
+    return p2ps
+
+
+async def _run(n_members, alive, weights, deltas, part_timeout=1.0, allreduce_timeout=4.0):
+    p2ps = await _make_p2ps(n_members)
+    try:
+        ids = [p.peer_id for p in p2ps]
+        group = _group(ids, weights)
+        servicers = []
+        for i, p in enumerate(p2ps):
+            s = AllReduceServicer(registration_timeout=1.0)
+            if i in alive:  # a dead member registers no handler and sends nothing
+                await s.add_p2p_handlers(p)
+            servicers.append(s)
+        plans = [GroupPlan.from_group(group, ids[i], get_codec("fp32"), NUMEL, f"member {i}") for i in range(n_members)]
+        results = await asyncio.gather(*[
+            run_allreduce(p2ps[i], servicers[i], plans[i], deltas[i], weights[i], part_timeout=part_timeout,
+                          allreduce_timeout=allreduce_timeout, chunk_bytes=4096)
+            for i in alive])
+        return dict(zip(alive, results)), plans[0].spans
+    finally:
+        for p in p2ps:
+            await p.shutdown()
+
+
+def _arun(coro):
+    # p2pd subprocess transports are closed at shutdown; keep the loop open until they are collected
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        import gc
+
+        gc.collect()
+        loop.close()
+
+
+def test_all_members_get_identical_weighted_average():
+    torch.manual_seed(0)
+    deltas = [torch.randn(NUMEL) for _ in range(3)]
+    weights = [1.0, 2.0, 5.0]
+    results, spans = _arun(_run(3, [0, 1, 2], weights, deltas))
+    expected = sum(w * d for w, d in zip(weights, deltas)) / sum(weights)
+    for res in results.values():
+        assert res.complete
+        got = torch.cat([s.average for s in res.spans])
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+        assert res.contributors == [[0, 1, 2]] * 3
+        assert res.traffic.sent > 0 and res.traffic.received > 0
+    a, b, c = (torch.cat([s.average for s in results[i].spans]) for i in range(3))
+    assert torch.equal(a, b) and torch.equal(b, c)  # bit-identical, not just close
+
+
+def test_dead_reducer_span_is_missing_on_every_survivor():
+    torch.manual_seed(1)
+    deltas = [torch.randn(NUMEL) for _ in range(3)]
+    weights = [1.0, 1.0, 1.0]
+    results, spans = _arun(_run(3, [0, 1], weights, deltas))
+    expected_live = (deltas[0] + deltas[1]) / 2  # the dead member's part never arrived
+    for i, res in results.items():
+        assert not res.complete
+        assert res.spans[2].average is None  # its own span: missing, not applied
+        for j in (0, 1):
+            s = res.spans[j]
+            torch.testing.assert_close(s.average, expected_live[s.start:s.end])
+            assert res.contributors[j] == [0, 1]
+    for j in (0, 1):
+        assert torch.equal(results[0].spans[j].average, results[1].spans[j].average)

@@ -1,0 +1,85 @@
+"""Config: precedence, validation, unknown keys, run hash, and the CLI's exit status 2."""
+
+import subprocess
+import sys
+
+import pytest
+
+from peer.config import ConfigError, build_config
+from peer.cli import main
+
+NEW = {("swarm", "new_swarm"): True}
+
+
+def test_defaults_and_precedence(tmp_path):
+    toml = tmp_path / "c.toml"
+    toml.write_text('[outer]\nlr = 0.5\nsync_every = 7\n[swarm]\ninitial_peers = ["/ip4/127.0.0.1/tcp/1/p2p/QmX"]\n')
+    cfg = build_config(str(toml), {}, environ={"SWARM_OUTER_LR": "0.6"})
+    assert cfg.outer.sync_every == 7 and cfg.outer.lr == 0.6  # env beats TOML
+    cfg = build_config(str(toml), {("outer", "lr"): 0.9}, environ={"SWARM_OUTER_LR": "0.6"})
+    assert cfg.outer.lr == 0.9  # flag beats env
+    assert cfg.swarm.initial_peers == ["/ip4/127.0.0.1/tcp/1/p2p/QmX"]
+
+
+def test_env_list_and_bool():
+    cfg = build_config(None, {}, environ={"SWARM_INITIAL_PEERS": "/ip4/a, /ip4/b", "SWARM_CLIENT_MODE": "yes"})
+    assert cfg.swarm.initial_peers == ["/ip4/a", "/ip4/b"] and cfg.swarm.client_mode is True
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("[outer]\nlr = -1.0\n", "outer.lr: must be > 0"),
+    ("[outer]\nbogus = 1\n", "unknown key 'outer.bogus'"),
+    ("[nosuch]\nx = 1\n", "unknown section [nosuch]"),
+    ("[model]\nseq_len = 'long'\n", "model.seq_len"),
+    ("[swarm]\npart_timeout = 90.0\n", "swarm.part_timeout: must be < swarm.allreduce_timeout"),
+    ("not toml [", "is not valid TOML"),
+])
+def test_bad_files_name_the_key(tmp_path, text, needle):
+    toml = tmp_path / "c.toml"
+    toml.write_text(text)
+    with pytest.raises(ConfigError, match=None) as err:
+        build_config(str(toml), NEW, environ={})
+    assert needle in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_missing_initial_peers_is_an_error():
+    with pytest.raises(ConfigError, match="--initial-peers is empty"):
+        build_config(None, {}, environ={})
+    assert build_config(None, NEW, environ={}).swarm.new_swarm
+
+
+def test_run_hash_covers_shared_settings_only():
+    base = build_config(None, NEW, environ={})
+    local = build_config(None, {**NEW, ("run", "run_dir"): "/elsewhere", ("data", "batch_size"): 3,
+                                ("swarm", "host_maddrs"): ["/ip4/127.0.0.1/tcp/5"]}, environ={})
+    shared = build_config(None, {**NEW, ("outer", "lr"): 0.4}, environ={})
+    assert base.run_hash() == local.run_hash()
+    assert base.run_hash() != shared.run_hash()
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["run", "--new-swarm", "--outer-lr", "abc"], "outer.lr: expected float"),
+    (["run", "--new-swarm", "--outer-momentum", "1.5"], "outer.momentum: must be in [0, 1)"),
+    (["run"], "--initial-peers is empty"),
+])
+def test_cli_exits_2_with_one_line(capsys, argv, needle):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1 and err.startswith("swarm-peer: error:")
+
+
+def test_cli_unknown_key_in_config_file_subprocess(tmp_path):
+    toml = tmp_path / "c.toml"
+    toml.write_text("[inner]\nlearning_rate = 1.0\n")
+    proc = subprocess.run([sys.executable, "-m", "peer", "run", "--config", str(toml), "--new-swarm"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "unknown key 'inner.learning_rate'" in proc.stderr
+    assert "allowed in [inner]: lr," in proc.stderr
+
+
+def test_cli_help_works():
+    proc = subprocess.run([sys.executable, "-m", "peer", "run", "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0
+    assert "--initial-peers" in proc.stdout and "SWARM_INITIAL_PEERS" in proc.stdout

@@ -1,0 +1,70 @@
+"""The outer step against DiLoCo Algorithm 1 computed by hand on small tensors."""
+
+import torch
+
+from peer.outer import FragmentState, NesterovSGD, Span, apply_round
+
+
+def diloco_by_hand(theta0, worker_thetas, weights, lr, mu, v0):
+    """DiLoCo Alg. 1 lines 9-11 written out: Delta = mean_i(theta0 - theta_i); Nesterov SGD."""
+    total = sum(weights)
+    delta = sum(w * (theta0 - th) for w, th in zip(weights, worker_thetas)) / total
+    v = mu * v0 + delta
+    return theta0 - lr * (delta + mu * v), v
+
+
+def test_outer_step_equals_algorithm_1_by_hand():
+    torch.manual_seed(0)
+    theta0 = torch.randn(10)
+    opt = NesterovSGD(lr=0.7, momentum=0.9)
+    st = FragmentState.from_params(theta0)
+    v_ref = torch.zeros(10)
+    G_ref = theta0.clone()
+    for _ in range(3):  # three outer rounds, momentum carries over
+        workers = [G_ref + 0.1 * torch.randn(10) for _ in range(3)]
+        weights = [100.0, 300.0, 200.0]
+        avg = sum(w * (st.S - th) for w, th in zip(weights, workers)) / sum(weights)
+        new_theta = apply_round(st, workers[0], [Span(0, 10, avg)], opt, alpha=0.0)
+        G_ref, v_ref = diloco_by_hand(G_ref, workers, weights, 0.7, 0.9, v_ref)
+        torch.testing.assert_close(st.G, G_ref, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(st.v, v_ref, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(new_theta, G_ref)  # alpha = 0: take the synced value
+        torch.testing.assert_close(st.S, G_ref)
+
+
+def test_outer_step_matches_torch_sgd_nesterov():
+    torch.manual_seed(1)
+    p = torch.nn.Parameter(torch.randn(7))
+    sgd = torch.optim.SGD([p], lr=0.4, momentum=0.9, nesterov=True)
+    st = FragmentState.from_params(p.detach())
+    for _ in range(4):
+        g = torch.randn(7)
+        p.grad = g.clone()
+        sgd.step()
+        apply_round(st, st.G.clone(), [Span(0, 7, g)], NesterovSGD(lr=0.4, momentum=0.9), alpha=0.0)
+        torch.testing.assert_close(st.G, p.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_alpha_merge_and_missing_span_keeps_progress():
+    st = FragmentState.from_params(torch.zeros(8))
+    theta = torch.full((8,), -1.0)  # moved by -1 everywhere: Delta = +1
+    delta = st.outer_gradient(theta)
+    spans = [Span(0, 4, delta[:4]), Span(4, 8, None)]  # the second reducer died
+    new = apply_round(st, theta, spans, NesterovSGD(lr=1.0, momentum=0.0), alpha=0.25)
+    # applied span: G = 0 - 1*1 = -1; theta = 0.25*(-1) + 0.75*(-1) = -1; S = G
+    torch.testing.assert_close(st.G[:4], torch.full((4,), -1.0))
+    torch.testing.assert_close(new[:4], torch.full((4,), -1.0))
+    # missing span: nothing changed, the local progress stays in S - theta for the next round
+    torch.testing.assert_close(st.G[4:], torch.zeros(4))
+    torch.testing.assert_close(st.v[4:], torch.zeros(4))
+    torch.testing.assert_close(new[4:], theta[4:])
+    torch.testing.assert_close(st.outer_gradient(new)[4:], torch.ones(4))
+
+
+def test_digest_changes_with_G_only():
+    st = FragmentState.from_params(torch.arange(5.0))
+    d0 = st.digest()
+    st.v += 1
+    assert st.digest() == d0
+    st.G[2] = torch.nextafter(st.G[2], torch.tensor(10.0))  # one ulp
+    assert st.digest() != d0
