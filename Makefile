@@ -12,7 +12,6 @@ install: $(STAMP)
 # torch==2.13.0 is pinned so pip takes the local CPU wheel instead of pulling CUDA packages.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 

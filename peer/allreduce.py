@@ -20,6 +20,7 @@ validated (group membership, span, offsets, sizes, weight, codec, finiteness) be
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -256,6 +257,10 @@ class AllReduceServicer(ServicerBase):
                          str(context.remote_id)[-8:])
             for response in await asyncio.shield(red.result):
                 yield response
+            # Hold the stream open until the member closes its side: it does so only after reading
+            # the whole average. Closing first can drop our last message in the daemons (seen ~1/50).
+            with contextlib.suppress(StopAsyncIteration, asyncio.TimeoutError):
+                await asyncio.wait_for(requests.__anext__(), timeout=self.registration_timeout)
         except (CodecError, asyncio.TimeoutError, StopAsyncIteration) as e:
             log.warning("rpc_reduce from %s: dropped a member's part: %s", str(context.remote_id)[-8:],
                         type(e).__name__ + (f": {e}" if str(e) else ""))
@@ -274,6 +279,8 @@ async def _remote_span(p2p: P2P, plan: GroupPlan, j: int, values: torch.Tensor, 
                        chunk_elems: int, deadline: float, traffic: Traffic) -> list[pb.ReduceResponse]:
     """Streams our part of span j to reducer j and returns its response messages."""
     pieces = encode_pieces(plan.codec, values, chunk_elems)
+    span_length = plan.spans[j][1] - plan.spans[j][0]
+    got_all = asyncio.Event()
 
     async def requests() -> AsyncIterator[pb.ReduceRequest]:
         for k, (offset, piece) in enumerate(pieces):
@@ -282,19 +289,34 @@ async def _remote_span(p2p: P2P, plan: GroupPlan, j: int, values: torch.Tensor, 
                 msg.group_id, msg.span_index, msg.weight = plan.group_id, j, weight
             traffic.sent += msg.ByteSize()
             yield msg
+        # End our side only once the whole average is in (see AllReduceServicer.rpc_reduce).
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(got_all.wait(), timeout=max(0.0, deadline - time.monotonic()))
 
     stub = AllReduceServicer.get_stub(p2p, plan.peer_ids[j])
     stream = await asyncio.wait_for(stub.rpc_reduce(requests()), timeout=max(0.0, deadline - time.monotonic()))
-    responses = []
+    responses, received = [], 0
     try:
-        while True:
+        while received < span_length:
             msg = await asyncio.wait_for(stream.__anext__(), timeout=max(0.0, deadline - time.monotonic()))
             traffic.received += msg.ByteSize()
             responses.append(msg)
+            if msg.status != Status.OK:
+                break
+            received += msg.piece.numel
+        return responses
     except StopAsyncIteration:
         return responses
     finally:
+        got_all.set()  # lets our request stream end, then the reducer closes: read up to that EOF
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(_drain(stream), timeout=max(0.0, min(5.0, deadline - time.monotonic())))
         await stream.aclose()
+
+
+async def _drain(stream) -> None:
+    async for _ in stream:
+        pass
 
 
 def _span_from_responses(plan: GroupPlan, j: int, responses: list[pb.ReduceResponse]
