@@ -1,0 +1,359 @@
+"""Token streams for the inner loop: a synthetic Markov corpus, local text, uint16 shards.
+
+Every source returns int64 batches ``[batch_size, seq_len + 1]`` from ``next_batch``;
+inputs are ``batch[:, :-1]`` and targets ``batch[:, 1:]``. Each source is
+deterministic given ``(seed, shard_index)``; each peer reads its own shard, and the
+read position is a small JSON-serialisable cursor (``state_dict``/``load_state_dict``)
+so a restored peer yields exactly the batches it would have yielded.
+
+- ``MarkovSource`` (default): a seeded first-order Markov chain with a closed-form
+  entropy rate, so the CE a model reaches can be compared with the best achievable.
+- ``TextFileSource``: local files through a byte-level tokenizer (vocab 256).
+- ``BinShardSource``: pre-tokenized raw little-endian uint16 files (no header),
+  memory-mapped.
+
+File sources are read as one cyclic stream (files concatenated in the given order)
+in consecutive windows of ``seq_len + 1`` tokens with stride ``seq_len``, so every
+token after the first is a target exactly once per pass. A shard starts at its own
+offset in that stream: evenly spaced when ``num_shards`` is known (disjoint until a
+shard has read ``1/num_shards`` of the data), otherwise a seeded pseudo-random offset
+(a volunteer swarm does not know how many shards there will be).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = [
+    "TokenSource",
+    "MarkovSource",
+    "TextFileSource",
+    "BinShardSource",
+    "byte_encode",
+    "byte_decode",
+    "make_source",
+]
+
+BYTE_VOCAB = 256
+# Domain-separation tags so the chain, the sample streams and file offsets never
+# share random streams even for equal (seed, shard) numbers.
+_TAG_CHAIN, _TAG_SAMPLES, _TAG_OFFSET = 0x4348, 0x534D, 0x4F46
+
+
+def _derive_seed(*words: int) -> int:
+    """A 63-bit seed mixed from non-negative ints (numpy SeedSequence hashing)."""
+    state = np.random.SeedSequence([int(w) for w in words]).generate_state(2, dtype=np.uint32)
+    return (int(state[0]) << 31) ^ int(state[1])
+
+
+class TokenSource(Protocol):
+    """What the inner loop needs from a data source."""
+
+    vocab_size: int
+    entropy_floor: float | None
+
+    def next_batch(self, batch_size: int, seq_len: int) -> Tensor: ...
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+def _check_shape(batch_size: int, seq_len: int) -> None:
+    if batch_size <= 0 or seq_len <= 0:
+        raise ValueError(f"batch_size and seq_len must be positive, got {batch_size}, {seq_len}")
+
+
+class MarkovSource:
+    """Synthetic corpus: a first-order Markov chain with known entropy rate.
+
+    Chain (depends on ``(vocab_size, seed)`` only, so every shard samples the same
+    "language"): row ``i`` has ``support`` successors, chosen without replacement and
+    always including ``(i + 1) % V`` (the cycle makes the chain irreducible; row 0
+    also contains 0, a self-loop that makes it aperiodic), weighted by a
+    Dirichlet(``alpha``) draw. With the defaults (support 16, alpha 0.5) the entropy
+    rate is about 2 nats for any vocab, far below log(V) yet learnable by a tiny model.
+
+    Samples: batch ``n`` of shard ``s`` is drawn from a torch generator seeded by
+    ``(seed, s, n)``; each row starts from the stationary distribution π, so the
+    optimal predictor's expected CE is exactly ``entropy_rate`` at every target
+    position. The cursor is the batch counter ``n``.
+    """
+
+    def __init__(
+        self, vocab_size: int, seed: int, shard_index: int = 0, *, support: int = 16, alpha: float = 0.5
+    ) -> None:
+        if vocab_size < 2:
+            raise ValueError(f"synthetic source needs vocab_size >= 2, got {vocab_size}")
+        if seed < 0 or shard_index < 0:
+            raise ValueError(f"seed and shard_index must be >= 0, got {seed}, {shard_index}")
+        self.vocab_size = vocab_size
+        self.seed = seed
+        self.shard_index = shard_index
+        self.support = k = min(support, vocab_size)
+        self.alpha = alpha
+        self._batches_served = 0
+
+        rng = np.random.default_rng(_derive_seed(_TAG_CHAIN, seed, vocab_size, k))
+        succ = np.empty((vocab_size, k), dtype=np.int64)
+        for i in range(vocab_size):
+            nxt = (i + 1) % vocab_size
+            # Draw k-1 others from the V-1 tokens != nxt, then map past nxt.
+            others = rng.choice(vocab_size - 1, size=k - 1, replace=False)
+            others = others + (others >= nxt)
+            succ[i] = np.concatenate(([nxt], others))
+        if 0 not in succ[0]:
+            succ[0, -1] = 0
+        probs = rng.gamma(alpha, size=(vocab_size, k))
+        probs = np.maximum(probs, 1e-12)  # keep every support edge (and the cycle) alive
+        probs /= probs.sum(axis=1, keepdims=True)
+        self._succ_np, self._probs_np = succ, probs
+        self._pi = self._stationary(succ, probs)
+        row_entropy = -(probs * np.log(probs)).sum(axis=1)
+        self._entropy_rate = float(self._pi @ row_entropy)
+
+        # Sampling tables: cumulative row probabilities for searchsorted, in float64.
+        self._succ = torch.from_numpy(succ)
+        self._cum = torch.from_numpy(np.cumsum(probs, axis=1))
+        self._cum_pi = torch.from_numpy(np.cumsum(self._pi))
+
+    @staticmethod
+    def _stationary(succ: np.ndarray, probs: np.ndarray) -> np.ndarray:
+        """π with π P = π by power iteration on the lazy chain (I + P) / 2.
+
+        The lazy chain has the same π and converges even for periodic chains.
+        """
+        v = succ.shape[0]
+        pi = np.full(v, 1.0 / v)
+        flat_succ = succ.ravel()
+        for _ in range(100_000):
+            step = np.bincount(flat_succ, weights=(pi[:, None] * probs).ravel(), minlength=v)
+            new = 0.5 * (pi + step)
+            new /= new.sum()
+            if np.abs(new - pi).sum() < 1e-14:
+                return new
+            pi = new
+        raise RuntimeError("Markov stationary distribution did not converge")
+
+    @property
+    def entropy_rate(self) -> float:
+        """Entropy rate sum_i π_i H(P_i) in nats per token (the CE floor)."""
+        return self._entropy_rate
+
+    @property
+    def entropy_floor(self) -> float:
+        return self._entropy_rate
+
+    @property
+    def stationary(self) -> np.ndarray:
+        """Stationary distribution π (float64, sums to 1)."""
+        return self._pi.copy()
+
+    def log_prob(self, batch: Tensor) -> Tensor:
+        """log P(batch[:, t+1] | batch[:, t]) as float64 ``[B, T]`` (-inf off-support)."""
+        prev, nxt = batch[:, :-1].cpu(), batch[:, 1:].cpu()
+        match = self._succ[prev] == nxt.unsqueeze(-1)  # [B, T, k]; successors are distinct
+        p = (torch.from_numpy(self._probs_np)[prev] * match).sum(-1)
+        return p.log()
+
+    def next_batch(self, batch_size: int, seq_len: int) -> Tensor:
+        """Return int64 ``[batch_size, seq_len + 1]``: independent rows from the chain."""
+        _check_shape(batch_size, seq_len)
+        g = torch.Generator().manual_seed(
+            _derive_seed(_TAG_SAMPLES, self.seed, self.shard_index, self._batches_served)
+        )
+        # Position-major so each u[t] is a contiguous [B] slice for searchsorted.
+        u = torch.rand(seq_len + 1, batch_size, generator=g, dtype=torch.float64)
+        out = torch.empty(batch_size, seq_len + 1, dtype=torch.int64)
+        # right=True skips zero-width intervals; clamp guards u beyond a cumsum of 1-ulp.
+        cur = torch.searchsorted(self._cum_pi, u[0], right=True).clamp_(max=self.vocab_size - 1)
+        out[:, 0] = cur
+        last = self.support - 1
+        for t in range(1, seq_len + 1):
+            idx = torch.searchsorted(self._cum[cur], u[t].unsqueeze(1), right=True).clamp_(max=last)
+            cur = self._succ[cur, idx.squeeze(1)]
+            out[:, t] = cur
+        self._batches_served += 1
+        return out
+
+    def state_dict(self) -> dict:
+        return {
+            "kind": "synthetic",
+            "seed": self.seed,
+            "shard_index": self.shard_index,
+            "vocab_size": self.vocab_size,
+            "batches_served": self._batches_served,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the cursor; raises ValueError if the state is for another stream."""
+        mine = self.state_dict()
+        for key in ("kind", "seed", "shard_index", "vocab_size"):
+            if state.get(key) != mine[key]:
+                raise ValueError(f"data cursor is for {key}={state.get(key)!r}, this source has {mine[key]!r}")
+        self._batches_served = int(state["batches_served"])
+
+
+def byte_encode(text: str) -> list[int]:
+    """UTF-8 bytes of ``text`` as token ids in [0, 256)."""
+    return list(text.encode("utf-8"))
+
+
+def byte_decode(tokens: list[int]) -> str:
+    """Inverse of ``byte_encode``; invalid UTF-8 (e.g. a cut sequence) becomes U+FFFD."""
+    return bytes(tokens).decode("utf-8", errors="replace")
+
+
+class _WindowSource:
+    """Consecutive windows over the cyclic concatenation of named token arrays."""
+
+    kind = ""
+
+    def __init__(
+        self,
+        segments: list[tuple[str, np.ndarray]],
+        vocab_size: int,
+        seed: int,
+        shard_index: int,
+        num_shards: int | None,
+    ) -> None:
+        if seed < 0 or shard_index < 0:
+            raise ValueError(f"seed and shard_index must be >= 0, got {seed}, {shard_index}")
+        if num_shards is not None and not 0 <= shard_index < num_shards:
+            raise ValueError(f"shard_index {shard_index} out of range for num_shards={num_shards}")
+        self.vocab_size = vocab_size
+        self.entropy_floor: float | None = None
+        self.seed, self.shard_index = seed, shard_index
+        self._names = [name for name, _ in segments]
+        self._arrays = [arr for _, arr in segments]
+        self._starts = np.cumsum([0] + [len(a) for a in self._arrays])
+        self.num_tokens = n = int(self._starts[-1])
+        base = _derive_seed(_TAG_OFFSET, seed) % n
+        if num_shards is None:
+            self._start = _derive_seed(_TAG_OFFSET, seed, shard_index) % n
+        else:
+            self._start = (base + shard_index * n // num_shards) % n
+        self._position = self._start
+
+    def _gather(self, index: np.ndarray) -> np.ndarray:
+        """Tokens at global positions ``index`` (any shape), with a vocab check per file."""
+        flat = index.ravel()
+        seg = np.searchsorted(self._starts, flat, side="right") - 1
+        out = np.empty(flat.shape, dtype=np.int64)
+        for s in np.unique(seg):
+            mask = seg == s
+            vals = np.asarray(self._arrays[s][flat[mask] - self._starts[s]], dtype=np.int64)
+            if vals.size and int(vals.max()) >= self.vocab_size:
+                raise ValueError(
+                    f"{self._names[s]}: token id {int(vals.max())} >= vocab_size {self.vocab_size}; "
+                    "re-tokenize the shard or raise model vocab_size"
+                )
+            out[mask] = vals
+        return out.reshape(index.shape)
+
+    def next_batch(self, batch_size: int, seq_len: int) -> Tensor:
+        """Return int64 ``[batch_size, seq_len + 1]``: the next ``batch_size`` windows."""
+        _check_shape(batch_size, seq_len)
+        if self.num_tokens < seq_len + 1:
+            raise ValueError(f"{self.kind} data has {self.num_tokens} tokens, fewer than seq_len+1={seq_len + 1}")
+        starts = self._position + seq_len * np.arange(batch_size, dtype=np.int64)
+        index = (starts[:, None] + np.arange(seq_len + 1, dtype=np.int64)) % self.num_tokens
+        batch = torch.from_numpy(self._gather(index))
+        self._position = int((self._position + batch_size * seq_len) % self.num_tokens)
+        return batch
+
+    def state_dict(self) -> dict:
+        return {
+            "kind": self.kind,
+            "seed": self.seed,
+            "shard_index": self.shard_index,
+            "num_tokens": self.num_tokens,
+            "position": self._position,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the cursor; raises ValueError if the state is for other data."""
+        mine = self.state_dict()
+        for key in ("kind", "seed", "shard_index", "num_tokens"):
+            if state.get(key) != mine[key]:
+                raise ValueError(f"data cursor is for {key}={state.get(key)!r}, this source has {mine[key]!r}")
+        self._position = int(state["position"]) % self.num_tokens
+
+
+def _check_file(path: str) -> None:
+    if not os.path.isfile(path):
+        raise ValueError(f"data file not found: {path}")
+    if os.path.getsize(path) == 0:
+        raise ValueError(f"data file is empty: {path}")
+
+
+class TextFileSource(_WindowSource):
+    """Local text files, byte-tokenized (vocab 256), read fully into memory."""
+
+    kind = "text"
+
+    def __init__(self, paths: list[str], seed: int, shard_index: int = 0, num_shards: int | None = None) -> None:
+        if not paths:
+            raise ValueError("text source needs at least one path in data.paths")
+        segments = []
+        for path in paths:
+            _check_file(path)
+            with open(path, "rb") as f:  # raw bytes == byte_encode of the decoded text
+                segments.append((path, np.frombuffer(f.read(), dtype=np.uint8)))
+        super().__init__(segments, BYTE_VOCAB, seed, shard_index, num_shards)
+
+
+class BinShardSource(_WindowSource):
+    """Raw little-endian uint16 token files (no header), memory-mapped.
+
+    Token ids are checked against ``vocab_size`` for every window served; an id out of
+    range raises ``ValueError`` naming the file.
+    """
+
+    kind = "bin"
+
+    def __init__(
+        self, paths: list[str], vocab_size: int, seed: int, shard_index: int = 0, num_shards: int | None = None
+    ) -> None:
+        if not paths:
+            raise ValueError("bin source needs at least one path in data.paths")
+        if not 0 < vocab_size <= 65536:
+            raise ValueError(f"bin source stores uint16 ids: vocab_size must be in 1..65536, got {vocab_size}")
+        segments = []
+        for path in paths:
+            _check_file(path)
+            if os.path.getsize(path) % 2:
+                raise ValueError(f"{path}: size is odd, not a uint16 token file")
+            segments.append((path, np.memmap(path, dtype="<u2", mode="r")))
+        super().__init__(segments, vocab_size, seed, shard_index, num_shards)
+
+
+def make_source(
+    kind: str,
+    *,
+    paths: list[str],
+    vocab_size: int,
+    seed: int,
+    shard_index: int,
+    num_shards: int | None = None,
+) -> MarkovSource | TextFileSource | BinShardSource:
+    """Build the data source named by ``kind`` ("synthetic", "text" or "bin").
+
+    Raises ``ValueError`` with a one-line message naming the option or file to fix:
+    unknown kind, paths given to "synthetic", no paths, a missing or empty file, or a
+    vocab mismatch ("text" requires ``vocab_size == 256``).
+    """
+    if kind == "synthetic":
+        if paths:
+            raise ValueError("data.kind = 'synthetic' takes no data.paths; remove them or use 'text'/'bin'")
+        return MarkovSource(vocab_size, seed, shard_index)
+    if kind == "text":
+        if vocab_size != BYTE_VOCAB:
+            raise ValueError(f"data.kind = 'text' uses the byte tokenizer: set vocab_size = 256 (got {vocab_size})")
+        return TextFileSource(list(paths), seed, shard_index, num_shards)
+    if kind == "bin":
+        return BinShardSource(list(paths), vocab_size, seed, shard_index, num_shards)
+    raise ValueError(f"unknown data.kind {kind!r}; choose 'synthetic', 'text' or 'bin'")

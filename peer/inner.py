@@ -1,0 +1,173 @@
+"""The inner loop of one peer: AdamW steps on local data with a warmup+cosine LR.
+
+This is DiLoCo's InnerOpt (Streaming DiLoCo Alg. 2 lines 3-5). The outer machinery
+overwrites parameter values between inner steps (fragment merges); the optimizer
+state and the LR-schedule position survive that, and both are checkpointed through
+``InnerLoop.state_dict``.
+
+Weight decay: applied to matrices only. Excluded are every parameter with fewer than
+2 dimensions (norm gains, biases) and the weights of every ``nn.Embedding`` (in our
+model the token embedding is also the tied LM head; decaying it would shrink the
+output logits too). The rule is structural, so it also works for factory models.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from peer.model import lm_loss
+
+__all__ = ["lr_at", "split_decay_params", "StepStats", "InnerLoop"]
+
+
+def lr_at(step: int, *, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """Learning rate for 0-based inner step ``step`` (the step about to be taken).
+
+    Linear warmup ``lr * (step + 1) / warmup_steps`` for ``step < warmup_steps`` (so the
+    first step already moves), then cosine decay from ``lr`` at ``step == warmup_steps``
+    to ``lr * min_lr_ratio`` at ``step == total_steps``, constant after. Raises
+    ``ValueError`` for negative sizes, ``warmup_steps > total_steps`` or a ratio outside [0, 1].
+    """
+    if lr < 0 or warmup_steps < 0 or total_steps < 0 or step < 0:
+        raise ValueError(
+            f"lr, warmup_steps, total_steps and step must be >= 0 (got {lr}, {warmup_steps}, {total_steps}, {step})"
+        )
+    if warmup_steps > total_steps:
+        raise ValueError(f"warmup_steps ({warmup_steps}) must be <= total_steps ({total_steps})")
+    if not 0.0 <= min_lr_ratio <= 1.0:
+        raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    min_lr = lr * min_lr_ratio
+    decay_steps = total_steps - warmup_steps
+    progress = 1.0 if decay_steps == 0 else min(1.0, (step - warmup_steps) / decay_steps)
+    return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def split_decay_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """Split the unique trainable parameters into ``(decay, no_decay)``.
+
+    ``no_decay``: parameters with ``ndim < 2`` and weights of ``nn.Embedding`` modules.
+    Shared (tied) tensors appear once; order follows ``model.named_parameters``.
+    """
+    embedding_ids = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():  # de-duplicates tied tensors
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 or id(p) in embedding_ids else decay).append(p)
+    return decay, no_decay
+
+
+@dataclass
+class StepStats:
+    """What one inner step measured. ``loss`` includes the z-loss; ``ce`` is in nats."""
+
+    loss: float
+    ce: float
+    lr: float
+    grad_norm: float  # global L2 norm before clipping
+    tokens: int  # target tokens in the batch (B * T)
+
+
+class InnerLoop:
+    """AdamW inner optimizer with schedule, clipping and bf16 autocast on CUDA.
+
+    ``step(batch)`` takes int64 ``[B, T + 1]`` (inputs ``[:, :-1]``, targets ``[:, 1:]``),
+    moves it to ``device``, and does one forward/backward/AdamW update with the LR
+    ``lr_at(step_count, ...)``. The model must already be on ``device``. Raises
+    ``FloatingPointError`` (parameters untouched) when the loss or gradient norm is not
+    finite. ``step_count`` counts completed steps.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        lr: float,
+        weight_decay: float,
+        betas: tuple[float, float],
+        warmup_steps: int,
+        total_steps: int,
+        min_lr_ratio: float,
+        grad_clip: float,
+        z_loss: float,
+        device: torch.device,
+    ) -> None:
+        lr_at(0, lr=lr, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio)  # validate
+        if grad_clip < 0:
+            raise ValueError(f"grad_clip must be >= 0 (0 disables), got {grad_clip}")
+        self.model = model
+        self.device = torch.device(device)
+        self.lr, self.warmup_steps, self.total_steps = lr, warmup_steps, total_steps
+        self.min_lr_ratio, self.grad_clip, self.z_loss = min_lr_ratio, grad_clip, z_loss
+        decay, no_decay = split_decay_params(model)
+        self.params = decay + no_decay
+        groups = [
+            {"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        # fused AdamW is the fast path on CUDA; the CPU default (foreach) is fine for tests.
+        fused = {"fused": True} if self.device.type == "cuda" else {}
+        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, **fused)
+        self.step_count = 0
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()  # fp32 on CPU: CPU bf16 is slow and the tests want exact fp32
+
+    def current_lr(self) -> float:
+        """The LR the next ``step`` will use."""
+        return lr_at(
+            self.step_count, lr=self.lr, warmup_steps=self.warmup_steps,
+            total_steps=self.total_steps, min_lr_ratio=self.min_lr_ratio,
+        )
+
+    def step(self, batch: Tensor) -> StepStats:
+        """One inner update on ``batch``; see the class docstring for the contract."""
+        if batch.dim() != 2 or batch.shape[1] < 2:
+            raise ValueError(f"batch must be [B, T+1] with T >= 1, got shape {tuple(batch.shape)}")
+        batch = batch.to(self.device, non_blocking=True)
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        with self._autocast():
+            logits = self.model(inputs)
+        loss, ce = lm_loss(logits, targets, self.z_loss)  # float32, outside autocast
+        loss_value = loss.item()
+        if not math.isfinite(loss_value):
+            raise FloatingPointError(
+                f"inner step {self.step_count}: loss is {loss_value}; lower the lr or check the data/model"
+            )
+        loss.backward()
+        grads = [p.grad for p in self.params if p.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm(grads)
+        grad_norm_value = grad_norm.item()
+        if not math.isfinite(grad_norm_value):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"inner step {self.step_count}: gradient norm is {grad_norm_value}; lower the lr")
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.grad_clip, grad_norm)
+        lr = self.current_lr()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.step_count += 1
+        return StepStats(
+            loss=loss_value, ce=ce.item(), lr=lr, grad_norm=grad_norm_value, tokens=targets.numel()
+        )
+
+    def state_dict(self) -> dict:
+        """Optimizer state (tensors) and the schedule position; save with ``torch.save``."""
+        return {"optimizer": self.optimizer.state_dict(), "step_count": self.step_count}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` returned (for the same model and parameter order)."""
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step_count = int(state["step_count"])
