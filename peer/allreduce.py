@@ -141,6 +141,9 @@ class SpanReduction:
         self.chunk_elems = chunk_elems
         self.traffic = Traffic()  # parts received here; the averages we send are counted in sent_bytes()
         self.requesters: set[int] = set()
+        self.serving: set[int] = set()  # members whose rpc_reduce stream is still open
+        self.idle = asyncio.Event()  # set while no member stream is open
+        self.idle.set()
         self.result = asyncio.ensure_future(self._finalize())
 
     def sent_bytes(self) -> int:
@@ -227,6 +230,7 @@ class AllReduceServicer(ServicerBase):
 
     async def rpc_reduce(self, requests: AsyncIterator[pb.ReduceRequest],
                          context: P2PContext) -> AsyncIterator[pb.ReduceResponse]:
+        red, sender = None, None
         try:
             header = await asyncio.wait_for(requests.__anext__(), timeout=self.registration_timeout)
             red = await self._lookup(header.group_id)
@@ -242,6 +246,8 @@ class AllReduceServicer(ServicerBase):
                 yield pb.ReduceResponse(status=Status.REJECTED, error="wrong span index or invalid weight")
                 return
             red.requesters.add(sender)
+            red.serving.add(sender)
+            red.idle.clear()
             part = torch.empty(red.length, dtype=torch.float32)
             filled, msg = 0, header
             while True:
@@ -265,6 +271,11 @@ class AllReduceServicer(ServicerBase):
             log.warning("rpc_reduce from %s: dropped a member's part: %s", str(context.remote_id)[-8:],
                         type(e).__name__ + (f": {e}" if str(e) else ""))
             yield pb.ReduceResponse(status=Status.REJECTED, error=f"bad or incomplete part: {type(e).__name__}")
+        finally:
+            if red is not None and sender is not None:
+                red.serving.discard(sender)
+                if not red.serving:
+                    red.idle.set()
 
 
 async def _own_span(red: SpanReduction, values: torch.Tensor, weight: float) -> list[pb.ReduceResponse]:
@@ -276,7 +287,8 @@ async def _own_span(red: SpanReduction, values: torch.Tensor, weight: float) -> 
 
 
 async def _remote_span(p2p: P2P, plan: GroupPlan, j: int, values: torch.Tensor, weight: float,
-                       chunk_elems: int, deadline: float, traffic: Traffic) -> list[pb.ReduceResponse]:
+                       chunk_elems: int, deadline: float, connect_timeout: float,
+                       traffic: Traffic) -> list[pb.ReduceResponse]:
     """Streams our part of span j to reducer j and returns its response messages."""
     pieces = encode_pieces(plan.codec, values, chunk_elems)
     span_length = plan.spans[j][1] - plan.spans[j][0]
@@ -294,7 +306,9 @@ async def _remote_span(p2p: P2P, plan: GroupPlan, j: int, values: torch.Tensor, 
             await asyncio.wait_for(got_all.wait(), timeout=max(0.0, deadline - time.monotonic()))
 
     stub = AllReduceServicer.get_stub(p2p, plan.peer_ids[j])
-    stream = await asyncio.wait_for(stub.rpc_reduce(requests()), timeout=max(0.0, deadline - time.monotonic()))
+    # Opening the stream dials the reducer: a dead one is detected here, within connect_timeout.
+    stream = await asyncio.wait_for(stub.rpc_reduce(requests()),
+                                    timeout=max(0.0, min(connect_timeout, deadline - time.monotonic())))
     responses, received = [], 0
     try:
         while received < span_length:
@@ -344,7 +358,7 @@ def _span_from_responses(plan: GroupPlan, j: int, responses: list[pb.ReduceRespo
 
 async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, delta: torch.Tensor,
                         weight: float, *, part_timeout: float, allreduce_timeout: float,
-                        chunk_bytes: int) -> AllReduceResult:
+                        connect_timeout: float, chunk_bytes: int) -> AllReduceResult:
     """Runs one butterfly all-reduce as member ``plan.my_index``; never raises for peer failures.
 
     Must run in the event loop that owns ``servicer`` and ``p2p``. Returns within
@@ -366,7 +380,7 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
                 tasks.append((j, asyncio.ensure_future(_own_span(red, values, weight))))
             else:
                 tasks.append((j, asyncio.ensure_future(
-                    _remote_span(p2p, plan, j, values, weight, chunk_elems, deadline, traffic))))
+                    _remote_span(p2p, plan, j, values, weight, chunk_elems, deadline, connect_timeout, traffic))))
         spans, contributors = [], []
         for j, task in tasks:
             start, end = plan.spans[j]
@@ -380,9 +394,12 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
                             j, start, end, str(plan.peer_ids[j])[-8:], why)
             spans.append(Span(start, end, average))
             contributors.append(who)
-        # Let our own reducer finish serving members still reading, within the round's deadline.
+        # Our average must reach every member still reading it before we return: the caller may
+        # shut the peer down right after its last round. Bounded by the round's deadline.
         if my_end > my_start:
             await asyncio.wait([red.result], timeout=max(0.0, deadline - time.monotonic()))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(red.idle.wait(), timeout=max(0.0, deadline - time.monotonic()))
         traffic.sent += red.sent_bytes()
         traffic.received += red.traffic.received
         return AllReduceResult(spans, contributors, traffic)

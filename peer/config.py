@@ -126,6 +126,10 @@ class OuterConfig:
     """Outer Nesterov momentum (DiLoCo: 0.9)."""
     sync_every: int = 100
     """H: inner steps between two syncs of the same fragment."""
+    fragment_blocks: int = 3
+    """k: transformer blocks per fragment (P = ceil(L/k) fragments); 0 syncs the whole model (DiLoCo)."""
+    fragment_pattern: str = "strided"
+    """How blocks map to fragments: strided (p, p+P, ...; the paper's default) or sequential."""
     schedule: str = "steps"
     """When rounds happen: ``steps`` (lockstep on each peer's step counter, paper schedule)."""
     codec: str = "fp32"
@@ -137,6 +141,9 @@ class OuterConfig:
         _check(self.lr > 0, "outer.lr", "> 0", self.lr)
         _check(0 <= self.momentum < 1, "outer.momentum", "in [0, 1)", self.momentum)
         _check(self.sync_every >= 1, "outer.sync_every", ">= 1", self.sync_every)
+        _check(self.fragment_blocks >= 0, "outer.fragment_blocks", ">= 0", self.fragment_blocks)
+        _check(self.fragment_pattern in ("strided", "sequential"), "outer.fragment_pattern", "strided or sequential",
+               self.fragment_pattern)
         _check(self.schedule == "steps", "outer.schedule", "steps", self.schedule)
         _check(self.codec == "fp32", "outer.codec", "fp32", self.codec)
         _check(0 <= self.alpha <= 1, "outer.alpha", "in [0, 1]", self.alpha)

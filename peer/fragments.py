@@ -1,13 +1,22 @@
 """Fragments: which parameters are synchronized together, and their flat fp32 views.
 
-Issue 2 ships the whole model as one fragment (plain DiLoCo, P = 1); the partition into P fragments
-of k blocks (strided / sequential) plugs in here. Every parameter belongs to exactly one fragment;
-tied parameters (the same tensor under two names) count once.
+Streaming DiLoCo splits the L transformer blocks into P = ceil(L / k) fragments of k blocks:
+
+- ``strided`` (default, the paper's choice): fragment p = blocks {p, p+P, p+2P, ...};
+- ``sequential``: fragment p = blocks [p*k, (p+1)*k).
+
+Parameters outside the blocks follow their position in the model: those registered before the
+first block (token embedding, which is also the tied LM head) go with the fragment holding block 0;
+those after the last block (final norm, an untied head) go with the fragment holding block L-1.
+So every parameter is in exactly one fragment, tied tensors count once, and P = 1 (k >= L) is plain
+DiLoCo with the whole model as fragment 0.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -52,7 +61,43 @@ def unique_named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return out
 
 
-def whole_model_fragment(model: nn.Module) -> list[Fragment]:
-    """P = 1: the whole model is fragment 0 (plain DiLoCo)."""
+def block_assignment(num_blocks: int, blocks_per_fragment: int, pattern: str) -> list[int]:
+    """Fragment index of each block, for ``strided`` or ``sequential`` patterns."""
+    if num_blocks < 1 or blocks_per_fragment < 1:
+        raise ValueError(f"need >= 1 block and >= 1 block per fragment (got {num_blocks}, {blocks_per_fragment})")
+    P = math.ceil(num_blocks / blocks_per_fragment)
+    if pattern == "strided":
+        return [b % P for b in range(num_blocks)]
+    if pattern == "sequential":
+        return [b // blocks_per_fragment for b in range(num_blocks)]
+    raise ValueError(f"unknown fragment pattern {pattern!r}; use strided or sequential")
+
+
+def partition(model: nn.Module, blocks: Sequence[nn.Module], blocks_per_fragment: int,
+              pattern: str = "strided") -> list[Fragment]:
+    """Splits the model's trainable parameters into fragments (see the module docstring).
+
+    ``blocks_per_fragment = 0`` (or >= len(blocks)) gives one fragment: plain DiLoCo.
+    """
     named = unique_named_parameters(model)
-    return [Fragment(0, [n for n, _ in named], [p for _, p in named])]
+    k = blocks_per_fragment if 0 < blocks_per_fragment < len(blocks) else max(len(blocks), 1)
+    owner_of_block = block_assignment(max(len(blocks), 1), k, pattern)
+    param_block: dict[int, int] = {}
+    for b, block in enumerate(blocks):
+        for p in block.parameters():
+            param_block.setdefault(id(p), b)
+    if not param_block and blocks:
+        raise ValueError("the model's blocks have no parameters")
+    P = max(owner_of_block) + 1
+    names: list[list[str]] = [[] for _ in range(P)]
+    params: list[list[nn.Parameter]] = [[] for _ in range(P)]
+    seen_block = False
+    for name, p in named:
+        if id(p) in param_block:
+            seen_block = True
+            frag = owner_of_block[param_block[id(p)]]
+        else:  # outside the blocks: before the first block -> block 0's fragment, after -> last block's
+            frag = owner_of_block[-1] if seen_block else owner_of_block[0]
+        names[frag].append(name)
+        params[frag].append(p)
+    return [Fragment(i, names[i], params[i]) for i in range(P)]

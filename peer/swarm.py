@@ -66,6 +66,7 @@ class Swarm:
         self.p2p: Optional[P2P] = None
         self.servicer: Optional[AllReduceServicer] = None
         self._subkey = b""
+        self._progress = (0, 0, 0.0)  # (step, round of fragment 0, tokens/s), published by the heartbeat
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -79,6 +80,7 @@ class Swarm:
         self.servicer = AllReduceServicer(registration_timeout=self.cfg.request_timeout)
         if not self.cfg.client_mode:
             self._call(self.servicer.add_p2p_handlers(self.p2p), self.cfg.startup_timeout)
+        asyncio.run_coroutine_threadsafe(self._heartbeat(), self._loop)
 
     def shutdown(self) -> None:
         """Withdraws our progress record, stops the event loop thread and the DHT. Idempotent."""
@@ -111,13 +113,27 @@ class Swarm:
         return [str(m) for m in self.dht.get_visible_maddrs()]
 
     # ---- progress records ------------------------------------------------------------------
-    def publish_progress(self, step: int, round_: int, tokens_per_second: float) -> None:
-        """Stores our signed progress record (in the background; failures are logged at debug)."""
-        rec = ProgressRecord(peer_id=self.peer_id, step=step, round=round_, tokens_per_second=float(tokens_per_second),
-                             client_mode=self.cfg.client_mode, time=get_dht_time())
-        fut = self.dht.store(progress_key(self.run_key), rec.model_dump(), get_dht_time() + self.cfg.progress_ttl,
-                             subkey=self._subkey, return_future=True)
-        fut.add_done_callback(lambda f: f.exception() and log.debug("progress store failed: %s", f.exception()))
+    def update_progress(self, step: int, round_: int, tokens_per_second: float) -> None:
+        """Sets what the next heartbeat publishes (cheap; call from the training loop)."""
+        self._progress = (step, round_, float(tokens_per_second))
+
+    async def _heartbeat(self) -> None:
+        """Publishes our signed progress record every ``progress_period`` s until shutdown.
+
+        It runs in the networking thread, so the record stays fresh while the trainer is blocked in
+        a long round: a live peer never expires from the others' view (``progress_ttl``).
+        """
+        while True:
+            step, round_, tps = self._progress
+            rec = ProgressRecord(peer_id=self.peer_id, step=step, round=round_, tokens_per_second=tps,
+                                 client_mode=self.cfg.client_mode, time=get_dht_time())
+            try:
+                await asyncio.wait_for(self.dht.store(progress_key(self.run_key), rec.model_dump(),
+                                                      get_dht_time() + self.cfg.progress_ttl, subkey=self._subkey,
+                                                      return_future=True), timeout=self.cfg.progress_period * 2)
+            except Exception as e:  # a missed heartbeat is retried next period; the ttl covers several
+                log.debug("progress store failed: %s", e)
+            await asyncio.sleep(self.cfg.progress_period)
 
     def live_peers(self, timeout: Optional[float] = None) -> dict[str, ProgressRecord]:
         """Progress records of the peers of this run that published within ``progress_ttl``."""
@@ -159,7 +175,7 @@ class Swarm:
             result = await run_allreduce(self.p2p, self.servicer, plan, delta, weight,
                                          part_timeout=self.cfg.part_timeout,
                                          allreduce_timeout=self.cfg.allreduce_timeout,
-                                         chunk_bytes=self.cfg.chunk_bytes)
+                                         connect_timeout=self.cfg.request_timeout, chunk_bytes=self.cfg.chunk_bytes)
             out.spans, out.contributors, out.traffic = result.spans, result.contributors, result.traffic
             out.status = "ok" if result.complete else "partial"
             return out

@@ -25,7 +25,7 @@ from peer.config import PeerConfig
 from peer.data import make_source
 from peer.dht_node import ensure_identity
 from peer.events import EventLog, StatusLine, setup_logging
-from peer.fragments import Fragment, whole_model_fragment
+from peer.fragments import Fragment, partition
 from peer.inner import InnerLoop
 from peer.model import build_model, count_parameters
 from peer.outer import FragmentState, NesterovSGD, apply_round
@@ -108,7 +108,7 @@ class Trainer:
             torch.set_num_threads(cfg.inner.threads)
         device = pick_device(cfg.inner.device)
         torch.manual_seed(cfg.model.init_seed)  # identical theta_0 on every peer of the run
-        model, _blocks = build_model(cfg.model.preset, cfg.data.vocab_size, cfg.model.seq_len,
+        model, blocks = build_model(cfg.model.preset, cfg.data.vocab_size, cfg.model.seq_len,
                                      cfg.model.factory or None)
         model.to(device)
         shard = cfg.data.shard if cfg.data.shard >= 0 else \
@@ -121,13 +121,12 @@ class Trainer:
                           grad_clip=cfg.inner.grad_clip, z_loss=cfg.inner.z_loss, device=device)
         log.info("model %s: %s parameters on %s; data %s shard %d", cfg.model.factory or cfg.model.preset,
                  f"{count_parameters(model):,}", device, cfg.data.source, shard)
-        return model, source, inner
+        return model, blocks, source, inner
 
     def _wait_for_peers(self) -> None:
         """Blocks until ``min_peers`` peers of this run are visible, a stop signal, or start_timeout."""
         want, deadline = self.cfg.swarm.min_peers, time.monotonic() + self.cfg.swarm.start_timeout
         while want > 1 and not self.stop.event.is_set():
-            self.swarm.publish_progress(0, 0, 0.0)
             self.peers_seen = len(self.swarm.live_peers())
             if self.peers_seen >= want or time.monotonic() > deadline:
                 break
@@ -136,8 +135,10 @@ class Trainer:
 
     def _train(self, label: str) -> int:
         cfg = self.cfg
-        model, source, inner = self._build()
-        fragments = whole_model_fragment(model)
+        model, blocks, source, inner = self._build()
+        fragments = partition(model, blocks, cfg.outer.fragment_blocks, cfg.outer.fragment_pattern)
+        log.info("%d fragment(s) of %s elements (%s, %d blocks each)", len(fragments),
+                 [f.numel for f in fragments], cfg.outer.fragment_pattern, cfg.outer.fragment_blocks)
         states = [FragmentState.from_params(f.flat()) for f in fragments]
         outer_opt = NesterovSGD(lr=cfg.outer.lr, momentum=cfg.outer.momentum)
         floor = getattr(source, "entropy_floor", None)
@@ -145,7 +146,6 @@ class Trainer:
         self._wait_for_peers()
         H, P = cfg.outer.sync_every, len(fragments)
         t_start = time.monotonic()
-        last_progress = 0.0
         tokens_total, window_tokens, window_t0 = 0, 0, time.monotonic()
         tok_s, step = 0.0, 0
         while not self.stop.event.is_set() and (cfg.run.max_steps == 0 or step < cfg.run.max_steps):
@@ -161,9 +161,7 @@ class Trainer:
                 tok_s, window_tokens, window_t0 = window_tokens / max(now - window_t0, 1e-9), 0, now
                 self.events.emit("step", step=step, loss=stats.loss, ce=stats.ce, lr=stats.lr, tokens=tokens_total,
                                  tokens_per_second=tok_s, elapsed=now - t_start, floor=floor)
-            if time.monotonic() - last_progress >= cfg.swarm.progress_period:
-                last_progress = time.monotonic()
-                self.swarm.publish_progress(step, states[0].round, tok_s)
+            self.swarm.update_progress(step, states[0].round, tok_s)
             for p, (frag, st) in enumerate(zip(fragments, states)):
                 r = due_round(step, p, P, H)
                 if r is not None and not self.stop.event.is_set():

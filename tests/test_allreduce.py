@@ -76,7 +76,7 @@ async def _run(n_members, alive, weights, deltas, part_timeout=1.0, allreduce_ti
         plans = [GroupPlan.from_group(group, ids[i], get_codec("fp32"), NUMEL, f"member {i}") for i in range(n_members)]
         results = await asyncio.gather(*[
             run_allreduce(p2ps[i], servicers[i], plans[i], deltas[i], weights[i], part_timeout=part_timeout,
-                          allreduce_timeout=allreduce_timeout, chunk_bytes=4096)
+                          allreduce_timeout=allreduce_timeout, connect_timeout=1.0, chunk_bytes=4096)
             for i in alive])
         return dict(zip(alive, results)), plans[0].spans
     finally:

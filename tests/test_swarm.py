@@ -63,12 +63,15 @@ def test_three_peers_agree_on_every_round_and_learn(procs, tmp_path):
     for name, proc in zip(names, peers):
         assert wait_exit(proc, 300) == 0, proc.tail()
         assert not proc.session_pids(), f"{name} left processes behind: {proc.session_pids()}"
-    rounds = {n: {e["round"]: e for e in events(tmp_path, n, "round")} for n in names}
-    assert all(sorted(r) == [1, 2, 3, 4, 5] for r in rounds.values()), {n: sorted(r) for n, r in rounds.items()}
-    for r in range(1, 6):
-        got = [rounds[n][r] for n in names]
+    rounds = {n: {(e["fragment"], e["round"]): e for e in events(tmp_path, n, "round")} for n in names}
+    # tiny preset: 6 blocks, 3 per fragment -> P = 2; H = 20: fragment 0 syncs at 20, 40, .., 100,
+    # fragment 1 (offset 10) at 30, 50, 70, 90
+    expected = [(0, r) for r in range(1, 6)] + [(1, r) for r in range(1, 5)]
+    assert all(sorted(r) == expected for r in rounds.values()), {n: sorted(r) for n, r in rounds.items()}
+    for key in expected:
+        got = [rounds[n][key] for n in names]
         assert all(e["status"] == "ok" and e["group_size"] == 3 for e in got), got
-        assert len({e["digest"] for e in got}) == 1, f"round {r}: digests differ: {[e['digest'] for e in got]}"
+        assert len({e["digest"] for e in got}) == 1, f"{key}: digests differ: {[e['digest'] for e in got]}"
         assert all(e["bytes_sent"] > 0 and e["bytes_received"] > 0 for e in got)
     for n in names:
         steps = events(tmp_path, n, "step")
@@ -90,7 +93,7 @@ def test_sigkill_during_a_round_survivors_skip_or_finish_and_keep_training(procs
     for n in survivors:
         assert wait_exit(peers[n], 300) == 0, peers[n].tail()
     for n in survivors:
-        rounds = {e["round"]: e for e in events(tmp_path, n, "round")}
+        rounds = {e["round"]: e for e in events(tmp_path, n, "round") if e["fragment"] == 0}
         assert sorted(rounds) == list(range(1, 8)), sorted(rounds)
         kill_round = rounds[2]
         assert kill_round["seconds"] < ROUND_BUDGET
@@ -104,9 +107,25 @@ def test_sigkill_during_a_round_survivors_skip_or_finish_and_keep_training(procs
         # it kept training: later rounds complete with the two survivors
         later = [rounds[r] for r in range(4, 8)]
         assert all(e["status"] == "ok" and e["group_size"] == 2 for e in later), later
-    a = {e["round"]: e for e in events(tmp_path, "p0", "round")}
-    b = {e["round"]: e for e in events(tmp_path, "p1", "round")}
+    a = {e["round"]: e for e in events(tmp_path, "p0", "round") if e["fragment"] == 0}
+    b = {e["round"]: e for e in events(tmp_path, "p1", "round") if e["fragment"] == 0}
     assert a[1]["digest"] == b[1]["digest"]
     if (a[2]["status"], a[2]["spans_applied"]) == (b[2]["status"], b[2]["spans_applied"]):
         # both survivors applied the same spans of the interrupted round: they stay identical
         assert all(a[r]["digest"] == b[r]["digest"] for r in range(2, 8))
+
+
+def test_sigterm_leaves_cleanly_with_exit_0(procs, tmp_path):
+    """A lone peer (--new-swarm) stopped with SIGTERM mid-training exits 0 and leaves no process."""
+    run_dir = tmp_path / "solo"
+    proc = Proc.start([sys.executable, "-m", "peer", "run", "--config", str(REPO / "configs/demo.toml"),
+                       "--new-swarm", "--min-peers", "1", "--run-dir", str(run_dir),
+                       "--log-json", str(run_dir / "events.jsonl"), *FAST], log_path=tmp_path / "solo.log", cwd=REPO)
+    procs.append(proc)
+    proc.wait_for_line(r"round 1: skipped, 1 live peer\(s\) < min_group_size 2", timeout=180)
+    proc.popen.send_signal(signal.SIGTERM)
+    assert wait_exit(proc, 60) == 0, proc.tail()
+    assert not proc.session_pids()
+    stop = events(tmp_path, "solo", "stop")
+    assert stop and stop[-1]["reason"] == "stop signal" and stop[-1]["step"] >= 20
+    assert any("left the swarm" in line for line in proc.lines())
