@@ -1,0 +1,287 @@
+"""The one place that creates a hivemind DHT, for both the peer daemon and the bootstrap node.
+
+Network-safety rules enforced here (the swarm must never talk to anything outside itself):
+
+* ``nat_port_map`` is off unless the operator opts in (``--nat-port-map``): when on, p2pd sends UPnP
+  (SSDP multicast) and NAT-PMP discovery packets to the LAN gateway.
+* ``check_if_identity_free=False`` always: hivemind's identity check spawns a throw-away ``P2P`` with the
+  *default* ``nat_port_map=True`` (``P2P.is_identity_taken``), which would send those packets anyway.
+* ``use_ipfs=False`` always: it bootstraps to the public IPFS DHT. p2pd's ``-b`` flag (bootstrap) without
+  peers also falls back to IPFS bootstrap nodes; hivemind only passes ``-b`` with ``initial_peers``.
+* ``auto_nat`` / ``use_relay`` keep hivemind's defaults (on): they only talk to peers we are already
+  connected to (AutoNAT dial-back, circuit-relay transport), never to third parties.
+
+hivemind is imported lazily so that ``import peer.dht_node`` stays cheap (hivemind imports torch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+if TYPE_CHECKING:  # pragma: no cover
+    import hivemind
+
+_UNSPECIFIED_HOSTS = {("ip4", "0.0.0.0"), ("ip6", "::")}
+_PEER_FORMAT = "/ip4/HOST/tcp/PORT/p2p/PEER_ID"
+_HOST_FORMAT = "/ip4/HOST/tcp/PORT"
+
+
+def _peer_id_of(data: bytes) -> str:
+    from hivemind.p2p import PeerID
+
+    return PeerID.from_identity(data).to_base58()
+
+
+def ensure_identity(path: str | Path) -> str:
+    """Create (if missing) or validate the libp2p RSA identity at ``path``; return its peer id (base58).
+
+    The file uses hivemind's own format (a ``crypto_pb2.PrivateKey`` protobuf wrapping a DER RSA key, as
+    ``P2P.generate_identity`` writes), so p2pd accepts it and the peer id is stable across restarts.
+    Creation is atomic: temp file in the same folder, fsync, chmod 0400, then link/rename into place.
+    """
+    path = Path(path)
+    if not path.exists():
+        from hivemind.proto import crypto_pb2
+        from hivemind.utils.crypto import RSAPrivateKey
+
+        blob = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=RSAPrivateKey().to_bytes())
+        blob = blob.SerializeToString()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(blob)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o400)
+            try:
+                os.link(tmp, path)  # never clobbers an identity another process created meanwhile
+            except FileExistsError:
+                pass
+            except OSError:  # filesystem without hard links
+                os.rename(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"cannot read identity file {str(path)!r}: {e}") from e
+    try:
+        return _peer_id_of(data)
+    except Exception as e:  # protobuf DecodeError, DER ValueError from cryptography, ...
+        raise ValueError(
+            f"identity file {str(path)!r} is not a valid libp2p private key ({type(e).__name__}: {e}); "
+            f"move it away to generate a new identity (this changes the peer id)"
+        ) from e
+
+
+def _check_maddrs(flag: str, maddrs: Iterable[str], *, need_peer: bool, explicit_port: bool = False) -> list[str]:
+    from hivemind.utils.multiaddr import Multiaddr
+
+    expected = _PEER_FORMAT if need_peer else _HOST_FORMAT
+    out = []
+    for item in maddrs:
+        text = str(item)
+        try:
+            maddr = Multiaddr(text)
+            names = [p.name for p in maddr.protocols()]
+        except Exception:
+            raise ValueError(f"{flag}: {text!r} is not a multiaddr (expected {expected})") from None
+        if need_peer and "p2p" not in names:
+            raise ValueError(f"{flag}: {text!r} has no /p2p/PEER_ID part (expected {expected})")
+        if not need_peer and "p2p" in names:
+            raise ValueError(f"{flag}: {text!r} must not contain /p2p/ (expected {expected})")
+        if explicit_port and any(maddr.value_for_protocol(p) == "0" for p in ("tcp", "udp") if p in names):
+            raise ValueError(f"{flag}: {text!r} needs an explicit port, not 0")
+        out.append(text)
+    return out
+
+
+def check_maddrs(
+    *, initial_peers: Iterable[str], host_maddrs: Iterable[str], announce_maddrs: Iterable[str]
+) -> tuple[list[str], list[str], list[str]]:
+    """Validate the three address lists (as ``create_dht`` does first); ``ValueError`` names the flag."""
+    initial_peers = _check_maddrs("--initial-peers", initial_peers, need_peer=True)
+    host_maddrs = _check_maddrs("--host-maddrs", host_maddrs, need_peer=False)
+    announce_maddrs = _check_maddrs("--announce-maddrs", announce_maddrs, need_peer=False, explicit_port=True)
+    if not host_maddrs:
+        raise ValueError(f"--host-maddrs: at least one address is required (expected {_HOST_FORMAT})")
+    return initial_peers, host_maddrs, announce_maddrs
+
+
+def create_dht(
+    *,
+    initial_peers: Sequence[str],
+    host_maddrs: Sequence[str],
+    announce_maddrs: Sequence[str],
+    identity_path: str | None,
+    client_mode: bool,
+    nat_port_map: bool = False,
+    record_validators: Iterable = (),
+    startup_timeout: float = 30.0,
+    wait_timeout: float = 5.0,
+    **dht_kwargs,
+) -> "hivemind.DHT":
+    """Validate the addresses, then start a ``hivemind.DHT`` (background process + p2pd) and wait for it.
+
+    Raises ``ValueError`` with a one-line, flag-naming message for bad input; ``RuntimeError`` if the node
+    does not come up (e.g. no initial peer answered) -- in that case nothing is left running.
+    ``dht_kwargs`` go to ``hivemind.DHT`` (e.g. ``num_workers``); the network-safety options cannot be overridden.
+    """
+    initial_peers, host_maddrs, announce_maddrs = check_maddrs(
+        initial_peers=initial_peers, host_maddrs=host_maddrs, announce_maddrs=announce_maddrs)
+    forbidden = {"nat_port_map", "check_if_identity_free", "use_ipfs", "start"} & set(dht_kwargs)
+    if forbidden:
+        raise TypeError(f"create_dht: {sorted(forbidden)} cannot be overridden")
+    if identity_path is not None:
+        try:
+            ensure_identity(identity_path)
+        except OSError as e:
+            raise ValueError(f"--identity-path: cannot create {str(identity_path)!r}: {e}") from e
+        except ValueError as e:
+            raise ValueError(f"--identity-path: {e}") from e
+
+    import hivemind
+
+    dht = None
+    # p2pd start <= startup_timeout; bootstrap pings + neighbour search are bounded by ~2 * wait_timeout.
+    ready_timeout = startup_timeout + 4 * wait_timeout + 10.0
+    try:
+        with _handled_signals_deferred():  # the DHT's first MPFuture starts torch_shm_manager; see below
+            dht = hivemind.DHT(
+                initial_peers=initial_peers or None,
+                start=False,
+                host_maddrs=host_maddrs,
+                announce_maddrs=announce_maddrs or None,
+                identity_path=None if identity_path is None else str(identity_path),
+                client_mode=client_mode,
+                nat_port_map=bool(nat_port_map),
+                check_if_identity_free=False,
+                use_ipfs=False,
+                record_validators=record_validators,
+                startup_timeout=startup_timeout,
+                wait_timeout=wait_timeout,
+                **dht_kwargs,
+            )
+        dht.run_in_background(await_ready=True, timeout=ready_timeout)
+    except BaseException as e:
+        if dht is not None:
+            shutdown_dht(dht)
+        if isinstance(e, TimeoutError):
+            raise RuntimeError(f"DHT did not become ready within {ready_timeout:.0f} s") from e
+        if isinstance(e, Exception) and not isinstance(e, (ValueError, RuntimeError)):
+            raise RuntimeError(f"DHT failed to start: {type(e).__name__}: {e}") from e
+        raise
+    return dht
+
+
+@contextlib.contextmanager
+def _handled_signals_deferred():
+    """Hold back (in this thread) the signals that have a Python handler, e.g. SIGINT/SIGTERM, until exit.
+
+    torch's libshm starts ``torch_shm_manager`` on the first shared-memory tensor of a process (hivemind's
+    MPFuture makes one) and reads its handle with ``read()`` wrapped in a retry-on-EINTR macro that retries a
+    stored result: a signal caught by a Python handler at that moment makes the process spin at 100% CPU
+    forever. Deferring the signal for the duration avoids it; it is delivered on exit from this block.
+    """
+    handled = {s for s in signal.valid_signals() if callable(signal.getsignal(s))}
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, handled)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
+def _children(ppid: int) -> list[tuple[int, str]]:
+    """(pid, starttime) of live processes whose parent is ``ppid`` (Linux /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == ppid and fields[0] != "Z":
+            out.append((int(entry), fields[19]))
+    return out
+
+
+def _alive(pid: int, starttime: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[19] == starttime and fields[0] != "Z"
+
+
+def shutdown_dht(dht: "hivemind.DHT", timeout: float = 10.0) -> None:
+    """Shut a DHT down and make sure its p2pd is gone too.
+
+    ``hivemind.DHT.shutdown`` falls back to SIGTERM on the DHT process after a grace period, which
+    orphans p2pd; so remember the DHT process's children first and kill any that outlive it.
+    """
+    pid = dht.pid
+    children = _children(pid) if pid is not None and dht.is_alive() else []
+    try:
+        dht.shutdown()
+    finally:
+        deadline = time.monotonic() + timeout
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            left = [c for c in children if _alive(*c)]
+            for child_pid, _ in left:
+                try:
+                    os.kill(child_pid, sig)
+                except ProcessLookupError:
+                    pass
+            while left and time.monotonic() < deadline:
+                time.sleep(0.05)
+                left = [c for c in left if _alive(*c)]
+            if not left:
+                break
+            deadline = time.monotonic() + 2.0
+
+
+def visible_maddrs(dht: "hivemind.DHT") -> list[str]:
+    """This node's reachable multiaddrs (with ``/p2p/<id>``), minus unspecified hosts (0.0.0.0, ::)."""
+    out: list[str] = []
+    for maddr in dht.get_visible_maddrs(latest=True):
+        names = [p.name for p in maddr.protocols()]
+        if any((n, maddr.value_for_protocol(n)) in _UNSPECIFIED_HOSTS for n in ("ip4", "ip6") if n in names):
+            continue
+        if str(maddr) not in out:
+            out.append(str(maddr))
+    return out
+
+
+async def _peer_counts(_dht, node) -> tuple[int, int]:
+    routing_table = node.protocol.routing_table
+    in_buckets = sum(len(bucket.nodes_to_peer_id) for bucket in routing_table.buckets)
+    return in_buckets, len(await node.p2p.list_peers())
+
+
+def peer_counts(dht: "hivemind.DHT", timeout: float = 10.0) -> tuple[int, int]:
+    """(DHT peers in this node's routing table, open libp2p connections), asked inside the DHT process.
+
+    Bounded by ``timeout``: a plain ``run_coroutine`` blocks forever if the DHT process has died.
+    """
+    return dht.run_coroutine(_peer_counts, return_future=True).result(timeout=timeout)
+
+
+def paste_line(dht: "hivemind.DHT") -> str:
+    """The ready-to-paste line for other nodes: ``--initial-peers MADDR [MADDR ...]``."""
+    return "--initial-peers " + " ".join(visible_maddrs(dht))

@@ -1,0 +1,33 @@
+"""Shared fixtures: ``procs`` (processes killed, with their p2pd daemons, at teardown) and ``repo_python``."""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+import pytest
+
+from helpers import Proc, wait_for
+
+
+@pytest.fixture
+def repo_python() -> str:
+    """The virtualenv's python (the one running pytest): use it to start ``-m peer`` / ``-m bootstrap``."""
+    return sys.executable
+
+
+@pytest.fixture
+def procs():
+    """A list to append started ``Proc``s to. At teardown every process group still alive is SIGKILLed
+    (p2pd grandchildren included: they share the session) and nothing of theirs may remain."""
+    started: list[Proc] = []
+    yield started
+    for proc in started:
+        if proc.returncode is None or proc.session_pids():
+            proc.kill_group(signal.SIGKILL)
+    try:
+        wait_for(lambda: not any(p.session_pids() for p in started), timeout=10, what="killed process groups to go")
+    except TimeoutError:
+        pass
+    left = {p.pid: p.session_pids() for p in started if p.session_pids()}
+    assert not left, f"processes survived SIGKILL of their group (session leader pid -> pids): {left}"

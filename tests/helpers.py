@@ -1,0 +1,192 @@
+"""Process utilities for tests that start real processes (bootstrap nodes, peers).
+
+Every process runs in its own session (``start_new_session=True``), so the p2pd daemons that hivemind spawns
+under it stay in that session/process group: ``kill_group`` removes them even after the main process died,
+and ``session_pids`` tells whether anything is left. Waits are deadline-bounded polls, never bare sleeps.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable, Mapping, Sequence, TypeVar
+
+POLL_INTERVAL = 0.05
+TAIL_LINES = 40
+
+T = TypeVar("T")
+
+
+class ProcessExited(TimeoutError):
+    """The awaited log line cannot come any more: the process has exited (a kind of TimeoutError)."""
+
+
+def wait_for(predicate: Callable[[], T], timeout: float, what: str) -> T:
+    """Poll ``predicate`` until it returns something truthy (which is returned) or ``timeout`` s pass."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(POLL_INTERVAL)
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """Fields of /proc/PID/stat after the ``(comm)`` field: [state, ppid, pgrp, session, ...]."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    return raw.rsplit(")", 1)[1].split()
+
+
+def pids_in_session(sid: int) -> list[int]:
+    """Live (non-zombie) pids whose session id (field 6 of /proc/PID/stat) is ``sid``."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = _stat_fields(int(entry))
+            if fields is not None and fields[0] != "Z" and int(fields[3]) == sid:
+                out.append(int(entry))
+    return sorted(out)
+
+
+class Proc:
+    """A process started in a new session with stdout+stderr going to ``log_path``."""
+
+    def __init__(self, popen: subprocess.Popen, log_path: Path, args: Sequence[str]):
+        self.popen = popen
+        self.log_path = Path(log_path)
+        self.args = list(args)
+
+    @classmethod
+    def start(
+        cls,
+        args: Sequence[str],
+        *,
+        log_path: Path,
+        env: Mapping[str, str | None] | None = None,
+        cwd=None,
+    ) -> "Proc":
+        """Start ``args``. ``env`` is layered over ``os.environ`` (a value of None removes a variable);
+        ``PYTHONUNBUFFERED=1`` is always set so Python children write their log lines immediately."""
+        full_env = dict(os.environ)
+        for key, value in (env or {}).items():
+            if value is None:
+                full_env.pop(key, None)
+            else:
+                full_env[key] = str(value)
+        full_env["PYTHONUNBUFFERED"] = "1"
+        log_path = Path(log_path)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log:
+            popen = subprocess.Popen(
+                [str(a) for a in args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=full_env,
+                cwd=cwd,
+                start_new_session=True,
+            )
+        return cls(popen, log_path, args)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.poll()
+
+    def lines(self) -> list[str]:
+        """All lines written to the log so far (the last one may still be incomplete)."""
+        try:
+            return self.log_path.read_bytes().decode(errors="replace").splitlines()
+        except FileNotFoundError:
+            return []
+
+    def tail(self, n: int = TAIL_LINES) -> str:
+        return "\n".join(self.lines()[-n:])
+
+    def _complete_lines(self) -> list[str]:
+        try:
+            text = self.log_path.read_bytes().decode(errors="replace")
+        except FileNotFoundError:
+            return []
+        if text and not text.endswith("\n") and self.returncode is None:
+            text = text[: text.rfind("\n") + 1]  # the last line is still being written
+        return text.splitlines()
+
+    def wait_for_line(self, pattern: str, timeout: float, *, start: int = 0) -> re.Match:
+        """First match of regex ``pattern`` in a log line at index >= ``start``, within ``timeout`` s.
+
+        Raises ``TimeoutError`` (or its subclass ``ProcessExited`` as soon as the process has exited
+        without printing the line) with the last lines of the log in the message.
+        """
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        while True:
+            exited = self.returncode is not None  # read before the log: no line can be missed
+            for line in self._complete_lines()[start:]:
+                match = regex.search(line)
+                if match:
+                    return match
+            if exited:
+                raise ProcessExited(
+                    f"{self.args[:3]} exited with {self.returncode} before printing a line matching "
+                    f"{pattern!r}; last lines of {self.log_path}:\n{self.tail()}"
+                )
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"no line matching {pattern!r} within {timeout:g} s from {self.args[:3]}; "
+                    f"last lines of {self.log_path}:\n{self.tail()}"
+                )
+            time.sleep(POLL_INTERVAL)
+
+    def session_pids(self) -> list[int]:
+        """Pids still alive in this process's session (itself, p2pd daemons, other descendants)."""
+        return pids_in_session(self.pid)
+
+    def kill_group(self, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to the whole process group, and to any session member that changed its group."""
+        try:
+            os.killpg(self.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for pid in self.session_pids():
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if sig == signal.SIGKILL:
+            try:
+                self.popen.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def terminate(self, timeout: float) -> int:
+        """SIGTERM the main process and wait for its exit code; on timeout SIGKILL the group and raise."""
+        if self.returncode is None:
+            try:
+                self.popen.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        try:
+            return self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill_group(signal.SIGKILL)
+            raise TimeoutError(
+                f"{self.args[:3]} did not exit within {timeout:g} s of SIGTERM (killed its group); "
+                f"last lines of {self.log_path}:\n{self.tail()}"
+            ) from None
+
+    def __repr__(self) -> str:
+        return f"Proc(pid={self.pid}, returncode={self.returncode}, log={str(self.log_path)!r})"
