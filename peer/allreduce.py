@@ -191,6 +191,7 @@ class AllReduceResult:
     spans: list[Span]
     contributors: list[list[int]]
     traffic: Traffic = field(default_factory=Traffic)
+    total_weight: float = 0.0  # the largest total weight among the spans that arrived
 
     @property
     def complete(self) -> bool:
@@ -334,14 +335,16 @@ async def _drain(stream) -> None:
 
 
 def _span_from_responses(plan: GroupPlan, j: int, responses: list[pb.ReduceResponse]
-                         ) -> tuple[Optional[torch.Tensor], list[int], str]:
+                         ) -> tuple[Optional[torch.Tensor], list[int], str, float]:
     """Decodes a reducer's averaged span, or returns (None, [], reason) when it is unusable."""
     start, end = plan.spans[j]
     if not responses or responses[0].status != Status.OK:
-        return None, [], (responses[0].error if responses else "no response")
+        return None, [], (responses[0].error if responses else "no response"), 0.0
     contributors = list(responses[0].contributors)
-    if not contributors or any(c >= len(plan.peer_ids) for c in contributors):
-        return None, [], "invalid contributor list"
+    total = responses[0].total_weight
+    if not contributors or any(c >= len(plan.peer_ids) for c in contributors) or not (math.isfinite(total)
+                                                                                   and total > 0):
+        return None, [], "invalid contributor list or total weight", 0.0
     out = torch.empty(end - start, dtype=torch.float32)
     filled = 0
     try:
@@ -350,10 +353,10 @@ def _span_from_responses(plan: GroupPlan, j: int, responses: list[pb.ReduceRespo
             out[filled:filled + values.numel()] = values
             filled += values.numel()
     except CodecError as e:
-        return None, [], f"bad average: {e}"
+        return None, [], f"bad average: {e}", 0.0
     if filled != end - start:
-        return None, [], f"average covers {filled} of {end - start} elements"
-    return out, contributors, ""
+        return None, [], f"average covers {filled} of {end - start} elements", 0.0
+    return out, contributors, "", total
 
 
 async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, delta: torch.Tensor,
@@ -381,14 +384,15 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
             else:
                 tasks.append((j, asyncio.ensure_future(
                     _remote_span(p2p, plan, j, values, weight, chunk_elems, deadline, connect_timeout, traffic))))
-        spans, contributors = [], []
+        spans, contributors, total_weight = [], [], 0.0
         for j, task in tasks:
             start, end = plan.spans[j]
             try:
                 responses = await task
-                average, who, why = _span_from_responses(plan, j, responses)
+                average, who, why, total = _span_from_responses(plan, j, responses)
             except Exception as e:  # a dead or misbehaving reducer: this span is missing
-                average, who, why = None, [], f"{type(e).__name__}: {e}"
+                average, who, why, total = None, [], f"{type(e).__name__}: {e}", 0.0
+            total_weight = max(total_weight, total)
             if average is None:
                 log.warning("%s: span %d [%d, %d) from reducer %s is missing and NOT applied: %s", plan.label,
                             j, start, end, str(plan.peer_ids[j])[-8:], why)
@@ -402,7 +406,7 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
                 await asyncio.wait_for(red.idle.wait(), timeout=max(0.0, deadline - time.monotonic()))
         traffic.sent += red.sent_bytes()
         traffic.received += red.traffic.received
-        return AllReduceResult(spans, contributors, traffic)
+        return AllReduceResult(spans, contributors, traffic, total_weight)
     finally:
         asyncio.get_running_loop().call_later(max(0.0, deadline - time.monotonic()), servicer.unregister,
                                               plan.group_id)

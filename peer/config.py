@@ -30,6 +30,9 @@ from pathlib import Path
 from typing import Any
 
 
+CODEC_NAMES = ("e3m0", "fp8", "bf16", "fp32")  # peer/codec.py's CODECS (a test keeps them equal)
+
+
 class ConfigError(ValueError):
     """A configuration problem, reported to the user as one line (exit status 2)."""
 
@@ -132,10 +135,22 @@ class OuterConfig:
     """How blocks map to fragments: strided (p, p+P, ...; the paper's default) or sequential."""
     schedule: str = "steps"
     """When rounds happen: ``steps`` (lockstep on each peer's step counter, paper schedule)."""
-    codec: str = "fp32"
-    """Wire codec of outer gradients: fp32."""
+    codec: str = "e3m0"
+    """Wire codec of outer gradients: e3m0 (FP4, 4.5 bits/element), fp8, bf16 or fp32 (ablations)."""
+    error_feedback: bool = False
+    """Carry each round's codec rounding error into the next round's outer gradient (per fragment)."""
+    stochastic_rounding: bool = False
+    """Round FP4/FP8 codes stochastically (unbiased) instead of to nearest."""
     alpha: float = 0.0
     """Merge factor: theta <- alpha*theta + (1-alpha)*G after a round (0 = take the synced value)."""
+    tau: int = 0
+    """Overlap: inner steps this peer keeps training before it must have a round's aggregate (0..H)."""
+    eager: bool = False
+    """Eager updates: apply our own outer gradient at launch, corrected when the aggregate arrives."""
+    merge: str = "alpha"
+    """How a late aggregate meets local weights: alpha (Streaming DiLoCo) or replay (keep the tau steps)."""
+    wait_timeout: float = 100.0
+    """Seconds to wait at launch + tau for an aggregate before the round counts as missed."""
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, "outer.lr", "> 0", self.lr)
@@ -145,7 +160,10 @@ class OuterConfig:
         _check(self.fragment_pattern in ("strided", "sequential"), "outer.fragment_pattern", "strided or sequential",
                self.fragment_pattern)
         _check(self.schedule == "steps", "outer.schedule", "steps", self.schedule)
-        _check(self.codec == "fp32", "outer.codec", "fp32", self.codec)
+        _check(self.codec in CODEC_NAMES, "outer.codec", " or ".join(CODEC_NAMES), self.codec)
+        _check(0 <= self.tau <= self.sync_every, "outer.tau", "in [0, outer.sync_every]", self.tau)
+        _check(self.merge in ("alpha", "replay"), "outer.merge", "alpha or replay", self.merge)
+        _check(self.wait_timeout > 0, "outer.wait_timeout", "> 0 seconds", self.wait_timeout)
         _check(0 <= self.alpha <= 1, "outer.alpha", "in [0, 1]", self.alpha)
 
 
@@ -364,6 +382,10 @@ def build_config(toml_path: str | None, overrides: dict[tuple[str, str], Any],
     except TypeError as e:  # a programming error in overrides, not user input
         raise ConfigError(str(e)) from None
     cfg = PeerConfig(**sections)
+    rounds_take = cfg.swarm.matchmaking_timeout + cfg.swarm.allreduce_timeout
+    if cfg.outer.wait_timeout <= rounds_take:
+        raise ConfigError(f"outer.wait_timeout: must be > swarm.matchmaking_timeout + swarm.allreduce_timeout "
+                          f"({rounds_take:g}s) (got {cfg.outer.wait_timeout:g})")
     if not cfg.swarm.initial_peers and not cfg.swarm.new_swarm:
         raise ConfigError("--initial-peers is empty: pass the multiaddr printed by swarm-bootstrap "
                           "(is the variable you used unset?), or --new-swarm to start a new swarm")

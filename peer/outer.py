@@ -30,6 +30,26 @@ class Span:
 
 
 @dataclass
+class RoundOutcome:
+    """What one round of one fragment produced for this peer (from the swarm or a fake transport).
+
+    ``spans`` is empty unless ``status`` is ok/partial; ``total_weight`` is the group's summed weight.
+    """
+
+    fragment: int
+    round: int
+    status: str  # "ok" (all spans), "partial" (some missing), "no_group", "alone", "failed", "missed"
+    group_size: int = 0
+    spans: list[Span] = field(default_factory=list)
+    contributors: list[list[int]] = field(default_factory=list)
+    total_weight: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+    error: str = ""
+
+
+@dataclass
 class NesterovSGD:
     """DiLoCo's outer optimizer: ``torch.optim.SGD(nesterov=True)`` applied to the outer gradient.
 
@@ -45,6 +65,11 @@ class NesterovSGD:
         v.mul_(self.momentum).add_(delta)
         G.sub_(delta + self.momentum * v, alpha=self.lr)
 
+    @torch.no_grad()
+    def effect(self, v: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """How much one step with ``delta`` would move the parameters (``new G - G``), no state change."""
+        return -self.lr * (delta + self.momentum * (self.momentum * v + delta))
+
 
 @dataclass
 class FragmentState:
@@ -53,6 +78,8 @@ class FragmentState:
     G: torch.Tensor
     v: torch.Tensor
     S: torch.Tensor
+    E: Optional[torch.Tensor] = None  # eager term (zero when eager updates are off)
+    u: Optional[torch.Tensor] = None  # eager momentum (tau = H mode)
     round: int = 0
     tokens_since_sync: int = 0
     applied_rounds: list[int] = field(default_factory=list)
@@ -60,7 +87,8 @@ class FragmentState:
     @classmethod
     def from_params(cls, flat: torch.Tensor) -> "FragmentState":
         flat = flat.detach().to("cpu", torch.float32)
-        return cls(G=flat.clone(), v=torch.zeros_like(flat), S=flat.clone())
+        return cls(G=flat.clone(), v=torch.zeros_like(flat), S=flat.clone(), E=torch.zeros_like(flat),
+                   u=torch.zeros_like(flat))
 
     def outer_gradient(self, theta: torch.Tensor) -> torch.Tensor:
         """``Delta = S - theta``: how far this peer moved since its last sync of this fragment."""
@@ -72,14 +100,17 @@ class FragmentState:
 
 
 def apply_round(state: FragmentState, theta: torch.Tensor, spans: Sequence[Span], opt: NesterovSGD,
-                alpha: float) -> torch.Tensor:
-    """Applies one round's aggregate and merges it into the local weights; returns the new theta.
+                alpha: float, *, replay_from: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Applies one round's aggregate and merges it into the local weights.
 
-    Per arrived span: ``G, v <- Nesterov(G, v, avg)``; ``theta <- alpha*theta + (1-alpha)*G``
-    (Streaming DiLoCo Alg. 2 line 12); ``S <- G``. Missing spans change nothing.
-    Must be called with ``theta`` = this fragment's current flat fp32 parameters.
+    Per arrived span: ``G, v <- Nesterov(G, v, avg)``; ``E <- 0``; ``theta <- alpha*theta + (1-alpha)*G``
+    (Streaming DiLoCo Alg. 2 line 12) or, with ``replay_from`` (theta at launch), ``theta <- G +
+    (theta - replay_from)`` (keeps the local steps made since launch); ``S <- G``. Missing spans
+    change nothing. Must be called with ``theta`` = this fragment's current flat fp32 parameters.
+    Returns the new theta and a bool mask of the elements that received an aggregate.
     """
     theta = theta.clone()
+    applied = torch.zeros(theta.numel(), dtype=torch.bool)
     for span in spans:
         if span.average is None:
             continue
@@ -87,6 +118,11 @@ def apply_round(state: FragmentState, theta: torch.Tensor, spans: Sequence[Span]
         if span.average.shape != (span.end - span.start,):
             raise ValueError(f"span [{span.start}, {span.end}) got an average of shape {tuple(span.average.shape)}")
         opt.step_(state.G[sl], state.v[sl], span.average)
-        theta[sl] = alpha * theta[sl] + (1.0 - alpha) * state.G[sl]
+        state.E[sl] = 0
+        if replay_from is not None:
+            theta[sl] = state.G[sl] + (theta[sl] - replay_from[sl])
+        else:
+            theta[sl] = alpha * theta[sl] + (1.0 - alpha) * state.G[sl]
         state.S[sl] = state.G[sl]
-    return theta
+        applied[sl] = True
+    return theta, applied

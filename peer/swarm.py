@@ -14,38 +14,22 @@ import concurrent.futures
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
-from peer.allreduce import PROTOCOL_VERSION, AllReduceServicer, GroupError, GroupPlan, Traffic, run_allreduce
+from peer.allreduce import PROTOCOL_VERSION, AllReduceServicer, GroupError, GroupPlan, run_allreduce
 from peer.codec import codec_key, get_codec
 from peer.config import SwarmConfig
 from peer.dht_node import create_dht
 from peer.matchmaking import form_group, round_prefix
-from peer.outer import Span
+from peer.outer import RoundOutcome
 from peer.progress import ProgressRecord, make_validators, parse_records, progress_key
 from peer.proto import allreduce_pb2 as pb
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RoundOutcome:
-    """What one round produced for this peer. ``spans`` is empty unless ``status`` is ok/partial."""
-
-    fragment: int
-    round: int
-    status: str  # "ok" (all spans), "partial" (some spans missing), "no_group", "failed"
-    group_size: int = 0
-    spans: list[Span] = field(default_factory=list)
-    contributors: list[list[int]] = field(default_factory=list)
-    traffic: Traffic = field(default_factory=Traffic)
-    seconds: float = 0.0
-    error: str = ""
 
 
 class Swarm:
@@ -55,10 +39,10 @@ class Swarm:
     must be called after :meth:`start` and before :meth:`shutdown`.
     """
 
-    def __init__(self, cfg: SwarmConfig, *, run_key: str, codec: str, identity_path: str):
+    def __init__(self, cfg: SwarmConfig, *, run_key: str, codec, identity_path: str):
         self.cfg = cfg
-        self.run_key = f"{cfg.run_id}_{run_key}_{codec_key(codec)}"
-        self.codec = get_codec(codec)
+        self.codec = get_codec(codec)  # a name or a configured codec instance
+        self.run_key = f"{cfg.run_id}_{run_key}_{codec_key(self.codec.name)}"
         self.identity_path = identity_path
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="swarm-net", daemon=True)
@@ -176,7 +160,8 @@ class Swarm:
                                          part_timeout=self.cfg.part_timeout,
                                          allreduce_timeout=self.cfg.allreduce_timeout,
                                          connect_timeout=self.cfg.request_timeout, chunk_bytes=self.cfg.chunk_bytes)
-            out.spans, out.contributors, out.traffic = result.spans, result.contributors, result.traffic
+            out.spans, out.contributors, out.total_weight = result.spans, result.contributors, result.total_weight
+            out.bytes_sent, out.bytes_received = result.traffic.sent, result.traffic.received
             out.status = "ok" if result.complete else "partial"
             return out
         except GroupError as e:

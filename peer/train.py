@@ -1,18 +1,16 @@
 """The training loop: the one place that composes model, data, inner loop, outer state and swarm.
 
-One peer, per inner step: take a batch from its own shard, step AdamW. When the steps schedule
-says fragment p is due (``(t - t_p) mod H == 0``), compute ``Delta = S_p - theta_p``, run the
-round through the swarm and, when an aggregate arrived, apply it with the outer Nesterov step and
-merge it into the local weights (issue 2: blocking, tau = 0). Progress is published to the DHT
-every ``progress_period`` seconds. SIGINT/SIGTERM stop the loop between steps; a round in flight is
-abandoned (nothing of it is applied) and the peer leaves the swarm cleanly.
+One peer, per inner step: take a batch from its own shard, step AdamW, then let the
+:class:`~peer.streaming.StreamingEngine` launch the fragments that are due (``(t - t_p) mod H == 0``)
+through the swarm and apply the aggregates that are due (``launch + tau``). The swarm's heartbeat
+publishes our progress. SIGINT/SIGTERM stop the loop between steps; a round in flight is abandoned
+(nothing of it is applied) and the peer leaves the swarm cleanly.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import signal
 import threading
 import time
@@ -21,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from peer.codec import get_codec, make_codec
 from peer.config import PeerConfig
 from peer.data import make_source
 from peer.dht_node import ensure_identity
@@ -28,21 +27,12 @@ from peer.events import EventLog, StatusLine, setup_logging
 from peer.fragments import Fragment, partition
 from peer.inner import InnerLoop
 from peer.model import build_model, count_parameters
-from peer.outer import FragmentState, NesterovSGD, apply_round
-from peer.swarm import RoundOutcome, Swarm
+from peer.outer import FragmentState, RoundOutcome
+from peer.schedule import next_sync_step
+from peer.streaming import OuterSettings, StreamingEngine
+from peer.swarm import Swarm
 
 log = logging.getLogger(__name__)
-
-
-def fragment_offset(p: int, num_fragments: int, H: int) -> int:
-    """``t_p = round(p * H / P)``: fragment p's phase in the steps schedule."""
-    return round(p * H / num_fragments)
-
-
-def due_round(step: int, p: int, num_fragments: int, H: int) -> Optional[int]:
-    """The round fragment p syncs at after inner step ``step`` (1-based), or None if it is not due."""
-    since = step - fragment_offset(p, num_fragments, H)
-    return since // H if since > 0 and since % H == 0 else None
 
 
 def pick_device(name: str) -> torch.device:
@@ -90,7 +80,8 @@ class Trainer:
         run_hash = cfg.run_hash()
         log.info("resolved config (run hash %s): %s", run_hash, cfg.to_dict())
         # The DHT forks a process: start it before anything can initialize CUDA.
-        self.swarm = Swarm(cfg.swarm, run_key=run_hash, codec=cfg.outer.codec, identity_path=str(cfg.identity_path))
+        codec = make_codec(cfg.outer.codec, stochastic_rounding=True) if cfg.outer.stochastic_rounding else cfg.outer.codec
+        self.swarm = Swarm(cfg.swarm, run_key=run_hash, codec=codec, identity_path=str(cfg.identity_path))
         try:
             self.swarm.start()
             log.info("joined the swarm as %s; listening on %s", peer_id, " ".join(self.swarm.visible_maddrs()))
@@ -137,10 +128,17 @@ class Trainer:
         cfg = self.cfg
         model, blocks, source, inner = self._build()
         fragments = partition(model, blocks, cfg.outer.fragment_blocks, cfg.outer.fragment_pattern)
-        log.info("%d fragment(s) of %s elements (%s, %d blocks each)", len(fragments),
-                 [f.numel for f in fragments], cfg.outer.fragment_pattern, cfg.outer.fragment_blocks)
-        states = [FragmentState.from_params(f.flat()) for f in fragments]
-        outer_opt = NesterovSGD(lr=cfg.outer.lr, momentum=cfg.outer.momentum)
+        log.info("%d fragment(s) of %s elements (%s, %d blocks each); codec %s, tau %d, eager %s, merge %s",
+                 len(fragments), [f.numel for f in fragments], cfg.outer.fragment_pattern,
+                 cfg.outer.fragment_blocks, cfg.outer.codec, cfg.outer.tau, cfg.outer.eager, cfg.outer.merge)
+        settings = OuterSettings(H=cfg.outer.sync_every, lr=cfg.outer.lr, momentum=cfg.outer.momentum,
+                                 alpha=cfg.outer.alpha, tau=cfg.outer.tau, eager=cfg.outer.eager,
+                                 merge=cfg.outer.merge, wait_timeout=cfg.outer.wait_timeout)
+        transport = SwarmTransport(self)
+        engine = StreamingEngine(fragments, settings, transport, group_size_hint=lambda: self.peers_seen,
+                                 stop=self.stop.event, on_outcome=lambda f, st, o, step: self._report(label, f, st, o,
+                                                                                                    step),
+                                 error_feedback_codec=get_codec(cfg.outer.codec) if cfg.outer.error_feedback else None)
         floor = getattr(source, "entropy_floor", None)
         status = StatusLine(cfg.run.status_interval, label)
         self._wait_for_peers()
@@ -154,84 +152,73 @@ class Trainer:
             step += 1
             tokens_total += stats.tokens
             window_tokens += stats.tokens
-            for st in states:
-                st.tokens_since_sync += stats.tokens
+            engine.add_tokens(stats.tokens)
             if step % cfg.run.log_every == 0:
                 now = time.monotonic()
                 tok_s, window_tokens, window_t0 = window_tokens / max(now - window_t0, 1e-9), 0, now
                 self.events.emit("step", step=step, loss=stats.loss, ce=stats.ce, lr=stats.lr, tokens=tokens_total,
                                  tokens_per_second=tok_s, elapsed=now - t_start, floor=floor)
-            self.swarm.update_progress(step, states[0].round, tok_s)
-            for p, (frag, st) in enumerate(zip(fragments, states)):
-                r = due_round(step, p, P, H)
-                if r is not None and not self.stop.event.is_set():
-                    self._sync(frag, st, r, step, outer_opt, label)
-            next_sync = min(fragment_offset(p, P, H) + (due_round_floor(step, p, P, H) + 1) * H for p in range(P))
+            self.swarm.update_progress(step, engine.states[0].round, tok_s)
+            engine.launch_due(step)
+            engine.apply_due(step)
             status.maybe_show(step=step, loss=stats.ce, floor=floor, tok_s=tok_s, peers=self.peers_seen,
-                              next_sync=next_sync, up=self.bytes_up, down=self.bytes_down)
+                              next_sync=next_sync_step(step, P, H), up=self.bytes_up, down=self.bytes_down)
+        engine.abandon()
         reason = "stop signal" if self.stop.event.is_set() else f"max_steps={cfg.run.max_steps}"
         log.info("stopping after step %d (%s); %d rounds applied", step, reason, self.rounds_done)
         self.events.emit("stop", step=step, reason=reason, rounds=self.rounds_done, tokens=tokens_total)
         return 0
 
-    def _sync(self, frag: Fragment, st: FragmentState, r: int, step: int, outer_opt: NesterovSGD,
-              label: str) -> None:
-        """One blocking round of fragment ``frag`` (tau = 0): launch, wait, apply what arrived."""
-        cfg = self.cfg
-        try:
-            self.peers_seen = max(1, len(self.swarm.live_peers()))
-        except Exception as e:  # DHT hiccup: keep the last known count
-            log.debug("live peer lookup failed: %s", e)
-        if self.peers_seen < cfg.swarm.min_group_size:
-            # Alone in the run: no group can form; keep the progress for the next round, don't wait.
-            st.round = r
-            log.info("%s fragment %d round %d: skipped, %d live peer(s) < min_group_size %d", label, frag.index,
-                     r, self.peers_seen, cfg.swarm.min_group_size)
-            self.events.emit("round", fragment=frag.index, round=r, step=step, status="alone", group_size=1,
-                             bytes_sent=0, bytes_received=0, seconds=0.0, digest=st.digest(), spans_applied=0,
-                             spans_missing=0, weight=float(st.tokens_since_sync), contributors=[], error="")
-            return
-        theta = frag.flat()
-        delta = st.outer_gradient(theta)
-        weight = float(max(st.tokens_since_sync, 1))
-        fut = self.swarm.run_round(fragment=frag.index, round_=r, delta=delta, weight=weight, inner_step=step,
-                                   target_group_size=self.peers_seen)
-        deadline = time.monotonic() + cfg.swarm.matchmaking_timeout + cfg.swarm.allreduce_timeout + 10
-        outcome: Optional[RoundOutcome] = None
-        while outcome is None and time.monotonic() < deadline:
-            if self.stop.event.is_set():
-                fut.cancel()
-                log.info("%s fragment %d round %d: abandoned on stop (nothing applied)", label, frag.index, r)
-                return
-            try:
-                outcome = fut.result(timeout=0.2)
-            except TimeoutError:
-                continue
-        if outcome is None:
-            fut.cancel()
-            outcome = RoundOutcome(frag.index, r, "failed", error="round did not finish within its timeouts")
-        st.round = r
-        applied = [s for s in outcome.spans if s.average is not None]
-        if applied:
-            frag.assign(apply_round(st, theta, outcome.spans, outer_opt, cfg.outer.alpha))
-            st.tokens_since_sync = 0
-            st.applied_rounds.append(r)
-            self.rounds_done += 1
-        self.bytes_up += outcome.traffic.sent
-        self.bytes_down += outcome.traffic.received
+    def _report(self, label: str, frag: Fragment, st: FragmentState, outcome: RoundOutcome, step: int) -> None:
+        """Logs one applied (or missed) round: a readable line and a JSON ``round`` event."""
+        applied = sum(s.average is not None for s in outcome.spans)
+        self.rounds_done += applied > 0
+        self.bytes_up += outcome.bytes_sent
+        self.bytes_down += outcome.bytes_received
         digest = st.digest()
-        missing = len(outcome.spans) - len(applied)
-        msg = (f"{label} fragment {frag.index} round {r}: {outcome.status}, group {outcome.group_size}, "
-               f"{len(applied)}/{len(outcome.spans)} spans applied, up {outcome.traffic.sent} B down "
-               f"{outcome.traffic.received} B in {outcome.seconds:.2f}s, digest {digest[:12]}")
-        (log.info if outcome.status == "ok" else log.warning)(msg + (f" ({outcome.error})" if outcome.error else ""))
-        self.events.emit("round", fragment=frag.index, round=r, step=step, status=outcome.status,
-                         group_size=outcome.group_size, bytes_sent=outcome.traffic.sent,
-                         bytes_received=outcome.traffic.received, seconds=outcome.seconds, digest=digest,
-                         spans_applied=len(applied), spans_missing=missing, weight=weight,
+        missing = len(outcome.spans) - applied
+        msg = (f"{label} fragment {frag.index} round {outcome.round}: {outcome.status}, group {outcome.group_size}, "
+               f"{applied}/{len(outcome.spans)} spans applied, up {outcome.bytes_sent} B down "
+               f"{outcome.bytes_received} B in {outcome.seconds:.2f}s, digest {digest[:12]}")
+        quiet = outcome.status in ("ok", "alone")
+        (log.info if quiet else log.warning)(msg + (f" ({outcome.error})" if outcome.error else ""))
+        self.events.emit("round", fragment=frag.index, round=outcome.round, step=step, status=outcome.status,
+                         numel=frag.numel,
+                         group_size=outcome.group_size, bytes_sent=outcome.bytes_sent,
+                         bytes_received=outcome.bytes_received, seconds=outcome.seconds, digest=digest,
+                         spans_applied=applied, spans_missing=missing, total_weight=outcome.total_weight,
                          contributors=outcome.contributors, error=outcome.error)
 
 
-def due_round_floor(step: int, p: int, num_fragments: int, H: int) -> int:
-    """Rounds of fragment p already due by ``step`` (0 before its first sync)."""
-    return max(0, (step - fragment_offset(p, num_fragments, H)) // H)
+class _Done:
+    """A handle for a round that finished before it started (e.g. no one to average with)."""
+
+    def __init__(self, outcome: RoundOutcome):
+        self.outcome = outcome
+
+    def result(self, timeout: Optional[float] = None) -> RoundOutcome:
+        return self.outcome
+
+    def cancel(self) -> bool:
+        return False
+
+
+class SwarmTransport:
+    """The engine's Transport over the swarm: refreshes the live peer count, skips rounds alone."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+
+    def launch(self, *, fragment: int, round_: int, delta: torch.Tensor, weight: float, step: int):
+        tr, cfg = self.trainer, self.trainer.cfg
+        try:
+            tr.peers_seen = max(1, len(tr.swarm.live_peers()))
+        except Exception as e:  # DHT hiccup: keep the last known count
+            log.debug("live peer lookup failed: %s", e)
+        if tr.peers_seen < cfg.swarm.min_group_size:
+            # Alone in the run: no group can form; the progress is kept for the next round.
+            return _Done(RoundOutcome(fragment, round_, "alone", group_size=1,
+                                      error=f"{tr.peers_seen} live peer(s) < min_group_size "
+                                            f"{cfg.swarm.min_group_size}"))
+        return tr.swarm.run_round(fragment=fragment, round_=round_, delta=delta, weight=weight, inner_step=step,
+                                  target_group_size=tr.peers_seen)

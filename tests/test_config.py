@@ -83,3 +83,15 @@ def test_cli_help_works():
     proc = subprocess.run([sys.executable, "-m", "peer", "run", "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0
     assert "--initial-peers" in proc.stdout and "SWARM_INITIAL_PEERS" in proc.stdout
+
+
+def test_codec_names_match_the_codec_registry():
+    from peer.codec import CODECS
+    from peer.config import CODEC_NAMES
+
+    assert set(CODEC_NAMES) == set(CODECS)
+
+
+def test_wait_timeout_must_cover_a_round():
+    with pytest.raises(ConfigError, match="outer.wait_timeout"):
+        build_config(None, {**NEW, ("outer", "wait_timeout"): 10.0}, environ={})

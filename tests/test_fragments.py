@@ -6,7 +6,7 @@ from torch import nn
 
 from peer.fragments import block_assignment, partition, unique_named_parameters
 from peer.model import build_model
-from peer.train import due_round, fragment_offset
+from peer.schedule import due_round, fragment_offset, next_sync_step
 
 
 def test_block_layouts():
@@ -82,3 +82,8 @@ def test_schedule_offsets_and_cadence(H, P):
     everything = sorted(t for ts in syncs.values() for t in ts)
     gaps = {b - a for a, b in zip(everything, everything[1:])}
     assert max(gaps) <= -(-H // P)  # some fragment syncs every ~H/P steps
+
+
+def test_next_sync_step():
+    # P = 2, H = 20: fragment 0 syncs at 20, 40, ...; fragment 1 (offset 10) at 30, 50, ...
+    assert [next_sync_step(t, 2, 20) for t in (0, 19, 20, 29, 30, 40)] == [20, 20, 30, 30, 40, 50]

@@ -24,7 +24,7 @@ def test_outer_step_equals_algorithm_1_by_hand():
         workers = [G_ref + 0.1 * torch.randn(10) for _ in range(3)]
         weights = [100.0, 300.0, 200.0]
         avg = sum(w * (st.S - th) for w, th in zip(weights, workers)) / sum(weights)
-        new_theta = apply_round(st, workers[0], [Span(0, 10, avg)], opt, alpha=0.0)
+        new_theta, _ = apply_round(st, workers[0], [Span(0, 10, avg)], opt, alpha=0.0)
         G_ref, v_ref = diloco_by_hand(G_ref, workers, weights, 0.7, 0.9, v_ref)
         torch.testing.assert_close(st.G, G_ref, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(st.v, v_ref, rtol=1e-6, atol=1e-6)
@@ -50,7 +50,8 @@ def test_alpha_merge_and_missing_span_keeps_progress():
     theta = torch.full((8,), -1.0)  # moved by -1 everywhere: Delta = +1
     delta = st.outer_gradient(theta)
     spans = [Span(0, 4, delta[:4]), Span(4, 8, None)]  # the second reducer died
-    new = apply_round(st, theta, spans, NesterovSGD(lr=1.0, momentum=0.0), alpha=0.25)
+    new, applied = apply_round(st, theta, spans, NesterovSGD(lr=1.0, momentum=0.0), alpha=0.25)
+    assert applied.tolist() == [True] * 4 + [False] * 4
     # applied span: G = 0 - 1*1 = -1; theta = 0.25*(-1) + 0.75*(-1) = -1; S = G
     torch.testing.assert_close(st.G[:4], torch.full((4,), -1.0))
     torch.testing.assert_close(new[:4], torch.full((4,), -1.0))

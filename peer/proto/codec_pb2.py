@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0b\x63odec.proto\x12\tswarmloco\"\x85\x01\n\rEncodedTensor\x12\r\n\x05\x63odec\x18\x01 \x01(\t\x12\x15\n\rcodec_version\x18\x02 \x01(\r\x12\r\n\x05numel\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0e\n\x06scales\x18\x05 \x01(\x0c\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\r\n\x05shape\x18\x07 \x03(\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0b\x63odec.proto\x12\tswarmloco\"\x95\x01\n\rEncodedTensor\x12\r\n\x05\x63odec\x18\x01 \x01(\t\x12\x15\n\rcodec_version\x18\x02 \x01(\r\x12\r\n\x05numel\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0e\n\x06scales\x18\x05 \x01(\x0c\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\r\n\x05shape\x18\x07 \x03(\x04\x12\x0e\n\x06scalar\x18\x08 \x01(\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,5 +32,5 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'codec_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ENCODEDTENSOR']._serialized_start=27
-  _globals['_ENCODEDTENSOR']._serialized_end=160
+  _globals['_ENCODEDTENSOR']._serialized_end=176
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,100 @@
+"""In-process simulator: M replicas of the outer algorithm with a fake transport, no sockets.
+
+The place where the math is tested and ablated (tests/test_streaming_reference.py, bench/): every
+replica runs the real :class:`peer.streaming.StreamingEngine`; :class:`FakeTransport` completes
+round (p, r) once all M replicas launched it, with the same semantics as the swarm's butterfly
+all-reduce: each part goes through the wire codec, the token-weighted FP32 average is encoded
+once and every replica decodes the same bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from peer.codec import Codec, get_codec
+from peer.outer import RoundOutcome, Span
+from peer.streaming import StreamingEngine
+
+
+class _Handle:
+    def __init__(self, transport: "FakeTransport", key: tuple[int, int]):
+        self._transport, self._key = transport, key
+
+    def result(self, timeout: Optional[float] = None) -> RoundOutcome:
+        outcome = self._transport.outcome(self._key)
+        if outcome is None:
+            raise TimeoutError(f"round {self._key} is still missing parts")
+        return outcome
+
+    def cancel(self) -> bool:
+        return False
+
+
+class _Endpoint:
+    def __init__(self, transport: "FakeTransport", index: int):
+        self._transport, self._index = transport, index
+
+    def launch(self, *, fragment: int, round_: int, delta: torch.Tensor, weight: float, step: int) -> _Handle:
+        self._transport.submit((fragment, round_), self._index, delta, weight)
+        return _Handle(self._transport, (fragment, round_))
+
+
+class FakeTransport:
+    """Shared by M engines; ``endpoint(m)`` is replica m's Transport."""
+
+    def __init__(self, num_replicas: int, codec: str | Codec = "fp32"):
+        self.num_replicas = num_replicas
+        self.codec = get_codec(codec)
+        self._parts: dict[tuple[int, int], dict[int, tuple[torch.Tensor, float]]] = {}
+        self._done: dict[tuple[int, int], RoundOutcome] = {}
+        self.bytes_per_round: dict[tuple[int, int], int] = {}
+
+    def endpoint(self, index: int) -> _Endpoint:
+        return _Endpoint(self, index)
+
+    def _roundtrip(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        msg = self.codec.encode_flat(x)
+        return self.codec.decode_flat(msg), msg.ByteSize()
+
+    def submit(self, key: tuple[int, int], index: int, delta: torch.Tensor, weight: float) -> None:
+        parts = self._parts.setdefault(key, {})
+        parts[index] = (delta.clone(), weight)
+        if len(parts) == self.num_replicas:
+            total = sum(w for _, w in parts.values())
+            acc = torch.zeros_like(delta)
+            nbytes = 0
+            for i in sorted(parts):
+                decoded, size = self._roundtrip(parts[i][0])
+                acc += parts[i][1] * decoded
+                nbytes += size
+            average, size = self._roundtrip(acc / total)  # encoded once, decoded identically by all
+            self.bytes_per_round[key] = nbytes + size * self.num_replicas
+            self._done[key] = RoundOutcome(key[0], key[1], "ok", group_size=self.num_replicas,
+                                           spans=[Span(0, delta.numel(), average)],
+                                           contributors=[sorted(parts)], total_weight=total)
+            del self._parts[key]
+
+    def outcome(self, key: tuple[int, int]) -> Optional[RoundOutcome]:
+        return self._done.get(key)
+
+
+@dataclass
+class Replica:
+    """One simulated peer: ``inner_step()`` runs one inner step on its model and returns its tokens."""
+
+    inner_step: Callable[[], int]
+    engine: StreamingEngine
+
+
+def run_lockstep(replicas: list[Replica], steps: int, *, start: int = 0) -> None:
+    """Steps every replica ``steps`` times in lockstep: inner step, then all launches, then all applies."""
+    for step in range(start + 1, start + steps + 1):
+        for rep in replicas:
+            rep.engine.add_tokens(rep.inner_step())
+        for rep in replicas:
+            rep.engine.launch_due(step)
+        for rep in replicas:
+            rep.engine.apply_due(step)

@@ -1,0 +1,242 @@
+"""The Streaming DiLoCo outer engine of one peer: launch, overlap tau, eager updates, merge.
+
+Pure torch; the network is behind a :class:`Transport`, so the same engine runs in the swarm
+(``peer/train.py``) and in the in-process simulator (``peer/simulator.py``). Per inner step the
+caller runs :meth:`StreamingEngine.launch_due` then :meth:`StreamingEngine.apply_due` (the
+simulator runs phase 1 on every replica before phase 2, so a lockstep fake transport never
+deadlocks).
+
+Modes (ALGORITHM.md sections 4-5):
+
+- ``0 <= tau < H`` (Streaming DiLoCo Alg. 2): fragment p's round launched at step t is applied at
+  step t + tau: ``G, v <- Nesterov(G, v, avg)``; merge ``theta <- alpha*theta + (1-alpha)*G`` or, with
+  ``merge="replay"``, ``theta <- G + (theta - theta@launch)`` (keeps the tau local steps); ``S <- G``.
+  Eager (tau > 0): at launch the peer jumps to its predicted own share,
+  ``E = effect(v, (w/W)*Delta)``, merged like an aggregate; at arrival ``E <- 0``.
+  tau = 0 with eager off is exactly Streaming DiLoCo Alg. 2 (and DiLoCo Alg. 1 for P = 1).
+- ``tau = H`` (the eager paper's one-outer-step overlap): round r's aggregate is applied at the
+  next sync event of p, together with an eager step on the peer's own fresh outer gradient:
+  ``G, v <- Nesterov(G, v, avg(r-1))``; ``E, u <- Nesterov(E, u, (w/W)(Delta(r) - Delta(r-1)))``
+  (eager on; off = naive delayed); ``theta <- G + E``; ``S <- G + E``. Nesterov is linear in its
+  gradient sequence, so ``G + E`` equals Alg. 3's per-replica outer parameters exactly. At the
+  first event nothing is applied (Alg. 3's ``t > H``): ``E <- theta - G``, ``S <- theta``.
+
+Failure semantics: a missing span (or a whole missed round) changes neither G nor v there; the
+eager jump is undone there, so the peer's progress stays in ``S - theta`` for its next round, and
+the round's tokens are carried into the next weight.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Protocol
+
+import torch
+
+from peer.codec import Codec, ErrorFeedback, roundtrip
+from peer.fragments import Fragment
+from peer.outer import FragmentState, NesterovSGD, RoundOutcome, apply_round
+from peer.schedule import due_round
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class OuterSettings:
+    H: int
+    """Inner steps between two syncs of the same fragment."""
+    lr: float = 0.7
+    """Outer Nesterov learning rate."""
+    momentum: float = 0.9
+    """Outer Nesterov momentum."""
+    alpha: float = 0.0
+    """Merge factor for tau < H: theta <- alpha*theta + (1-alpha)*(G + E)."""
+    tau: int = 0
+    """Inner steps a peer trains before it must have a round's aggregate (0..H)."""
+    eager: bool = False
+    """Apply the peer's own share at launch (tau > 0) / the eager machine (tau = H)."""
+    merge: str = "alpha"
+    """How an aggregate arriving tau steps after launch meets the local weights: alpha or replay."""
+    wait_timeout: float = 120.0
+    """Seconds to wait at launch + tau for a late aggregate before the round counts as missed."""
+
+    def __post_init__(self) -> None:
+        if self.H < 1 or not 0 <= self.tau <= self.H:
+            raise ValueError(f"need H >= 1 and 0 <= tau <= H (got H={self.H}, tau={self.tau})")
+        if self.merge not in ("alpha", "replay") or not 0 <= self.alpha <= 1:
+            raise ValueError(f"merge must be alpha or replay and alpha in [0, 1] (got {self.merge}, {self.alpha})")
+
+
+class Handle(Protocol):
+    """A launched round. ``result`` raises ``TimeoutError`` if it is not in within ``timeout``."""
+
+    def result(self, timeout: Optional[float] = None) -> RoundOutcome: ...
+
+    def cancel(self) -> bool: ...
+
+
+class Transport(Protocol):
+    def launch(self, *, fragment: int, round_: int, delta: torch.Tensor, weight: float, step: int) -> Handle: ...
+
+
+@dataclass
+class Pending:
+    """A round in flight: what was sent and what to undo if it never arrives."""
+
+    round: int
+    launch_step: int
+    delta: torch.Tensor
+    weight: float
+    handle: Handle
+    theta_at_launch: torch.Tensor  # after the eager jump (for the replay merge)
+    jump: Optional[torch.Tensor]  # the eager jump applied at launch (undone where nothing arrives)
+
+
+class StreamingEngine:
+    """Outer state and round bookkeeping of one peer. Create after the model's initial weights are
+    set (identically on every peer); call :meth:`launch_due` then :meth:`apply_due` after each step."""
+
+    def __init__(self, fragments: list[Fragment], settings: OuterSettings, transport: Transport, *,
+                 group_size_hint: Callable[[], int] = lambda: 1, stop: Optional[threading.Event] = None,
+                 on_outcome: Callable[[Fragment, FragmentState, RoundOutcome, int], None] = lambda *a: None,
+                 error_feedback_codec: Optional[Codec] = None):
+        self.fragments = fragments
+        self.cfg = settings
+        self.transport = transport
+        self.opt = NesterovSGD(lr=settings.lr, momentum=settings.momentum)
+        self.states = [FragmentState.from_params(f.flat()) for f in fragments]
+        self.pending: list[list[Pending]] = [[] for _ in fragments]
+        self.last_share: list[Optional[float]] = [None] * len(fragments)  # our w/W in the last aggregate
+        self.group_size_hint = group_size_hint
+        self.stop = stop or threading.Event()
+        self.on_outcome = on_outcome
+        # Optional error feedback: the codec's rounding error of what we sent is added to our next Delta.
+        self.ef_codec = error_feedback_codec
+        self.error_feedback = [ErrorFeedback() for _ in fragments] if error_feedback_codec is not None else None
+
+    @property
+    def one_outer_step(self) -> bool:
+        return self.cfg.tau == self.cfg.H
+
+    def add_tokens(self, tokens: int) -> None:
+        for st in self.states:
+            st.tokens_since_sync += tokens
+
+    def _share(self, p: int) -> float:
+        """w / W: this peer's expected share of the group's weight, estimated as its share in the
+        fragment's last aggregate (1/M for equal peers; phases of different length cancel out)."""
+        return self.last_share[p] or 1.0 / max(1, self.group_size_hint())
+
+    def _record_share(self, p: int, pend: Pending, outcome: RoundOutcome) -> None:
+        if outcome.total_weight > 0:
+            self.last_share[p] = min(1.0, pend.weight / outcome.total_weight)
+
+    # ---- phase 1 ---------------------------------------------------------------------------
+    def launch_due(self, step: int) -> None:
+        """Launches every fragment whose round is due after inner step ``step``."""
+        P = len(self.fragments)
+        for p, (frag, st) in enumerate(zip(self.fragments, self.states)):
+            r = due_round(step, p, P, self.cfg.H)
+            if r is None or self.stop.is_set():
+                continue
+            theta = frag.flat()
+            delta = st.outer_gradient(theta)
+            weight = float(max(st.tokens_since_sync, 1))
+            st.tokens_since_sync = 0
+            if self.error_feedback is not None:
+                delta = self.error_feedback[p].compensate(delta)
+                self.error_feedback[p].update(delta, roundtrip(delta, self.ef_codec))
+            handle = self.transport.launch(fragment=p, round_=r, delta=delta, weight=weight, step=step)
+            jump = None
+            if self.cfg.eager and 0 < self.cfg.tau < self.cfg.H:
+                # Apply our own share now; the aggregate corrects it when it arrives.
+                st.E = self.opt.effect(st.v, self._share(p) * delta)
+                merged = self._merged(theta, st.G + st.E)
+                jump = merged - theta
+                frag.assign(merged)
+                theta = merged
+            self.pending[p].append(Pending(r, step, delta, weight, handle, theta, jump))
+
+    # ---- phase 2 ---------------------------------------------------------------------------
+    def apply_due(self, step: int) -> None:
+        """Applies every aggregate due at ``step`` (launch + tau); blocks up to wait_timeout for it."""
+        for p, queue in enumerate(self.pending):
+            while queue and queue[0].launch_step + self.cfg.tau <= step:
+                if self.one_outer_step and queue[0].launch_step + self.cfg.tau < step:
+                    break  # tau = H: applied at the next event only (it has the fresh Delta)
+                if self.one_outer_step and len(queue) < 2:
+                    break
+                pend = queue.pop(0)
+                outcome = self._wait(pend, p)
+                if self.one_outer_step:
+                    self._apply_one_outer_step(p, pend, queue[0], outcome)
+                else:
+                    self._apply_streaming(p, pend, outcome)
+                self.states[p].round = pend.round
+                self.on_outcome(self.fragments[p], self.states[p], outcome, step)
+        if self.one_outer_step:
+            self._first_events(step)
+
+    def _first_events(self, step: int) -> None:
+        # Alg. 3 applies nothing at its first sync (t = H): the replica keeps its local weights as the
+        # start of the next phase; E holds that divergence from the shared G.
+        for p, queue in enumerate(self.pending):
+            if len(queue) == 1 and queue[0].round == 1 and queue[0].launch_step == step:
+                st, theta = self.states[p], self.fragments[p].flat()
+                st.E = theta - st.G
+                st.S = theta.clone()
+
+    def _wait(self, pend: Pending, p: int) -> RoundOutcome:
+        deadline = time.monotonic() + self.cfg.wait_timeout
+        while True:
+            try:
+                return pend.handle.result(timeout=min(0.2, max(0.0, deadline - time.monotonic())))
+            except TimeoutError:
+                if self.stop.is_set() or time.monotonic() >= deadline:
+                    pend.handle.cancel()
+                    why = "stopping" if self.stop.is_set() else f"not in within wait_timeout {self.cfg.wait_timeout}s"
+                    return RoundOutcome(p, pend.round, "missed", error=why)
+
+    def _merged(self, theta: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.cfg.alpha * theta + (1.0 - self.cfg.alpha) * target
+
+    def _apply_streaming(self, p: int, pend: Pending, outcome: RoundOutcome) -> None:
+        frag, st = self.fragments[p], self.states[p]
+        replay = pend.theta_at_launch if self.cfg.merge == "replay" else None
+        theta, applied = apply_round(st, frag.flat(), outcome.spans, self.opt, self.cfg.alpha, replay_from=replay)
+        if pend.jump is not None:  # nothing arrived there: undo our eager jump, keep the progress
+            missing = ~applied
+            theta[missing] -= pend.jump[missing]
+            st.E[missing] = 0
+        frag.assign(theta)
+        if bool(applied.any()):
+            st.applied_rounds.append(pend.round)
+            self._record_share(p, pend, outcome)
+        else:
+            st.tokens_since_sync += int(pend.weight)
+
+    def _apply_one_outer_step(self, p: int, prev: Pending, fresh: Pending, outcome: RoundOutcome) -> None:
+        frag, st = self.fragments[p], self.states[p]
+        arrived = [s for s in outcome.spans if s.average is not None]
+        for span in arrived:
+            sl = slice(span.start, span.end)
+            self.opt.step_(st.G[sl], st.v[sl], span.average)
+        if arrived:
+            self._record_share(p, prev, outcome)
+        if self.cfg.eager:
+            self.opt.step_(st.E, st.u, self._share(p) * (fresh.delta - prev.delta))
+        local_view = st.G + st.E
+        frag.assign(self._merged(frag.flat(), local_view))
+        st.S = local_view.clone()
+        if arrived:
+            st.applied_rounds.append(prev.round)
+
+    def abandon(self) -> None:
+        """Cancels every round in flight (on stop): nothing of them is applied."""
+        for queue in self.pending:
+            for pend in queue:
+                pend.handle.cancel()
+            queue.clear()
