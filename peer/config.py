@@ -143,8 +143,11 @@ class OuterConfig:
     """Round FP4/FP8 codes stochastically (unbiased) instead of to nearest."""
     alpha: float = 0.0
     """Merge factor: theta <- alpha*theta + (1-alpha)*G after a round (0 = take the synced value)."""
-    tau: int = 0
-    """Overlap: inner steps this peer keeps training before it must have a round's aggregate (0..H)."""
+    tau: int | str = 0
+    """Overlap: inner steps this peer trains before it must have a round's aggregate (0..H), or
+    ``auto``: from this peer's measured round time and step time, at most tau_max."""
+    tau_max: int = 10
+    """Upper bound of ``tau = auto``."""
     eager: bool = False
     """Eager updates: apply our own outer gradient at launch, corrected when the aggregate arrives."""
     merge: str = "alpha"
@@ -161,7 +164,10 @@ class OuterConfig:
                self.fragment_pattern)
         _check(self.schedule == "steps", "outer.schedule", "steps", self.schedule)
         _check(self.codec in CODEC_NAMES, "outer.codec", " or ".join(CODEC_NAMES), self.codec)
-        _check(0 <= self.tau <= self.sync_every, "outer.tau", "in [0, outer.sync_every]", self.tau)
+        _check(self.tau == "auto" or (isinstance(self.tau, int) and 0 <= self.tau <= self.sync_every), "outer.tau",
+               "auto or an integer in [0, outer.sync_every]", self.tau)
+        _check(self.tau_max >= 1, "outer.tau_max", ">= 1 (auto tau is also kept below outer.sync_every)",
+               self.tau_max)
         _check(self.merge in ("alpha", "replay"), "outer.merge", "alpha or replay", self.merge)
         _check(self.wait_timeout > 0, "outer.wait_timeout", "> 0 seconds", self.wait_timeout)
         _check(0 <= self.alpha <= 1, "outer.alpha", "in [0, 1]", self.alpha)
@@ -262,6 +268,9 @@ BARE_SECTIONS = ("run", "swarm")  # their flags carry no section prefix
 LOCAL_KEYS = {"swarm": {"initial_peers", "new_swarm", "host_maddrs", "announce_maddrs", "identity_path",
                         "client_mode", "nat_port_map", "min_peers", "start_timeout", "startup_timeout"},
               "data": {"source", "paths", "batch_size", "shard"}, "inner": {"device", "threads"},
+              # per-peer choices that change only this peer's local weights, never the shared G, v
+              "outer": {"tau", "tau_max", "eager", "merge", "alpha", "wait_timeout", "error_feedback",
+                        "stochastic_rounding"},
               "run": {"run_dir", "max_steps", "log_json", "log_every", "status_interval", "log_level"}}
 
 
@@ -322,6 +331,8 @@ def parse_scalar(section: str, key: str, typ: Any, raw: str) -> Any:
             return int(raw)
         if typ is float:
             return float(raw)
+        if typ == int | str:
+            return int(raw) if raw.strip().lstrip("-").isdigit() else raw.strip()
         if typ == list[str]:
             return [item for item in raw.replace(",", " ").split() if item]
         return raw
@@ -333,6 +344,10 @@ def _coerce_toml(section: str, key: str, typ: Any, value: Any, source: str) -> A
     where = f"{section}.{key}"
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if typ == int | str:
+        if isinstance(value, (int, str)) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where} in {source}: expected an integer or a name (got {value!r})")
     if typ == list[str]:
         if isinstance(value, str):
             return [value]

@@ -47,6 +47,7 @@ class RoundOutcome:
     bytes_received: int = 0
     seconds: float = 0.0
     error: str = ""
+    launch_step: int = 0  # set by the engine: the inner step the round was launched after
 
 
 @dataclass

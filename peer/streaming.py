@@ -29,6 +29,7 @@ the round's tokens are carried into the next weight.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -91,6 +92,7 @@ class Pending:
     delta: torch.Tensor
     weight: float
     handle: Handle
+    tau: int  # this round's overlap (fixed at launch; ``tau = auto`` may change between rounds)
     theta_at_launch: torch.Tensor  # after the eager jump (for the replay merge)
     jump: Optional[torch.Tensor]  # the eager jump applied at launch (undone where nothing arrives)
 
@@ -102,7 +104,7 @@ class StreamingEngine:
     def __init__(self, fragments: list[Fragment], settings: OuterSettings, transport: Transport, *,
                  group_size_hint: Callable[[], int] = lambda: 1, stop: Optional[threading.Event] = None,
                  on_outcome: Callable[[Fragment, FragmentState, RoundOutcome, int], None] = lambda *a: None,
-                 error_feedback_codec: Optional[Codec] = None):
+                 error_feedback_codec: Optional[Codec] = None, tau_fn: Optional[Callable[[], int]] = None):
         self.fragments = fragments
         self.cfg = settings
         self.transport = transport
@@ -113,6 +115,8 @@ class StreamingEngine:
         self.group_size_hint = group_size_hint
         self.stop = stop or threading.Event()
         self.on_outcome = on_outcome
+        self.tau_fn = tau_fn  # tau = auto: asked at each launch (kept in [0, H - 1])
+        self.blocked_seconds = 0.0  # time spent waiting for aggregates (compute utilization)
         # Optional error feedback: the codec's rounding error of what we sent is added to our next Delta.
         self.ef_codec = error_feedback_codec
         self.error_feedback = [ErrorFeedback() for _ in fragments] if error_feedback_codec is not None else None
@@ -150,27 +154,29 @@ class StreamingEngine:
                 delta = self.error_feedback[p].compensate(delta)
                 self.error_feedback[p].update(delta, roundtrip(delta, self.ef_codec))
             handle = self.transport.launch(fragment=p, round_=r, delta=delta, weight=weight, step=step)
+            tau = self.cfg.tau if self.tau_fn is None else max(0, min(self.cfg.H - 1, self.tau_fn()))
             jump = None
-            if self.cfg.eager and 0 < self.cfg.tau < self.cfg.H:
+            if self.cfg.eager and 0 < tau < self.cfg.H:
                 # Apply our own share now; the aggregate corrects it when it arrives.
                 st.E = self.opt.effect(st.v, self._share(p) * delta)
                 merged = self._merged(theta, st.G + st.E)
                 jump = merged - theta
                 frag.assign(merged)
                 theta = merged
-            self.pending[p].append(Pending(r, step, delta, weight, handle, theta, jump))
+            self.pending[p].append(Pending(r, step, delta, weight, handle, tau, theta, jump))
 
     # ---- phase 2 ---------------------------------------------------------------------------
     def apply_due(self, step: int) -> None:
         """Applies every aggregate due at ``step`` (launch + tau); blocks up to wait_timeout for it."""
         for p, queue in enumerate(self.pending):
-            while queue and queue[0].launch_step + self.cfg.tau <= step:
-                if self.one_outer_step and queue[0].launch_step + self.cfg.tau < step:
+            while queue and queue[0].launch_step + queue[0].tau <= step:
+                if self.one_outer_step and queue[0].launch_step + queue[0].tau < step:
                     break  # tau = H: applied at the next event only (it has the fresh Delta)
                 if self.one_outer_step and len(queue) < 2:
                     break
                 pend = queue.pop(0)
                 outcome = self._wait(pend, p)
+                outcome.launch_step = pend.launch_step
                 if self.one_outer_step:
                     self._apply_one_outer_step(p, pend, queue[0], outcome)
                 else:
@@ -190,7 +196,13 @@ class StreamingEngine:
                 st.S = theta.clone()
 
     def _wait(self, pend: Pending, p: int) -> RoundOutcome:
-        deadline = time.monotonic() + self.cfg.wait_timeout
+        t0 = time.monotonic()
+        try:
+            return self._wait_until_deadline(pend, p, t0 + self.cfg.wait_timeout)
+        finally:
+            self.blocked_seconds += time.monotonic() - t0
+
+    def _wait_until_deadline(self, pend: Pending, p: int, deadline: float) -> RoundOutcome:
         while True:
             try:
                 return pend.handle.result(timeout=min(0.2, max(0.0, deadline - time.monotonic())))
@@ -240,3 +252,30 @@ class StreamingEngine:
             for pend in queue:
                 pend.handle.cancel()
             queue.clear()
+
+
+class AutoTau:
+    """``tau = auto``: enough inner steps to hide this peer's measured round time, at most ``tau_max``.
+
+    ``tau = ceil(round_seconds / step_seconds) + 1`` from exponential moving averages; ``tau_max``
+    until both have been measured (overlap as much as allowed while nothing is known).
+    """
+
+    def __init__(self, tau_max: int, smoothing: float = 0.3):
+        self.tau_max, self.smoothing = tau_max, smoothing
+        self.step_seconds: Optional[float] = None
+        self.round_seconds: Optional[float] = None
+
+    def _ema(self, old: Optional[float], new: float) -> float:
+        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
+
+    def observe_step(self, seconds: float) -> None:
+        self.step_seconds = self._ema(self.step_seconds, seconds)
+
+    def observe_round(self, seconds: float) -> None:
+        self.round_seconds = self._ema(self.round_seconds, seconds)
+
+    def __call__(self) -> int:
+        if not self.step_seconds or self.round_seconds is None:
+            return self.tau_max
+        return max(1, min(self.tau_max, math.ceil(self.round_seconds / self.step_seconds) + 1))

@@ -29,7 +29,7 @@ from peer.inner import InnerLoop
 from peer.model import build_model, count_parameters
 from peer.outer import FragmentState, RoundOutcome
 from peer.schedule import next_sync_step
-from peer.streaming import OuterSettings, StreamingEngine
+from peer.streaming import AutoTau, OuterSettings, StreamingEngine
 from peer.swarm import Swarm
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,7 @@ class Trainer:
         self.bytes_up = self.bytes_down = 0
         self.peers_seen = 1
         self.rounds_done = 0
+        self.auto_tau: Optional[AutoTau] = None
 
     def run(self) -> int:
         """Trains; returns the process exit code (0 on max_steps or a stop signal)."""
@@ -131,24 +132,31 @@ class Trainer:
         log.info("%d fragment(s) of %s elements (%s, %d blocks each); codec %s, tau %d, eager %s, merge %s",
                  len(fragments), [f.numel for f in fragments], cfg.outer.fragment_pattern,
                  cfg.outer.fragment_blocks, cfg.outer.codec, cfg.outer.tau, cfg.outer.eager, cfg.outer.merge)
+        self.auto_tau = AutoTau(cfg.outer.tau_max) if cfg.outer.tau == "auto" else None
         settings = OuterSettings(H=cfg.outer.sync_every, lr=cfg.outer.lr, momentum=cfg.outer.momentum,
-                                 alpha=cfg.outer.alpha, tau=cfg.outer.tau, eager=cfg.outer.eager,
-                                 merge=cfg.outer.merge, wait_timeout=cfg.outer.wait_timeout)
+                                 alpha=cfg.outer.alpha, tau=0 if self.auto_tau else cfg.outer.tau,
+                                 eager=cfg.outer.eager, merge=cfg.outer.merge, wait_timeout=cfg.outer.wait_timeout)
         transport = SwarmTransport(self)
         engine = StreamingEngine(fragments, settings, transport, group_size_hint=lambda: self.peers_seen,
                                  stop=self.stop.event, on_outcome=lambda f, st, o, step: self._report(label, f, st, o,
                                                                                                     step),
-                                 error_feedback_codec=get_codec(cfg.outer.codec) if cfg.outer.error_feedback else None)
+                                 error_feedback_codec=get_codec(cfg.outer.codec) if cfg.outer.error_feedback else None,
+                                 tau_fn=self.auto_tau)
         floor = getattr(source, "entropy_floor", None)
         status = StatusLine(cfg.run.status_interval, label)
         self._wait_for_peers()
         H, P = cfg.outer.sync_every, len(fragments)
         t_start = time.monotonic()
         tokens_total, window_tokens, window_t0 = 0, 0, time.monotonic()
-        tok_s, step = 0.0, 0
+        tok_s, step, compute_seconds = 0.0, 0, 0.0
         while not self.stop.event.is_set() and (cfg.run.max_steps == 0 or step < cfg.run.max_steps):
+            t_step = time.monotonic()
             batch = source.next_batch(cfg.data.batch_size, cfg.model.seq_len)
             stats = inner.step(batch)
+            step_seconds = time.monotonic() - t_step
+            compute_seconds += step_seconds
+            if self.auto_tau is not None:
+                self.auto_tau.observe_step(step_seconds)
             step += 1
             tokens_total += stats.tokens
             window_tokens += stats.tokens
@@ -156,8 +164,11 @@ class Trainer:
             if step % cfg.run.log_every == 0:
                 now = time.monotonic()
                 tok_s, window_tokens, window_t0 = window_tokens / max(now - window_t0, 1e-9), 0, now
+                # compute utilization = compute_seconds / (compute_seconds + blocked_seconds)
                 self.events.emit("step", step=step, loss=stats.loss, ce=stats.ce, lr=stats.lr, tokens=tokens_total,
-                                 tokens_per_second=tok_s, elapsed=now - t_start, floor=floor)
+                                 tokens_per_second=tok_s, elapsed=now - t_start, floor=floor,
+                                 compute_seconds=compute_seconds, blocked_seconds=engine.blocked_seconds,
+                                 tau=self.auto_tau() if self.auto_tau else cfg.outer.tau)
             self.swarm.update_progress(step, engine.states[0].round, tok_s)
             engine.launch_due(step)
             engine.apply_due(step)
@@ -173,6 +184,8 @@ class Trainer:
         """Logs one applied (or missed) round: a readable line and a JSON ``round`` event."""
         applied = sum(s.average is not None for s in outcome.spans)
         self.rounds_done += applied > 0
+        if self.auto_tau is not None and outcome.status in ("ok", "partial"):
+            self.auto_tau.observe_round(outcome.seconds)
         self.bytes_up += outcome.bytes_sent
         self.bytes_down += outcome.bytes_received
         digest = st.digest()
@@ -183,7 +196,7 @@ class Trainer:
         quiet = outcome.status in ("ok", "alone")
         (log.info if quiet else log.warning)(msg + (f" ({outcome.error})" if outcome.error else ""))
         self.events.emit("round", fragment=frag.index, round=outcome.round, step=step, status=outcome.status,
-                         numel=frag.numel,
+                         launch_step=outcome.launch_step, numel=frag.numel,
                          group_size=outcome.group_size, bytes_sent=outcome.bytes_sent,
                          bytes_received=outcome.bytes_received, seconds=outcome.seconds, digest=digest,
                          spans_applied=applied, spans_missing=missing, total_weight=outcome.total_weight,

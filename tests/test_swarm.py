@@ -139,3 +139,23 @@ def test_sigterm_leaves_cleanly_with_exit_0(procs, tmp_path):
     stop = events(tmp_path, "solo", "stop")
     assert stop and stop[-1]["reason"] == "stop signal" and stop[-1]["step"] >= 20
     assert any("left the swarm" in line for line in proc.lines())
+
+
+def test_peers_with_different_tau_and_eager_agree_on_every_round(procs, tmp_path):
+    """Overlap is per peer: tau 0, 2 and 5 (eager on) apply the same aggregates at different steps,
+    so the shared outer parameters stay identical while each peer's local weights differ."""
+    initial = start_bootstrap(procs, tmp_path)
+    taus = {"t0": "0", "t2": "2", "t5": "5"}
+    peers = {n: start_peer(procs, tmp_path, n, initial, 100, "--outer-tau", tau, "--outer-eager")
+             for n, tau in taus.items()}
+    for n, proc in peers.items():
+        assert wait_exit(proc, 300) == 0, proc.tail()
+    rounds = {n: {(e["fragment"], e["round"]): e for e in events(tmp_path, n, "round")} for n in taus}
+    common = set.intersection(*(set(r) for r in rounds.values()))
+    assert len(common) >= 7, {n: sorted(r) for n, r in rounds.items()}
+    for key in sorted(common):
+        got = {n: rounds[n][key] for n in taus}
+        assert all(e["status"] == "ok" for e in got.values()), got
+        assert len({e["digest"] for e in got.values()}) == 1, (key, {n: e["digest"] for n, e in got.items()})
+        for n, tau in taus.items():  # applied exactly tau steps after launch
+            assert got[n]["step"] - got[n]["launch_step"] == int(tau), (n, got[n])

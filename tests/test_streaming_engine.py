@@ -1,0 +1,101 @@
+"""Engine behaviour beyond the reference algorithms: failures, eager undo, replay, auto tau."""
+
+import torch
+
+from peer.fragments import Fragment
+from peer.outer import RoundOutcome, Span
+from peer.streaming import AutoTau, OuterSettings, StreamingEngine
+
+
+class ScriptedTransport:
+    """Returns the outcome a test scripts for each launched round (None = never arrives)."""
+
+    def __init__(self, outcomes):
+        self.outcomes, self.launched = outcomes, []
+
+    def launch(self, *, fragment, round_, delta, weight, step):
+        self.launched.append((fragment, round_, delta.clone(), weight, step))
+        outcome = self.outcomes(fragment, round_, delta)
+
+        class H:
+            def result(self, timeout=None):
+                if outcome is None:
+                    raise TimeoutError
+                return outcome
+
+            def cancel(self):
+                return True
+        return H()
+
+
+def one_param_engine(settings, outcomes, value=0.0, n=8):
+    p = torch.nn.Parameter(torch.full((n,), value))
+    frag = Fragment(0, ["w"], [p])
+    transport = ScriptedTransport(outcomes)
+    return p, StreamingEngine([frag], settings, transport, group_size_hint=lambda: 2), transport
+
+
+def test_missed_round_keeps_progress_and_carries_tokens():
+    p, eng, tr = one_param_engine(OuterSettings(H=2, wait_timeout=0.01), lambda f, r, d: None)
+    for step in (1, 2):
+        with torch.no_grad():
+            p -= 1.0  # "training"
+        eng.add_tokens(10)
+        eng.launch_due(step)
+        eng.apply_due(step)
+    assert eng.states[0].round == 1 and eng.states[0].applied_rounds == []
+    torch.testing.assert_close(eng.states[0].G, torch.zeros(8))  # nothing applied
+    torch.testing.assert_close(p.detach(), torch.full((8,), -2.0))  # local progress kept
+    assert eng.states[0].tokens_since_sync == 20  # the round's tokens go into the next weight
+    torch.testing.assert_close(eng.states[0].outer_gradient(p.detach()), torch.full((8,), 2.0))
+
+
+def test_eager_jump_is_undone_where_the_aggregate_is_missing():
+    def half(f, r, d):  # the second span's reducer died
+        return RoundOutcome(f, r, "partial", spans=[Span(0, 4, d[:4].clone()), Span(4, 8, None)], total_weight=20.0)
+
+    p, eng, _ = one_param_engine(OuterSettings(H=4, tau=2, eager=True, lr=1.0, momentum=0.0, wait_timeout=0.01), half)
+    for step in range(1, 7):
+        with torch.no_grad():
+            p -= 0.5 if step <= 4 else 0.0
+        eng.add_tokens(10)
+        eng.launch_due(step)
+        if step == 4:  # eager: jumped to G + E = 0 - (1/2)*Delta(=2) at launch
+            torch.testing.assert_close(p.detach(), torch.full((8,), -1.0))
+        eng.apply_due(step)
+    st = eng.states[0]
+    # span 0: G = 0 - 1*2 = -2, theta = G; span 1: G unchanged, jump undone -> local progress -2 kept
+    torch.testing.assert_close(st.G, torch.tensor([-2.0] * 4 + [0.0] * 4))
+    torch.testing.assert_close(p.detach(), torch.full((8,), -2.0))
+    torch.testing.assert_close(st.E, torch.zeros(8))
+    torch.testing.assert_close(st.outer_gradient(p.detach())[4:], torch.full((4,), 2.0))
+
+
+def test_replay_merge_keeps_the_local_steps_made_during_overlap():
+    def full(f, r, d):
+        return RoundOutcome(f, r, "ok", spans=[Span(0, 8, d.clone())], total_weight=20.0)
+
+    p, eng, _ = one_param_engine(OuterSettings(H=4, tau=2, merge="replay", lr=1.0, momentum=0.0), full)
+    for step in range(1, 7):
+        with torch.no_grad():
+            p -= 1.0
+        eng.add_tokens(10)
+        eng.launch_due(step)
+        eng.apply_due(step)
+    # launch at 4 with Delta = 4; G = -4 applied at 6; theta = G + (theta_6 - theta_4) = -4 - 2
+    torch.testing.assert_close(p.detach(), torch.full((8,), -6.0))
+    torch.testing.assert_close(eng.states[0].outer_gradient(p.detach()), torch.full((8,), 2.0))
+
+
+def test_auto_tau_hides_the_measured_round_time_within_bounds():
+    auto = AutoTau(tau_max=8)
+    assert auto() == 8  # nothing measured yet: overlap as much as allowed
+    auto.observe_step(0.1)
+    auto.observe_round(0.35)
+    assert auto() == 5  # ceil(0.35 / 0.1) + 1
+    auto.observe_round(100.0)
+    assert auto() == 8
+    fast = AutoTau(tau_max=8)
+    fast.observe_step(1.0)
+    fast.observe_round(0.01)
+    assert fast() == 2
