@@ -134,7 +134,12 @@ class OuterConfig:
     fragment_pattern: str = "strided"
     """How blocks map to fragments: strided (p, p+P, ...; the paper's default) or sequential."""
     schedule: str = "steps"
-    """When rounds happen: ``steps`` (lockstep on each peer's step counter, paper schedule)."""
+    """When rounds happen: steps (every H local steps, lockstep: homogeneous peers, the paper) or
+    clock (round r of fragment p at swarm time clock_origin + (r + p/P) * round_seconds)."""
+    round_seconds: float = 60.0
+    """Clock schedule: seconds between two rounds of the same fragment."""
+    clock_origin: float = 0.0
+    """Clock schedule: swarm time (unix seconds) at which round 0 of fragment 0 starts."""
     codec: str = "e3m0"
     """Wire codec of outer gradients: e3m0 (FP4, 4.5 bits/element), fp8, bf16 or fp32 (ablations)."""
     error_feedback: bool = False
@@ -162,7 +167,8 @@ class OuterConfig:
         _check(self.fragment_blocks >= 0, "outer.fragment_blocks", ">= 0", self.fragment_blocks)
         _check(self.fragment_pattern in ("strided", "sequential"), "outer.fragment_pattern", "strided or sequential",
                self.fragment_pattern)
-        _check(self.schedule == "steps", "outer.schedule", "steps", self.schedule)
+        _check(self.schedule in ("steps", "clock"), "outer.schedule", "steps or clock", self.schedule)
+        _check(self.round_seconds > 0, "outer.round_seconds", "> 0", self.round_seconds)
         _check(self.codec in CODEC_NAMES, "outer.codec", " or ".join(CODEC_NAMES), self.codec)
         _check(self.tau == "auto" or (isinstance(self.tau, int) and 0 <= self.tau <= self.sync_every), "outer.tau",
                "auto or an integer in [0, outer.sync_every]", self.tau)

@@ -79,14 +79,14 @@ class StatusLine:
         self._tty = sys.stderr.isatty() and os.environ.get("TERM") != "dumb"
 
     def maybe_show(self, *, step: int, loss: float, floor: Optional[float], tok_s: float, peers: int,
-                   next_sync: int, up: int, down: int, force: bool = False) -> None:
+                   next_sync: str, up: int, down: int, force: bool = False) -> None:
         now = time.monotonic()
         if self.interval <= 0 or (not force and now - self._last < self.interval):
             return
         self._last = now
         floor_txt = f" (floor {floor:.3f})" if floor is not None else ""
         line = (f"[{self.peer_label}] step {step} loss {loss:.4f}{floor_txt} {tok_s:,.0f} tok/s peers {peers} "
-                f"next sync @{next_sync} up {fmt_bytes(up)} down {fmt_bytes(down)}")
+                f"next sync {next_sync} up {fmt_bytes(up)} down {fmt_bytes(down)}")
         if self._tty:
             sys.stderr.write("\r\033[K" + line)
             sys.stderr.flush()

@@ -1,4 +1,4 @@
-"""When fragment p syncs: Streaming DiLoCo's steps schedule (pure arithmetic).
+"""When fragment p syncs: the steps schedule (paper) and the clock schedule (volunteer swarms).
 
 Fragment p of P syncs after inner step t when ``(t - t_p) mod H == 0`` with ``t_p = round(p*H/P)``;
 its round number is ``(t - t_p) / H`` (1, 2, ...). Some fragment syncs every ~H/P steps, each
@@ -7,6 +7,7 @@ fragment every H steps; P = 1 is DiLoCo's schedule.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 
@@ -30,3 +31,50 @@ def next_sync_step(step: int, num_fragments: int, H: int) -> int:
     """The next step after ``step`` at which some fragment syncs."""
     return min(fragment_offset(p, num_fragments, H) + (rounds_due_by(step, p, num_fragments, H) + 1) * H
                for p in range(num_fragments))
+
+
+class StepsSchedule:
+    """Lockstep schedule on the local step counter (the paper's; homogeneous peers)."""
+
+    def __init__(self, H: int, num_fragments: int):
+        self.H, self.P = H, num_fragments
+
+    def due(self, step: int, p: int) -> Optional[int]:
+        return due_round(step, p, self.P, self.H)
+
+    def describe_next(self, step: int) -> str:
+        return f"@{next_sync_step(step, self.P, self.H)}"
+
+
+class ClockSchedule:
+    """The volunteer default: round r of fragment p starts at swarm time ``t0 + (r + p/P) * T``.
+
+    Peers of any speed meet at the same wall-clock moments (DHT time; hivemind keeps peers within
+    seconds); each contributes whatever it trained since its last sync of p. A peer starting
+    mid-run adopts the current round of every fragment and first launches the next one, so it
+    never contributes to a round it did not train for.
+    """
+
+    def __init__(self, round_seconds: float, num_fragments: int, *, origin: float = 0.0, clock=None):
+        if round_seconds <= 0:
+            raise ValueError(f"round_seconds must be > 0 (got {round_seconds})")
+        from hivemind.utils import get_dht_time  # the swarm's clock
+
+        self.T, self.P, self.origin = round_seconds, num_fragments, origin
+        self.clock = clock or get_dht_time
+        self.last = [self.current_round(p) for p in range(num_fragments)]
+
+    def current_round(self, p: int) -> int:
+        return math.floor((self.clock() - self.origin) / self.T - p / self.P)
+
+    def due(self, step: int, p: int) -> Optional[int]:
+        r = self.current_round(p)
+        if r > self.last[p]:
+            self.last[p] = r
+            return r
+        return None
+
+    def describe_next(self, step: int) -> str:
+        now = self.clock()
+        starts = [self.origin + (self.last[p] + 1 + p / self.P) * self.T for p in range(self.P)]
+        return f"in {max(0.0, min(starts) - now):.0f}s"

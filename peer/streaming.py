@@ -40,7 +40,7 @@ import torch
 from peer.codec import Codec, ErrorFeedback, roundtrip
 from peer.fragments import Fragment
 from peer.outer import FragmentState, NesterovSGD, RoundOutcome, apply_round
-from peer.schedule import due_round
+from peer.schedule import ClockSchedule, StepsSchedule
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,8 @@ class StreamingEngine:
     def __init__(self, fragments: list[Fragment], settings: OuterSettings, transport: Transport, *,
                  group_size_hint: Callable[[], int] = lambda: 1, stop: Optional[threading.Event] = None,
                  on_outcome: Callable[[Fragment, FragmentState, RoundOutcome, int], None] = lambda *a: None,
-                 error_feedback_codec: Optional[Codec] = None, tau_fn: Optional[Callable[[], int]] = None):
+                 error_feedback_codec: Optional[Codec] = None, tau_fn: Optional[Callable[[], int]] = None,
+                 schedule: Optional[StepsSchedule | ClockSchedule] = None):
         self.fragments = fragments
         self.cfg = settings
         self.transport = transport
@@ -115,6 +116,7 @@ class StreamingEngine:
         self.group_size_hint = group_size_hint
         self.stop = stop or threading.Event()
         self.on_outcome = on_outcome
+        self.schedule = schedule or StepsSchedule(settings.H, len(fragments))
         self.tau_fn = tau_fn  # tau = auto: asked at each launch (kept in [0, H - 1])
         self.blocked_seconds = 0.0  # time spent waiting for aggregates (compute utilization)
         # Optional error feedback: the codec's rounding error of what we sent is added to our next Delta.
@@ -123,7 +125,8 @@ class StreamingEngine:
 
     @property
     def one_outer_step(self) -> bool:
-        return self.cfg.tau == self.cfg.H
+        """tau = H on the steps schedule: the eager paper's one-outer-step overlap."""
+        return self.cfg.tau == self.cfg.H and isinstance(self.schedule, StepsSchedule)
 
     def add_tokens(self, tokens: int) -> None:
         for st in self.states:
@@ -141,10 +144,14 @@ class StreamingEngine:
     # ---- phase 1 ---------------------------------------------------------------------------
     def launch_due(self, step: int) -> None:
         """Launches every fragment whose round is due after inner step ``step``."""
-        P = len(self.fragments)
         for p, (frag, st) in enumerate(zip(self.fragments, self.states)):
-            r = due_round(step, p, P, self.cfg.H)
+            r = self.schedule.due(step, p)
             if r is None or self.stop.is_set():
+                continue
+            if self.pending[p] and not self.one_outer_step:
+                # clock schedule, rounds shorter than tau steps: S still excludes the round in flight,
+                # so a new Delta would send that progress twice. Skip; it is carried to the next one.
+                log.info("fragment %d round %d: skipped, round %d still in flight", p, r, self.pending[p][-1].round)
                 continue
             theta = frag.flat()
             delta = st.outer_gradient(theta)

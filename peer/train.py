@@ -28,7 +28,7 @@ from peer.fragments import Fragment, partition
 from peer.inner import InnerLoop
 from peer.model import build_model, count_parameters
 from peer.outer import FragmentState, RoundOutcome
-from peer.schedule import next_sync_step
+from peer.schedule import ClockSchedule, StepsSchedule
 from peer.streaming import AutoTau, OuterSettings, StreamingEngine
 from peer.swarm import Swarm
 
@@ -141,11 +141,10 @@ class Trainer:
                                  stop=self.stop.event, on_outcome=lambda f, st, o, step: self._report(label, f, st, o,
                                                                                                     step),
                                  error_feedback_codec=get_codec(cfg.outer.codec) if cfg.outer.error_feedback else None,
-                                 tau_fn=self.auto_tau)
+                                 tau_fn=self.auto_tau, schedule=self._schedule(len(fragments)))
         floor = getattr(source, "entropy_floor", None)
         status = StatusLine(cfg.run.status_interval, label)
         self._wait_for_peers()
-        H, P = cfg.outer.sync_every, len(fragments)
         t_start = time.monotonic()
         tokens_total, window_tokens, window_t0 = 0, 0, time.monotonic()
         tok_s, step, compute_seconds = 0.0, 0, 0.0
@@ -173,12 +172,18 @@ class Trainer:
             engine.launch_due(step)
             engine.apply_due(step)
             status.maybe_show(step=step, loss=stats.ce, floor=floor, tok_s=tok_s, peers=self.peers_seen,
-                              next_sync=next_sync_step(step, P, H), up=self.bytes_up, down=self.bytes_down)
+                              next_sync=engine.schedule.describe_next(step), up=self.bytes_up, down=self.bytes_down)
         engine.abandon()
         reason = "stop signal" if self.stop.event.is_set() else f"max_steps={cfg.run.max_steps}"
         log.info("stopping after step %d (%s); %d rounds applied", step, reason, self.rounds_done)
         self.events.emit("stop", step=step, reason=reason, rounds=self.rounds_done, tokens=tokens_total)
         return 0
+
+    def _schedule(self, num_fragments: int):
+        cfg = self.cfg.outer
+        if cfg.schedule == "clock":
+            return ClockSchedule(cfg.round_seconds, num_fragments, origin=cfg.clock_origin)
+        return StepsSchedule(cfg.sync_every, num_fragments)
 
     def _report(self, label: str, frag: Fragment, st: FragmentState, outcome: RoundOutcome, step: int) -> None:
         """Logs one applied (or missed) round: a readable line and a JSON ``round`` event."""

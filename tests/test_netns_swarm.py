@@ -92,6 +92,8 @@ def test_throttled_peer_overlaps_rounds_and_swarm_agrees(lab, procs, tmp_path):
     for n in NAMES:
         assert sorted(rounds[n]) == expected, (n, sorted(rounds[n]))
     all_ok = [k for k in expected if all(rounds[n][k]["status"] == "ok" for n in NAMES)]
+    # at most one round may have been disturbed (e.g. a slow start); the slow link alone must not break any
+    assert len(all_ok) >= len(expected) - 1, {n: {k: e["status"] for k, e in r.items()} for n, r in rounds.items()}
     for key in all_ok:
         assert all(rounds[n][key]["group_size"] == 3 and rounds[n][key]["spans_missing"] == 0 for n in NAMES)
     # Peers hold identical G for a fragment after every round as long as they applied the same spans, averaged
@@ -105,14 +107,12 @@ def test_throttled_peer_overlaps_rounds_and_swarm_agrees(lab, procs, tmp_path):
                 break
             assert len({e["digest"] for e in got}) == 1, f"{(frag, r)}: digests differ: {[e['digest'] for e in got]}"
             compared.append((frag, r))
-    assert set(all_ok) <= set(compared) or len(compared) >= 2, (all_ok, compared)
-    # at most one round may have been disturbed (e.g. a slow start); the slow link alone must not break any
-    assert len(all_ok) >= len(expected) - 1, {n: {k: e["status"] for k, e in r.items()} for n, r in rounds.items()}
+    assert len(compared) >= 2, (all_ok, compared)
 
-    # The throttled peer trained while its rounds were in flight. A round launched after step L is applied
-    # after step L + TAU (the round event's `step`); `seconds` is how long the round itself took (matchmaking
-    # + all-reduce, measured in the networking thread from its launch). With --log-every 1 there is a step
-    # event (wall `time`) for every step, emitted just before that step's launches.
+    # The throttled peer trained while its rounds were in flight. A round launched after step L (`launch_step`)
+    # is applied after step L + TAU (the round event's `step`); `seconds` is how long the round itself took
+    # (matchmaking + all-reduce, timed in the networking thread from its launch). With --log-every 1 there is
+    # a step event (wall `time`) for every step, emitted after the step and before that step's launches.
     step_time = {e["step"]: e["time"] for e in events(tmp_path, SLOW, "step")}
     assert sorted(step_time) == list(range(1, MAX_STEPS + 1))
     overlapped = {}

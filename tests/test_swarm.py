@@ -159,3 +159,35 @@ def test_peers_with_different_tau_and_eager_agree_on_every_round(procs, tmp_path
         assert len({e["digest"] for e in got.values()}) == 1, (key, {n: e["digest"] for n, e in got.items()})
         for n, tau in taus.items():  # applied exactly tau steps after launch
             assert got[n]["step"] - got[n]["launch_step"] == int(tau), (n, got[n])
+
+
+def test_clock_schedule_peers_of_different_speeds_meet_every_round(procs, tmp_path):
+    """schedule = clock: rounds start at fixed swarm times; peers of different speeds (batch sizes)
+    contribute what they trained, weighted by tokens, and agree on every round they all completed."""
+    initial = start_bootstrap(procs, tmp_path)
+    clock = ["--outer-schedule", "clock", "--outer-round-seconds", "8", "--matchmaking-time", "3",
+             "--matchmaking-timeout", "6", "--outer-tau", "2", "--min-peers", "1"]
+    batch = {"fast": "2", "mid": "4", "slow": "12"}
+    peers = {n: start_peer(procs, tmp_path, n, initial, 100000, *clock, "--data-batch-size", b)
+             for n, b in batch.items()}
+
+    def ok_rounds(n):
+        return {(e["fragment"], e["round"]): e for e in events(tmp_path, n, "round") if e["status"] == "ok"}
+
+    def all_agree_on_three():
+        common = set.intersection(*(set(ok_rounds(n)) for n in batch))
+        return len([k for k in common if k[0] == 0]) >= 3
+
+    wait_for(all_agree_on_three, 240, "three fragment-0 rounds completed by all peers")
+    for proc in peers.values():
+        proc.popen.send_signal(signal.SIGTERM)
+    for n, proc in peers.items():
+        assert wait_exit(proc, 60) == 0, proc.tail()
+    rounds = {n: ok_rounds(n) for n in batch}
+    common = set.intersection(*(set(r) for r in rounds.values()))
+    for key in sorted(common):
+        assert len({rounds[n][key]["digest"] for n in batch}) == 1, key
+        assert all(rounds[n][key]["group_size"] == 3 for n in batch)
+    # the faster peer made more steps in the same wall time: nobody waited for the slow one
+    last_step = {n: events(tmp_path, n, "step")[-1]["step"] for n in batch}
+    assert last_step["fast"] > last_step["slow"], last_step
