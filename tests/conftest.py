@@ -31,3 +31,15 @@ def procs():
         pass
     left = {p.pid: p.session_pids() for p in started if p.session_pids()}
     assert not left, f"processes survived SIGKILL of their group (session leader pid -> pids): {left}"
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Tiny CPU models gain nothing from intra-op threads, and on a shared 2-core box (other tests,
+    a demo swarm) spinning OpenMP workers made the training tests ~7x slower."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

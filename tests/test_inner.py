@@ -15,14 +15,7 @@ from peer.model import build_model
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny matmuls gain nothing from intra-op threads, and on a shared 2-core box
-    # (other tests, a demo swarm) spinning OpenMP workers made the training test ~7x slower.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _loop(model, **overrides) -> InnerLoop:

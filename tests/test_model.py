@@ -14,13 +14,7 @@ from peer.model import PRESETS, ModelShape, Transformer, build_model, count_para
 VOCAB = 256
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Small CPU models: intra-op threads only add OpenMP spin contention on a shared box.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _tiny(seed: int = 0, max_seq_len: int = 64) -> Transformer:
