@@ -56,7 +56,7 @@ def summarize(run_root: Path, names: list[str]) -> tuple[str, bool]:
         rounds = [e for e in ev if e["event"] == "round"]
         for e in rounds:
             if e["status"] in ("ok", "partial"):
-                digests.setdefault(e["round"], set()).add(e["digest"])
+                digests.setdefault((e["fragment"], e["round"]), set()).add(e["digest"])
         ok = sum(e["status"] == "ok" for e in rounds)
         sizes = sorted({e["group_size"] for e in rounds if e["group_size"]})
         up, down = sum(e["bytes_sent"] for e in rounds), sum(e["bytes_received"] for e in rounds)

@@ -160,7 +160,7 @@ def create_dht(
     ready_timeout = startup_timeout + 4 * wait_timeout + 10.0
     try:
         with _handled_signals_deferred():  # the DHT's first MPFuture starts torch_shm_manager; see below
-            dht = hivemind.DHT(
+            dht = _parent_bound_dht_class()(
                 initial_peers=initial_peers or None,
                 start=False,
                 host_maddrs=host_maddrs,
@@ -185,6 +185,48 @@ def create_dht(
             raise RuntimeError(f"DHT failed to start: {type(e).__name__}: {e}") from e
         raise
     return dht
+
+
+_PARENT_BOUND_DHT = None
+
+
+def _parent_bound_dht_class():
+    """``hivemind.DHT`` whose background process dies with the process that started it.
+
+    hivemind's DHT process (and its p2pd, which exits when its own parent dies) outlives a peer
+    killed with SIGKILL: it would keep answering in the swarm for a dead peer. Linux's
+    PR_SET_PDEATHSIG kills it with its parent; elsewhere this is a plain ``hivemind.DHT``.
+    """
+    global _PARENT_BOUND_DHT
+    import hivemind
+
+    if _PARENT_BOUND_DHT is None or _PARENT_BOUND_DHT.__bases__[0] is not hivemind.DHT:  # (tests swap DHT)
+
+        class ParentBoundDHT(hivemind.DHT):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                self._creator_pid = os.getpid()  # read in the forked child
+
+            def run(self) -> None:
+                _die_with_parent(self._creator_pid)
+                super().run()
+
+        _PARENT_BOUND_DHT = ParentBoundDHT
+    return _PARENT_BOUND_DHT
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """In a forked child: ask the kernel for SIGKILL when the parent dies (Linux; no-op elsewhere)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the parent died before the request took effect
+        os._exit(1)
 
 
 @contextlib.contextmanager

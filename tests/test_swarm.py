@@ -191,3 +191,16 @@ def test_clock_schedule_peers_of_different_speeds_meet_every_round(procs, tmp_pa
     # the faster peer made more steps in the same wall time: nobody waited for the slow one
     last_step = {n: events(tmp_path, n, "step")[-1]["step"] for n in batch}
     assert last_step["fast"] > last_step["slow"], last_step
+
+
+def test_sigkill_of_the_main_process_leaves_no_orphans(procs, tmp_path):
+    """kill -9 of the peer's main process (not its group): the DHT process and p2pd die with it."""
+    run_dir = tmp_path / "solo"
+    proc = Proc.start([sys.executable, "-m", "peer", "run", "--config", str(REPO / "configs/demo.toml"),
+                       "--new-swarm", "--min-peers", "1", "--run-dir", str(run_dir), *FAST],
+                      log_path=tmp_path / "solo.log", cwd=REPO)
+    procs.append(proc)
+    proc.wait_for_line(r"starting to train", timeout=180)
+    assert len(proc.session_pids()) >= 3  # main, DHT process, p2pd
+    proc.popen.send_signal(signal.SIGKILL)
+    wait_for(lambda: not proc.session_pids(), 15, f"the DHT process and p2pd to exit: {proc.session_pids()}")
