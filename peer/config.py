@@ -255,12 +255,21 @@ class RunConfig:
     """Seconds between console status lines (0 disables)."""
     log_level: str = "INFO"
     """Python log level of the console log."""
+    checkpoint_minutes: float = 10.0
+    """Minutes between checkpoints in RUN_DIR/checkpoints (0 disables the timer; one is always written at a clean stop)."""
+    checkpoint_rounds: int = 0
+    """Also checkpoint after every N applied rounds of fragment 0 (0 disables)."""
+    checkpoint_keep: int = 3
+    """Checkpoints kept (the newest ones)."""
 
     def __post_init__(self) -> None:
         _check(bool(self.run_dir), "run.run_dir", "a directory path", self.run_dir)
         _check(self.max_steps >= 0, "run.max_steps", ">= 0", self.max_steps)
         _check(self.log_every >= 1, "run.log_every", ">= 1", self.log_every)
         _check(self.status_interval >= 0, "run.status_interval", ">= 0", self.status_interval)
+        _check(self.checkpoint_minutes >= 0, "run.checkpoint_minutes", ">= 0", self.checkpoint_minutes)
+        _check(self.checkpoint_rounds >= 0, "run.checkpoint_rounds", ">= 0", self.checkpoint_rounds)
+        _check(self.checkpoint_keep >= 1, "run.checkpoint_keep", ">= 1", self.checkpoint_keep)
         _check(self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "run.log_level",
                "DEBUG, INFO, WARNING or ERROR", self.log_level)
 
@@ -277,7 +286,8 @@ LOCAL_KEYS = {"swarm": {"initial_peers", "new_swarm", "host_maddrs", "announce_m
               # per-peer choices that change only this peer's local weights, never the shared G, v
               "outer": {"tau", "tau_max", "eager", "merge", "alpha", "wait_timeout", "error_feedback",
                         "stochastic_rounding"},
-              "run": {"run_dir", "max_steps", "log_json", "log_every", "status_interval", "log_level"}}
+              "run": {"run_dir", "max_steps", "log_json", "log_every", "status_interval", "log_level",
+                      "checkpoint_minutes", "checkpoint_rounds", "checkpoint_keep"}}
 
 
 @dataclass(kw_only=True)

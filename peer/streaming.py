@@ -254,11 +254,51 @@ class StreamingEngine:
             st.applied_rounds.append(prev.round)
 
     def abandon(self) -> None:
-        """Cancels every round in flight (on stop): nothing of them is applied."""
-        for queue in self.pending:
+        """Gives up every round in flight (on stop): nothing of them is applied, the eager jumps are
+        undone and their tokens carried, so their progress is in ``S - theta`` for a later round."""
+        for p, queue in enumerate(self.pending):
             for pend in queue:
                 pend.handle.cancel()
+                self._forget(p, pend.weight, pend.jump)
             queue.clear()
+
+    def _forget(self, p: int, weight: float, jump: Optional[torch.Tensor]) -> None:
+        st, frag = self.states[p], self.fragments[p]
+        if jump is not None:
+            frag.assign(frag.flat() - jump)
+            st.E.zero_()
+        st.tokens_since_sync += int(weight)
+
+    def state_dict(self) -> dict:
+        """Outer state for a checkpoint (tensors and plain values only). Rounds in flight are saved
+        as what is needed to forget them on load: their aggregates cannot be waited for after a restart."""
+        return {
+            "fragments": [dict(G=st.G, v=st.v, S=st.S, E=st.E, u=st.u, round=st.round,
+                               tokens_since_sync=st.tokens_since_sync, applied_rounds=st.applied_rounds[-64:])
+                          for st in self.states],
+            "pending": [[dict(round=pd.round, weight=pd.weight, jump=pd.jump) for pd in q] for q in self.pending],
+            "last_share": list(self.last_share),
+            "error_feedback": None if self.error_feedback is None else [ef.state_dict() for ef in self.error_feedback],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores :meth:`state_dict`. Must be called after the model weights were restored; rounds
+        that were in flight count as missed (eager jump undone, tokens carried)."""
+        if len(state["fragments"]) != len(self.states):
+            raise ValueError(f"checkpoint has {len(state['fragments'])} fragments, the model has {len(self.states)}")
+        for st, saved in zip(self.states, state["fragments"]):
+            if saved["G"].shape != st.G.shape:
+                raise ValueError(f"checkpoint fragment of {saved['G'].numel()} elements, model has {st.G.numel()}")
+            st.G, st.v, st.S, st.E, st.u = (saved[k].clone() for k in ("G", "v", "S", "E", "u"))
+            st.round, st.tokens_since_sync = saved["round"], saved["tokens_since_sync"]
+            st.applied_rounds = list(saved["applied_rounds"])
+        self.last_share = list(state["last_share"])
+        if self.error_feedback is not None and state.get("error_feedback"):
+            for ef, saved in zip(self.error_feedback, state["error_feedback"]):
+                ef.load_state_dict(saved)
+        for p, queue in enumerate(state["pending"]):
+            for pend in queue:
+                self._forget(p, pend["weight"], pend["jump"])
 
 
 class AutoTau:

@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from peer import checkpoint
 from peer.codec import get_codec, make_codec
 from peer.config import PeerConfig
 from peer.data import make_source
@@ -144,10 +145,13 @@ class Trainer:
                                  tau_fn=self.auto_tau, schedule=self._schedule(len(fragments)))
         floor = getattr(source, "entropy_floor", None)
         status = StatusLine(cfg.run.status_interval, label)
+        parts = dict(model=model, inner=inner, source=source, engine=engine)
+        step = self._resume(**parts)
         self._wait_for_peers()
         t_start = time.monotonic()
         tokens_total, window_tokens, window_t0 = 0, 0, time.monotonic()
-        tok_s, step, compute_seconds = 0.0, 0, 0.0
+        tok_s, compute_seconds = 0.0, 0.0
+        last_ckpt_time, last_ckpt_rounds = time.monotonic(), self.rounds_done
         while not self.stop.event.is_set() and (cfg.run.max_steps == 0 or step < cfg.run.max_steps):
             t_step = time.monotonic()
             batch = source.next_batch(cfg.data.batch_size, cfg.model.seq_len)
@@ -171,13 +175,46 @@ class Trainer:
             self.swarm.update_progress(step, engine.states[0].round, tok_s)
             engine.launch_due(step)
             engine.apply_due(step)
+            every = cfg.run.checkpoint_rounds
+            if (cfg.run.checkpoint_minutes and time.monotonic() - last_ckpt_time >= 60 * cfg.run.checkpoint_minutes) or \
+                    (every and engine.states[0].applied_rounds and self.rounds_done - last_ckpt_rounds >= every):
+                self._checkpoint(step, **parts)
+                last_ckpt_time, last_ckpt_rounds = time.monotonic(), self.rounds_done
             status.maybe_show(step=step, loss=stats.ce, floor=floor, tok_s=tok_s, peers=self.peers_seen,
                               next_sync=engine.schedule.describe_next(step), up=self.bytes_up, down=self.bytes_down)
         engine.abandon()
+        self._checkpoint(step, **parts)
         reason = "stop signal" if self.stop.event.is_set() else f"max_steps={cfg.run.max_steps}"
         log.info("stopping after step %d (%s); %d rounds applied", step, reason, self.rounds_done)
         self.events.emit("stop", step=step, reason=reason, rounds=self.rounds_done, tokens=tokens_total)
         return 0
+
+    def _checkpoint(self, step: int, *, model, inner, source, engine) -> None:
+        """Saves everything needed to resume (atomic; see peer/checkpoint.py)."""
+        payload = {"format": 1, "run_hash": self.cfg.run_hash(), "step": step, "model": model.state_dict(),
+                   "inner": inner.state_dict(), "data": source.state_dict(), "engine": engine.state_dict(),
+                   "torch_rng": torch.get_rng_state()}
+        path = checkpoint.save(self.run_dir / "checkpoints", step, payload, keep=self.cfg.run.checkpoint_keep)
+        log.info("checkpoint at step %d: %s", step, path)
+
+    def _resume(self, *, model, inner, source, engine) -> int:
+        """Restores the newest good checkpoint of this run dir; returns the step to continue from."""
+        found = checkpoint.load_latest(self.run_dir / "checkpoints")
+        if found is None:
+            return 0
+        path, state = found
+        if state.get("run_hash") != self.cfg.run_hash():
+            raise ValueError(f"--run-dir {self.run_dir} holds a checkpoint of another run (run hash "
+                             f"{state.get('run_hash')}, this config's is {self.cfg.run_hash()}): use another --run-dir")
+        model.load_state_dict(state["model"])
+        inner.load_state_dict(state["inner"])
+        source.load_state_dict(state["data"])
+        engine.load_state_dict(state["engine"])
+        torch.set_rng_state(state["torch_rng"])
+        log.info("resumed from %s at step %d (rounds %s)", path.name, state["step"],
+                 [st.round for st in engine.states])
+        self.events.emit("resume", step=state["step"], checkpoint=str(path))
+        return int(state["step"])
 
     def _schedule(self, num_fragments: int):
         cfg = self.cfg.outer

@@ -1,0 +1,122 @@
+"""Checkpoints: atomic writes, corruption detection, keep-K, and resuming a real peer process."""
+
+import logging
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import Proc, wait_for
+from peer import checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def payload(i):
+    return {"step": i, "w": torch.full((1000,), float(i)), "nested": {"cursor": i, "name": "x", "none": None}}
+
+
+def test_round_trip_and_keep_last_k(tmp_path):
+    for i in range(1, 6):
+        checkpoint.save(tmp_path, i, payload(i), keep=3)
+    names = sorted(p.name for p in tmp_path.glob("ckpt-*.swl"))
+    assert names == [f"ckpt-{i:010d}.swl" for i in (3, 4, 5)]
+    path, state = checkpoint.load_latest(tmp_path)
+    assert path.name == names[-1] and state["step"] == 5 and torch.equal(state["w"], torch.full((1000,), 5.0))
+    assert state["nested"] == {"cursor": 5, "name": "x", "none": None}
+    assert not list(tmp_path.glob(".ckpt-*"))  # no temporary files left
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda b: b[: len(b) // 2], "truncated"),
+    (lambda b: b[:-10] + bytes([b[-10] ^ 0x01]) + b[-9:], "checksum mismatch"),
+    (lambda b: b"garbage", "not a swarmloco checkpoint"),
+])
+def test_damaged_newest_checkpoint_is_reported_and_the_previous_used(tmp_path, caplog, damage, reason):
+    checkpoint.save(tmp_path, 1, payload(1))
+    newest = checkpoint.save(tmp_path, 2, payload(2))
+    newest.write_bytes(damage(newest.read_bytes()))
+    with caplog.at_level(logging.WARNING):
+        path, state = checkpoint.load_latest(tmp_path)
+    assert state["step"] == 1
+    assert any(newest.name in r.getMessage() and reason in r.getMessage() for r in caplog.records)
+    with pytest.raises(checkpoint.CheckpointError, match=reason):
+        checkpoint.read(newest)
+
+
+def test_nothing_to_load(tmp_path):
+    assert checkpoint.load_latest(tmp_path / "missing") is None
+
+
+def test_kill_during_a_checkpoint_write_leaves_the_previous_one_loadable(tmp_path):
+    """A process writing large checkpoints in a loop is SIGKILLed mid-write; the newest complete
+    checkpoint still verifies and loads."""
+    script = textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {str(REPO)!r})
+        from peer import checkpoint
+        big = torch.randn(8_000_000)  # 32 MB: a write takes long enough to be interrupted
+        for i in range(1, 1000):
+            checkpoint.save({str(tmp_path)!r}, i, {{"step": i, "w": big}}, keep=2)
+            print("saved", i, flush=True)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().startswith("saved 1")
+        # kill while the next write is under way (a temporary file exists)
+        wait_for(lambda: list(tmp_path.glob(".ckpt-*.tmp")), 60, "a checkpoint write in progress")
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    path, state = checkpoint.load_latest(tmp_path)
+    assert state["step"] >= 1 and state["w"].numel() == 8_000_000
+
+
+FAST = ["--model-seq-len", "32", "--data-batch-size", "4", "--outer-sync-every", "20", "--status-interval", "0",
+        "--log-every", "10", "--new-swarm", "--min-peers", "1", "--progress-period", "1", "--progress-ttl", "8",
+        "--request-timeout", "1", "--matchmaking-time", "10"]
+
+
+def run_peer(procs, tmp_path, name, *extra):
+    run_dir = tmp_path / "run"
+    proc = Proc.start([sys.executable, "-m", "peer", "run", "--config", str(REPO / "configs/demo.toml"),
+                       "--run-dir", str(run_dir), "--log-json", str(run_dir / "events.jsonl"), *FAST, *extra],
+                      log_path=tmp_path / f"{name}.log", cwd=REPO)
+    procs.append(proc)
+    return proc
+
+
+def test_peer_resumes_after_clean_stop_and_after_kill_9(procs, tmp_path):
+    first = run_peer(procs, tmp_path, "first", "--max-steps", "30")
+    wait_for(lambda: first.returncode is not None, 180, "first run to finish")
+    assert first.returncode == 0, first.tail()
+    assert any("checkpoint at step 30" in line for line in first.lines())
+
+    second = run_peer(procs, tmp_path, "second", "--max-steps", "100000", "--checkpoint-minutes", "0.01")
+    second.wait_for_line(r"resumed from ckpt-0000000030\.swl at step 30", timeout=180)
+    m = second.wait_for_line(r"checkpoint at step (\d+)", timeout=180)
+    saved = int(m.group(1))
+    assert saved > 30
+    second.kill_group(signal.SIGKILL)  # a crash: only what was checkpointed survives
+    wait_for(lambda: not second.session_pids(), 15, "the killed peer to be gone")
+
+    third = run_peer(procs, tmp_path, "third", "--max-steps", str(saved + 10))
+    m = third.wait_for_line(r"resumed from ckpt-\d+\.swl at step (\d+)", timeout=180)
+    assert int(m.group(1)) >= saved
+    wait_for(lambda: third.returncode is not None, 180, "third run to finish")
+    assert third.returncode == 0, third.tail()
+    assert any(f"stopping after step {saved + 10}" in line for line in third.lines())
+
+
+def test_checkpoint_of_another_run_is_refused(procs, tmp_path):
+    first = run_peer(procs, tmp_path, "first", "--max-steps", "10")
+    wait_for(lambda: first.returncode is not None, 180, "first run to finish")
+    other = run_peer(procs, tmp_path, "other", "--max-steps", "10", "--outer-lr", "0.5")
+    wait_for(lambda: other.returncode is not None, 180, "second run to exit")
+    assert other.returncode == 2
+    assert any("holds a checkpoint of another run" in line for line in other.lines())
