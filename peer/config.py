@@ -221,11 +221,16 @@ class SwarmConfig:
     """Lifetime of a progress record: a peer silent this long no longer counts as live."""
     startup_timeout: float = 30.0
     """Seconds for the local DHT/p2p daemon to start."""
+    state_timeout: float = 60.0
+    """Seconds to download one fragment's outer state from one donor before trying the next."""
+    drift_check_period: float = 10.0
+    """Seconds between checks of our (round, digest) against the swarm's majority (0 disables)."""
 
     def __post_init__(self) -> None:
         _check(bool(self.run_id) and "." not in self.run_id and " " not in self.run_id, "swarm.run_id",
                "a non-empty name without '.' or spaces", self.run_id)
-        for key in ("start_timeout", "matchmaking_time", "matchmaking_timeout", "request_timeout",
+        _check(self.drift_check_period >= 0, "swarm.drift_check_period", ">= 0", self.drift_check_period)
+        for key in ("start_timeout", "state_timeout", "matchmaking_time", "matchmaking_timeout", "request_timeout",
                     "allreduce_timeout", "part_timeout", "progress_period", "progress_ttl", "startup_timeout"):
             _check(getattr(self, key) > 0, f"swarm.{key}", "> 0 seconds", getattr(self, key))
         _check(self.min_peers >= 1, "swarm.min_peers", ">= 1", self.min_peers)

@@ -97,7 +97,13 @@ class FragmentState:
 
     def digest(self) -> str:
         """Hex hash of the shared outer parameters G (equal on all peers after the same rounds)."""
-        return hashlib.blake2b(self.G.numpy().tobytes(), digest_size=16).hexdigest()
+        return digest_of(self.G)
+
+
+def digest_of(G: torch.Tensor) -> str:
+    """blake2b-128 of G's float32 bytes, hex: the swarm-wide identity of a fragment's outer state."""
+    return hashlib.blake2b(G.detach().to("cpu", torch.float32).contiguous().numpy().tobytes(),
+                           digest_size=16).hexdigest()
 
 
 def apply_round(state: FragmentState, theta: torch.Tensor, spans: Sequence[Span], opt: NesterovSGD,

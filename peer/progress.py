@@ -27,6 +27,10 @@ class ProgressRecord(pydantic.BaseModel):
     peer_id: pydantic.StrictStr
     step: pydantic.conint(strict=True, ge=0)
     round: pydantic.conint(strict=True, ge=0)  # rounds completed of fragment 0
+    # per fragment: rounds applied and the hex digest of G after them (drift check, state donors)
+    rounds: list[pydantic.conint(strict=True, ge=0)] = pydantic.Field(default_factory=list, max_length=4096)
+    digests: list[pydantic.constr(strict=True, max_length=64)] = pydantic.Field(default_factory=list,
+                                                                               max_length=4096)
     tokens_per_second: pydantic.confloat(strict=True, ge=0.0, allow_inf_nan=False)
     client_mode: pydantic.StrictBool
     time: pydantic.confloat(strict=True, allow_inf_nan=False)

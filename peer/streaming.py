@@ -269,6 +269,20 @@ class StreamingEngine:
             st.E.zero_()
         st.tokens_since_sync += int(weight)
 
+    def adopt(self, p: int, G: torch.Tensor, v: torch.Tensor, round_: int) -> None:
+        """Replaces fragment p's shared state by the swarm's (downloaded) one and resets the local
+        weights to it; rounds of p in flight are forgotten. Local progress on p is dropped: it was made
+        from a state the swarm no longer holds."""
+        for pend in self.pending[p]:
+            pend.handle.cancel()
+        self.pending[p].clear()
+        st = self.states[p]
+        st.G, st.v, st.S = G.clone(), v.clone(), G.clone()
+        st.E.zero_()
+        st.u.zero_()
+        st.round, st.tokens_since_sync = round_, 0
+        self.fragments[p].assign(G)
+
     def state_dict(self) -> dict:
         """Outer state for a checkpoint (tensors and plain values only). Rounds in flight are saved
         as what is needed to forget them on load: their aggregates cannot be waited for after a restart."""

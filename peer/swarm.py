@@ -17,7 +17,7 @@ import time
 from typing import Optional
 
 import torch
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
 from peer.allreduce import PROTOCOL_VERSION, AllReduceServicer, GroupError, GroupPlan, run_allreduce
@@ -27,6 +27,7 @@ from peer.dht_node import create_dht
 from peer.matchmaking import form_group, round_prefix
 from peer.outer import RoundOutcome
 from peer.progress import ProgressRecord, make_validators, parse_records, progress_key
+from peer.state_transfer import Snapshot, StateServicer, download
 from peer.proto import allreduce_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class Swarm:
         self.dht = None
         self.p2p: Optional[P2P] = None
         self.servicer: Optional[AllReduceServicer] = None
+        self.state_servicer: Optional[StateServicer] = None
         self._subkey = b""
         self._progress = (0, 0, 0.0)  # (step, round of fragment 0, tokens/s), published by the heartbeat
 
@@ -62,8 +64,10 @@ class Swarm:
         self._thread.start()
         self.p2p = self._call(self.dht.replicate_p2p(), self.cfg.startup_timeout)
         self.servicer = AllReduceServicer(registration_timeout=self.cfg.request_timeout)
+        self.state_servicer = StateServicer(chunk_elems=max(1, self.cfg.chunk_bytes // 8))
         if not self.cfg.client_mode:
             self._call(self.servicer.add_p2p_handlers(self.p2p), self.cfg.startup_timeout)
+            self._call(self.state_servicer.add_p2p_handlers(self.p2p), self.cfg.startup_timeout)
         asyncio.run_coroutine_threadsafe(self._heartbeat(), self._loop)
 
     def shutdown(self) -> None:
@@ -109,8 +113,10 @@ class Swarm:
         """
         while True:
             step, round_, tps = self._progress
+            snaps = [self.state_servicer.snapshots.get(p) for p in range(len(self.state_servicer.snapshots))]
             rec = ProgressRecord(peer_id=self.peer_id, step=step, round=round_, tokens_per_second=tps,
-                                 client_mode=self.cfg.client_mode, time=get_dht_time())
+                                 client_mode=self.cfg.client_mode, time=get_dht_time(),
+                                 rounds=[s.round for s in snaps if s], digests=[s.digest for s in snaps if s])
             try:
                 await asyncio.wait_for(self.dht.store(progress_key(self.run_key), rec.model_dump(),
                                                       get_dht_time() + self.cfg.progress_ttl, subkey=self._subkey,
@@ -123,6 +129,17 @@ class Swarm:
         """Progress records of the peers of this run that published within ``progress_ttl``."""
         found = self.dht.get(progress_key(self.run_key), latest=True, return_future=True)
         return parse_records(found.result(timeout or self.cfg.request_timeout * 3), get_dht_time())
+
+    # ---- state transfer --------------------------------------------------------------------
+    def publish_snapshot(self, snap: Snapshot) -> None:
+        """Serves ``snap`` to joiners and advertises its (round, digest) with the next heartbeat."""
+        self.state_servicer.publish(snap)
+
+    def download_state(self, fragment: int, donors: list[str], *, numel: int, digest: str) -> Snapshot:
+        """Blocking: the fragment's state from the first donor that delivers ``digest``; DownloadError if none."""
+        coro = download(self.p2p, [PeerID.from_base58(d) for d in donors], fragment, numel=numel, digest=digest,
+                        timeout_per_donor=self.cfg.state_timeout, max_chunk_elems=max(1, self.cfg.chunk_bytes // 4))
+        return self._call(coro, self.cfg.state_timeout * max(1, len(donors)) + 5)
 
     # ---- rounds ----------------------------------------------------------------------------
     def run_round(self, *, fragment: int, round_: int, delta: torch.Tensor, weight: float, inner_step: int,

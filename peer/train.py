@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import random
 import signal
 import threading
 import time
@@ -30,6 +31,7 @@ from peer.inner import InnerLoop
 from peer.model import build_model, count_parameters
 from peer.outer import FragmentState, RoundOutcome
 from peer.schedule import ClockSchedule, StepsSchedule
+from peer.state_transfer import DownloadError, Snapshot, plan_catch_up
 from peer.streaming import AutoTau, OuterSettings, StreamingEngine
 from peer.swarm import Swarm
 
@@ -147,7 +149,11 @@ class Trainer:
         status = StatusLine(cfg.run.status_interval, label)
         parts = dict(model=model, inner=inner, source=source, engine=engine)
         step = self._resume(**parts)
+        for frag, st in zip(fragments, engine.states):
+            self._publish_snapshot(frag, st, step)
         self._wait_for_peers()
+        step = self._catch_up(engine, step, joining=True)
+        last_drift_check = time.monotonic()
         t_start = time.monotonic()
         tokens_total, window_tokens, window_t0 = 0, 0, time.monotonic()
         tok_s, compute_seconds = 0.0, 0.0
@@ -173,6 +179,9 @@ class Trainer:
                                  compute_seconds=compute_seconds, blocked_seconds=engine.blocked_seconds,
                                  tau=self.auto_tau() if self.auto_tau else cfg.outer.tau)
             self.swarm.update_progress(step, engine.states[0].round, tok_s)
+            if cfg.swarm.drift_check_period and time.monotonic() - last_drift_check >= cfg.swarm.drift_check_period:
+                step = self._catch_up(engine, step, joining=False)
+                last_drift_check = time.monotonic()
             engine.launch_due(step)
             engine.apply_due(step)
             every = cfg.run.checkpoint_rounds
@@ -188,6 +197,37 @@ class Trainer:
         log.info("stopping after step %d (%s); %d rounds applied", step, reason, self.rounds_done)
         self.events.emit("stop", step=step, reason=reason, rounds=self.rounds_done, tokens=tokens_total)
         return 0
+
+    def _publish_snapshot(self, frag: Fragment, st: FragmentState, step: int) -> None:
+        self.swarm.publish_snapshot(Snapshot(frag.index, st.round, step, st.G.clone(), st.v.clone(), st.digest()))
+
+    def _catch_up(self, engine: StreamingEngine, step: int, *, joining: bool) -> int:
+        """Downloads the fragments where the swarm's majority state is ahead of or differs from ours
+        (see plan_catch_up); returns the step to continue from (steps schedule: the donor's, if later)."""
+        try:
+            records = self.swarm.live_peers()
+        except Exception as e:  # DHT hiccup: try again at the next check
+            log.debug("drift check skipped: %s", e)
+            return step
+        plans = plan_catch_up(records, self.swarm.peer_id, [st.round for st in engine.states],
+                              [st.digest() for st in engine.states], joining=joining)
+        for plan in plans:
+            frag, t0 = engine.fragments[plan.fragment], time.monotonic()
+            random.shuffle(plan.donors)  # joiners spread over the donors
+            try:
+                snap = self.swarm.download_state(plan.fragment, plan.donors, numel=frag.numel, digest=plan.digest)
+            except DownloadError as e:
+                log.warning("fragment %d: could not catch up (%s): %s", plan.fragment, plan.reason, e)
+                continue
+            engine.adopt(plan.fragment, snap.G, snap.v, snap.round)
+            if isinstance(engine.schedule, StepsSchedule):
+                step = max(step, snap.step)
+            self._publish_snapshot(frag, engine.states[plan.fragment], step)
+            log.info("fragment %d: caught up to round %d (digest %s) in %.1fs; %s", plan.fragment, snap.round,
+                     snap.digest[:12], time.monotonic() - t0, plan.reason)
+            self.events.emit("catch_up", fragment=plan.fragment, round=snap.round, digest=snap.digest, step=step,
+                             seconds=time.monotonic() - t0, reason=plan.reason)
+        return step
 
     def _checkpoint(self, step: int, *, model, inner, source, engine) -> None:
         """Saves everything needed to resume (atomic; see peer/checkpoint.py)."""
@@ -226,6 +266,7 @@ class Trainer:
         """Logs one applied (or missed) round: a readable line and a JSON ``round`` event."""
         applied = sum(s.average is not None for s in outcome.spans)
         self.rounds_done += applied > 0
+        self._publish_snapshot(frag, st, step)
         if self.auto_tau is not None and outcome.status in ("ok", "partial"):
             self.auto_tau.observe_round(outcome.seconds)
         self.bytes_up += outcome.bytes_sent

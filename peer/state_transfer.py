@@ -1,0 +1,163 @@
+"""State transfer: a joining or drifted peer downloads a fragment's shared outer state from a donor.
+
+Every peer keeps an immutable :class:`Snapshot` of each fragment's ``G, v, round`` taken right after
+it applied a round, serves it with ``StateServicer.rpc_download`` (protos/state.proto) in chunks of
+at most ``chunk_elems`` elements, and advertises ``(round, digest)`` in its progress record. The
+receiver checks every chunk (fragment, offsets, sizes, finiteness) and the digest of the assembled
+``G`` against the majority's before using anything, and moves to the next donor on any failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Sequence
+
+import numpy as np
+import torch
+from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+
+from peer.outer import digest_of
+from peer.proto import state_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+class DownloadError(RuntimeError):
+    """No donor delivered a verified state."""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A fragment's shared outer state after ``round`` rounds (tensors are never modified)."""
+
+    fragment: int
+    round: int
+    step: int
+    G: torch.Tensor
+    v: torch.Tensor
+    digest: str
+
+
+def _f32(t: torch.Tensor) -> bytes:
+    return t.numpy().astype("<f4", copy=False).tobytes()
+
+
+class StateServicer(ServicerBase):
+    """Serves this peer's latest snapshot of each fragment. :meth:`publish` may be called from any
+    thread (a dict item assignment); the handler reads one snapshot object per request."""
+
+    def __init__(self, chunk_elems: int):
+        self.chunk_elems = chunk_elems
+        self.snapshots: dict[int, Snapshot] = {}
+
+    def publish(self, snap: Snapshot) -> None:
+        self.snapshots[snap.fragment] = snap
+
+    async def rpc_download(self, request: pb.StateRequest, context: P2PContext) -> AsyncIterator[pb.StateChunk]:
+        snap = self.snapshots.get(request.fragment)
+        if snap is None:
+            yield pb.StateChunk(fragment=request.fragment, error="no state for this fragment")
+            return
+        numel = snap.G.numel()
+        for offset in range(0, numel, self.chunk_elems):
+            end = min(numel, offset + self.chunk_elems)
+            msg = pb.StateChunk(fragment=snap.fragment, offset=offset, g=_f32(snap.G[offset:end]),
+                                v=_f32(snap.v[offset:end]))
+            if offset == 0:
+                msg.round, msg.digest, msg.numel, msg.step = snap.round, snap.digest, numel, snap.step
+            yield msg
+
+
+async def _download_from(p2p: P2P, donor: PeerID, fragment: int, numel: int, digest: str, deadline: float,
+                         max_chunk_elems: int) -> Snapshot:
+    stub = StateServicer.get_stub(p2p, donor)
+    stream = await asyncio.wait_for(stub.rpc_download(pb.StateRequest(fragment=fragment)),
+                                    timeout=max(0.0, deadline - time.monotonic()))
+    G, v = torch.empty(numel), torch.empty(numel)
+    filled, header = 0, None
+    try:
+        while filled < numel:
+            msg = await asyncio.wait_for(stream.__anext__(), timeout=max(0.0, deadline - time.monotonic()))
+            if msg.error:
+                raise DownloadError(f"donor says: {msg.error}")
+            if header is None:
+                header = msg
+                if msg.numel != numel or msg.digest != digest:
+                    raise DownloadError(f"donor offers numel {msg.numel} digest {msg.digest[:12]}, "
+                                        f"want {numel} {digest[:12]}")
+            n = len(msg.g) // 4
+            if (msg.fragment != fragment or msg.offset != filled or n == 0 or n > max_chunk_elems
+                    or len(msg.g) != 4 * n or len(msg.v) != 4 * n or filled + n > numel):
+                raise DownloadError(f"malformed chunk at offset {msg.offset} ({len(msg.g)} bytes)")
+            G[filled:filled + n] = torch.from_numpy(np.frombuffer(msg.g, dtype="<f4").astype(np.float32))
+            v[filled:filled + n] = torch.from_numpy(np.frombuffer(msg.v, dtype="<f4").astype(np.float32))
+            filled += n
+    finally:
+        await stream.aclose()
+    if not (bool(torch.isfinite(G).all()) and bool(torch.isfinite(v).all())):
+        raise DownloadError("state has non-finite values")
+    got = digest_of(G)
+    if got != digest:
+        raise DownloadError(f"digest of the downloaded state is {got[:12]}, advertised {digest[:12]}")
+    return Snapshot(fragment, int(header.round), int(header.step), G, v, got)
+
+
+async def download(p2p: P2P, donors: Sequence[PeerID], fragment: int, *, numel: int, digest: str,
+                   timeout_per_donor: float, max_chunk_elems: int) -> Snapshot:
+    """Downloads fragment ``fragment`` from the first donor that delivers a verified state."""
+    errors = []
+    for donor in donors:
+        try:
+            return await _download_from(p2p, donor, fragment, numel, digest, time.monotonic() + timeout_per_donor,
+                                        max_chunk_elems)
+        except Exception as e:  # a dead, slow or lying donor: try the next one
+            log.warning("state download of fragment %d from %s failed: %s: %s", fragment, str(donor)[-8:],
+                        type(e).__name__, e)
+            errors.append(f"{str(donor)[-8:]}: {type(e).__name__}")
+    raise DownloadError(f"fragment {fragment}: no donor delivered a verified state ({'; '.join(errors) or 'no donors'})")
+
+
+@dataclass(frozen=True)
+class CatchUp:
+    """Fragment ``fragment`` should be replaced by the majority's state ``(round, digest)`` held by ``donors``."""
+
+    fragment: int
+    round: int
+    digest: str
+    donors: list[str]
+    reason: str
+
+
+def plan_catch_up(records: dict, me: str, my_rounds: Sequence[int], my_digests: Sequence[str], *,
+                  joining: bool) -> list[CatchUp]:
+    """Which fragments to download, from the other peers' progress records (pure; see below).
+
+    For each fragment, the swarm's state is the most common digest among the peers at the highest
+    round. We download it when we are behind (``joining``: by any round; later: by two or more,
+    since a peer may see others a moment after they applied the round it is about to apply), or when
+    at least two other peers at our exact round agree on a digest that is not ours (we drifted).
+    """
+    plans = []
+    for p, (mine_r, mine_d) in enumerate(zip(my_rounds, my_digests)):
+        others = [(rec.peer_id, rec.rounds[p], rec.digests[p]) for rec in records.values()
+                  if rec.peer_id != me and len(rec.rounds) > p and len(rec.digests) > p]
+        if not others:
+            continue
+        best = max(r for _, r, _ in others)
+        at_best = [(pid, d) for pid, r, d in others if r == best]
+        counts: dict[str, int] = {}
+        for _, d in at_best:
+            counts[d] = counts.get(d, 0) + 1
+        digest = max(sorted(counts), key=lambda d: counts[d])
+        donors = [pid for pid, d in at_best if d == digest]
+        same_round = [d for _, r, d in others if r == mine_r]
+        drifted = sum(d != mine_d for d in same_round) >= 2 and same_round.count(mine_d) < 2 and \
+            max(same_round.count(d) for d in same_round) >= 2
+        if best > mine_r and (joining or best >= mine_r + 2):
+            plans.append(CatchUp(p, best, digest, donors, f"behind: round {mine_r}, swarm at {best}"))
+        elif drifted and digest != mine_d:
+            plans.append(CatchUp(p, best, digest, donors, f"digest {mine_d[:12]} is in the minority at round {mine_r}"))
+    return plans
