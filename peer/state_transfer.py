@@ -46,20 +46,32 @@ def _f32(t: torch.Tensor) -> bytes:
 
 
 class StateServicer(ServicerBase):
-    """Serves this peer's latest snapshot of each fragment. :meth:`publish` may be called from any
-    thread (a dict item assignment); the handler reads one snapshot object per request."""
+    """Serves this peer's last two snapshots of each fragment (a requester may have seen the previous
+    round advertised). :meth:`publish` may be called from any thread (item assignments of new
+    objects); the handler reads one snapshot object per request."""
 
     def __init__(self, chunk_elems: int):
         self.chunk_elems = chunk_elems
-        self.snapshots: dict[int, Snapshot] = {}
+        self.snapshots: dict[int, Snapshot] = {}  # the newest, per fragment
+        self.previous: dict[int, Snapshot] = {}
 
     def publish(self, snap: Snapshot) -> None:
+        old = self.snapshots.get(snap.fragment)
+        if old is not None and old.round != snap.round:
+            self.previous[snap.fragment] = old
         self.snapshots[snap.fragment] = snap
 
+    def _find(self, fragment: int, round_: int):
+        for snap in (self.snapshots.get(fragment), self.previous.get(fragment)):
+            if snap is not None and (round_ == 0 or snap.round == round_):
+                return snap
+        return None
+
     async def rpc_download(self, request: pb.StateRequest, context: P2PContext) -> AsyncIterator[pb.StateChunk]:
-        snap = self.snapshots.get(request.fragment)
+        snap = self._find(request.fragment, request.round)
         if snap is None:
-            yield pb.StateChunk(fragment=request.fragment, error="no state for this fragment")
+            yield pb.StateChunk(fragment=request.fragment, error=f"no state for fragment {request.fragment} "
+                                                                 f"round {request.round}")
             return
         numel = snap.G.numel()
         for offset in range(0, numel, self.chunk_elems):
@@ -71,10 +83,10 @@ class StateServicer(ServicerBase):
             yield msg
 
 
-async def _download_from(p2p: P2P, donor: PeerID, fragment: int, numel: int, digest: str, deadline: float,
-                         max_chunk_elems: int) -> Snapshot:
+async def _download_from(p2p: P2P, donor: PeerID, fragment: int, round_: int, numel: int, digest: str,
+                         deadline: float, max_chunk_elems: int) -> Snapshot:
     stub = StateServicer.get_stub(p2p, donor)
-    stream = await asyncio.wait_for(stub.rpc_download(pb.StateRequest(fragment=fragment)),
+    stream = await asyncio.wait_for(stub.rpc_download(pb.StateRequest(fragment=fragment, round=round_)),
                                     timeout=max(0.0, deadline - time.monotonic()))
     G, v = torch.empty(numel), torch.empty(numel)
     filled, header = 0, None
@@ -105,14 +117,14 @@ async def _download_from(p2p: P2P, donor: PeerID, fragment: int, numel: int, dig
     return Snapshot(fragment, int(header.round), int(header.step), G, v, got)
 
 
-async def download(p2p: P2P, donors: Sequence[PeerID], fragment: int, *, numel: int, digest: str,
+async def download(p2p: P2P, donors: Sequence[PeerID], fragment: int, *, round_: int, numel: int, digest: str,
                    timeout_per_donor: float, max_chunk_elems: int) -> Snapshot:
-    """Downloads fragment ``fragment`` from the first donor that delivers a verified state."""
+    """Downloads round ``round_`` of fragment ``fragment`` from the first donor that delivers a verified state."""
     errors = []
     for donor in donors:
         try:
-            return await _download_from(p2p, donor, fragment, numel, digest, time.monotonic() + timeout_per_donor,
-                                        max_chunk_elems)
+            return await _download_from(p2p, donor, fragment, round_, numel, digest,
+                                        time.monotonic() + timeout_per_donor, max_chunk_elems)
         except Exception as e:  # a dead, slow or lying donor: try the next one
             log.warning("state download of fragment %d from %s failed: %s: %s", fragment, str(donor)[-8:],
                         type(e).__name__, e)
@@ -138,7 +150,8 @@ def plan_catch_up(records: dict, me: str, my_rounds: Sequence[int], my_digests: 
     For each fragment, the swarm's state is the most common digest among the peers at the highest
     round. We download it when we are behind (``joining``: by any round; later: by two or more,
     since a peer may see others a moment after they applied the round it is about to apply), or when
-    at least two other peers at our exact round agree on a digest that is not ours (we drifted).
+    no other peer at our exact round holds our digest and theirs wins: it is held by two or more, or
+    it is the smaller of a tie (two survivors of a broken round converge on one state).
     """
     plans = []
     for p, (mine_r, mine_d) in enumerate(zip(my_rounds, my_digests)):
@@ -154,10 +167,15 @@ def plan_catch_up(records: dict, me: str, my_rounds: Sequence[int], my_digests: 
         digest = max(sorted(counts), key=lambda d: counts[d])
         donors = [pid for pid, d in at_best if d == digest]
         same_round = [d for _, r, d in others if r == mine_r]
-        drifted = sum(d != mine_d for d in same_round) >= 2 and same_round.count(mine_d) < 2 and \
-            max(same_round.count(d) for d in same_round) >= 2
         if best > mine_r and (joining or best >= mine_r + 2):
             plans.append(CatchUp(p, best, digest, donors, f"behind: round {mine_r}, swarm at {best}"))
-        elif drifted and digest != mine_d:
-            plans.append(CatchUp(p, best, digest, donors, f"digest {mine_d[:12]} is in the minority at round {mine_r}"))
+        elif same_round and mine_d not in same_round:
+            # We disagree with everyone at our round. The most common digest there wins, ties going to
+            # the smallest, so two survivors of a broken round converge on one state.
+            counts = {d: same_round.count(d) for d in same_round}
+            winner = min(counts, key=lambda d: (-counts[d], d))
+            if counts[winner] > 1 or winner < mine_d:
+                holders = [pid for pid, r, d in others if r == mine_r and d == winner]
+                plans.append(CatchUp(p, mine_r, winner, holders,
+                                     f"digest {mine_d[:12]} disagrees with the swarm's at round {mine_r}"))
     return plans

@@ -135,9 +135,10 @@ class Swarm:
         """Serves ``snap`` to joiners and advertises its (round, digest) with the next heartbeat."""
         self.state_servicer.publish(snap)
 
-    def download_state(self, fragment: int, donors: list[str], *, numel: int, digest: str) -> Snapshot:
+    def download_state(self, fragment: int, donors: list[str], *, round_: int, numel: int, digest: str) -> Snapshot:
         """Blocking: the fragment's state from the first donor that delivers ``digest``; DownloadError if none."""
-        coro = download(self.p2p, [PeerID.from_base58(d) for d in donors], fragment, numel=numel, digest=digest,
+        coro = download(self.p2p, [PeerID.from_base58(d) for d in donors], fragment, round_=round_, numel=numel,
+                        digest=digest,
                         timeout_per_donor=self.cfg.state_timeout, max_chunk_elems=max(1, self.cfg.chunk_bytes // 4))
         return self._call(coro, self.cfg.state_timeout * max(1, len(donors)) + 5)
 

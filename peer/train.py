@@ -215,7 +215,8 @@ class Trainer:
             frag, t0 = engine.fragments[plan.fragment], time.monotonic()
             random.shuffle(plan.donors)  # joiners spread over the donors
             try:
-                snap = self.swarm.download_state(plan.fragment, plan.donors, numel=frag.numel, digest=plan.digest)
+                snap = self.swarm.download_state(plan.fragment, plan.donors, round_=plan.round, numel=frag.numel,
+                                                 digest=plan.digest)
             except DownloadError as e:
                 log.warning("fragment %d: could not catch up (%s): %s", plan.fragment, plan.reason, e)
                 continue
