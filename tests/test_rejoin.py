@@ -45,12 +45,15 @@ def test_new_peer_joins_after_round_5_downloads_state_and_agrees(procs, tmp_path
         assert wait_exit(proc, 90) == 0, proc.tail()
 
 
-def test_peer_killed_and_restarted_resumes_and_catches_up(procs, tmp_path):
+@pytest.mark.parametrize("moment", ["training", "all-reduce"])
+def test_peer_killed_and_restarted_resumes_and_catches_up(procs, tmp_path, moment):
     initial = start_bootstrap(procs, tmp_path)
     names = ["p0", "p1", "crash"]
     peers = {n: start_peer(procs, tmp_path, n, initial, 100000, *SHORT_H) for n in names}
     peers["crash"].wait_for_line(r"checkpoint at step \d+", timeout=300)
     wait_for(lambda: (0, 4) in ok_rounds(tmp_path, "crash"), 300, "round 4 on the peer to crash")
+    if moment == "all-reduce":
+        peers["crash"].wait_for_line(r"fragment 0 round 5: group of 3 assembled", timeout=120)
     peers["crash"].kill_group(signal.SIGKILL)
     killed_at = max(r for f, r in ok_rounds(tmp_path, "crash") if f == 0)
     wait_for(lambda: (0, killed_at + 3) in ok_rounds(tmp_path, "p0"), 300, "the survivors to move on")

@@ -21,8 +21,8 @@ REPO = Path(__file__).resolve().parents[1]
 ROUND_BUDGET = 20 + 30 + 10  # matchmaking_timeout + allreduce_timeout + slack (s)
 
 FAST = ["--model-seq-len", "32", "--data-batch-size", "4", "--outer-sync-every", "20", "--matchmaking-time", "10",
-        "--request-timeout", "1", "--progress-period", "1", "--progress-ttl", "8", "--status-interval", "0",
-        "--inner-warmup-steps", "10", "--log-every", "10"]
+        "--request-timeout", "3", "--progress-period", "1", "--progress-ttl", "8", "--status-interval", "0",
+        "--inner-warmup-steps", "10", "--log-every", "10", "--drift-check-period", "3"]
 
 
 def start_bootstrap(procs: list, tmp_path: Path) -> list[str]:
@@ -114,8 +114,9 @@ def test_sigkill_during_a_round_survivors_skip_or_finish_and_keep_training(procs
                        for line in peers[n].lines())
         elif kill_round["status"] == "ok":
             assert kill_round["spans_missing"] == 0
-        # it kept training: later rounds complete with the two survivors
-        later = [rounds[r] for r in range(4, 8)]
+        # it kept training: the last rounds complete with the two survivors (a round or two right after
+        # the crash may still wait for the dead peer or be cut short; those are logged, never silent)
+        later = [rounds[r] for r in range(6, 8)]
         assert all(e["status"] == "ok" and e["group_size"] == 2 for e in later), later
     a = {e["round"]: e for e in events(tmp_path, "p0", "round") if e["fragment"] == 0}
     b = {e["round"]: e for e in events(tmp_path, "p1", "round") if e["fragment"] == 0}
@@ -123,6 +124,8 @@ def test_sigkill_during_a_round_survivors_skip_or_finish_and_keep_training(procs
     if (a[2]["status"], a[2]["spans_applied"]) == (b[2]["status"], b[2]["spans_applied"]):
         # both survivors applied the same spans of the interrupted round: they stay identical
         assert all(a[r]["digest"] == b[r]["digest"] for r in range(2, 8))
+    else:  # they diverged in the broken round: the drift check converges them on one state
+        assert a[7]["digest"] == b[7]["digest"], (a[7], b[7])
 
 
 def test_sigterm_leaves_cleanly_with_exit_0(procs, tmp_path):
