@@ -205,10 +205,11 @@ class AllReduceServicer(ServicerBase):
     before the group's members are told the group exists, :meth:`unregister` when the round ends.
     """
 
-    def __init__(self, *, registration_timeout: float, max_pending: int = 64):
+    def __init__(self, *, registration_timeout: float, part_timeout: float, max_pending: int = 64):
         self._groups: dict[bytes, SpanReduction] = {}
         self._waiters: dict[bytes, asyncio.Event] = {}
         self.registration_timeout = registration_timeout
+        self.part_timeout = part_timeout
         self.max_pending = max_pending
 
     def register(self, reduction: SpanReduction) -> None:
@@ -233,7 +234,9 @@ class AllReduceServicer(ServicerBase):
                          context: P2PContext) -> AsyncIterator[pb.ReduceResponse]:
         red, sender = None, None
         try:
-            header = await asyncio.wait_for(requests.__anext__(), timeout=self.registration_timeout)
+            # The first message carries up to chunk_bytes of data: on a slow link it takes as long as
+            # any other piece, so it gets the part deadline, not the (short) request timeout.
+            header = await asyncio.wait_for(requests.__anext__(), timeout=self.part_timeout)
             red = await self._lookup(header.group_id)
             if red is None:
                 yield pb.ReduceResponse(status=Status.REJECTED, error="unknown group")

@@ -53,6 +53,7 @@ class Swarm:
         self.state_servicer: Optional[StateServicer] = None
         self._subkey = b""
         self._progress = (0, 0, 0.0)  # (step, round of fragment 0, tokens/s), published by the heartbeat
+        self._live: dict[str, ProgressRecord] = {}  # the others' records, refreshed by the heartbeat
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -63,7 +64,8 @@ class Swarm:
                               record_validators=validators, startup_timeout=self.cfg.startup_timeout)
         self._thread.start()
         self.p2p = self._call(self.dht.replicate_p2p(), self.cfg.startup_timeout)
-        self.servicer = AllReduceServicer(registration_timeout=self.cfg.request_timeout)
+        self.servicer = AllReduceServicer(registration_timeout=self.cfg.request_timeout,
+                                          part_timeout=self.cfg.part_timeout)
         self.state_servicer = StateServicer(chunk_elems=max(1, self.cfg.chunk_bytes // 8))
         if not self.cfg.client_mode:
             self._call(self.servicer.add_p2p_handlers(self.p2p), self.cfg.startup_timeout)
@@ -121,14 +123,18 @@ class Swarm:
                 await asyncio.wait_for(self.dht.store(progress_key(self.run_key), rec.model_dump(),
                                                       get_dht_time() + self.cfg.progress_ttl, subkey=self._subkey,
                                                       return_future=True), timeout=self.cfg.progress_period * 2)
+                found = await asyncio.wait_for(self.dht.get(progress_key(self.run_key), latest=True,
+                                                            return_future=True), timeout=self.cfg.progress_period * 2)
+                self._live = parse_records(found, get_dht_time())
             except Exception as e:  # a missed heartbeat is retried next period; the ttl covers several
-                log.debug("progress store failed: %s", e)
+                log.debug("progress heartbeat failed: %s", e)
             await asyncio.sleep(self.cfg.progress_period)
 
-    def live_peers(self, timeout: Optional[float] = None) -> dict[str, ProgressRecord]:
-        """Progress records of the peers of this run that published within ``progress_ttl``."""
-        found = self.dht.get(progress_key(self.run_key), latest=True, return_future=True)
-        return parse_records(found.result(timeout or self.cfg.request_timeout * 3), get_dht_time())
+    def live_peers(self) -> dict[str, ProgressRecord]:
+        """Progress records of the peers of this run that published within ``progress_ttl``, as of the
+        last heartbeat (never blocks: the training thread calls it at every launch)."""
+        now = get_dht_time()
+        return {pid: rec for pid, rec in self._live.items() if rec.time + self.cfg.progress_ttl >= now}
 
     # ---- state transfer --------------------------------------------------------------------
     def publish_snapshot(self, snap: Snapshot) -> None:

@@ -204,11 +204,7 @@ class Trainer:
     def _catch_up(self, engine: StreamingEngine, step: int, *, joining: bool) -> int:
         """Downloads the fragments where the swarm's majority state is ahead of or differs from ours
         (see plan_catch_up); returns the step to continue from (steps schedule: the donor's, if later)."""
-        try:
-            records = self.swarm.live_peers()
-        except Exception as e:  # DHT hiccup: try again at the next check
-            log.debug("drift check skipped: %s", e)
-            return step
+        records = self.swarm.live_peers()
         plans = plan_catch_up(records, self.swarm.peer_id, [st.round for st in engine.states],
                               [st.digest() for st in engine.states], joining=joining)
         for plan in plans:
@@ -301,17 +297,14 @@ class _Done:
 
 
 class SwarmTransport:
-    """The engine's Transport over the swarm: refreshes the live peer count, skips rounds alone."""
+    """The engine's Transport over the swarm: reads the live peer count, skips rounds alone."""
 
     def __init__(self, trainer: Trainer):
         self.trainer = trainer
 
     def launch(self, *, fragment: int, round_: int, delta: torch.Tensor, weight: float, step: int):
         tr, cfg = self.trainer, self.trainer.cfg
-        try:
-            tr.peers_seen = max(1, len(tr.swarm.live_peers()))
-        except Exception as e:  # DHT hiccup: keep the last known count
-            log.debug("live peer lookup failed: %s", e)
+        tr.peers_seen = max(1, len(tr.swarm.live_peers()))  # as of the last heartbeat: never blocks
         if tr.peers_seen < cfg.swarm.min_group_size:
             # Alone in the run: no group can form; the progress is kept for the next round.
             return _Done(RoundOutcome(fragment, round_, "alone", group_size=1,

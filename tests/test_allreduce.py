@@ -69,7 +69,7 @@ async def _run(n_members, alive, weights, deltas, part_timeout=1.0, allreduce_ti
         group = _group(ids, weights)
         servicers = []
         for i, p in enumerate(p2ps):
-            s = AllReduceServicer(registration_timeout=1.0)
+            s = AllReduceServicer(registration_timeout=1.0, part_timeout=part_timeout)
             if i in alive:  # a dead member registers no handler and sends nothing
                 await s.add_p2p_handlers(p)
             servicers.append(s)

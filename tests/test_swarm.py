@@ -169,7 +169,7 @@ def test_clock_schedule_peers_of_different_speeds_meet_every_round(procs, tmp_pa
     contribute what they trained, weighted by tokens, and agree on every round they all completed."""
     initial = start_bootstrap(procs, tmp_path)
     clock = ["--outer-schedule", "clock", "--outer-round-seconds", "8", "--matchmaking-time", "3",
-             "--matchmaking-timeout", "6", "--outer-tau", "2", "--min-peers", "1"]
+             "--request-timeout", "2", "--matchmaking-timeout", "6", "--outer-tau", "2", "--min-peers", "1"]
     batch = {"fast": "2", "mid": "4", "slow": "12"}
     peers = {n: start_peer(procs, tmp_path, n, initial, 100000, *clock, "--data-batch-size", b)
              for n, b in batch.items()}
@@ -178,6 +178,8 @@ def test_clock_schedule_peers_of_different_speeds_meet_every_round(procs, tmp_pa
         return {(e["fragment"], e["round"]): e for e in events(tmp_path, n, "round") if e["status"] == "ok"}
 
     def all_agree_on_three():
+        for n, proc in peers.items():  # fail fast, with its log, if a peer died
+            assert proc.returncode is None, f"{n} exited early:\n{proc.tail()}"
         common = set.intersection(*(set(ok_rounds(n)) for n in batch))
         return len([k for k in common if k[0] == 0]) >= 3
 
