@@ -190,3 +190,35 @@ class Proc:
 
     def __repr__(self) -> str:
         return f"Proc(pid={self.pid}, returncode={self.returncode}, log={str(self.log_path)!r})"
+
+
+async def p2p_mesh(n: int):
+    """``n`` hivemind P2P daemons on 127.0.0.1 (NAT mapping off), all connected to each other.
+
+    The caller must ``await p.shutdown()`` each of them (in a ``finally``)."""
+    from hivemind.p2p import P2P
+
+    p2ps = [await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False)]
+    for _ in range(n - 1):
+        p2ps.append(await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False,
+                                     initial_peers=await p2ps[0].get_visible_maddrs()))
+    for a in p2ps:  # full mesh, as the DHT would provide
+        for b in p2ps:
+            if a is not b:
+                addrs = [m.decapsulate("/p2p/" + str(b.peer_id)) for m in await b.get_visible_maddrs()]
+                await a._client.connect(b.peer_id, addrs)
+    return p2ps
+
+
+def run_async(coro):
+    """Runs ``coro`` in a fresh event loop; p2pd subprocess transports are closed at shutdown, so the
+    loop stays open until they are garbage-collected."""
+    import asyncio
+    import gc
+
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        gc.collect()
+        loop.close()

@@ -10,8 +10,8 @@ import asyncio
 import pytest
 import torch
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.p2p import P2P
 
+from helpers import p2p_mesh, run_async
 from peer.allreduce import (PROTOCOL_VERSION, AllReduceServicer, GroupError, GroupPlan, member_spans,
                             run_allreduce)
 from peer.codec import get_codec
@@ -49,21 +49,8 @@ def test_group_plan_rejects_inconsistent_members():
         GroupPlan.from_group(bad, "a", codec, NUMEL, "t")
 
 
-async def _make_p2ps(n):
-    p2ps = [await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False)]
-    for _ in range(n - 1):
-        p2ps.append(await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False,
-                                     initial_peers=await p2ps[0].get_visible_maddrs()))
-    for a in p2ps:  # full mesh, as the DHT would provide
-        for b in p2ps:
-            if a is not b:
-                addrs = [m.decapsulate("/p2p/" + str(b.peer_id)) for m in await b.get_visible_maddrs()]
-                await a._client.connect(b.peer_id, addrs)
-    return p2ps
-
-
 async def _run(n_members, alive, weights, deltas, part_timeout=1.0, allreduce_timeout=4.0):
-    p2ps = await _make_p2ps(n_members)
+    p2ps = await p2p_mesh(n_members)
     try:
         ids = [p.peer_id for p in p2ps]
         group = _group(ids, weights)
@@ -84,23 +71,11 @@ async def _run(n_members, alive, weights, deltas, part_timeout=1.0, allreduce_ti
             await p.shutdown()
 
 
-def _arun(coro):
-    # p2pd subprocess transports are closed at shutdown; keep the loop open until they are collected
-    loop = asyncio.new_event_loop()
-    try:
-        return loop.run_until_complete(coro)
-    finally:
-        import gc
-
-        gc.collect()
-        loop.close()
-
-
 def test_all_members_get_identical_weighted_average():
     torch.manual_seed(0)
     deltas = [torch.randn(NUMEL) for _ in range(3)]
     weights = [1.0, 2.0, 5.0]
-    results, spans = _arun(_run(3, [0, 1, 2], weights, deltas))
+    results, spans = run_async(_run(3, [0, 1, 2], weights, deltas))
     expected = sum(w * d for w, d in zip(weights, deltas)) / sum(weights)
     for res in results.values():
         assert res.complete
@@ -116,7 +91,7 @@ def test_dead_reducer_span_is_missing_on_every_survivor():
     torch.manual_seed(1)
     deltas = [torch.randn(NUMEL) for _ in range(3)]
     weights = [1.0, 1.0, 1.0]
-    results, spans = _arun(_run(3, [0, 1], weights, deltas))
+    results, spans = run_async(_run(3, [0, 1], weights, deltas))
     expected_live = (deltas[0] + deltas[1]) / 2  # the dead member's part never arrived
     for i, res in results.items():
         assert not res.complete

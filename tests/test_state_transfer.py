@@ -1,13 +1,12 @@
 """State transfer: the catch-up plan (pure) and downloads from lying, dying and good donors."""
 
-import asyncio
-import gc
 from typing import AsyncIterator
 
 import pytest
 import torch
-from hivemind.p2p import P2P, P2PContext
+from hivemind.p2p import P2PContext
 
+from helpers import p2p_mesh, run_async
 from peer.outer import digest_of
 from peer.progress import ProgressRecord
 from peer.proto import state_pb2 as pb
@@ -65,18 +64,13 @@ async def _scenario(numel, donors_kind):
     torch.manual_seed(0)
     G, v = torch.randn(numel), torch.randn(numel)
     good = Snapshot(0, 9, 90, G, v, digest_of(G))
-    p2ps = [await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False)]
-    for _ in donors_kind:
-        p2ps.append(await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False,
-                                     initial_peers=await p2ps[0].get_visible_maddrs()))
+    p2ps = await p2p_mesh(1 + len(donors_kind))
     try:
         for kind, p in zip(donors_kind, p2ps[1:]):
             servicer = {"dying": DyingServicer, "good": StateServicer, "lying": StateServicer}[kind](chunk_elems=100)
             snap = good if kind != "lying" else Snapshot(0, 9, 90, G + 1, v, good.digest)  # claims the good digest
             servicer.publish(snap)
             await servicer.add_p2p_handlers(p)
-            addrs = [m.decapsulate("/p2p/" + str(p.peer_id)) for m in await p.get_visible_maddrs()]
-            await p2ps[0]._client.connect(p.peer_id, addrs)
         return good, await download(p2ps[0], [p.peer_id for p in p2ps[1:]], 0, round_=9, numel=numel,
                                     digest=good.digest,
                                     timeout_per_donor=10, max_chunk_elems=100)
@@ -85,21 +79,12 @@ async def _scenario(numel, donors_kind):
             await p.shutdown()
 
 
-def _run(coro):
-    loop = asyncio.new_event_loop()
-    try:
-        return loop.run_until_complete(coro)
-    finally:
-        gc.collect()
-        loop.close()
-
-
 def test_download_switches_donor_when_one_dies_or_lies():
-    good, got = _run(_scenario(1000, ["dying", "lying", "good"]))
+    good, got = run_async(_scenario(1000, ["dying", "lying", "good"]))
     assert got.round == 9 and got.step == 90 and got.digest == good.digest
     assert torch.equal(got.G, good.G) and torch.equal(got.v, good.v)
 
 
 def test_download_fails_cleanly_without_an_honest_donor():
     with pytest.raises(DownloadError, match="no donor delivered"):
-        _run(_scenario(1000, ["dying", "lying"]))
+        run_async(_scenario(1000, ["dying", "lying"]))
