@@ -91,6 +91,12 @@ class FragmentState:
         return cls(G=flat.clone(), v=torch.zeros_like(flat), S=flat.clone(), E=torch.zeros_like(flat),
                    u=torch.zeros_like(flat))
 
+    @property
+    def last_applied(self) -> int:
+        """The last round whose aggregate changed G (skipped, missed or lone rounds do not count):
+        the round number under which this state is advertised and served."""
+        return self.applied_rounds[-1] if self.applied_rounds else 0
+
     def outer_gradient(self, theta: torch.Tensor) -> torch.Tensor:
         """``Delta = S - theta``: how far this peer moved since its last sync of this fragment."""
         return self.S - theta

@@ -147,8 +147,9 @@ def plan_catch_up(records: dict, me: str, my_rounds: Sequence[int], my_digests: 
                   joining: bool) -> list[CatchUp]:
     """Which fragments to download, from the other peers' progress records (pure; see below).
 
-    For each fragment, the swarm's state is the most common digest among the peers at the highest
-    round. We download it when we are behind (``joining``: by any round; later: by two or more,
+    Rounds here are *applied* rounds (a peer that trained alone does not advance). For each fragment,
+    the swarm's state is the (round, digest) held by the most other peers (ties: the later round, then
+    the smaller digest). We download it when we are behind (``joining``: by any round; later: by two or more,
     since a peer may see others a moment after they applied the round it is about to apply), or when
     no other peer at our exact round holds our digest and theirs wins: it is held by two or more, or
     it is the smaller of a tie (two survivors of a broken round converge on one state).
@@ -159,13 +160,11 @@ def plan_catch_up(records: dict, me: str, my_rounds: Sequence[int], my_digests: 
                   if rec.peer_id != me and len(rec.rounds) > p and len(rec.digests) > p]
         if not others:
             continue
-        best = max(r for _, r, _ in others)
-        at_best = [(pid, d) for pid, r, d in others if r == best]
-        counts: dict[str, int] = {}
-        for _, d in at_best:
-            counts[d] = counts.get(d, 0) + 1
-        digest = max(sorted(counts), key=lambda d: counts[d])
-        donors = [pid for pid, d in at_best if d == digest]
+        # The swarm's state: the (round, digest) held by the most other peers, ties to the later round.
+        holders: dict[tuple[int, str], list[str]] = {}
+        for pid, r, d in others:
+            holders.setdefault((r, d), []).append(pid)
+        (best, digest), donors = max(holders.items(), key=lambda kv: (len(kv[1]), kv[0][0], [-ord(c) for c in kv[0][1]]))
         same_round = [d for _, r, d in others if r == mine_r]
         if best > mine_r and (joining or best >= mine_r + 2):
             plans.append(CatchUp(p, best, digest, donors, f"behind: round {mine_r}, swarm at {best}"))

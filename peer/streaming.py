@@ -281,6 +281,7 @@ class StreamingEngine:
         st.E.zero_()
         st.u.zero_()
         st.round, st.tokens_since_sync = round_, 0
+        st.applied_rounds = [round_]
         self.fragments[p].assign(G)
 
     def state_dict(self) -> dict:

@@ -119,15 +119,19 @@ class Swarm:
             rec = ProgressRecord(peer_id=self.peer_id, step=step, round=round_, tokens_per_second=tps,
                                  client_mode=self.cfg.client_mode, time=get_dht_time(),
                                  rounds=[s.round for s in snaps if s], digests=[s.digest for s in snaps if s])
-            try:
-                await asyncio.wait_for(self.dht.store(progress_key(self.run_key), rec.model_dump(),
-                                                      get_dht_time() + self.cfg.progress_ttl, subkey=self._subkey,
-                                                      return_future=True), timeout=self.cfg.progress_period * 2)
-                found = await asyncio.wait_for(self.dht.get(progress_key(self.run_key), latest=True,
-                                                            return_future=True), timeout=self.cfg.progress_period * 2)
+            # Both DHT calls may wait for an unreachable node (hivemind's wait_timeout), so they get up to
+            # the record's lifetime and run side by side; a failed refresh keeps the last records.
+            store = self.dht.store(progress_key(self.run_key), rec.model_dump(), get_dht_time() + self.cfg.progress_ttl,
+                                   subkey=self._subkey, return_future=True)
+            fetch = self.dht.get(progress_key(self.run_key), latest=True, return_future=True)
+            stored, found = await asyncio.gather(asyncio.wait_for(store, self.cfg.progress_ttl),
+                                                 asyncio.wait_for(fetch, self.cfg.progress_ttl),
+                                                 return_exceptions=True)
+            for what, result in (("store", stored), ("get", found)):
+                if isinstance(result, BaseException):
+                    log.debug("progress heartbeat %s failed: %s", what, type(result).__name__)
+            if not isinstance(found, BaseException):
                 self._live = parse_records(found, get_dht_time())
-            except Exception as e:  # a missed heartbeat is retried next period; the ttl covers several
-                log.debug("progress heartbeat failed: %s", e)
             await asyncio.sleep(self.cfg.progress_period)
 
     def live_peers(self) -> dict[str, ProgressRecord]:
@@ -135,6 +139,10 @@ class Swarm:
         last heartbeat (never blocks: the training thread calls it at every launch)."""
         now = get_dht_time()
         return {pid: rec for pid, rec in self._live.items() if rec.time + self.cfg.progress_ttl >= now}
+
+    def live_count(self) -> int:
+        """Live peers of this run, ourselves always included."""
+        return 1 + sum(pid != self.peer_id for pid in self.live_peers())
 
     # ---- state transfer --------------------------------------------------------------------
     def publish_snapshot(self, snap: Snapshot) -> None:

@@ -72,6 +72,7 @@ class Trainer:
         self.peers_seen = 1
         self.rounds_done = 0
         self.auto_tau: Optional[AutoTau] = None
+        self._found_checkpoint = None
 
     def run(self) -> int:
         """Trains; returns the process exit code (0 on max_steps or a stop signal)."""
@@ -83,6 +84,12 @@ class Trainer:
         self.stop.install()
         run_hash = cfg.run_hash()
         log.info("resolved config (run hash %s): %s", run_hash, cfg.to_dict())
+        # Before joining the swarm: a checkpoint of another run in this run dir is a usage error.
+        self._found_checkpoint = checkpoint.load_latest(self.run_dir / "checkpoints")
+        if self._found_checkpoint is not None and self._found_checkpoint[1].get("run_hash") != run_hash:
+            raise ValueError(f"--run-dir {self.run_dir} holds a checkpoint of another run (run hash "
+                             f"{self._found_checkpoint[1].get('run_hash')}, this config's is {run_hash}): "
+                             f"use another --run-dir")
         # The DHT forks a process: start it before anything can initialize CUDA.
         codec = make_codec(cfg.outer.codec, stochastic_rounding=True) if cfg.outer.stochastic_rounding else cfg.outer.codec
         self.swarm = Swarm(cfg.swarm, run_key=run_hash, codec=codec, identity_path=str(cfg.identity_path))
@@ -122,7 +129,7 @@ class Trainer:
         """Blocks until ``min_peers`` peers of this run are visible, a stop signal, or start_timeout."""
         want, deadline = self.cfg.swarm.min_peers, time.monotonic() + self.cfg.swarm.start_timeout
         while want > 1 and not self.stop.event.is_set():
-            self.peers_seen = len(self.swarm.live_peers())
+            self.peers_seen = self.swarm.live_count()
             if self.peers_seen >= want or time.monotonic() > deadline:
                 break
             self.stop.event.wait(min(1.0, self.cfg.swarm.progress_period))
@@ -179,11 +186,11 @@ class Trainer:
                                  compute_seconds=compute_seconds, blocked_seconds=engine.blocked_seconds,
                                  tau=self.auto_tau() if self.auto_tau else cfg.outer.tau)
             self.swarm.update_progress(step, engine.states[0].round, tok_s)
+            engine.launch_due(step)
+            engine.apply_due(step)
             if cfg.swarm.drift_check_period and time.monotonic() - last_drift_check >= cfg.swarm.drift_check_period:
                 step = self._catch_up(engine, step, joining=False)
                 last_drift_check = time.monotonic()
-            engine.launch_due(step)
-            engine.apply_due(step)
             every = cfg.run.checkpoint_rounds
             if (cfg.run.checkpoint_minutes and time.monotonic() - last_ckpt_time >= 60 * cfg.run.checkpoint_minutes) or \
                     (every and engine.states[0].applied_rounds and self.rounds_done - last_ckpt_rounds >= every):
@@ -199,14 +206,17 @@ class Trainer:
         return 0
 
     def _publish_snapshot(self, frag: Fragment, st: FragmentState, step: int) -> None:
-        self.swarm.publish_snapshot(Snapshot(frag.index, st.round, step, st.G.clone(), st.v.clone(), st.digest()))
+        self.swarm.publish_snapshot(Snapshot(frag.index, st.last_applied, step, st.G.clone(), st.v.clone(),
+                                             st.digest()))
 
     def _catch_up(self, engine: StreamingEngine, step: int, *, joining: bool) -> int:
         """Downloads the fragments where the swarm's majority state is ahead of or differs from ours
-        (see plan_catch_up); returns the step to continue from (steps schedule: the donor's, if later)."""
+        (see plan_catch_up); returns the step to continue from (steps schedule: the donors').
+        Must be called after the step's launches and applies, so the adopted round is never re-launched."""
         records = self.swarm.live_peers()
-        plans = plan_catch_up(records, self.swarm.peer_id, [st.round for st in engine.states],
+        plans = plan_catch_up(records, self.swarm.peer_id, [st.last_applied for st in engine.states],
                               [st.digest() for st in engine.states], joining=joining)
+        donor_steps = []
         for plan in plans:
             frag, t0 = engine.fragments[plan.fragment], time.monotonic()
             random.shuffle(plan.donors)  # joiners spread over the donors
@@ -217,13 +227,16 @@ class Trainer:
                 log.warning("fragment %d: could not catch up (%s): %s", plan.fragment, plan.reason, e)
                 continue
             engine.adopt(plan.fragment, snap.G, snap.v, snap.round)
-            if isinstance(engine.schedule, StepsSchedule):
-                step = max(step, snap.step)
-            self._publish_snapshot(frag, engine.states[plan.fragment], step)
+            donor_steps.append(snap.step)
+            self._publish_snapshot(frag, engine.states[plan.fragment], snap.step)
             log.info("fragment %d: caught up to round %d (digest %s) in %.1fs; %s", plan.fragment, snap.round,
                      snap.digest[:12], time.monotonic() - t0, plan.reason)
-            self.events.emit("catch_up", fragment=plan.fragment, round=snap.round, digest=snap.digest, step=step,
-                             seconds=time.monotonic() - t0, reason=plan.reason)
+            self.events.emit("catch_up", fragment=plan.fragment, round=snap.round, digest=snap.digest,
+                             step=snap.step, seconds=time.monotonic() - t0, reason=plan.reason)
+        if donor_steps and isinstance(engine.schedule, StepsSchedule):
+            # Lockstep: continue from the swarm's step (also backwards, for a peer that ran ahead alone),
+            # so the next round we launch is the swarm's next round, never one we just downloaded.
+            step = max(donor_steps)
         return step
 
     def _checkpoint(self, step: int, *, model, inner, source, engine) -> None:
@@ -236,13 +249,10 @@ class Trainer:
 
     def _resume(self, *, model, inner, source, engine) -> int:
         """Restores the newest good checkpoint of this run dir; returns the step to continue from."""
-        found = checkpoint.load_latest(self.run_dir / "checkpoints")
+        found, self._found_checkpoint = self._found_checkpoint, None  # read (and checked) in run()
         if found is None:
             return 0
         path, state = found
-        if state.get("run_hash") != self.cfg.run_hash():
-            raise ValueError(f"--run-dir {self.run_dir} holds a checkpoint of another run (run hash "
-                             f"{state.get('run_hash')}, this config's is {self.cfg.run_hash()}): use another --run-dir")
         model.load_state_dict(state["model"])
         inner.load_state_dict(state["inner"])
         source.load_state_dict(state["data"])
@@ -304,7 +314,7 @@ class SwarmTransport:
 
     def launch(self, *, fragment: int, round_: int, delta: torch.Tensor, weight: float, step: int):
         tr, cfg = self.trainer, self.trainer.cfg
-        tr.peers_seen = max(1, len(tr.swarm.live_peers()))  # as of the last heartbeat: never blocks
+        tr.peers_seen = tr.swarm.live_count()  # as of the last heartbeat: never blocks
         if tr.peers_seen < cfg.swarm.min_group_size:
             # Alone in the run: no group can form; the progress is kept for the next round.
             return _Done(RoundOutcome(fragment, round_, "alone", group_size=1,
