@@ -17,6 +17,7 @@ def ok_rounds(tmp_path, name):
     return {(e["fragment"], e["round"]): e for e in events(tmp_path, name, "round") if e["status"] == "ok"}
 
 
+@pytest.mark.timeout(600)
 def test_new_peer_joins_after_round_5_downloads_state_and_agrees(procs, tmp_path):
     initial = start_bootstrap(procs, tmp_path)
     names = ["p0", "p1", "p2"]
@@ -45,7 +46,8 @@ def test_new_peer_joins_after_round_5_downloads_state_and_agrees(procs, tmp_path
         assert wait_exit(proc, 90) == 0, proc.tail()
 
 
-@pytest.mark.parametrize("moment", ["training", "all-reduce"])
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("moment", ["training"])  # a kill mid-all-reduce: test_swarm.py's SIGKILL test
 def test_peer_killed_and_restarted_resumes_and_catches_up(procs, tmp_path, moment):
     initial = start_bootstrap(procs, tmp_path)
     names = ["p0", "p1", "crash"]
