@@ -9,7 +9,7 @@ import pytest
 from helpers import wait_for
 from test_swarm import events, start_bootstrap, start_peer, wait_exit
 
-pytestmark = pytest.mark.swarm
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]
 SHORT_H = ["--outer-sync-every", "10", "--checkpoint-rounds", "1", "--drift-check-period", "3"]
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from helpers import Proc, wait_for
 
-pytestmark = pytest.mark.swarm
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[1]
 ROUND_BUDGET = 20 + 30 + 10  # matchmaking_timeout + allreduce_timeout + slack (s)
 
