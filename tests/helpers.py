@@ -222,3 +222,15 @@ def run_async(coro):
     finally:
         gc.collect()
         loop.close()
+
+
+def events(run_root, name: str, kind: str) -> list[dict]:
+    """The JSON events of one kind from ``run_root/name/events.jsonl`` (a peer's ``--log-json``),
+    skipping a last line still being written."""
+    import json
+
+    path = Path(run_root) / name / "events.jsonl"
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    return [e for e in (json.loads(line) for line in lines if line.endswith("}")) if e["event"] == kind]

@@ -27,7 +27,6 @@ namespaces cannot be created (not root, no iproute2, ...).
 from __future__ import annotations
 
 import datetime
-import json
 import re
 import signal
 import sys
@@ -36,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import Proc, wait_for
+from helpers import Proc, events, wait_for
 from netns import NetnsLab, netns_available
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(360)]
@@ -94,12 +93,6 @@ def start_swarm(lab: NetnsLab, procs: list, tmp_path: Path) -> tuple[Proc, dict[
     return boot, peers
 
 
-def events(tmp_path: Path, name: str, kind: str) -> list[dict]:
-    path = tmp_path / name / "events.jsonl"
-    if not path.exists():
-        return []
-    lines = path.read_text().splitlines()
-    return [e for e in (json.loads(line) for line in lines if line.endswith("}")) if e["event"] == kind]
 
 
 def rounds_of(tmp_path: Path, name: str, *, status: str | None = "ok", since: float = 0.0) -> dict:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import Proc, wait_for
+from helpers import Proc, events, wait_for
 from netns import NetnsLab, netns_available
 
 pytestmark = pytest.mark.swarm
@@ -52,12 +52,6 @@ def lab():
     assert not lab.namespaces(), f"namespaces left behind: {lab.namespaces()}"
 
 
-def events(tmp_path: Path, name: str, kind: str) -> list[dict]:
-    path = tmp_path / name / "events.jsonl"
-    if not path.exists():
-        return []
-    lines = path.read_text().splitlines()
-    return [e for e in (json.loads(line) for line in lines if line.endswith("}")) if e["event"] == kind]
 
 
 def launch_log_times(lines: list[str], near: float) -> dict[tuple[int, int], float]:

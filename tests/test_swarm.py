@@ -6,7 +6,6 @@ left (p2pd daemons included) and fails if anything survives.
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 import sys
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import Proc, wait_for
+from helpers import Proc, events, wait_for
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[1]
@@ -43,12 +42,6 @@ def start_peer(procs: list, tmp_path: Path, name: str, initial_peers: list[str],
     return proc
 
 
-def events(tmp_path: Path, name: str, kind: str) -> list[dict]:
-    path = tmp_path / name / "events.jsonl"
-    if not path.exists():
-        return []
-    lines = path.read_text().splitlines()
-    return [e for e in (json.loads(line) for line in lines if line.endswith("}")) if e["event"] == kind]
 
 
 def wait_exit(proc: Proc, timeout: float) -> int:
