@@ -1,11 +1,13 @@
 """Quality at small scale: the paper-parity ablations of the outer algorithm, same model and tokens.
 
-    .venv/bin/python bench/quality.py                 # all methods x 2 seeds (+ the loopback swarm), ~15 min
-    .venv/bin/python bench/quality.py --quick         # shorter runs, no swarm, ~5 min
+    .venv/bin/python bench/quality.py                 # 16 methods x 2 seeds + the loopback swarm: 6-15 min
+    .venv/bin/python bench/quality.py --quick         # 102 instead of 166 steps, no swarm: ~60% of the CPU time
+    .venv/bin/python bench/quality.py --extra         # also tau = 5 with the alpha = 0 merge, with and without eager
     .venv/bin/python bench/quality.py --replot runs/bench_quality/results.json   # table + plot again
 
-Every method trains the same model (``--preset``, default tiny) on the built-in synthetic Markov
-corpus (``peer.data.MarkovSource``, whose entropy rate is the best achievable CE) for the same
+(6-15 min: on 2 CPU cores shared with other work, with 2 jobs.) Every method trains the same model
+(``--preset``, default tiny) on the built-in synthetic Markov corpus (``peer.data.MarkovSource`` at
+``--vocab-size`` 64, whose entropy rate is the best achievable CE) for the same
 number of inner steps and tokens per peer, in the in-process simulator (``peer.simulator``: M
 replicas, each a real :class:`peer.streaming.StreamingEngine`, one :class:`FakeTransport` that
 averages exactly, through the wire codec). The methods (issue 7):
@@ -22,7 +24,7 @@ averages exactly, through the wire codec). The methods (issue 7):
 
 Seeds: seed s sets the initial weights (``torch.manual_seed(s)`` before every replica's model, so
 all replicas and all methods of seed s start from the same theta_0) and the data shards (replica m
-reads shard ``100 s + m``); the corpus itself (``--data-seed``) and the held-out set (shard 10000)
+reads shard ``100 s + m``); the corpus itself (data seed 1234) and the held-out set (shard 10000)
 are the same for every run. Eval loss = mean over the M replicas of each replica's CE on the
 held-out set (for data-parallel: the one model). Runs end ``k H + 6`` steps in, so every round with
 tau <= 5 has been applied and every method's models are 6 local steps past fragment 0's last sync; the
@@ -32,10 +34,10 @@ curves are evaluated every H steps in the same phase (on the first 32 held-out s
 ``swarm-peer`` processes on 127.0.0.1 (bootstrap node + peers, the steps schedule, the same settings
 and seed 0's init and shards) and evaluates each peer's final checkpoint on the same held-out set.
 
-Bytes per peer: what the simulator puts on the wire per replica (its part up, the average down,
-each through the codec: sum of ``FakeTransport.bytes_per_round`` / M); data-parallel counts one fp32
-gradient up and one down per step. The swarm's butterfly all-reduce moves 2 (M-1) / M of that; its
-column is measured (``bytes_sent + bytes_received`` of its round events).
+Bytes per peer: what a peer sends in a butterfly all-reduce, 2 (M-1) / M encoded vectors per round
+(from ``FakeTransport.bytes_per_round``, which holds the M encoded parts and the encoded average once per
+replica); data-parallel sends one fp32 gradient per step that way. The swarm's is measured
+(``bytes_sent`` of its round events).
 
 Writes ``results.json`` into ``--out-dir`` and the loss curves to ``--plot`` (matplotlib).
 """
@@ -358,7 +360,8 @@ def run_swarm(method: Method, setup: Setup, seed: int, out_dir: Path, timeout: f
             cmd = [sys.executable, "-m", "peer", "run", "--config", REPO / "configs/demo.toml",
                    "--initial-peers", *initial, "--run-dir", run_dir, "--log-json", run_dir / "events.jsonl",
                    "--max-steps", setup.steps, "--min-peers", setup.replicas, "--start-timeout", 120,
-                   "--model-preset", setup.preset, "--model-factory", setup.factory, "--model-seq-len", setup.seq_len, "--model-init-seed", seed,
+                   "--model-preset", setup.preset, "--model-factory", setup.factory,
+                   "--model-seq-len", setup.seq_len, "--model-init-seed", seed,
                    "--data-source", "synthetic", "--data-vocab-size", setup.vocab_size,
                    "--data-seed", setup.data_seed, "--data-shard", SHARD_STRIDE * seed + m,
                    "--data-batch-size", setup.batch_size, "--inner-threads", 1, "--inner-device", "cpu",
@@ -482,6 +485,7 @@ def plot(results: Sequence[RunResult], floor: float, path: Path, title: str = ""
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         print("plot skipped: matplotlib is not installed (pip install matplotlib)")
         return False
@@ -495,7 +499,7 @@ def plot(results: Sequence[RunResult], floor: float, path: Path, title: str = ""
               ("items 5, 6, 8: overlap, eager, heterogeneous tau (all FP4, P=2)",
                ["dp", "diloco", "tau1_alpha", "tau5_alpha", "tau1_replay", "tau5_replay", "full", "tauH_eager",
                 "tauH_eager_lr", "tauH_naive", "tauH_naive_lr", "hetero_tau", "tau5_alpha0", "full_alpha0"])]
-    fig, axes = plt.subplots(1, 2, figsize=(15, 6.5), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(15, 8), sharey=True)
     for ax, (name, keys) in zip(axes, panels):
         for key in keys:
             runs = by_method.get(key)
@@ -515,11 +519,14 @@ def plot(results: Sequence[RunResult], floor: float, path: Path, title: str = ""
                 ax.plot([r.steps[-1]], [r.eval_ce[-1] - floor], marker="*", ms=15, ls="", color=STYLES[base][0],
                         markeredgecolor="black", label=f"{BY_KEY[base].label}: loopback swarm, seed {r.seed}")
         ax.set_yscale("log")
+        ax.yaxis.set_major_locator(matplotlib.ticker.FixedLocator([0.1, 0.15, 0.2, 0.3, 0.5, 0.7, 1, 1.5, 2, 3]))
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_title(name, fontsize=10)
         ax.set_xlabel("inner steps per peer (eval every H steps, in phase with the last step)")
         ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7.5, loc="upper right")
-    axes[0].set_ylabel(f"held-out CE minus entropy floor {floor:.3f} (nats/token, log scale)")
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2, frameon=False)
+    axes[0].set_ylabel(f"held-out CE - entropy floor {floor:.3f} (nats/token, log scale)")
     fig.suptitle(title, fontsize=9.5)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -569,8 +576,9 @@ def main(argv=None) -> int:
     model, blocks = setup.build(0)
     nparams, P = count_parameters(model), len(partition(model, blocks, setup.fragment_blocks))
     title = (f"{setup.preset} ({nparams:,} params, P={P}), vocab {setup.vocab_size}, M={setup.replicas} replicas, "
-             f"seq {setup.seq_len} x batch {setup.batch_size}, H={setup.H}, {setup.steps} steps ({setup.steps * setup.seq_len * setup.batch_size:,}"
-             f" tokens per peer), inner AdamW lr {setup.inner_lr:g}, outer Nesterov 0.7/0.9, {args.seeds} seeds")
+             f"seq {setup.seq_len} x batch {setup.batch_size}, H={setup.H}, {setup.steps} steps "
+             f"({setup.steps * setup.seq_len * setup.batch_size:,} tokens per peer), inner AdamW lr "
+             f"{setup.inner_lr:g}, outer Nesterov 0.7/0.9, {args.seeds} seeds")
     print(title)
     print(f"{len(methods)} methods x {args.seeds} seeds in the simulator, {args.jobs} job(s); "
           f"torch {torch.__version__}, {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}")
@@ -611,7 +619,8 @@ def report(results: Sequence[RunResult], floor: float, title: str, plot_path: Pa
             print(f"\nswarm vs simulator, {sim.method} seed {r.seed}: final eval CE {r.final:.6f} vs {sim.final:.6f} "
                   f"(diff {r.final - sim.final:+.2e}); train CE per window: max |diff| "
                   f"{max(diffs) if diffs else math.nan:.2e} over {len(diffs)} windows; "
-                  f"sent per peer {r.bytes_per_peer / 1e6:.2f} MB measured vs {sim.bytes_per_peer / 1e6:.2f} MB counted")
+                  f"sent per peer {r.bytes_per_peer / 1e6:.2f} MB measured vs {sim.bytes_per_peer / 1e6:.2f} MB "
+                  "counted")
     spreads = [r["spread"] for r in rows if len(r["finals"]) > 1]
     if spreads:
         print(f"\nnoise band: seed spread (max - min) median {statistics.median(spreads):.4f}, "
