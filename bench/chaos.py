@@ -120,7 +120,8 @@ def peer_args(args, name: str, run_dir: Path, initial: list[str], min_peers: int
             "--inner-warmup-steps", 10, "--outer-sync-every", H, "--outer-tau", 0,
             "--matchmaking-time", 4, "--matchmaking-timeout", 15, "--request-timeout", 2,
             "--allreduce-timeout", 20, "--part-timeout", 10, "--progress-period", 1, "--progress-ttl", 8,
-            "--drift-check-period", 3, "--checkpoint-rounds", 1, "--status-interval", 0, "--log-every", 1]
+            "--dht-timeout", 3, "--drift-check-period", 3, "--checkpoint-rounds", 1, "--status-interval", 0,
+            "--log-every", 1]
 
 
 class Chaos:

@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
 from helpers import Proc  # noqa: E402
-from netns import NetnsLab, netns_available  # noqa: E402
+from netns import NetnsLab, netns_available, start_lab_swarm  # noqa: E402
 
 POLL = 0.2
 
@@ -130,30 +130,17 @@ def run_method(method: Method, args, out_dir: Path) -> tuple[list[PeerResult], f
         try:
             for i in range(1, args.peers + 1):
                 lab.shape(i, args.rate_mbit)
-            boot = Proc.start(lab.run_args(0, [sys.executable, "-m", "bootstrap",
-                                               "--host-maddrs", f"/ip4/{lab.addr(0)}/tcp/0",
-                                               "--identity-path", out_dir / "boot.id"]),
-                              log_path=out_dir / "boot.log", cwd=REPO)
-            started.append(boot)
-            initial = boot.wait_for_line(r"^--initial-peers (.+)$", timeout=60).group(1).split()
-            peers = {}
-            for i in range(1, args.peers + 1):
-                name, run_dir = f"p{i}", out_dir / f"p{i}"
-                cmd = [sys.executable, "-m", "peer", "run", "--config", REPO / "configs/demo.toml",
-                       "--initial-peers", *initial, "--host-maddrs", f"/ip4/{lab.addr(i)}/tcp/0",
-                       "--run-dir", run_dir, "--log-json", run_dir / "events.jsonl",
-                       "--max-steps", args.steps, "--min-peers", args.peers, "--start-timeout", 90,
-                       "--model-preset", args.preset, "--model-seq-len", args.seq_len,
-                       "--data-batch-size", args.batch_size, "--inner-threads", 1,
-                       "--inner-warmup-steps", 20, "--inner-total-steps", max(args.steps, 100),
-                       "--outer-sync-every", args.sync_every, "--log-every", 10, "--status-interval", 0,
-                       "--matchmaking-time", 5, "--matchmaking-timeout", 20, "--request-timeout", 3,
-                       "--allreduce-timeout", 60, "--part-timeout", 30, "--progress-period", 2,
-                       "--progress-ttl", 15, "--chunk-bytes", args.chunk_bytes, *method.flags]
-                if args.pin:  # peer i (its torch thread, networking thread and p2pd) on CPU (i-1) mod nproc
-                    cmd = [args.pin, "-c", str((i - 1) % os.cpu_count()), *cmd]
-                peers[name] = Proc.start(lab.run_args(i, cmd), log_path=out_dir / f"{name}.log", cwd=REPO)
-                started.append(peers[name])
+            flags = ["--max-steps", args.steps, "--min-peers", args.peers, "--start-timeout", 90,
+                     "--model-preset", args.preset, "--model-seq-len", args.seq_len,
+                     "--data-batch-size", args.batch_size, "--inner-threads", 1,
+                     "--inner-warmup-steps", 20, "--inner-total-steps", max(args.steps, 100),
+                     "--outer-sync-every", args.sync_every, "--log-every", 10, "--status-interval", 0,
+                     "--matchmaking-time", 5, "--matchmaking-timeout", 20, "--request-timeout", 3,
+                     "--allreduce-timeout", 60, "--part-timeout", 30, "--progress-period", 2,
+                     "--progress-ttl", 15, "--chunk-bytes", args.chunk_bytes, *method.flags]
+            # with --pin, peer i (its torch thread, networking thread and p2pd) on CPU (i-1) mod nproc
+            pin = (lambda i: [args.pin, "-c", str((i - 1) % os.cpu_count())]) if args.pin else (lambda i: [])
+            boot, _, peers = start_lab_swarm(lab, started, out_dir, [flags] * args.peers, prefix=pin)
             deadline = t0 + args.timeout
             while any(p.returncode is None for p in peers.values()):
                 if time.monotonic() > deadline:

@@ -209,6 +209,8 @@ class SwarmConfig:
     """Seconds to find a group for a round before the round counts as missed."""
     request_timeout: float = 3.0
     """Seconds to wait for one matchmaking request to a potential leader."""
+    dht_timeout: float = 5.0
+    """Seconds to wait for one DHT request; a node that does not answer is skipped (and banned a while)."""
     allreduce_timeout: float = 60.0
     """Seconds a member waits for all averaged spans after its group formed."""
     part_timeout: float = 30.0
@@ -231,7 +233,8 @@ class SwarmConfig:
                "a non-empty name without '.' or spaces", self.run_id)
         _check(self.drift_check_period >= 0, "swarm.drift_check_period", ">= 0", self.drift_check_period)
         for key in ("start_timeout", "state_timeout", "matchmaking_time", "matchmaking_timeout", "request_timeout",
-                    "allreduce_timeout", "part_timeout", "progress_period", "progress_ttl", "startup_timeout"):
+                    "allreduce_timeout", "part_timeout", "progress_period", "progress_ttl", "startup_timeout",
+                    "dht_timeout"):
             _check(getattr(self, key) > 0, f"swarm.{key}", "> 0 seconds", getattr(self, key))
         _check(self.min_peers >= 1, "swarm.min_peers", ">= 1", self.min_peers)
         _check(self.min_group_size >= 1, "swarm.min_group_size", ">= 1", self.min_group_size)
@@ -241,8 +244,10 @@ class SwarmConfig:
                "(hivemind's matchmaking can deadlock otherwise)", self.request_timeout)
         _check(self.matchmaking_time < self.matchmaking_timeout, "swarm.matchmaking_time",
                "< swarm.matchmaking_timeout", self.matchmaking_time)
-        _check(self.progress_ttl > self.progress_period, "swarm.progress_ttl", "> swarm.progress_period",
-               self.progress_ttl)
+        # While a DHT node is unreachable a record reaches the DHT up to one dht_timeout late and is read up
+        # to another one late: a record must outlive a period and both, or live peers drop out of view.
+        _check(self.progress_ttl > self.progress_period + 2 * self.dht_timeout, "swarm.progress_ttl",
+               "> swarm.progress_period + 2 * swarm.dht_timeout", self.progress_ttl)
         _check(4096 <= self.chunk_bytes <= 1 << 24, "swarm.chunk_bytes", "in [4096, 16777216]", self.chunk_bytes)
 
 
@@ -286,7 +291,8 @@ SECTIONS: dict[str, type] = {
 BARE_SECTIONS = ("run", "swarm")  # their flags carry no section prefix
 # Fields that do not change the shared computation (see module docstring).
 LOCAL_KEYS = {"swarm": {"initial_peers", "new_swarm", "host_maddrs", "announce_maddrs", "identity_path",
-                        "client_mode", "nat_port_map", "min_peers", "start_timeout", "startup_timeout"},
+                        "client_mode", "nat_port_map", "min_peers", "start_timeout", "startup_timeout",
+                        "dht_timeout"},
               "data": {"source", "paths", "batch_size", "shard"}, "inner": {"device", "threads"},
               # per-peer choices that change only this peer's local weights, never the shared G, v
               "outer": {"tau", "tau_max", "eager", "merge", "alpha", "wait_timeout", "error_feedback",

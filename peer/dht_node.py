@@ -324,6 +324,54 @@ def peer_counts(dht: "hivemind.DHT", timeout: float = 10.0) -> tuple[int, int]:
     return dht.run_coroutine(_peer_counts, return_future=True).result(timeout=timeout)
 
 
+def peers_of(maddrs: Iterable[str]) -> dict[str, list[str]]:
+    """{peer id: its multiaddrs} of ``/.../p2p/PEER_ID`` addresses (as checked by ``check_maddrs``)."""
+    from hivemind.utils.multiaddr import Multiaddr
+
+    out: dict[str, list[str]] = {}
+    for text in maddrs:
+        out.setdefault(Multiaddr(str(text)).value_for_protocol("p2p"), []).append(str(text))
+    return out
+
+
+async def _reconnect(_dht, node, peers: dict[str, list[str]], timeout: float) -> int:
+    import asyncio
+
+    from hivemind.p2p import PeerID
+    from hivemind.utils.multiaddr import Multiaddr
+
+    table = node.protocol.routing_table
+
+    async def ping(peer_id: PeerID, maddrs: list[str]) -> None:
+        if maddrs:  # dial the known addresses first: after a long outage libp2p may have forgotten them
+            with contextlib.suppress(Exception):
+                await node.p2p._client.connect(peer_id, [Multiaddr(m) for m in maddrs])
+        await node.protocol.call_ping(peer_id)  # on an answer, each side adds the other to its table
+
+    missing = {PeerID.from_base58(pid): maddrs for pid, maddrs in peers.items()}
+    missing = {pid: maddrs for pid, maddrs in missing.items() if pid != node.peer_id and pid not in table}
+    if missing:
+        await asyncio.wait([asyncio.ensure_future(ping(pid, m)) for pid, m in missing.items()], timeout=timeout)
+        if any(pid in table for pid in missing):  # back in touch: learn the rest of the swarm around us
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(node.find_nearest_nodes([node.node_id]), timeout)
+    return sum(len(bucket.nodes_to_peer_id) for bucket in table.buckets)
+
+
+def reconnect(dht: "hivemind.DHT", peers: dict[str, list[str]], timeout: float):
+    """Pings ``peers`` ({peer id: multiaddrs, possibly none}) that are not in the DHT's routing table, from
+    inside the DHT process, and refills the table around our own id if one answered. Returns an awaitable
+    future of the routing table's size (done within about 2 x ``timeout``).
+
+    A node drops every neighbour that fails to answer a request, so after its own link was down it may
+    know no one; nobody contacts it either (they dropped it too), and it would stay alone until libp2p
+    happens to redial. Call this while the node sees no other peer.
+    """
+    import functools
+
+    return dht.run_coroutine(functools.partial(_reconnect, peers=peers, timeout=timeout), return_future=True)
+
+
 def paste_line(dht: "hivemind.DHT") -> str:
     """The ready-to-paste line for other nodes: ``--initial-peers MADDR [MADDR ...]``."""
     return "--initial-peers " + " ".join(visible_maddrs(dht))

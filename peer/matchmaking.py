@@ -8,11 +8,13 @@ hivemind's Matchmaking handles leader election, join requests and group assembly
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from typing import AsyncIterator, Optional
 
 from dataclasses import dataclass
 from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.dht import DHT
 from hivemind.p2p import P2P, P2PContext, ServicerBase
@@ -45,6 +47,29 @@ class RoundStep:
         return max(0.0, self.deadline - get_dht_time())
 
 
+class _LeaveInBackground(GroupKeyManager):
+    """hivemind's key manager, except that withdrawing our declaration ("no longer looking for a group")
+    is not awaited.
+
+    Matchmaking withdraws it before it hands the assembled group back, and a DHT store waits for every
+    replica: while one DHT node is unreachable that takes up to 2 x dht_timeout, so the followers would
+    learn of their group seconds after the leader and miss the first all-reduce messages. The withdrawal
+    only spares latecomers a join request we would refuse anyway; it finishes (bounded by the DHT's own
+    timeouts) in a task owned by the event loop, which the Swarm cancels at shutdown.
+    """
+
+    _pending: set = set()  # strong references: the event loop keeps only weak ones to tasks
+
+    async def declare_averager(self, group_key, peer_id, expiration_time, looking_for_group=True):
+        declare = super().declare_averager(group_key, peer_id, expiration_time, looking_for_group=looking_for_group)
+        if looking_for_group:
+            return await declare
+        task = asyncio.ensure_future(declare)
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+        return True
+
+
 def round_prefix(run_key: str, fragment: int, round_: int) -> str:
     return f"{run_key}_f{fragment}_r{round_}"
 
@@ -63,6 +88,7 @@ async def form_group(p2p: P2P, dht: DHT, *, prefix: str, gather: bytes, target_g
                      target_group_size=max(target_group_size, min_group_size), min_group_size=min_group_size,
                      min_matchmaking_time=min_matchmaking_time, request_timeout=request_timeout,
                      client_mode=client_mode)
+    mm.group_key_manager = _LeaveInBackground(dht, prefix, "", mm.target_group_size)
     servicer = JoinServicer(mm)
     await servicer.add_p2p_handlers(p2p, namespace=prefix)
     try:

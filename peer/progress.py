@@ -4,7 +4,8 @@ Each peer stores one record under ``{run_key}_progress`` with a subkey carrying 
 so only it can overwrite its record (hivemind's RSASignatureValidator), and the value must match
 :class:`ProgressRecord` (hivemind's SchemaValidator): a malformed record from another peer is
 rejected by every DHT node that validates. A record expires after ``progress_ttl`` seconds, so a
-crashed peer stops counting as live on its own.
+crashed peer stops counting as live on its own. :class:`LiveView` merges what a peer reads into its view
+of who is live.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils.crypto import RSAPrivateKey
 
 _OWNER = re.compile(b".*" + RSASignatureValidator.PUBLIC_KEY_REGEX + b".*", re.DOTALL)
 
@@ -60,12 +62,14 @@ class ProgressValidator(RecordValidatorBase):
             return False
 
 
-def make_validators(run_key: str) -> tuple[list[RecordValidatorBase], bytes]:
+def make_validators(run_key: str, private_key: Optional[RSAPrivateKey] = None
+                    ) -> tuple[list[RecordValidatorBase], bytes]:
     """Record validators for the DHT and the subkey under which this process signs its record.
 
+    ``private_key`` signs our record (default: this process's key; two DHT nodes in one process need two).
     Must be created before the DHT process is started (validators are handed to it).
     """
-    signer = RSASignatureValidator()
+    signer = RSASignatureValidator(private_key)
     return [ProgressValidator(run_key), signer], signer.local_public_key
 
 
@@ -73,17 +77,48 @@ def progress_key(run_key: str) -> str:
     return f"{run_key}_progress"
 
 
-def parse_records(found, now: float) -> dict[str, ProgressRecord]:
-    """Live records by peer id from a ``dht.get(progress_key, latest=True)`` result; invalid ones are skipped."""
-    out: dict[str, ProgressRecord] = {}
-    if found is None or not isinstance(found.value, dict):
-        return out
-    for entry in found.value.values():
-        if entry.expiration_time < now or entry.value is None:
-            continue
-        try:
-            rec = ProgressRecord.model_validate(entry.value)
-        except pydantic.ValidationError:
-            continue
-        out[rec.peer_id] = rec
-    return out
+class LiveView:
+    """The other peers' progress records, merged from successive DHT reads: a failure detector.
+
+    Liveness is judged by *arrival*: a peer is live for ``ttl`` seconds after we last received a newer
+    record of it (a larger ``time``), not ``ttl`` after its owner wrote it. While a DHT node is unreachable,
+    every store and get waits for it (up to the DHT's RPC timeout), so records arrive late; judged by their
+    age they would expire although their owners keep publishing, and a healthy swarm would see itself alone.
+    A read that fails or misses a peer's record forgets nothing; the record ages out on its own. A record
+    the DHT already expired is never accepted (the DHT keeps a record ``ttl`` after its owner wrote it), and
+    a record withdrawn by its owner (value None under its subkey, at a clean stop) drops that peer at once.
+
+    :meth:`merge` and :meth:`live` may run in different threads: ``merge`` swaps in a new dict.
+    """
+
+    def __init__(self, ttl: float):
+        self.ttl = ttl
+        # peer id -> (subkey of its record, the record, our local monotonic time when it arrived)
+        self._peers: dict[str, tuple[bytes, ProgressRecord, float]] = {}
+
+    def merge(self, found, *, dht_now: float, local_now: float) -> None:
+        """Adds the records of a ``dht.get(progress_key, latest=True)`` result (None: nothing found).
+
+        ``dht_now`` is the DHT clock (``get_dht_time()``), ``local_now`` our monotonic clock.
+        """
+        if found is None or not isinstance(found.value, dict):
+            return
+        peers = dict(self._peers)
+        for subkey, entry in found.value.items():
+            if entry.value is None:  # withdrawn by its owner: forget the peer if that was its current record
+                peers = {pid: v for pid, v in peers.items() if v[0] != subkey}
+                continue
+            if entry.expiration_time < dht_now:
+                continue
+            try:
+                rec = ProgressRecord.model_validate(entry.value)
+            except pydantic.ValidationError:
+                continue
+            known = peers.get(rec.peer_id)
+            if known is None or rec.time > known[1].time:
+                peers[rec.peer_id] = (subkey, rec, local_now)
+        self._peers = {pid: v for pid, v in peers.items() if v[2] + self.ttl >= local_now}
+
+    def live(self, local_now: float) -> dict[str, ProgressRecord]:
+        """Records of the peers whose newest record arrived within ``ttl`` of ``local_now``."""
+        return {pid: rec for pid, (_, rec, arrived) in self._peers.items() if arrived + self.ttl >= local_now}

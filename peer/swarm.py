@@ -23,14 +23,18 @@ from hivemind.utils import get_dht_time
 from peer.allreduce import PROTOCOL_VERSION, AllReduceServicer, GroupError, GroupPlan, run_allreduce
 from peer.codec import codec_key, get_codec
 from peer.config import SwarmConfig
-from peer.dht_node import create_dht
+from peer.dht_node import create_dht, peers_of, reconnect
 from peer.matchmaking import form_group, round_prefix
 from peer.outer import RoundOutcome
-from peer.progress import ProgressRecord, make_validators, parse_records, progress_key
+from peer.progress import LiveView, ProgressRecord, make_validators, progress_key
 from peer.state_transfer import Snapshot, StateServicer, download
 from peer.proto import allreduce_pb2 as pb
 
 log = logging.getLogger(__name__)
+# Heartbeats in flight at once: each is bounded by progress_ttl, so this bounds the DHT load of a stalled DHT.
+MAX_BEATS_IN_FLIGHT = 4
+# Peers remembered to reconnect to when we find ourselves alone: the most recently seen, for an hour.
+MAX_KNOWN_PEERS, KNOWN_PEER_TTL = 64, 3600.0
 
 
 class Swarm:
@@ -53,7 +57,9 @@ class Swarm:
         self.state_servicer: Optional[StateServicer] = None
         self._subkey = b""
         self._progress = (0, 0, 0.0)  # (step, round of fragment 0, tokens/s), published by the heartbeat
-        self._live: dict[str, ProgressRecord] = {}  # the others' records, refreshed by the heartbeat
+        self._view = LiveView(cfg.progress_ttl)  # everyone's records, merged by the heartbeat
+        self._known: dict[str, float] = {}  # peer id -> when we last saw it live (pinged when we are alone)
+        self._reconnecting = False
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -61,7 +67,8 @@ class Swarm:
         self.dht = create_dht(initial_peers=self.cfg.initial_peers, host_maddrs=self.cfg.host_maddrs,
                               announce_maddrs=self.cfg.announce_maddrs, identity_path=self.identity_path,
                               client_mode=self.cfg.client_mode, nat_port_map=self.cfg.nat_port_map,
-                              record_validators=validators, startup_timeout=self.cfg.startup_timeout)
+                              record_validators=validators, startup_timeout=self.cfg.startup_timeout,
+                              wait_timeout=self.cfg.dht_timeout)
         self._thread.start()
         self.p2p = self._call(self.dht.replicate_p2p(), self.cfg.startup_timeout)
         self.servicer = AllReduceServicer(registration_timeout=self.cfg.request_timeout,
@@ -108,37 +115,69 @@ class Swarm:
         self._progress = (step, round_, float(tokens_per_second))
 
     async def _heartbeat(self) -> None:
-        """Publishes our signed progress record every ``progress_period`` s until shutdown.
+        """Publishes our signed progress record and reads the others' every ``progress_period`` s until
+        shutdown.
 
-        It runs in the networking thread, so the record stays fresh while the trainer is blocked in
-        a long round: a live peer never expires from the others' view (``progress_ttl``).
+        It runs in the networking thread, so the record stays fresh while the trainer is blocked in a long
+        round. Each beat is its own task: while a DHT node is unreachable a store or get waits for it (up to
+        ``dht_timeout`` per RPC), and a slow beat must not delay the next one (a peer that publishes less
+        often than ``progress_ttl`` drops out of the others' view). At most ``MAX_BEATS_IN_FLIGHT`` are in flight.
         """
+        beats: set[asyncio.Task] = set()
         while True:
-            step, round_, tps = self._progress
-            snaps = [self.state_servicer.snapshots.get(p) for p in range(len(self.state_servicer.snapshots))]
-            rec = ProgressRecord(peer_id=self.peer_id, step=step, round=round_, tokens_per_second=tps,
-                                 client_mode=self.cfg.client_mode, time=get_dht_time(),
-                                 rounds=[s.round for s in snaps if s], digests=[s.digest for s in snaps if s])
-            # Both DHT calls may wait for an unreachable node (hivemind's wait_timeout), so they get up to
-            # the record's lifetime and run side by side; a failed refresh keeps the last records.
-            store = self.dht.store(progress_key(self.run_key), rec.model_dump(), get_dht_time() + self.cfg.progress_ttl,
-                                   subkey=self._subkey, return_future=True)
-            fetch = self.dht.get(progress_key(self.run_key), latest=True, return_future=True)
-            stored, found = await asyncio.gather(asyncio.wait_for(store, self.cfg.progress_ttl),
-                                                 asyncio.wait_for(fetch, self.cfg.progress_ttl),
-                                                 return_exceptions=True)
-            for what, result in (("store", stored), ("get", found)):
-                if isinstance(result, BaseException):
-                    log.debug("progress heartbeat %s failed: %s", what, type(result).__name__)
-            if not isinstance(found, BaseException):
-                self._live = parse_records(found, get_dht_time())
+            if len(beats) < MAX_BEATS_IN_FLIGHT:
+                task = asyncio.ensure_future(self._beat())
+                beats.add(task)
+                task.add_done_callback(beats.discard)
             await asyncio.sleep(self.cfg.progress_period)
 
+    async def _beat(self) -> None:
+        """One store of our record and one read of everyone's, side by side, each bounded by ``progress_ttl``."""
+        t0 = time.monotonic()
+        step, round_, tps = self._progress
+        snaps = [self.state_servicer.snapshots.get(p) for p in range(len(self.state_servicer.snapshots))]
+        rec = ProgressRecord(peer_id=self.peer_id, step=step, round=round_, tokens_per_second=tps,
+                             client_mode=self.cfg.client_mode, time=get_dht_time(),
+                             rounds=[s.round for s in snaps if s], digests=[s.digest for s in snaps if s])
+        store = self.dht.store(progress_key(self.run_key), rec.model_dump(), get_dht_time() + self.cfg.progress_ttl,
+                               subkey=self._subkey, return_future=True)
+        fetch = self.dht.get(progress_key(self.run_key), latest=True, return_future=True)
+        stored, found = await asyncio.gather(asyncio.wait_for(store, self.cfg.progress_ttl),
+                                             asyncio.wait_for(fetch, self.cfg.progress_ttl), return_exceptions=True)
+        for what, result in (("store", stored), ("get", found)):
+            if isinstance(result, BaseException):
+                log.debug("peer %s: progress %s failed: %s", self.peer_id[-8:], what, type(result).__name__)
+        if not isinstance(found, BaseException):
+            self._view.merge(found, dht_now=get_dht_time(), local_now=time.monotonic())
+        live = self.live_peers()
+        log.debug("peer %s: progress beat took %.1f s, %d live", self.peer_id[-8:], time.monotonic() - t0, len(live))
+        now = time.monotonic()
+        known = {**self._known, **{pid: now for pid in live if pid != self.peer_id}}
+        self._known = dict(sorted((kv for kv in known.items() if kv[1] + KNOWN_PEER_TTL >= now),
+                                  key=lambda kv: kv[1])[-MAX_KNOWN_PEERS:])
+        if self.live_count() == 1:
+            await self._reconnect()
+
+    async def _reconnect(self) -> None:
+        """We see no other peer: ping the initial peers and the peers we saw before that our DHT node lost
+        (see :func:`peer.dht_node.reconnect`). One at a time; bounded by 3 x ``dht_timeout``."""
+        peers = {**{pid: [] for pid in self._known}, **peers_of(self.cfg.initial_peers)}
+        if self._reconnecting or not peers:
+            return
+        self._reconnecting = True
+        try:
+            size = await asyncio.wait_for(reconnect(self.dht, peers, self.cfg.dht_timeout), 3 * self.cfg.dht_timeout)
+            log.debug("peer %s: alone, pinged %d known peers: %d in the DHT routing table", self.peer_id[-8:],
+                      len(peers), size)
+        except Exception as e:
+            log.debug("peer %s: reconnect failed: %s", self.peer_id[-8:], type(e).__name__)
+        finally:
+            self._reconnecting = False
+
     def live_peers(self) -> dict[str, ProgressRecord]:
-        """Progress records of the peers of this run that published within ``progress_ttl``, as of the
-        last heartbeat (never blocks: the training thread calls it at every launch)."""
-        now = get_dht_time()
-        return {pid: rec for pid, rec in self._live.items() if rec.time + self.cfg.progress_ttl >= now}
+        """Progress records of the peers of this run heard from within ``progress_ttl`` (see
+        :class:`~peer.progress.LiveView`); never blocks: the training thread calls it at every launch."""
+        return self._view.live(time.monotonic())
 
     def live_count(self) -> int:
         """Live peers of this run, ourselves always included."""

@@ -33,7 +33,9 @@ import re
 import secrets
 import shutil
 import subprocess
-from typing import Sequence
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
 
 FAMILY = "swlab"
 SUBNET = "10.77.0"  # a private /24 that exists only inside the lab's namespaces
@@ -240,3 +242,32 @@ def netns_available() -> tuple[bool, str]:
     except OSError as e:
         return False, f"network namespaces not permitted here: {type(e).__name__}: {e}"
     return True, ""
+
+
+def start_lab_swarm(lab: NetnsLab, started: list, out_dir: Path, peer_args: Sequence[Sequence], *,
+                    prefix: Callable[[int], list] = lambda i: []) -> tuple["Proc", list[str], dict[str, "Proc"]]:
+    """Starts a bootstrap node in host 0 and peer ``p<i>`` in host ``i`` for i = 1..len(peer_args), each
+    listening on its host's address only; returns (bootstrap, its --initial-peers, {name: peer}).
+
+    Peer i runs ``swarm-peer run --config configs/demo.toml`` with run dir ``out_dir/p<i>`` (JSON events in
+    ``events.jsonl`` there) and its flags ``peer_args[i-1]``, behind ``prefix(i)`` (e.g. a taskset). Every
+    process is appended to ``started`` as soon as it runs, so the caller's cleanup reaches it.
+    """
+    from helpers import Proc
+
+    repo = Path(__file__).resolve().parents[1]
+    boot = Proc.start(lab.run_args(0, [sys.executable, "-m", "bootstrap", "--host-maddrs", f"/ip4/{lab.addr(0)}/tcp/0",
+                                       "--identity-path", out_dir / "boot.id"]),
+                      log_path=out_dir / "boot.log", cwd=repo)
+    started.append(boot)
+    initial = boot.wait_for_line(r"^--initial-peers (.+)$", timeout=60).group(1).split()
+    assert all(m.startswith(f"/ip4/{lab.addr(0)}/") for m in initial), initial
+    peers = {}
+    for i, args in enumerate(peer_args, start=1):
+        name, run_dir = f"p{i}", out_dir / f"p{i}"
+        cmd = [sys.executable, "-m", "peer", "run", "--config", repo / "configs/demo.toml", "--initial-peers",
+               *initial, "--host-maddrs", f"/ip4/{lab.addr(i)}/tcp/0", "--run-dir", run_dir,
+               "--log-json", run_dir / "events.jsonl", *args]
+        peers[name] = Proc.start(lab.run_args(i, [*prefix(i), *cmd]), log_path=out_dir / f"{name}.log", cwd=repo)
+        started.append(peers[name])
+    return boot, initial, peers

@@ -79,7 +79,7 @@ def test_kill_during_a_checkpoint_write_leaves_the_previous_one_loadable(tmp_pat
 
 FAST = ["--model-seq-len", "32", "--data-batch-size", "4", "--outer-sync-every", "20", "--status-interval", "0",
         "--log-every", "10", "--new-swarm", "--min-peers", "1", "--progress-period", "1", "--progress-ttl", "8",
-        "--request-timeout", "1", "--matchmaking-time", "10"]
+        "--dht-timeout", "3", "--request-timeout", "1", "--matchmaking-time", "10"]
 
 
 def run_peer(procs, tmp_path, name, *extra):

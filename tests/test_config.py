@@ -95,3 +95,12 @@ def test_codec_names_match_the_codec_registry():
 def test_wait_timeout_must_cover_a_round():
     with pytest.raises(ConfigError, match="outer.wait_timeout"):
         build_config(None, {**NEW, ("outer", "wait_timeout"): 10.0}, environ={})
+
+
+def test_progress_ttl_must_outlast_a_stalled_dht():
+    """A record reaches the DHT and is read up to one dht_timeout late each while a DHT node is unreachable."""
+    with pytest.raises(ConfigError, match=r"progress_ttl: must be > swarm.progress_period \+ 2 \* swarm.dht_timeout"):
+        build_config(None, {**NEW, ("swarm", "progress_period"): 5.0, ("swarm", "progress_ttl"): 14.0}, environ={})
+    cfg = build_config(None, {**NEW, ("swarm", "progress_period"): 1.0, ("swarm", "progress_ttl"): 8.0,
+                              ("swarm", "dht_timeout"): 3.0}, environ={})
+    assert cfg.swarm.dht_timeout == 3.0

@@ -188,3 +188,41 @@ def test_signals_during_torch_shm_manager_start_do_not_hang():
     root = str(Path(__file__).resolve().parents[1])
     result = subprocess.run([sys.executable, "-c", HAMMER, root], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+async def _isolate(_dht, node) -> int:
+    """Fault injection (in the DHT process): forget every neighbour and hang up on every connection, as a
+    node does after its link was down long enough that every request to its neighbours failed."""
+    table = node.protocol.routing_table
+    for bucket in table.buckets:
+        for node_id in list(bucket.nodes_to_peer_id):
+            del table[node_id]
+    for info in await node.p2p.list_peers():
+        await node.p2p._client.disconnect(info.peer_id)
+    return sum(len(bucket.nodes_to_peer_id) for bucket in table.buckets)
+
+
+@pytest.mark.timeout(120)
+def test_reconnect_brings_an_isolated_node_back(tmp_path):
+    """A node that knows no one (and no one knows it) is back in both routing tables after one reconnect;
+    peers already in its table are not pinged again."""
+    nodes = []
+    try:
+        for i in range(2):
+            initial = dht_node.visible_maddrs(nodes[0]) if nodes else []
+            nodes.append(dht_node.create_dht(initial_peers=initial, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                             announce_maddrs=[], identity_path=str(tmp_path / f"n{i}.id"),
+                                             client_mode=False, startup_timeout=30, wait_timeout=3.0))
+        first, second = nodes
+        assert dht_node.peer_counts(second)[0] == 1
+        for node in nodes:
+            assert node.run_coroutine(_isolate, return_future=True).result(timeout=30) == 0
+        assert dht_node.peer_counts(second) == (0, 0) and dht_node.peer_counts(first)[0] == 0
+        peers = dht_node.peers_of(dht_node.visible_maddrs(first))
+        assert list(peers) == [str(first.peer_id)]
+        assert dht_node.reconnect(second, peers, timeout=3.0).result(timeout=30) == 1
+        assert dht_node.peer_counts(first)[0] == 1  # the answer put us in its table too
+        assert dht_node.reconnect(second, peers, timeout=3.0).result(timeout=30) == 1  # nothing missing: no-op
+    finally:
+        for node in nodes:
+            dht_node.shutdown_dht(node)

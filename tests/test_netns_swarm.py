@@ -16,16 +16,13 @@ from __future__ import annotations
 import datetime
 import json
 import re
-import sys
-from pathlib import Path
 
 import pytest
 
-from helpers import Proc, events, wait_for
-from netns import NetnsLab, netns_available
+from helpers import events, wait_for
+from netns import NetnsLab, netns_available, start_lab_swarm
 
 pytestmark = pytest.mark.swarm
-REPO = Path(__file__).resolve().parents[1]
 
 H, TAU, MAX_STEPS = 20, 10, 60  # tiny preset: P = 2 fragments, offsets 0 and 10
 SLOW_MBIT = 3.0
@@ -34,8 +31,8 @@ SLOW = "p3"
 # Every [swarm]/[run] key is a bare flag, other sections are prefixed (peer/config.py).
 FAST = ["--model-seq-len", "32", "--data-batch-size", "4", "--outer-sync-every", str(H), "--matchmaking-time", "5",
         "--matchmaking-timeout", "20", "--request-timeout", "2", "--progress-period", "1", "--progress-ttl", "8",
-        "--status-interval", "0", "--inner-warmup-steps", "10", "--log-every", "1", "--min-peers", "3",
-        "--outer-tau", str(TAU), "--outer-eager",
+        "--dht-timeout", "3", "--status-interval", "0", "--inner-warmup-steps", "10", "--log-every", "1",
+        "--min-peers", "3", "--outer-tau", str(TAU), "--outer-eager",
         # 64 KiB of fp32 per streamed message (~37 KB in FP4). The reducer drops a part whose first message is
         # not in within request_timeout (peer/allreduce.py, rpc_reduce); with the default 1 MiB a whole span
         # (~110 KB in FP4) is one message, and over 3 Mbit/s shared by 4 streams it took > 1 s: parts dropped
@@ -71,23 +68,7 @@ def launch_log_times(lines: list[str], near: float) -> dict[tuple[int, int], flo
 
 def test_throttled_peer_overlaps_rounds_and_swarm_agrees(lab, procs, tmp_path):
     lab.shape(3, SLOW_MBIT)
-    boot = Proc.start(lab.run_args(0, [sys.executable, "-m", "bootstrap",
-                                       "--host-maddrs", f"/ip4/{lab.addr(0)}/tcp/0",
-                                       "--identity-path", tmp_path / "boot.id"]),
-                      log_path=tmp_path / "boot.log", cwd=REPO)
-    procs.append(boot)
-    initial = boot.wait_for_line(r"^--initial-peers (.+)$", timeout=60).group(1).split()
-    assert all(m.startswith(f"/ip4/{lab.addr(0)}/") for m in initial), initial
-
-    peers = {}
-    for i, name in enumerate(NAMES, start=1):
-        run_dir = tmp_path / name
-        peers[name] = Proc.start(lab.run_args(i, [
-            sys.executable, "-m", "peer", "run", "--config", REPO / "configs/demo.toml",
-            "--initial-peers", *initial, "--host-maddrs", f"/ip4/{lab.addr(i)}/tcp/0",
-            "--run-dir", run_dir, "--log-json", run_dir / "events.jsonl", "--max-steps", str(MAX_STEPS), *FAST]),
-            log_path=tmp_path / f"{name}.log", cwd=REPO)
-        procs.append(peers[name])
+    boot, _, peers = start_lab_swarm(lab, procs, tmp_path, [["--max-steps", str(MAX_STEPS), *FAST]] * len(NAMES))
 
     for name, proc in peers.items():
         wait_for(lambda: proc.returncode is not None, 150, f"{name} to exit:\n{proc.tail()}")

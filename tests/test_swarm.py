@@ -20,8 +20,8 @@ REPO = Path(__file__).resolve().parents[1]
 ROUND_BUDGET = 20 + 30 + 10  # matchmaking_timeout + allreduce_timeout + slack (s)
 
 FAST = ["--model-seq-len", "32", "--data-batch-size", "4", "--outer-sync-every", "20", "--matchmaking-time", "10",
-        "--request-timeout", "3", "--progress-period", "1", "--progress-ttl", "8", "--status-interval", "0",
-        "--inner-warmup-steps", "10", "--log-every", "10", "--drift-check-period", "3"]
+        "--request-timeout", "3", "--progress-period", "1", "--progress-ttl", "8", "--dht-timeout", "3",
+        "--status-interval", "0", "--inner-warmup-steps", "10", "--log-every", "10", "--drift-check-period", "3"]
 
 
 def start_bootstrap(procs: list, tmp_path: Path) -> list[str]:
