@@ -47,15 +47,19 @@ class RoundStep:
         return max(0.0, self.deadline - get_dht_time())
 
 
-class _LeaveInBackground(GroupKeyManager):
-    """hivemind's key manager, except that withdrawing our declaration ("no longer looking for a group")
-    is not awaited.
+class _RoundKeys(GroupKeyManager):
+    """hivemind's group key manager for one round's prefix, with two changes.
 
-    Matchmaking withdraws it before it hands the assembled group back, and a DHT store waits for every
-    replica: while one DHT node is unreachable that takes up to 2 x dht_timeout, so the followers would
-    learn of their group seconds after the leader and miss the first all-reduce messages. The withdrawal
-    only spares latecomers a join request we would refuse anyway; it finishes (bounded by the DHT's own
-    timeouts) in a task owned by the event loop, which the Swarm cancels at shutdown.
+    - Withdrawing our declaration ("no longer looking for a group") is not awaited. Matchmaking withdraws it
+      before it hands the assembled group back, and a DHT store waits for every replica: while one DHT node
+      is unreachable that takes up to 2 x dht_timeout, so followers learned of their group seconds after the
+      leader and missed its first all-reduce messages. The withdrawal only spares latecomers a join request
+      we would refuse anyway; it finishes (bounded by the DHT's own timeouts) in a task owned by the event
+      loop, which the Swarm cancels at shutdown.
+    - The key is never updated when a group assembles: one prefix serves one round, with no group bits.
+      hivemind's update draws ``group_size`` of ``target_group_size`` buckets and raised ValueError in a
+      follower whose target (its count of live peers) was smaller than the group a leader assembled, as
+      happens while peers' views differ (a peer back from an outage is seen by some before others).
     """
 
     _pending: set = set()  # strong references: the event loop keeps only weak ones to tasks
@@ -68,6 +72,9 @@ class _LeaveInBackground(GroupKeyManager):
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
         return True
+
+    async def update_key_on_group_assembled(self, group_info: GroupInfo) -> None:
+        return None
 
 
 def round_prefix(run_key: str, fragment: int, round_: int) -> str:
@@ -88,7 +95,7 @@ async def form_group(p2p: P2P, dht: DHT, *, prefix: str, gather: bytes, target_g
                      target_group_size=max(target_group_size, min_group_size), min_group_size=min_group_size,
                      min_matchmaking_time=min_matchmaking_time, request_timeout=request_timeout,
                      client_mode=client_mode)
-    mm.group_key_manager = _LeaveInBackground(dht, prefix, "", mm.target_group_size)
+    mm.group_key_manager = _RoundKeys(dht, prefix, "", mm.target_group_size)
     servicer = JoinServicer(mm)
     await servicer.add_p2p_handlers(p2p, namespace=prefix)
     try:

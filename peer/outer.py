@@ -38,7 +38,9 @@ class RoundOutcome:
 
     fragment: int
     round: int
-    status: str  # "ok" (all spans), "partial" (some missing), "no_group", "alone", "failed", "missed"
+    # "ok" (all spans), "partial" (some missing), "no_group", "alone", "behind" (the swarm is past this round:
+    # not launched, its state is downloaded instead), "failed", "missed"
+    status: str
     group_size: int = 0
     spans: list[Span] = field(default_factory=list)
     contributors: list[list[int]] = field(default_factory=list)

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Collection, Optional, Sequence
 
 import numpy as np
 import torch
@@ -143,30 +143,69 @@ class CatchUp:
     reason: str
 
 
+def _others(records: dict, me: str, fragment: int) -> list[tuple[str, int, str]]:
+    """(peer id, applied round, digest) of ``fragment`` for every other peer that advertises it."""
+    return [(rec.peer_id, rec.rounds[fragment], rec.digests[fragment]) for rec in records.values()
+            if rec.peer_id != me and len(rec.rounds) > fragment and len(rec.digests) > fragment]
+
+
+def swarm_state(records: dict, me: str, fragment: int) -> Optional[tuple[int, str, list[str]]]:
+    """The swarm's state of ``fragment``: the (applied round, digest) held by the most other peers (ties: the
+    later round, then the smaller digest), with its holders; None if no other peer advertises one."""
+    holders: dict[tuple[int, str], list[str]] = {}
+    for pid, r, d in _others(records, me, fragment):
+        holders.setdefault((r, d), []).append(pid)
+    if not holders:
+        return None
+    (best, digest), donors = max(holders.items(), key=lambda kv: (len(kv[1]), kv[0][0], [-ord(c) for c in kv[0][1]]))
+    return best, digest, donors
+
+
+def launch_gate(records: dict, me: str, fragment: int, round_: int, my_expected: int) -> Optional[str]:
+    """Why round ``round_`` of ``fragment`` must not be launched from our state (None: launch it).
+
+    ``my_expected`` is the last round our state will have applied once our rounds in flight land.
+
+    - *late*: the swarm already applied that round, so no one will come to it;
+    - *behind*: the swarm applied a round our state never will (we missed it, or our round counter ran on
+      alone during a network outage). Averaging from there would leave us with a state no one else holds,
+      and our outer gradient is relative to a state the swarm has left.
+
+    Both are repaired by downloading the swarm's state at once (``plan_catch_up`` with the fragment in
+    ``late``), instead of waiting ``matchmaking_timeout`` for a group that never forms or averaging into a
+    state that the drift check would replace a round later.
+    """
+    state = swarm_state(records, me, fragment)
+    if state is None:
+        return None
+    best = state[0]
+    if best >= round_:
+        return f"late: the swarm already applied round {best}"
+    if best > my_expected:
+        return f"behind: our state stops at round {my_expected}, the swarm applied {best}"
+    return None
+
+
 def plan_catch_up(records: dict, me: str, my_rounds: Sequence[int], my_digests: Sequence[str], *,
-                  joining: bool) -> list[CatchUp]:
+                  joining: bool, late: Collection[int] = ()) -> list[CatchUp]:
     """Which fragments to download, from the other peers' progress records (pure; see below).
 
     Rounds here are *applied* rounds (a peer that trained alone does not advance). For each fragment,
-    the swarm's state is the (round, digest) held by the most other peers (ties: the later round, then
-    the smaller digest). We download it when we are behind (``joining``: by any round; later: by two or more,
-    since a peer may see others a moment after they applied the round it is about to apply), or when
-    no other peer at our exact round holds our digest and theirs wins: it is held by two or more, or
-    it is the smaller of a tie (two survivors of a broken round converge on one state).
+    the swarm's state is :func:`swarm_state`. We download it when we are behind (``joining``, or a fragment
+    in ``late``, whose current round we did not launch: by any round; otherwise by two or more, since a peer
+    may see others a moment after they applied the round it is about to apply), or when no other peer at our
+    exact round holds our digest and theirs wins: it is held by two or more, or it is the smaller of a tie
+    (two survivors of a broken round converge on one state).
     """
     plans = []
     for p, (mine_r, mine_d) in enumerate(zip(my_rounds, my_digests)):
-        others = [(rec.peer_id, rec.rounds[p], rec.digests[p]) for rec in records.values()
-                  if rec.peer_id != me and len(rec.rounds) > p and len(rec.digests) > p]
-        if not others:
+        state = swarm_state(records, me, p)
+        if state is None:
             continue
-        # The swarm's state: the (round, digest) held by the most other peers, ties to the later round.
-        holders: dict[tuple[int, str], list[str]] = {}
-        for pid, r, d in others:
-            holders.setdefault((r, d), []).append(pid)
-        (best, digest), donors = max(holders.items(), key=lambda kv: (len(kv[1]), kv[0][0], [-ord(c) for c in kv[0][1]]))
+        best, digest, donors = state
+        others = _others(records, me, p)
         same_round = [d for _, r, d in others if r == mine_r]
-        if best > mine_r and (joining or best >= mine_r + 2):
+        if best > mine_r and (joining or p in late or best >= mine_r + 2):
             plans.append(CatchUp(p, best, digest, donors, f"behind: round {mine_r}, swarm at {best}"))
         elif same_round and mine_d not in same_round:
             # We disagree with everyone at our round. The most common digest there wins, ties going to

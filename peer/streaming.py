@@ -141,6 +141,10 @@ class StreamingEngine:
         if outcome.total_weight > 0:
             self.last_share[p] = min(1.0, pend.weight / outcome.total_weight)
 
+    def expected_round(self, p: int) -> int:
+        """The last round of fragment ``p`` our state will have applied once the rounds in flight land."""
+        return max([self.states[p].last_applied] + [pend.round for pend in self.pending[p]])
+
     # ---- phase 1 ---------------------------------------------------------------------------
     def launch_due(self, step: int) -> None:
         """Launches every fragment whose round is due after inner step ``step``."""

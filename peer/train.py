@@ -16,7 +16,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Collection, Optional
 
 import torch
 
@@ -31,7 +31,7 @@ from peer.inner import InnerLoop
 from peer.model import build_model, count_parameters
 from peer.outer import FragmentState, RoundOutcome
 from peer.schedule import ClockSchedule, StepsSchedule
-from peer.state_transfer import DownloadError, Snapshot, plan_catch_up
+from peer.state_transfer import DownloadError, Snapshot, launch_gate, plan_catch_up
 from peer.streaming import AutoTau, OuterSettings, StreamingEngine
 from peer.swarm import Swarm
 
@@ -71,6 +71,8 @@ class Trainer:
         self.bytes_up = self.bytes_down = 0
         self.peers_seen = 1
         self.rounds_done = 0
+        self.engine: Optional[StreamingEngine] = None  # set in _train
+        self.late_fragments: set[int] = set()  # rounds not launched because the swarm is past them (launch_gate)
         self.auto_tau: Optional[AutoTau] = None
         self._found_checkpoint = None
 
@@ -152,6 +154,7 @@ class Trainer:
                                                                                                     step),
                                  error_feedback_codec=get_codec(cfg.outer.codec) if cfg.outer.error_feedback else None,
                                  tau_fn=self.auto_tau, schedule=self._schedule(len(fragments)))
+        self.engine = engine
         floor = getattr(source, "entropy_floor", None)
         status = StatusLine(cfg.run.status_interval, label)
         parts = dict(model=model, inner=inner, source=source, engine=engine)
@@ -188,9 +191,10 @@ class Trainer:
             self.swarm.update_progress(step, engine.states[0].round, tok_s)
             engine.launch_due(step)
             engine.apply_due(step)
-            if cfg.swarm.drift_check_period and time.monotonic() - last_drift_check >= cfg.swarm.drift_check_period:
-                step = self._catch_up(engine, step, joining=False)
-                last_drift_check = time.monotonic()
+            if self.late_fragments or (cfg.swarm.drift_check_period and
+                                       time.monotonic() - last_drift_check >= cfg.swarm.drift_check_period):
+                step = self._catch_up(engine, step, joining=False, late=self.late_fragments)
+                self.late_fragments, last_drift_check = set(), time.monotonic()
             every = cfg.run.checkpoint_rounds
             if (cfg.run.checkpoint_minutes and time.monotonic() - last_ckpt_time >= 60 * cfg.run.checkpoint_minutes) or \
                     (every and engine.states[0].applied_rounds and self.rounds_done - last_ckpt_rounds >= every):
@@ -209,13 +213,14 @@ class Trainer:
         self.swarm.publish_snapshot(Snapshot(frag.index, st.last_applied, step, st.G.clone(), st.v.clone(),
                                              st.digest()))
 
-    def _catch_up(self, engine: StreamingEngine, step: int, *, joining: bool) -> int:
+    def _catch_up(self, engine: StreamingEngine, step: int, *, joining: bool, late: Collection[int] = ()) -> int:
         """Downloads the fragments where the swarm's majority state is ahead of or differs from ours
-        (see plan_catch_up); returns the step to continue from (steps schedule: the donors').
+        (see plan_catch_up; ``late``: fragments whose round we just did not launch, see launch_gate); returns
+        the step to continue from (steps schedule: the donors').
         Must be called after the step's launches and applies, so the adopted round is never re-launched."""
         records = self.swarm.live_peers()
         plans = plan_catch_up(records, self.swarm.peer_id, [st.last_applied for st in engine.states],
-                              [st.digest() for st in engine.states], joining=joining)
+                              [st.digest() for st in engine.states], joining=joining, late=late)
         donor_steps = []
         for plan in plans:
             frag, t0 = engine.fragments[plan.fragment], time.monotonic()
@@ -283,7 +288,7 @@ class Trainer:
         msg = (f"{label} fragment {frag.index} round {outcome.round}: {outcome.status}, group {outcome.group_size}, "
                f"{applied}/{len(outcome.spans)} spans applied, up {outcome.bytes_sent} B down "
                f"{outcome.bytes_received} B in {outcome.seconds:.2f}s, digest {digest[:12]}")
-        quiet = outcome.status in ("ok", "alone")
+        quiet = outcome.status in ("ok", "alone", "behind")
         (log.info if quiet else log.warning)(msg + (f" ({outcome.error})" if outcome.error else ""))
         self.events.emit("round", fragment=frag.index, round=outcome.round, step=step, status=outcome.status,
                          launch_step=outcome.launch_step, numel=frag.numel,
@@ -307,18 +312,23 @@ class _Done:
 
 
 class SwarmTransport:
-    """The engine's Transport over the swarm: reads the live peer count, skips rounds alone."""
+    """The engine's Transport over the swarm: reads the live peers, skips rounds alone or behind the swarm."""
 
     def __init__(self, trainer: Trainer):
         self.trainer = trainer
 
     def launch(self, *, fragment: int, round_: int, delta: torch.Tensor, weight: float, step: int):
         tr, cfg = self.trainer, self.trainer.cfg
-        tr.peers_seen = tr.swarm.live_count()  # as of the last heartbeat: never blocks
+        records, me = tr.swarm.live_peers(), tr.swarm.peer_id  # as of the last heartbeat: never blocks
+        tr.peers_seen = 1 + sum(pid != me for pid in records)
         if tr.peers_seen < cfg.swarm.min_group_size:
             # Alone in the run: no group can form; the progress is kept for the next round.
             return _Done(RoundOutcome(fragment, round_, "alone", group_size=1,
                                       error=f"{tr.peers_seen} live peer(s) < min_group_size "
                                             f"{cfg.swarm.min_group_size}"))
+        why = launch_gate(records, me, fragment, round_, tr.engine.expected_round(fragment))
+        if why:  # no group will have us: take the swarm's state right after this step (Trainer._catch_up)
+            tr.late_fragments.add(fragment)
+            return _Done(RoundOutcome(fragment, round_, "behind", group_size=1, error=why))
         return tr.swarm.run_round(fragment=fragment, round_=round_, delta=delta, weight=weight, inner_step=step,
                                   target_group_size=tr.peers_seen)

@@ -10,7 +10,7 @@ from helpers import p2p_mesh, run_async
 from peer.outer import digest_of
 from peer.progress import ProgressRecord
 from peer.proto import state_pb2 as pb
-from peer.state_transfer import DownloadError, Snapshot, StateServicer, download, plan_catch_up
+from peer.state_transfer import DownloadError, Snapshot, StateServicer, download, launch_gate, plan_catch_up
 
 
 def rec(pid, rounds, digests):
@@ -41,6 +41,22 @@ def test_two_survivors_that_diverged_converge_on_the_smaller_digest():
     three_way = {"x": rec("x", [5], ["c"]), "y": rec("y", [5], ["a"])}
     assert plan_catch_up(three_way, "me", [5], ["b"], joining=False)[0].digest == "a"
     assert plan_catch_up({"me": rec("me", [9], ["z"])}, "me", [0], ["i"], joining=True) == []  # ourselves
+
+
+def test_launch_gate_skips_rounds_the_swarm_is_past():
+    records = {p: rec(p, [7, 6], ["a", "b"]) for p in ("x", "y")}
+    # in step with the swarm (it applied round 7; we applied 7, or have it in flight): launch round 8
+    assert launch_gate(records, "me", 0, 8, my_expected=7) is None
+    # late: the swarm already applied the round we are about to launch, no one will come
+    assert launch_gate(records, "me", 0, 7, my_expected=6).startswith("late")
+    # behind: we missed round 7 (or our round counter ran on alone during an outage): our state never gets it
+    assert launch_gate(records, "me", 0, 8, my_expected=6).startswith("behind")
+    assert launch_gate(records, "me", 1, 46, my_expected=2).startswith("behind")
+    assert launch_gate({}, "me", 0, 3, my_expected=0) is None  # no one else: nothing to be behind of
+    # the repair: a late fragment is downloaded even one round behind (we will not apply that round ourselves)
+    assert plan_catch_up(records, "me", [6, 6], ["a0", "b"], joining=False) == []
+    plans = plan_catch_up(records, "me", [6, 6], ["a0", "b"], joining=False, late={0})
+    assert [(c.fragment, c.round, c.digest) for c in plans] == [(0, 7, "a")]
 
 
 class DyingServicer(StateServicer):

@@ -1,0 +1,56 @@
+"""Group formation on real DHT nodes and p2p daemons on loopback (peer/matchmaking.py)."""
+
+import asyncio
+import time
+
+import pytest
+from hivemind.averaging.key_manager import GroupKeyManager
+
+from helpers import run_async
+from peer import dht_node
+from peer.matchmaking import form_group, round_prefix
+
+
+@pytest.fixture
+def dhts(tmp_path):
+    nodes = []
+    try:
+        for i in range(3):
+            initial = dht_node.visible_maddrs(nodes[0]) if nodes else []
+            nodes.append(dht_node.create_dht(initial_peers=initial, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                             announce_maddrs=[], identity_path=str(tmp_path / f"n{i}.id"),
+                                             client_mode=False, startup_timeout=30, wait_timeout=3.0))
+        yield nodes
+    finally:
+        for node in nodes:
+            dht_node.shutdown_dht(node)
+
+
+@pytest.mark.timeout(120)
+def test_followers_whose_view_is_smaller_join_the_leaders_larger_group(dhts):
+    """Peers' counts of live peers differ for a while (a peer back from an outage is seen by some before
+    others): a leader that counts 3 assembles a group of 3 with two followers that count 2. hivemind's key
+    update raised ValueError in such a follower ("Sample larger than population") and it lost the round."""
+    prefix = round_prefix("testrun", 0, 1)
+
+    async def main():
+        p2ps = [await dht.replicate_p2p() for dht in dhts]
+
+        def join(i: int, target: int):
+            return asyncio.ensure_future(form_group(
+                p2ps[i], dhts[i], prefix=prefix, gather=bytes([i]), target_group_size=target, min_group_size=2,
+                min_matchmaking_time=5.0, request_timeout=2.0, client_mode=False, timeout=30.0))
+
+        leader = join(0, 3)
+        # the followers start once the leader's declaration is visible, so it is the leader they find
+        keys, deadline = GroupKeyManager(dhts[1], prefix, "", 3), time.monotonic() + 20
+        while not await keys.get_averagers(keys.current_key, only_active=True):
+            assert time.monotonic() < deadline, "the leader's declaration never reached the DHT"
+            await asyncio.sleep(0.1)
+        return await asyncio.gather(leader, join(1, 2), join(2, 2))  # (the replicas end with their DHTs)
+
+    groups = run_async(main())
+    assert all(g is not None for g in groups), groups
+    assert len({g.group_id for g in groups}) == 1
+    assert all(sorted(g.gathered) == [b"\x00", b"\x01", b"\x02"] for g in groups)
+    assert all(len(g.peer_ids) == 3 for g in groups)
