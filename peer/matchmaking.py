@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Callable, Optional
 
 from dataclasses import dataclass
 from hivemind.averaging.group_info import GroupInfo
@@ -81,14 +81,21 @@ def round_prefix(run_key: str, fragment: int, round_: int) -> str:
     return f"{run_key}_f{fragment}_r{round_}"
 
 
+class GaveUp(Exception):
+    """Matchmaking stopped early because ``give_up`` said why (the message)."""
+
+
 async def form_group(p2p: P2P, dht: DHT, *, prefix: str, gather: bytes, target_group_size: int,
                      min_group_size: int, min_matchmaking_time: float, request_timeout: float,
-                     client_mode: bool, timeout: float) -> Optional[GroupInfo]:
+                     client_mode: bool, timeout: float, give_up: Callable[[], Optional[str]] = lambda: None,
+                     poll: float = 1.0) -> Optional[GroupInfo]:
     """Finds a group for the round named by ``prefix``; None if none formed within ``timeout`` s.
 
     ``gather`` (this peer's serialized MemberInfo) reaches every member of the group. The group
     assembles as soon as ``target_group_size`` peers joined, or after ``min_matchmaking_time`` with
-    at least ``min_group_size``. Must run in the event loop that owns ``p2p``.
+    at least ``min_group_size``. ``give_up`` is asked every ``poll`` s while no group has formed; a reason
+    (e.g. the swarm already applied this round, so no one will come) ends the search with :class:`GaveUp`.
+    Must run in the event loop that owns ``p2p``.
     """
     schema_hash = hashlib.sha256(prefix.encode()).digest()
     mm = Matchmaking(p2p, schema_hash, dht, servicer_type=JoinServicer, prefix=prefix,
@@ -98,9 +105,17 @@ async def form_group(p2p: P2P, dht: DHT, *, prefix: str, gather: bytes, target_g
     mm.group_key_manager = _RoundKeys(dht, prefix, "", mm.target_group_size)
     servicer = JoinServicer(mm)
     await servicer.add_p2p_handlers(p2p, namespace=prefix)
+    now = get_dht_time()
+    step = RoundStep(scheduled_time=now + min_matchmaking_time, deadline=now + timeout, data_for_gather=gather)
+    search = asyncio.ensure_future(mm.look_for_group(step))
     try:
-        now = get_dht_time()
-        step = RoundStep(scheduled_time=now + min_matchmaking_time, deadline=now + timeout, data_for_gather=gather)
-        return await mm.look_for_group(step)
-    finally:
+        while not (await asyncio.wait({search}, timeout=poll))[0]:
+            reason = give_up()
+            if reason:
+                raise GaveUp(reason)
+        return search.result()
+    finally:  # given up or cancelled: hivemind's look_for_group handles it (a leader sends its followers away)
+        if not search.done():
+            search.cancel()
+            await asyncio.gather(search, return_exceptions=True)
         await servicer.remove_p2p_handlers(p2p, namespace=prefix)

@@ -167,23 +167,29 @@ def launch_gate(records: dict, me: str, fragment: int, round_: int, my_expected:
     ``my_expected`` is the last round our state will have applied once our rounds in flight land.
 
     - *late*: the swarm already applied that round, so no one will come to it;
-    - *behind*: the swarm applied a round our state never will (we missed it, or our round counter ran on
-      alone during a network outage). Averaging from there would leave us with a state no one else holds,
-      and our outer gradient is relative to a state the swarm has left.
+    - *behind*: the swarm applied two or more rounds our state never will (our round counter ran on alone
+      during a network outage, say): our outer gradient is relative to a state the swarm left long ago.
 
     Both are repaired by downloading the swarm's state at once (``plan_catch_up`` with the fragment in
-    ``late``), instead of waiting ``matchmaking_timeout`` for a group that never forms or averaging into a
-    state that the drift check would replace a round later.
+    ``late``), instead of waiting ``matchmaking_timeout`` for a group that never forms. One round behind
+    (we missed the last one) we still launch: we join the swarm's current round, and the drift check
+    replaces our state, which then differs, with the swarm's a round later. Skipping instead would leave
+    us behind again by the time the download is done, round after round.
     """
     state = swarm_state(records, me, fragment)
     if state is None:
         return None
-    best = state[0]
-    if best >= round_:
-        return f"late: the swarm already applied round {best}"
-    if best > my_expected:
-        return f"behind: our state stops at round {my_expected}, the swarm applied {best}"
+    if state[0] >= my_expected + 2 or state[0] >= round_:
+        return swarm_is_past(records, me, fragment, round_) or \
+            f"behind: our state stops at round {my_expected}, the swarm applied {state[0]}"
     return None
+
+
+def swarm_is_past(records: dict, me: str, fragment: int, round_: int) -> Optional[str]:
+    """Why no group will form for round ``round_`` of ``fragment`` any more (the swarm's state already
+    includes it: we are late), or None."""
+    state = swarm_state(records, me, fragment)
+    return f"late: the swarm already applied round {state[0]}" if state and state[0] >= round_ else None
 
 
 def plan_catch_up(records: dict, me: str, my_rounds: Sequence[int], my_digests: Sequence[str], *,

@@ -24,10 +24,10 @@ from peer.allreduce import PROTOCOL_VERSION, AllReduceServicer, GroupError, Grou
 from peer.codec import codec_key, get_codec
 from peer.config import SwarmConfig
 from peer.dht_node import create_dht, peers_of, reconnect
-from peer.matchmaking import form_group, round_prefix
+from peer.matchmaking import GaveUp, form_group, round_prefix
 from peer.outer import RoundOutcome
 from peer.progress import LiveView, ProgressRecord, make_validators, progress_key
-from peer.state_transfer import Snapshot, StateServicer, download
+from peer.state_transfer import Snapshot, StateServicer, download, swarm_is_past
 from peer.proto import allreduce_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -220,7 +220,8 @@ class Swarm:
                 gather=info.SerializeToString(), target_group_size=target_group_size,
                 min_group_size=self.cfg.min_group_size, min_matchmaking_time=self.cfg.matchmaking_time,
                 request_timeout=self.cfg.request_timeout, client_mode=self.cfg.client_mode,
-                timeout=self.cfg.matchmaking_timeout)
+                timeout=self.cfg.matchmaking_timeout, poll=min(1.0, self.cfg.progress_period),
+                give_up=lambda: swarm_is_past(self.live_peers(), self.peer_id, fragment, round_))
             if group is None:
                 out.status, out.error = "no_group", "no group formed within matchmaking_timeout"
                 return out
@@ -234,6 +235,10 @@ class Swarm:
             out.spans, out.contributors, out.total_weight = result.spans, result.contributors, result.total_weight
             out.bytes_sent, out.bytes_received = result.traffic.sent, result.traffic.received
             out.status = "ok" if result.complete else "partial"
+            return out
+        except GaveUp as e:
+            out.status, out.error = "behind", str(e)
+            log.info("%s: stopped looking for a group: %s", label, e)
             return out
         except GroupError as e:
             out.error = f"group rejected: {e}"

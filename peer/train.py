@@ -239,9 +239,14 @@ class Trainer:
             self.events.emit("catch_up", fragment=plan.fragment, round=snap.round, digest=snap.digest,
                              step=snap.step, seconds=time.monotonic() - t0, reason=plan.reason)
         if donor_steps and isinstance(engine.schedule, StepsSchedule):
-            # Lockstep: continue from the swarm's step (also backwards, for a peer that ran ahead alone),
-            # so the next round we launch is the swarm's next round, never one we just downloaded.
-            step = max(donor_steps)
+            # Lockstep: the next round we launch must be the swarm's next round, never one we just downloaded.
+            # Behind the donors' step: move up to it. Back only if we ran ahead of everyone alone (our round
+            # counter kept running during an outage); moving back otherwise would re-launch the other
+            # fragments' rounds that we have already applied.
+            swarm_step = max((rec.step for rec in records.values() if rec.peer_id != self.swarm.peer_id),
+                             default=step)
+            if step < max(donor_steps) or step > swarm_step + self.cfg.outer.sync_every:
+                step = max(donor_steps)
         return step
 
     def _checkpoint(self, step: int, *, model, inner, source, engine) -> None:
@@ -278,6 +283,8 @@ class Trainer:
         """Logs one applied (or missed) round: a readable line and a JSON ``round`` event."""
         applied = sum(s.average is not None for s in outcome.spans)
         self.rounds_done += applied > 0
+        if outcome.status == "behind":  # given up in matchmaking: take the swarm's state right after this step
+            self.late_fragments.add(frag.index)
         self._publish_snapshot(frag, st, step)
         if self.auto_tau is not None and outcome.status in ("ok", "partial"):
             self.auto_tau.observe_round(outcome.seconds)

@@ -211,8 +211,9 @@ async def p2p_mesh(n: int):
 
 
 def run_async(coro):
-    """Runs ``coro`` in a fresh event loop; p2pd subprocess transports are closed at shutdown, so the
-    loop stays open until they are garbage-collected."""
+    """Runs ``coro`` in a fresh event loop, then cancels the tasks it left behind (hivemind leaves some, as
+    ``asyncio.run`` would); p2pd subprocess transports are closed at shutdown, so the loop stays open until
+    they are garbage-collected."""
     import asyncio
     import gc
 
@@ -220,6 +221,14 @@ def run_async(coro):
     try:
         return loop.run_until_complete(coro)
     finally:
+        left = asyncio.all_tasks(loop)
+        for task in left:
+            task.cancel()
+
+        async def drain():
+            await asyncio.gather(*left, return_exceptions=True)
+
+        loop.run_until_complete(drain())
         gc.collect()
         loop.close()
 

@@ -8,7 +8,7 @@ from hivemind.averaging.key_manager import GroupKeyManager
 
 from helpers import run_async
 from peer import dht_node
-from peer.matchmaking import form_group, round_prefix
+from peer.matchmaking import GaveUp, form_group, round_prefix
 
 
 @pytest.fixture
@@ -54,3 +54,29 @@ def test_followers_whose_view_is_smaller_join_the_leaders_larger_group(dhts):
     assert len({g.group_id for g in groups}) == 1
     assert all(sorted(g.gathered) == [b"\x00", b"\x01", b"\x02"] for g in groups)
     assert all(len(g.peer_ids) == 3 for g in groups)
+
+
+@pytest.mark.timeout(120)
+def test_a_search_gives_up_when_told_why(dhts):
+    """A peer looking for a group that will not form (the swarm already applied the round) stops when
+    ``give_up`` gives a reason, instead of waiting out ``timeout``; the other outcome is None at the timeout."""
+    asked = []
+
+    def give_up():
+        asked.append(time.monotonic())
+        return "late: the swarm already applied round 1" if len(asked) >= 2 else None
+
+    async def main():
+        p2p = await dhts[0].replicate_p2p()
+        kwargs = dict(gather=b"x", target_group_size=2, min_group_size=2, min_matchmaking_time=1.0,
+                      request_timeout=0.5, client_mode=False, poll=0.2)
+        t0 = time.monotonic()
+        with pytest.raises(GaveUp, match="already applied"):
+            await form_group(p2p, dhts[0], prefix=round_prefix("testrun", 0, 1), timeout=60.0, give_up=give_up,
+                             **kwargs)
+        gave_up_after = time.monotonic() - t0
+        assert await form_group(p2p, dhts[0], prefix=round_prefix("testrun", 0, 2), timeout=2.0, **kwargs) is None
+        return gave_up_after
+
+    assert run_async(main()) < 30.0  # asked twice, 0.2 s apart: far from the 60 s timeout
+    assert len(asked) == 2
