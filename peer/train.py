@@ -72,7 +72,7 @@ class Trainer:
         self.peers_seen = 1
         self.rounds_done = 0
         self.engine: Optional[StreamingEngine] = None  # set in _train
-        self.late_fragments: set[int] = set()  # rounds not launched because the swarm is past them (launch_gate)
+        self.late_fragments: set[int] = set()  # to download after this step: the swarm is past our round of them
         self.auto_tau: Optional[AutoTau] = None
         self._found_checkpoint = None
 

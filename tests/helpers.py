@@ -7,6 +7,7 @@ and ``session_pids`` tells whether anything is left. Waits are deadline-bounded 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -208,6 +209,26 @@ async def p2p_mesh(n: int):
                 addrs = [m.decapsulate("/p2p/" + str(b.peer_id)) for m in await b.get_visible_maddrs()]
                 await a._client.connect(b.peer_id, addrs)
     return p2ps
+
+
+@contextlib.contextmanager
+def dht_nodes(n: int, tmp_path, *, validators: Callable[[int], Sequence] = lambda i: ()):
+    """``n`` real DHT nodes (``peer.dht_node.create_dht``: DHT process + p2pd) on 127.0.0.1, each joining
+    through the first; node i gets ``validators(i)``. All are shut down on exit, also on failure."""
+    from peer import dht_node
+
+    nodes: list = []
+    try:
+        for i in range(n):
+            initial = dht_node.visible_maddrs(nodes[0]) if nodes else []
+            nodes.append(dht_node.create_dht(initial_peers=initial, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                             announce_maddrs=[], identity_path=str(Path(tmp_path) / f"n{i}.id"),
+                                             client_mode=False, record_validators=validators(i),
+                                             startup_timeout=30, wait_timeout=3.0))
+        yield nodes
+    finally:
+        for node in nodes:
+            dht_node.shutdown_dht(node)
 
 
 def run_async(coro):

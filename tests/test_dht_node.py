@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import dht_nodes
 from peer import dht_node
 
 GOOD_PEER = "/ip4/127.0.0.1/tcp/4001/p2p/QmSoLnSGccFuZQJzRadHn95W2CrSFmZuTdDWP8HXaHca9z"
@@ -206,13 +207,7 @@ async def _isolate(_dht, node) -> int:
 def test_reconnect_brings_an_isolated_node_back(tmp_path):
     """A node that knows no one (and no one knows it) is back in both routing tables after one reconnect;
     peers already in its table are not pinged again."""
-    nodes = []
-    try:
-        for i in range(2):
-            initial = dht_node.visible_maddrs(nodes[0]) if nodes else []
-            nodes.append(dht_node.create_dht(initial_peers=initial, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                                             announce_maddrs=[], identity_path=str(tmp_path / f"n{i}.id"),
-                                             client_mode=False, startup_timeout=30, wait_timeout=3.0))
+    with dht_nodes(2, tmp_path) as nodes:
         first, second = nodes
         assert dht_node.peer_counts(second)[0] == 1
         for node in nodes:
@@ -223,6 +218,3 @@ def test_reconnect_brings_an_isolated_node_back(tmp_path):
         assert dht_node.reconnect(second, peers, timeout=3.0).result(timeout=30) == 1
         assert dht_node.peer_counts(first)[0] == 1  # the answer put us in its table too
         assert dht_node.reconnect(second, peers, timeout=3.0).result(timeout=30) == 1  # nothing missing: no-op
-    finally:
-        for node in nodes:
-            dht_node.shutdown_dht(node)

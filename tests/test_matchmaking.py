@@ -6,24 +6,14 @@ import time
 import pytest
 from hivemind.averaging.key_manager import GroupKeyManager
 
-from helpers import run_async
-from peer import dht_node
+from helpers import dht_nodes, run_async
 from peer.matchmaking import GaveUp, form_group, round_prefix
 
 
 @pytest.fixture
 def dhts(tmp_path):
-    nodes = []
-    try:
-        for i in range(3):
-            initial = dht_node.visible_maddrs(nodes[0]) if nodes else []
-            nodes.append(dht_node.create_dht(initial_peers=initial, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                                             announce_maddrs=[], identity_path=str(tmp_path / f"n{i}.id"),
-                                             client_mode=False, startup_timeout=30, wait_timeout=3.0))
+    with dht_nodes(3, tmp_path) as nodes:
         yield nodes
-    finally:
-        for node in nodes:
-            dht_node.shutdown_dht(node)
 
 
 @pytest.mark.timeout(120)

@@ -6,7 +6,7 @@ import pytest
 from hivemind.utils import ValueWithExpiration, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from peer import dht_node
+from helpers import dht_nodes
 from peer.progress import LiveView, ProgressRecord, make_validators, progress_key
 
 TTL = 10.0
@@ -71,16 +71,9 @@ def test_signed_records_through_a_real_dht(tmp_path):
     key, or not a ProgressRecord) is refused; a withdrawal drops the peer from the other's view."""
     run_key = "testrun_progress"
     key = progress_key(run_key)
-    nodes, subkeys = [], []
-    try:
-        for i in range(2):
-            validators, subkey = make_validators(run_key, RSAPrivateKey())  # one signing key per node
-            initial = dht_node.visible_maddrs(nodes[0]) if nodes else []
-            nodes.append(dht_node.create_dht(initial_peers=initial, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                                             announce_maddrs=[], identity_path=str(tmp_path / f"n{i}.id"),
-                                             client_mode=False, record_validators=validators, startup_timeout=30,
-                                             wait_timeout=3.0))
-            subkeys.append(subkey)
+    signers = [make_validators(run_key, RSAPrivateKey()) for _ in range(2)]  # one signing key per node
+    subkeys = [subkey for _, subkey in signers]
+    with dht_nodes(2, tmp_path, validators=lambda i: signers[i][0]) as nodes:
         pids = [str(n.peer_id) for n in nodes]
         for node, subkey, pid in zip(nodes, subkeys, pids):
             assert node.store(key, rec(pid, get_dht_time()), get_dht_time() + 30, subkey=subkey)
@@ -94,6 +87,3 @@ def test_signed_records_through_a_real_dht(tmp_path):
         assert nodes[0].store(key, None, get_dht_time() + 30, subkey=subkeys[0])  # peer 0 leaves
         views[1].merge(nodes[1].get(key, latest=True), dht_now=get_dht_time(), local_now=time.monotonic())
         assert set(views[1].live(time.monotonic())) == {pids[1]}
-    finally:
-        for node in nodes:
-            dht_node.shutdown_dht(node)
