@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Collection, Optional, Sequence
+from typing import AsyncIterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -170,8 +170,8 @@ def launch_gate(records: dict, me: str, fragment: int, round_: int, my_expected:
     - *behind*: the swarm applied two or more rounds our state never will (our round counter ran on alone
       during a network outage, say): our outer gradient is relative to a state the swarm left long ago.
 
-    Both are repaired by downloading the swarm's state at once (``plan_catch_up`` with the fragment in
-    ``late``), instead of waiting ``matchmaking_timeout`` for a group that never forms. One round behind
+    Both are repaired by downloading the swarm's state at once (``plan_catch_up`` with ``expected``),
+    instead of waiting ``matchmaking_timeout`` for a group that never forms. One round behind
     (we missed the last one) we still launch: we join the swarm's current round, and the drift check
     replaces our state, which then differs, with the swarm's a round later. Skipping instead would leave
     us behind again by the time the download is done, round after round.
@@ -193,15 +193,16 @@ def swarm_is_past(records: dict, me: str, fragment: int, round_: int) -> Optiona
 
 
 def plan_catch_up(records: dict, me: str, my_rounds: Sequence[int], my_digests: Sequence[str], *,
-                  joining: bool, late: Collection[int] = ()) -> list[CatchUp]:
+                  joining: bool, expected: Optional[Sequence[int]] = None) -> list[CatchUp]:
     """Which fragments to download, from the other peers' progress records (pure; see below).
 
     Rounds here are *applied* rounds (a peer that trained alone does not advance). For each fragment,
-    the swarm's state is :func:`swarm_state`. We download it when we are behind (``joining``, or a fragment
-    in ``late``, whose current round we did not launch: by any round; otherwise by two or more, since a peer
-    may see others a moment after they applied the round it is about to apply), or when no other peer at our
-    exact round holds our digest and theirs wins: it is held by two or more, or it is the smaller of a tie
-    (two survivors of a broken round converge on one state).
+    the swarm's state is :func:`swarm_state`. We download it when we are behind: ``joining``, by any round;
+    with ``expected`` (per fragment, the round our state reaches once our rounds in flight land; given when
+    a round was just found late, see :func:`launch_gate`), when the swarm is past it; otherwise by two or
+    more, since a peer may see others a moment after they applied the round it is about to apply. Or when
+    no other peer at our exact round holds our digest and theirs wins: it is held by two or more, or it is
+    the smaller of a tie (two survivors of a broken round converge on one state).
     """
     plans = []
     for p, (mine_r, mine_d) in enumerate(zip(my_rounds, my_digests)):
@@ -211,7 +212,7 @@ def plan_catch_up(records: dict, me: str, my_rounds: Sequence[int], my_digests: 
         best, digest, donors = state
         others = _others(records, me, p)
         same_round = [d for _, r, d in others if r == mine_r]
-        if best > mine_r and (joining or p in late or best >= mine_r + 2):
+        if best > mine_r and (joining or best >= mine_r + 2 or (expected is not None and best > expected[p])):
             plans.append(CatchUp(p, best, digest, donors, f"behind: round {mine_r}, swarm at {best}"))
         elif same_round and mine_d not in same_round:
             # We disagree with everyone at our round. The most common digest there wins, ties going to

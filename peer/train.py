@@ -16,7 +16,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Collection, Optional
+from typing import Optional
 
 import torch
 
@@ -72,7 +72,7 @@ class Trainer:
         self.peers_seen = 1
         self.rounds_done = 0
         self.engine: Optional[StreamingEngine] = None  # set in _train
-        self.late_fragments: set[int] = set()  # to download after this step: the swarm is past our round of them
+        self.found_late = False  # a round was late (launch_gate): catch up right after this step
         self.auto_tau: Optional[AutoTau] = None
         self._found_checkpoint = None
 
@@ -191,10 +191,10 @@ class Trainer:
             self.swarm.update_progress(step, engine.states[0].round, tok_s)
             engine.launch_due(step)
             engine.apply_due(step)
-            if self.late_fragments or (cfg.swarm.drift_check_period and
-                                       time.monotonic() - last_drift_check >= cfg.swarm.drift_check_period):
-                step = self._catch_up(engine, step, joining=False, late=self.late_fragments)
-                self.late_fragments, last_drift_check = set(), time.monotonic()
+            if self.found_late or (cfg.swarm.drift_check_period and
+                                   time.monotonic() - last_drift_check >= cfg.swarm.drift_check_period):
+                step = self._catch_up(engine, step, joining=False, late=self.found_late)
+                self.found_late, last_drift_check = False, time.monotonic()
             every = cfg.run.checkpoint_rounds
             if (cfg.run.checkpoint_minutes and time.monotonic() - last_ckpt_time >= 60 * cfg.run.checkpoint_minutes) or \
                     (every and engine.states[0].applied_rounds and self.rounds_done - last_ckpt_rounds >= every):
@@ -213,14 +213,16 @@ class Trainer:
         self.swarm.publish_snapshot(Snapshot(frag.index, st.last_applied, step, st.G.clone(), st.v.clone(),
                                              st.digest()))
 
-    def _catch_up(self, engine: StreamingEngine, step: int, *, joining: bool, late: Collection[int] = ()) -> int:
+    def _catch_up(self, engine: StreamingEngine, step: int, *, joining: bool, late: bool = False) -> int:
         """Downloads the fragments where the swarm's majority state is ahead of or differs from ours
-        (see plan_catch_up; ``late``: fragments whose round we just did not launch, see launch_gate); returns
+        (see plan_catch_up; ``late``: a round was just found late, see launch_gate: then every fragment the
+        swarm is past, counting our rounds in flight, so that we rejoin with all of them at once); returns
         the step to continue from (steps schedule: the donors').
         Must be called after the step's launches and applies, so the adopted round is never re-launched."""
         records = self.swarm.live_peers()
         plans = plan_catch_up(records, self.swarm.peer_id, [st.last_applied for st in engine.states],
-                              [st.digest() for st in engine.states], joining=joining, late=late)
+                              [st.digest() for st in engine.states], joining=joining,
+                              expected=[engine.expected_round(p) for p in range(len(engine.states))] if late else None)
         donor_steps = []
         for plan in plans:
             frag, t0 = engine.fragments[plan.fragment], time.monotonic()
@@ -284,7 +286,7 @@ class Trainer:
         applied = sum(s.average is not None for s in outcome.spans)
         self.rounds_done += applied > 0
         if outcome.status == "behind":  # given up in matchmaking: take the swarm's state right after this step
-            self.late_fragments.add(frag.index)
+            self.found_late = True
         self._publish_snapshot(frag, st, step)
         if self.auto_tau is not None and outcome.status in ("ok", "partial"):
             self.auto_tau.observe_round(outcome.seconds)
@@ -335,7 +337,7 @@ class SwarmTransport:
                                             f"{cfg.swarm.min_group_size}"))
         why = launch_gate(records, me, fragment, round_, tr.engine.expected_round(fragment))
         if why:  # no group will have us: take the swarm's state right after this step (Trainer._catch_up)
-            tr.late_fragments.add(fragment)
+            tr.found_late = True
             return _Done(RoundOutcome(fragment, round_, "behind", group_size=1, error=why))
         return tr.swarm.run_round(fragment=fragment, round_=round_, delta=delta, weight=weight, inner_step=step,
                                   target_group_size=tr.peers_seen)

@@ -55,10 +55,13 @@ def test_launch_gate_skips_rounds_the_swarm_is_past():
     assert launch_gate(records, "me", 0, 8, my_expected=5).startswith("behind")
     assert launch_gate(records, "me", 1, 46, my_expected=2).startswith("behind")
     assert launch_gate({}, "me", 0, 3, my_expected=0) is None  # no one else: nothing to be behind of
-    # the repair: a late fragment is downloaded even one round behind (we will not apply that round ourselves)
-    assert plan_catch_up(records, "me", [6, 6], ["a0", "b"], joining=False) == []
-    plans = plan_catch_up(records, "me", [6, 6], ["a0", "b"], joining=False, late={0})
+    # the repair, once a round was late: every fragment the swarm is past, counting our rounds in flight
+    # (fragment 1: applied 5, round 6 in flight, swarm at 6: nothing to download); a drift check tolerates one
+    assert plan_catch_up(records, "me", [6, 5], ["a0", "b0"], joining=False) == []
+    plans = plan_catch_up(records, "me", [6, 5], ["a0", "b0"], joining=False, expected=[6, 6])
     assert [(c.fragment, c.round, c.digest) for c in plans] == [(0, 7, "a")]
+    plans = plan_catch_up(records, "me", [6, 5], ["a0", "b0"], joining=False, expected=[6, 5])
+    assert [(c.fragment, c.round, c.digest) for c in plans] == [(0, 7, "a"), (1, 6, "b")]
 
 
 class DyingServicer(StateServicer):
