@@ -17,7 +17,12 @@ from helpers import Proc, events, wait_for
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[1]
-ROUND_BUDGET = 20 + 30 + 10  # matchmaking_timeout + allreduce_timeout + slack (s)
+# A crash mid-round can put the survivors out of phase by up to allreduce_timeout (30 s in demo.toml): one gets
+# a connection error from the dead reducer at once, the other waits for its span. Lockstep survivors meet
+# again only if the early one is still in matchmaking when the late one arrives, so the SIGKILL test's peers
+# wait longer than that (seen: with demo.toml's 20 s they missed each other in every later round).
+SIGKILL_MATCHMAKING_TIMEOUT = 45
+ROUND_BUDGET = SIGKILL_MATCHMAKING_TIMEOUT + 30 + 10  # matchmaking_timeout + allreduce_timeout + slack (s)
 
 FAST = ["--model-seq-len", "32", "--data-batch-size", "4", "--outer-sync-every", "20", "--matchmaking-time", "10",
         "--request-timeout", "3", "--progress-period", "1", "--progress-ttl", "8", "--dht-timeout", "3",
@@ -88,7 +93,8 @@ def test_three_peers_agree_on_every_round_and_learn(procs, tmp_path):
 def test_sigkill_during_a_round_survivors_skip_or_finish_and_keep_training(procs, tmp_path):
     initial = start_bootstrap(procs, tmp_path)
     names = ["p0", "p1", "victim"]
-    peers = dict(zip(names, (start_peer(procs, tmp_path, n, initial, 140) for n in names)))
+    peers = dict(zip(names, (start_peer(procs, tmp_path, n, initial, 140, "--matchmaking-timeout",
+                                        str(SIGKILL_MATCHMAKING_TIMEOUT)) for n in names)))
     victim = peers["victim"]
     victim.wait_for_line(r"fragment 0 round 2: group of 3 assembled", timeout=300)
     victim.kill_group(signal.SIGKILL)  # the whole peer dies at once, p2pd included (a crash)
