@@ -176,12 +176,12 @@ def launch_gate(records: dict, me: str, fragment: int, round_: int, my_expected:
     replaces our state, which then differs, with the swarm's a round later. Skipping instead would leave
     us behind again by the time the download is done, round after round.
     """
+    late = swarm_is_past(records, me, fragment, round_)
+    if late:
+        return late
     state = swarm_state(records, me, fragment)
-    if state is None:
-        return None
-    if state[0] >= my_expected + 2 or state[0] >= round_:
-        return swarm_is_past(records, me, fragment, round_) or \
-            f"behind: our state stops at round {my_expected}, the swarm applied {state[0]}"
+    if state is not None and state[0] >= my_expected + 2:
+        return f"behind: our state stops at round {my_expected}, the swarm applied {state[0]}"
     return None
 
 

@@ -60,6 +60,7 @@ class Swarm:
         self._view = LiveView(cfg.progress_ttl)  # everyone's records, merged by the heartbeat
         self._known: dict[str, float] = {}  # peer id -> when we last saw it live (pinged when we are alone)
         self._reconnecting = False
+        self._initial_peers: dict[str, list[str]] = {}  # {peer id: its multiaddrs}, dialed by _reconnect
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -69,6 +70,7 @@ class Swarm:
                               client_mode=self.cfg.client_mode, nat_port_map=self.cfg.nat_port_map,
                               record_validators=validators, startup_timeout=self.cfg.startup_timeout,
                               wait_timeout=self.cfg.dht_timeout)
+        self._initial_peers = peers_of(self.cfg.initial_peers)  # checked by create_dht
         self._thread.start()
         self.p2p = self._call(self.dht.replicate_p2p(), self.cfg.startup_timeout)
         self.servicer = AllReduceServicer(registration_timeout=self.cfg.request_timeout,
@@ -149,19 +151,20 @@ class Swarm:
                 log.debug("peer %s: progress %s failed: %s", self.peer_id[-8:], what, type(result).__name__)
         if not isinstance(found, BaseException):
             self._view.merge(found, dht_now=get_dht_time(), local_now=time.monotonic())
-        live = self.live_peers()
-        log.debug("peer %s: progress beat took %.1f s, %d live", self.peer_id[-8:], time.monotonic() - t0, len(live))
+        others = [pid for pid in self.live_peers() if pid != self.peer_id]
+        log.debug("peer %s: progress beat took %.1f s, %d others live", self.peer_id[-8:], time.monotonic() - t0,
+                  len(others))
         now = time.monotonic()
-        known = {**self._known, **{pid: now for pid in live if pid != self.peer_id}}
+        known = {**self._known, **{pid: now for pid in others}}
         self._known = dict(sorted((kv for kv in known.items() if kv[1] + KNOWN_PEER_TTL >= now),
                                   key=lambda kv: kv[1])[-MAX_KNOWN_PEERS:])
-        if self.live_count() == 1:
+        if not others:
             await self._reconnect()
 
     async def _reconnect(self) -> None:
         """We see no other peer: ping the initial peers and the peers we saw before that our DHT node lost
         (see :func:`peer.dht_node.reconnect`). One at a time; bounded by 3 x ``dht_timeout``."""
-        peers = {**{pid: [] for pid in self._known}, **peers_of(self.cfg.initial_peers)}
+        peers = {**{pid: [] for pid in self._known}, **self._initial_peers}
         if self._reconnecting or not peers:
             return
         self._reconnecting = True
