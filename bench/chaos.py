@@ -48,7 +48,7 @@ from helpers import Proc  # noqa: E402
 
 POLL = 0.2
 H = 20
-CKPT_RE = re.compile(r"checkpoint at step (\d+)")
+CKPT_RE = re.compile(r"checkpoint at step (\d+): ")
 
 
 @dataclass

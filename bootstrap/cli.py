@@ -23,6 +23,7 @@ ENV_PREFIX = "SWARM_"
 DEFAULT_HOST_MADDRS = ["/ip4/0.0.0.0/tcp/31337"]
 DEFAULT_IDENTITY_PATH = "bootstrap.id"
 DEFAULT_REFRESH_PERIOD = 60.0
+DEFAULT_JOIN_TIMEOUT = 60.0
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 logger = logging.getLogger("swarm.bootstrap")
@@ -73,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "discovery packets to the gateway and multicast)")
     p.add_argument("--refresh-period", default=None, metavar="SECONDS",
                    help=f"seconds between status log lines (default {DEFAULT_REFRESH_PERIOD:g})")
+    p.add_argument("--join-timeout", default=None, metavar="SECONDS",
+                   help=f"seconds to keep retrying --initial-peers (with backoff) before giving up with their "
+                        f"addresses (default {DEFAULT_JOIN_TIMEOUT:g})")
     p.add_argument("--log-level", default=None, metavar="LEVEL",
                    help=f"one of {', '.join(LOG_LEVELS)} (default INFO)")
     return p
@@ -132,6 +136,7 @@ def parse_args(argv: Sequence[str] | None = None, env: dict | None = None) -> ar
     args.nat_port_map = _pick(args.nat_port_map, "--nat-port-map", env, False, _bool)
     args.refresh_period = _pick(args.refresh_period, "--refresh-period", env, DEFAULT_REFRESH_PERIOD,
                                 _positive_float)
+    args.join_timeout = _pick(args.join_timeout, "--join-timeout", env, DEFAULT_JOIN_TIMEOUT, _positive_float)
     args.log_level = _pick(args.log_level, "--log-level", env, "INFO", _level)
     if not args.host_maddrs:
         raise UsageError("--host-maddrs: at least one address is required")
@@ -193,10 +198,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 identity_path=args.identity_path,
                 client_mode=False,
                 nat_port_map=args.nat_port_map,
+                join_timeout=args.join_timeout,
+                stop=stop,
             )
         except ValueError as e:
             print(f"{PROG}: error: {e}", file=sys.stderr)
             return 2
+        except dht_node.JoinError as e:
+            if stop.is_set():  # a signal while the initial peers were retried: a clean stop
+                return 0
+            print(f"{PROG}: error: {e}", file=sys.stderr)
+            return 3
         except RuntimeError as e:
             logger.error(f"could not start the DHT node: {e}")
             return 1

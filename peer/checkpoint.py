@@ -86,6 +86,12 @@ def read(path: str | Path) -> dict[str, Any]:
     return payload
 
 
+def newest(folder: str | Path) -> Optional[Path]:
+    """The newest checkpoint file in ``folder`` (not verified), or None."""
+    found = sorted(Path(folder).glob(PATTERN))
+    return found[-1] if found else None
+
+
 def load_latest(folder: str | Path) -> Optional[tuple[Path, dict[str, Any]]]:
     """The newest checkpoint in ``folder`` that verifies, or None; bad ones are reported and skipped."""
     for path in sorted(Path(folder).glob(PATTERN), reverse=True):

@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from peer.config import SECTIONS, ConfigError, build_config, env_name, flag_name, iter_fields
+from peer.config import SECTIONS, ConfigError, build_config, env_name, flag_name, iter_fields, unknown_env
 
 import dataclasses
 
@@ -75,23 +75,38 @@ def parse_overrides(ns: argparse.Namespace) -> dict[tuple[str, str], object]:
     return out
 
 
+# Exit status: 0 a clean stop (max_steps, SIGINT/SIGTERM); 2 a setup to fix (config, run dir, device, model,
+# data: one line, before joining); 3 no initial peer answered within swarm.join_timeout (one line naming each
+# address); 1 a failure during training (with its traceback).
+EXIT_SETUP, EXIT_JOIN = 2, 3
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    import os
+
     parser = build_parser()
     ns = parser.parse_args(argv)
+    for warning in unknown_env(dict(os.environ)):
+        print(f"swarm-peer: warning: {warning}", file=sys.stderr)
     try:
         cfg = build_config(ns.config, parse_overrides(ns))
     except ConfigError as e:
         print(f"swarm-peer: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_SETUP
     if ns.command == "run":
-        from peer.train import Trainer  # heavy imports only when we really run
+        from peer.dht_node import JoinError  # heavy imports only when we really run
+        from peer.preflight import SetupError
+        from peer.train import Trainer
 
         try:
             return Trainer(cfg).run()
-        except (ValueError, FileNotFoundError) as e:  # bad data/model settings found while building
+        except SetupError as e:
             print(f"swarm-peer: error: {e}", file=sys.stderr)
-            return 2
-    return 2
+            return EXIT_SETUP
+        except JoinError as e:
+            print(f"swarm-peer: error: {e}", file=sys.stderr)
+            return EXIT_JOIN
+    return EXIT_SETUP
 
 
 if __name__ == "__main__":

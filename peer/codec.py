@@ -6,7 +6,7 @@ messages come from untrusted peers, and raises :class:`CodecError`. Codecs regis
 :data:`CODECS`; the codec name and version (:func:`codec_key`) are part of the matchmaking key so
 peers with different codecs never share a group.
 
-Codecs (byte layouts: protos/codec.proto, ALGORITHM.md section 6):
+Codecs (byte layouts: protos/codec.proto, docs/algorithm.md section 6):
 
 - ``fp32`` v1: raw little-endian binary32.
 - ``bf16`` v1: raw little-endian bfloat16 bits (round to nearest even; saturates at the bf16 max).
@@ -357,7 +357,7 @@ def _pack_nibbles(codes: torch.Tensor, out: torch.Tensor, tmp16: Optional[torch.
 
 
 class E3M0Codec:
-    """FP4 E3M0 with one float32 scale ``absmax / 64`` per block of 64 elements (ALGORITHM.md 6)."""
+    """FP4 E3M0 with one float32 scale ``absmax / 64`` per block of 64 elements (docs/algorithm.md 6)."""
 
     name, version, block_size = "e3m0", 1, 64
 

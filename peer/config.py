@@ -113,6 +113,7 @@ class InnerConfig:
         _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "inner.beta1/beta2", "in [0, 1)", (self.beta1, self.beta2))
         _check(self.warmup_steps >= 0, "inner.warmup_steps", ">= 0", self.warmup_steps)
         _check(self.total_steps >= 1, "inner.total_steps", ">= 1", self.total_steps)
+        _check(self.warmup_steps <= self.total_steps, "inner.warmup_steps", "<= inner.total_steps", self.warmup_steps)
         _check(0 <= self.min_lr_ratio <= 1, "inner.min_lr_ratio", "in [0, 1]", self.min_lr_ratio)
         _check(self.grad_clip >= 0, "inner.grad_clip", ">= 0", self.grad_clip)
         _check(self.z_loss >= 0, "inner.z_loss", ">= 0", self.z_loss)
@@ -133,9 +134,10 @@ class OuterConfig:
     """k: transformer blocks per fragment (P = ceil(L/k) fragments); 0 syncs the whole model (DiLoCo)."""
     fragment_pattern: str = "strided"
     """How blocks map to fragments: strided (p, p+P, ...; the paper's default) or sequential."""
-    schedule: str = "steps"
-    """When rounds happen: steps (every H local steps, lockstep: homogeneous peers, the paper) or
-    clock (round r of fragment p at swarm time clock_origin + (r + p/P) * round_seconds)."""
+    schedule: str = "clock"
+    """When rounds happen: clock (round r of fragment p at swarm time clock_origin + (r + p/P) * round_seconds;
+    the volunteer default: peers of any speed, nobody waits for a slower one) or steps (every H local steps,
+    lockstep: homogeneous peers, the paper's schedule; docs/benchmarks.md "Drop and rejoin" has the evidence)."""
     round_seconds: float = 60.0
     """Clock schedule: seconds between two rounds of the same fragment."""
     clock_origin: float = 0.0
@@ -157,7 +159,7 @@ class OuterConfig:
     """Eager updates: apply our own outer gradient at launch, corrected when the aggregate arrives."""
     merge: str = "alpha"
     """How a late aggregate meets local weights: alpha (Streaming DiLoCo) or replay (keep the tau steps)."""
-    wait_timeout: float = 100.0
+    wait_timeout: float = 180.0
     """Seconds to wait at launch + tau for an aggregate before the round counts as missed."""
 
     def __post_init__(self) -> None:
@@ -207,6 +209,9 @@ class SwarmConfig:
     """Seconds a group leader waits for stragglers; the group forms at once when every live peer joined."""
     matchmaking_timeout: float = 30.0
     """Seconds to find a group for a round before the round counts as missed."""
+    matchmaking_patience: float = 60.0
+    """Steps schedule: seconds a peer keeps looking for a group past matchmaking_timeout while a live peer's
+    record shows it has not reached this round yet (it is behind by wall time: the peer ahead yields)."""
     request_timeout: float = 3.0
     """Seconds to wait for one matchmaking request to a potential leader."""
     dht_timeout: float = 5.0
@@ -223,6 +228,8 @@ class SwarmConfig:
     """Lifetime of a progress record: a peer silent this long no longer counts as live."""
     startup_timeout: float = 30.0
     """Seconds for the local DHT/p2p daemon to start."""
+    join_timeout: float = 60.0
+    """Seconds to keep retrying the initial peers (with backoff) before giving up with their addresses."""
     state_timeout: float = 60.0
     """Seconds to download one fragment's outer state from one donor before trying the next."""
     drift_check_period: float = 10.0
@@ -234,8 +241,9 @@ class SwarmConfig:
         _check(self.drift_check_period >= 0, "swarm.drift_check_period", ">= 0", self.drift_check_period)
         for key in ("start_timeout", "state_timeout", "matchmaking_time", "matchmaking_timeout", "request_timeout",
                     "allreduce_timeout", "part_timeout", "progress_period", "progress_ttl", "startup_timeout",
-                    "dht_timeout"):
+                    "dht_timeout", "join_timeout"):
             _check(getattr(self, key) > 0, f"swarm.{key}", "> 0 seconds", getattr(self, key))
+        _check(self.matchmaking_patience >= 0, "swarm.matchmaking_patience", ">= 0 seconds", self.matchmaking_patience)
         _check(self.min_peers >= 1, "swarm.min_peers", ">= 1", self.min_peers)
         _check(self.min_group_size >= 1, "swarm.min_group_size", ">= 1", self.min_group_size)
         _check(self.part_timeout < self.allreduce_timeout, "swarm.part_timeout", "< swarm.allreduce_timeout",
@@ -292,7 +300,7 @@ BARE_SECTIONS = ("run", "swarm")  # their flags carry no section prefix
 # Fields that do not change the shared computation (see module docstring).
 LOCAL_KEYS = {"swarm": {"initial_peers", "new_swarm", "host_maddrs", "announce_maddrs", "identity_path",
                         "client_mode", "nat_port_map", "min_peers", "start_timeout", "startup_timeout",
-                        "dht_timeout"},
+                        "dht_timeout", "join_timeout", "matchmaking_patience"},
               "data": {"source", "paths", "batch_size", "shard"}, "inner": {"device", "threads"},
               # per-peer choices that change only this peer's local weights, never the shared G, v
               "outer": {"tau", "tau_max", "eager", "merge", "alpha", "wait_timeout", "error_feedback",
@@ -323,6 +331,23 @@ class PeerConfig:
     @property
     def identity_path(self) -> Path:
         return Path(self.swarm.identity_path or Path(self.run.run_dir) / "identity.key")
+
+
+def unknown_env(environ: dict[str, str]) -> list[str]:
+    """One warning per ``SWARM_*`` variable of ``environ`` that matches no config key, naming the nearest key.
+
+    Such a variable is ignored; it is usually a typo (``SWARM_OUTER_LRR``) or a key of another version.
+    """
+    import difflib
+
+    known = {env_name(section, key) for section, key, _ in iter_fields()}
+    out = []
+    for name in sorted(environ):
+        if name.startswith("SWARM_") and name not in known:
+            near = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+            hint = f"; did you mean {near[0]}?" if near else "; see swarm-peer run --help for the keys"
+            out.append(f"environment variable {name} matches no config key and is ignored{hint}")
+    return out
 
 
 def flag_name(section: str, key: str) -> str:
@@ -424,9 +449,12 @@ def build_config(toml_path: str | None, overrides: dict[tuple[str, str], Any],
     except TypeError as e:  # a programming error in overrides, not user input
         raise ConfigError(str(e)) from None
     cfg = PeerConfig(**sections)
-    rounds_take = cfg.swarm.matchmaking_timeout + cfg.swarm.allreduce_timeout
+    # A round's future completes within this; the engine must not give up on it earlier.
+    patience = cfg.swarm.matchmaking_patience if cfg.outer.schedule == "steps" else 0.0
+    rounds_take = cfg.swarm.matchmaking_timeout + patience + cfg.swarm.allreduce_timeout
     if cfg.outer.wait_timeout <= rounds_take:
-        raise ConfigError(f"outer.wait_timeout: must be > swarm.matchmaking_timeout + swarm.allreduce_timeout "
+        what = "swarm.matchmaking_timeout + " + ("swarm.matchmaking_patience + " if patience else "")
+        raise ConfigError(f"outer.wait_timeout: must be > {what}swarm.allreduce_timeout "
                           f"({rounds_take:g}s) (got {cfg.outer.wait_timeout:g})")
     if not cfg.swarm.initial_peers and not cfg.swarm.new_swarm:
         raise ConfigError("--initial-peers is empty: pass the multiaddr printed by swarm-bootstrap "

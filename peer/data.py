@@ -254,6 +254,14 @@ class _WindowSource:
             out[mask] = vals
         return out.reshape(index.shape)
 
+    def check(self, seq_len: int) -> None:
+        """Raises ``ValueError`` unless a window of ``seq_len + 1`` tokens fits and the first one has valid ids
+        (the cursor does not move)."""
+        if self.num_tokens < seq_len + 1:
+            raise ValueError(f"{self.kind} data {', '.join(self._names)} has {self.num_tokens} tokens, fewer than "
+                             f"one sequence (model.seq_len + 1 = {seq_len + 1})")
+        self._gather((self._position + np.arange(seq_len + 1, dtype=np.int64)) % self.num_tokens)
+
     def next_batch(self, batch_size: int, seq_len: int) -> Tensor:
         """Return int64 ``[batch_size, seq_len + 1]``: the next ``batch_size`` windows."""
         _check_shape(batch_size, seq_len)
@@ -284,8 +292,15 @@ class _WindowSource:
 
 
 def _check_file(path: str) -> None:
+    if os.path.isdir(path):
+        raise ValueError(f"data file {path} is a directory; list the files in it in data.paths")
     if not os.path.isfile(path):
         raise ValueError(f"data file not found: {path}")
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+    except OSError as e:
+        raise ValueError(f"cannot read data file {path}: {e.strerror or e}") from None
     if os.path.getsize(path) == 0:
         raise ValueError(f"data file is empty: {path}")
 

@@ -17,17 +17,28 @@ hivemind is imported lazily so that ``import peer.dht_node`` stays cheap (hivemi
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
     import hivemind
 
+log = logging.getLogger(__name__)
 _UNSPECIFIED_HOSTS = {("ip4", "0.0.0.0"), ("ip6", "::")}
+# Backoff between two tries to reach the initial peers: doubling from the first to the last (seconds).
+JOIN_RETRY_FIRST, JOIN_RETRY_MAX = 1.0, 15.0
+# p2pd's words when none of its bootstrap peers could be connected to.
+_BOOTSTRAP_FAILED = "failed to connect to bootstrap peers"
+
+
+class JoinError(RuntimeError):
+    """No initial peer could be reached within ``join_timeout``; the message names every address and why."""
 _PEER_FORMAT = "/ip4/HOST/tcp/PORT/p2p/PEER_ID"
 _HOST_FORMAT = "/ip4/HOST/tcp/PORT"
 
@@ -132,14 +143,60 @@ def create_dht(
     record_validators: Iterable = (),
     startup_timeout: float = 30.0,
     wait_timeout: float = 5.0,
+    join_timeout: float = 0.0,
+    stop: Optional[threading.Event] = None,
     **dht_kwargs,
 ) -> "hivemind.DHT":
     """Validate the addresses, then start a ``hivemind.DHT`` (background process + p2pd) and wait for it.
 
+    If none of ``initial_peers`` can be reached, tries again with a doubling backoff for ``join_timeout``
+    seconds (a bootstrap node that is restarting, a network that comes up a moment later), then raises
+    :class:`JoinError` naming each address and why it failed (refused, no answer, another peer id there).
+    A set ``stop`` event ends the retries early (a :class:`JoinError` without the diagnosis).
     Raises ``ValueError`` with a one-line, flag-naming message for bad input; ``RuntimeError`` if the node
-    does not come up (e.g. no initial peer answered) -- in that case nothing is left running.
+    does not come up for another reason. Nothing is left running after an error.
     ``dht_kwargs`` go to ``hivemind.DHT`` (e.g. ``num_workers``); the network-safety options cannot be overridden.
     """
+    deadline, delay = time.monotonic() + join_timeout, JOIN_RETRY_FIRST
+    while True:
+        try:
+            return _start_dht(initial_peers=initial_peers, host_maddrs=host_maddrs, announce_maddrs=announce_maddrs,
+                              identity_path=identity_path, client_mode=client_mode, nat_port_map=nat_port_map,
+                              record_validators=record_validators, startup_timeout=startup_timeout,
+                              wait_timeout=wait_timeout, **dht_kwargs)
+        except RuntimeError as e:
+            if not initial_peers or _BOOTSTRAP_FAILED not in str(e):
+                raise
+            if stop is not None and stop.is_set():
+                raise JoinError("stopped before any initial peer answered") from None
+            if time.monotonic() + delay > deadline:
+                from peer.reachability import diagnose_initial_peers
+
+                why = "; ".join(diagnose_initial_peers(initial_peers, host_maddrs, timeout=wait_timeout))
+                raise JoinError(f"could not reach any initial peer within {join_timeout:g} s (swarm.join_timeout): "
+                                f"{why}") from None
+            log.warning("none of the %d initial peer(s) answered; trying again in %.0f s", len(initial_peers), delay)
+            if stop is not None and stop.wait(delay):
+                raise JoinError("stopped before any initial peer answered") from None
+            if stop is None:
+                time.sleep(delay)
+            delay = min(2 * delay, JOIN_RETRY_MAX)
+
+
+def _start_dht(
+    *,
+    initial_peers: Sequence[str],
+    host_maddrs: Sequence[str],
+    announce_maddrs: Sequence[str],
+    identity_path: str | None,
+    client_mode: bool,
+    nat_port_map: bool,
+    record_validators: Iterable,
+    startup_timeout: float,
+    wait_timeout: float,
+    **dht_kwargs,
+) -> "hivemind.DHT":
+    """One try of :func:`create_dht` (no retries)."""
     initial_peers, host_maddrs, announce_maddrs = check_maddrs(
         initial_peers=initial_peers, host_maddrs=host_maddrs, announce_maddrs=announce_maddrs)
     forbidden = {"nat_port_map", "check_if_identity_free", "use_ipfs", "start"} & set(dht_kwargs)

@@ -1,4 +1,4 @@
-"""What a peer reports: the JSON-lines event log and the human console status line.
+"""What a peer reports: the JSON-lines event log and its console/file logging (the status line: peer/status.py).
 
 JSON events (one object per line, ``--log-json``): ``start``, ``step`` (every ``log_every`` steps:
 step, loss, ce, tokens, time, ...), ``round`` (after each sync: fragment, round, status,
@@ -16,24 +16,79 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+log = logging.getLogger(__name__)
+
 
 class EventLog:
-    """Appends one JSON object per line; flushed per event so other processes can follow it."""
+    """Appends one JSON object per line, written at once so other processes can follow it.
+
+    A write that fails (a full disk: ENOSPC, EFBIG, EIO) loses that event, never the peer: the first
+    failure is logged as a warning, the events are dropped until a write succeeds again (it is retried
+    with every event), and the first line after a failure starts on a new line, so a line cut short by
+    the full disk stays a line of its own that readers skip.
+    """
 
     def __init__(self, path: Optional[str]):
-        self._file = None
+        self._fd: Optional[int] = None
+        self.path = path
+        self.dropped = 0  # events lost to write errors since the last successful write
+        self._cut = False  # the last write may have ended mid-line
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(path, "a", buffering=1)
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def emit(self, event: str, **fields: Any) -> None:
-        if self._file is not None:
-            self._file.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
+        if self._fd is None:
+            return
+        line = ("\n" if self._cut else "") + json.dumps({"event": event, "time": time.time(), **fields}) + "\n"
+        data = line.encode()
+        try:
+            while data:
+                self._cut = True
+                data = data[os.write(self._fd, data):]
+        except OSError as e:
+            if not self.dropped:
+                log.warning("event log %s: cannot write (%s); events are dropped until it works again",
+                            self.path, e.strerror or e)
+            self.dropped += 1
+            return
+        self._cut = False
+        if self.dropped:
+            log.warning("event log %s: writing again, %d event(s) were lost", self.path, self.dropped)
+            self.dropped = 0
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+class _ForgivingFileHandler(logging.FileHandler):
+    """A log file that tolerates a full disk: a failed write is reported once on stderr (logging's default
+    prints a traceback per line) and every later line is tried again."""
+
+    _failing = False  # the last write failed
+    _failed_now = False  # handleError ran during the current emit
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self._failed_now = False
+        super().emit(record)
+        if self._failing and not self._failed_now:
+            self._failing = False
+            sys.stderr.write(f"swarm-peer: the log file {self.baseFilename} is written again\n")
+
+    def close(self) -> None:
+        try:
+            super().close()
+        except OSError:  # the last flush on a full disk: those lines are on the console already
+            pass
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        self._failed_now = True
+        if not self._failing:
+            self._failing = True
+            sys.stderr.write(f"swarm-peer: warning: cannot write the log file {self.baseFilename} "
+                             f"({sys.exc_info()[1]}); its lines go to the console only until it works again\n")
 
 
 def setup_logging(level: str, log_file: Path, peer_label: str) -> None:
@@ -44,7 +99,7 @@ def setup_logging(level: str, log_file: Path, peer_label: str) -> None:
     for handler in list(root.handlers):
         root.removeHandler(handler)
     log_file.parent.mkdir(parents=True, exist_ok=True)
-    for handler in (logging.StreamHandler(sys.stderr), logging.FileHandler(log_file)):
+    for handler in (logging.StreamHandler(sys.stderr), _ForgivingFileHandler(log_file)):
         handler.setFormatter(fmt)
         root.addHandler(handler)
     for noisy in ("hivemind", "asyncio"):  # hivemind logs matchmaking chatter at INFO
@@ -69,27 +124,3 @@ def fmt_bytes(n: float) -> str:
             return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
         n /= 1024
     return f"{n:.1f}GB"
-
-
-class StatusLine:
-    """A compact live status line: rewritten in place on a terminal, a log line otherwise."""
-
-    def __init__(self, interval: float, peer_label: str):
-        self.interval, self.peer_label = interval, peer_label
-        self._last = 0.0
-        self._tty = sys.stderr.isatty() and os.environ.get("TERM") != "dumb"
-
-    def maybe_show(self, *, step: int, loss: float, floor: Optional[float], tok_s: float, peers: int,
-                   next_sync: str, up: int, down: int, force: bool = False) -> None:
-        now = time.monotonic()
-        if self.interval <= 0 or (not force and now - self._last < self.interval):
-            return
-        self._last = now
-        floor_txt = f" (floor {floor:.3f})" if floor is not None else ""
-        line = (f"[{self.peer_label}] step {step} loss {loss:.4f}{floor_txt} {tok_s:,.0f} tok/s peers {peers} "
-                f"next sync {next_sync} up {fmt_bytes(up)} down {fmt_bytes(down)}")
-        if self._tty:
-            sys.stderr.write("\r\033[K" + line)
-            sys.stderr.flush()
-        else:
-            logging.getLogger("peer.status").info(line)

@@ -82,19 +82,28 @@ def round_prefix(run_key: str, fragment: int, round_: int) -> str:
 
 
 class GaveUp(Exception):
-    """Matchmaking stopped early because ``give_up`` said why (the message)."""
+    """Matchmaking stopped early because ``give_up`` said why (the message); ``status`` is the round status
+    the caller reports (e.g. ``behind``: the swarm applied the round without us)."""
+
+    def __init__(self, reason: str, status: str = "behind"):
+        super().__init__(reason)
+        self.status = status
 
 
 async def form_group(p2p: P2P, dht: DHT, *, prefix: str, gather: bytes, target_group_size: int,
                      min_group_size: int, min_matchmaking_time: float, request_timeout: float,
-                     client_mode: bool, timeout: float, give_up: Callable[[], Optional[str]] = lambda: None,
+                     client_mode: bool, timeout: float, give_up: Callable[[], Optional[GaveUp]] = lambda: None,
+                     keep_waiting: Callable[[], bool] = lambda: False, patience: float = 0.0,
                      poll: float = 1.0) -> Optional[GroupInfo]:
-    """Finds a group for the round named by ``prefix``; None if none formed within ``timeout`` s.
+    """Finds a group for the round named by ``prefix``; None if none formed in time.
 
     ``gather`` (this peer's serialized MemberInfo) reaches every member of the group. The group
     assembles as soon as ``target_group_size`` peers joined, or after ``min_matchmaking_time`` with
-    at least ``min_group_size``. ``give_up`` is asked every ``poll`` s while no group has formed; a reason
-    (e.g. the swarm already applied this round, so no one will come) ends the search with :class:`GaveUp`.
+    at least ``min_group_size``. The search lasts ``timeout`` s, and longer while ``keep_waiting()`` is
+    true (a live peer is on its way to this round, see :func:`peer.phase.laggards`): until ``timeout`` s
+    after it last was, and at most ``patience`` s past ``timeout``. ``give_up`` and ``keep_waiting`` are
+    asked every ``poll`` s while no group has formed; a :class:`GaveUp` from ``give_up`` (e.g. the swarm
+    already applied this round, so no one will come) ends the search: it is raised.
     Must run in the event loop that owns ``p2p``.
     """
     schema_hash = hashlib.sha256(prefix.encode()).digest()
@@ -105,15 +114,31 @@ async def form_group(p2p: P2P, dht: DHT, *, prefix: str, gather: bytes, target_g
     mm.group_key_manager = _RoundKeys(dht, prefix, "", mm.target_group_size)
     servicer = JoinServicer(mm)
     await servicer.add_p2p_handlers(p2p, namespace=prefix)
-    now = get_dht_time()
-    step = RoundStep(scheduled_time=now + min_matchmaking_time, deadline=now + timeout, data_for_gather=gather)
-    search = asyncio.ensure_future(mm.look_for_group(step))
+
+    def search_until(deadline: float) -> asyncio.Future:
+        now = get_dht_time()
+        step = RoundStep(scheduled_time=now + min_matchmaking_time, deadline=deadline, data_for_gather=gather)
+        return asyncio.ensure_future(mm.look_for_group(step))
+
+    start = get_dht_time()
+    patience_end, last_laggard = start + timeout + patience, None
+    search = search_until(start + timeout)
     try:
-        while not (await asyncio.wait({search}, timeout=poll))[0]:
-            reason = give_up()
-            if reason:
-                raise GaveUp(reason)
-        return search.result()
+        while True:
+            finished = (await asyncio.wait({search}, timeout=poll))[0]
+            if finished and search.result() is not None:
+                return search.result()
+            if not finished and (stop := give_up()):
+                raise stop
+            if patience > 0 and keep_waiting():
+                last_laggard = get_dht_time()
+            if not finished:
+                continue
+            # No group by the deadline. Search on while a peer was on its way within the last `timeout` s.
+            deadline = min(patience_end, last_laggard + timeout) if last_laggard is not None else 0.0
+            if deadline <= get_dht_time() + poll:
+                return None
+            search = search_until(deadline)
     finally:  # given up or cancelled: hivemind's look_for_group handles it (a leader sends its followers away)
         if not search.done():
             search.cancel()

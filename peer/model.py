@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -244,6 +246,8 @@ def _load_factory(factory: str):
     module_name, sep, attr = factory.partition(":")
     if not sep or not module_name or not attr or ":" in attr:
         raise ValueError(f"model factory {factory!r} must look like 'package.module:callable'")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` does: a factory module next to the user is importable
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # ImportError, or an error raised while importing it

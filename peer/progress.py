@@ -33,6 +33,9 @@ class ProgressRecord(pydantic.BaseModel):
     rounds: list[pydantic.conint(strict=True, ge=0)] = pydantic.Field(default_factory=list, max_length=4096)
     digests: list[pydantic.constr(strict=True, max_length=64)] = pydantic.Field(default_factory=list,
                                                                                max_length=4096)
+    # rounds this peer is looking for a group for right now, as [fragment, round] (the phase rules, peer/phase.py)
+    seeking: list[pydantic.conlist(pydantic.conint(strict=True, ge=0), min_length=2, max_length=2)] = \
+        pydantic.Field(default_factory=list, max_length=64)
     tokens_per_second: pydantic.confloat(strict=True, ge=0.0, allow_inf_nan=False)
     client_mode: pydantic.StrictBool
     time: pydantic.confloat(strict=True, allow_inf_nan=False)

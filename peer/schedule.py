@@ -22,9 +22,20 @@ def due_round(step: int, p: int, num_fragments: int, H: int) -> Optional[int]:
     return since // H if since > 0 and since % H == 0 else None
 
 
+def sync_step(p: int, round_: int, num_fragments: int, H: int) -> int:
+    """The step after which fragment p launches round ``round_`` (the inverse of :func:`due_round`)."""
+    return fragment_offset(p, num_fragments, H) + round_ * H
+
+
 def rounds_due_by(step: int, p: int, num_fragments: int, H: int) -> int:
     """Rounds of fragment p already due by ``step`` (0 before its first sync)."""
     return max(0, (step - fragment_offset(p, num_fragments, H)) // H)
+
+
+def last_sync_step(step: int, num_fragments: int, H: int) -> int:
+    """The latest step ``<= step`` at which some fragment synced (0 before the first sync)."""
+    return max((sync_step(p, n, num_fragments, H) for p in range(num_fragments)
+                if (n := rounds_due_by(step, p, num_fragments, H)) >= 1), default=0)
 
 
 def next_sync_step(step: int, num_fragments: int, H: int) -> int:

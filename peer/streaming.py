@@ -6,7 +6,7 @@ caller runs :meth:`StreamingEngine.launch_due` then :meth:`StreamingEngine.apply
 simulator runs phase 1 on every replica before phase 2, so a lockstep fake transport never
 deadlocks).
 
-Modes (ALGORITHM.md sections 4-5):
+Modes (docs/algorithm.md sections 4-5):
 
 - ``0 <= tau < H`` (Streaming DiLoCo Alg. 2): fragment p's round launched at step t is applied at
   step t + tau: ``G, v <- Nesterov(G, v, avg)``; merge ``theta <- alpha*theta + (1-alpha)*G`` or, with
@@ -105,7 +105,8 @@ class StreamingEngine:
                  group_size_hint: Callable[[], int] = lambda: 1, stop: Optional[threading.Event] = None,
                  on_outcome: Callable[[Fragment, FragmentState, RoundOutcome, int], None] = lambda *a: None,
                  error_feedback_codec: Optional[Codec] = None, tau_fn: Optional[Callable[[], int]] = None,
-                 schedule: Optional[StepsSchedule | ClockSchedule] = None):
+                 schedule: Optional[StepsSchedule | ClockSchedule] = None,
+                 on_wait: Callable[[], None] = lambda: None):
         self.fragments = fragments
         self.cfg = settings
         self.transport = transport
@@ -119,6 +120,8 @@ class StreamingEngine:
         self.schedule = schedule or StepsSchedule(settings.H, len(fragments))
         self.tau_fn = tau_fn  # tau = auto: asked at each launch (kept in [0, H - 1])
         self.blocked_seconds = 0.0  # time spent waiting for aggregates (compute utilization)
+        self.waiting = False  # blocked in apply_due right now
+        self.on_wait = on_wait  # called about every 0.2 s while blocked (the trainer shows its status)
         # Optional error feedback: the codec's rounding error of what we sent is added to our next Delta.
         self.ef_codec = error_feedback_codec
         self.error_feedback = [ErrorFeedback() for _ in fragments] if error_feedback_codec is not None else None
@@ -208,9 +211,11 @@ class StreamingEngine:
 
     def _wait(self, pend: Pending, p: int) -> RoundOutcome:
         t0 = time.monotonic()
+        self.waiting = True
         try:
             return self._wait_until_deadline(pend, p, t0 + self.cfg.wait_timeout)
         finally:
+            self.waiting = False
             self.blocked_seconds += time.monotonic() - t0
 
     def _wait_until_deadline(self, pend: Pending, p: int, deadline: float) -> RoundOutcome:
@@ -218,6 +223,7 @@ class StreamingEngine:
             try:
                 return pend.handle.result(timeout=min(0.2, max(0.0, deadline - time.monotonic())))
             except TimeoutError:
+                self.on_wait()
                 if self.stop.is_set() or time.monotonic() >= deadline:
                     pend.handle.cancel()
                     why = "stopping" if self.stop.is_set() else f"not in within wait_timeout {self.cfg.wait_timeout}s"
@@ -288,11 +294,18 @@ class StreamingEngine:
         st.applied_rounds = [round_]
         self.fragments[p].assign(G)
 
+    def _eager_terms(self) -> tuple[str, ...]:
+        """The per-peer terms this peer's settings use: E holds the eager jump (eager on) or the divergence
+        from G (tau = H); u is the eager machine's momentum. Otherwise both stay zero and are not saved."""
+        return (("E",) if self.cfg.eager or self.one_outer_step else ()) + (("u",) if self.cfg.eager else ())
+
     def state_dict(self) -> dict:
         """Outer state for a checkpoint (tensors and plain values only). Rounds in flight are saved
-        as what is needed to forget them on load: their aggregates cannot be waited for after a restart."""
+        as what is needed to forget them on load: their aggregates cannot be waited for after a restart.
+        The eager terms E and u are saved only when this peer's settings use them (else they are zero)."""
+        terms = ("G", "v", "S") + self._eager_terms()
         return {
-            "fragments": [dict(G=st.G, v=st.v, S=st.S, E=st.E, u=st.u, round=st.round,
+            "fragments": [dict({k: getattr(st, k) for k in terms}, round=st.round,
                                tokens_since_sync=st.tokens_since_sync, applied_rounds=st.applied_rounds[-64:])
                           for st in self.states],
             "pending": [[dict(round=pd.round, weight=pd.weight, jump=pd.jump) for pd in q] for q in self.pending],
@@ -308,7 +321,9 @@ class StreamingEngine:
         for st, saved in zip(self.states, state["fragments"]):
             if saved["G"].shape != st.G.shape:
                 raise ValueError(f"checkpoint fragment of {saved['G'].numel()} elements, model has {st.G.numel()}")
-            st.G, st.v, st.S, st.E, st.u = (saved[k].clone() for k in ("G", "v", "S", "E", "u"))
+            st.G, st.v, st.S = (saved[k].clone() for k in ("G", "v", "S"))
+            # absent when the saving peer did not use them (zero); a peer that does starts them from zero
+            st.E, st.u = (saved[k].clone() if k in saved else torch.zeros_like(st.G) for k in ("E", "u"))
             st.round, st.tokens_since_sync = saved["round"], saved["tokens_since_sync"]
             st.applied_rounds = list(saved["applied_rounds"])
         self.last_share = list(state["last_share"])

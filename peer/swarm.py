@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import enum
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -26,6 +28,7 @@ from peer.config import SwarmConfig
 from peer.dht_node import create_dht, peers_of, reconnect
 from peer.matchmaking import GaveUp, form_group, round_prefix
 from peer.outer import RoundOutcome
+from peer.phase import laggards, nobody_coming
 from peer.progress import LiveView, ProgressRecord, make_validators, progress_key
 from peer.state_transfer import Snapshot, StateServicer, download, swarm_is_past
 from peer.proto import allreduce_pb2 as pb
@@ -35,6 +38,26 @@ log = logging.getLogger(__name__)
 MAX_BEATS_IN_FLIGHT = 4
 # Peers remembered to reconnect to when we find ourselves alone: the most recently seen, for an hour.
 MAX_KNOWN_PEERS, KNOWN_PEER_TTL = 64, 3600.0
+
+
+class RoundStage(enum.Enum):
+    """What a round in flight is doing (for the status line)."""
+
+    MATCHMAKING = "looking for a group"
+    PATIENT = "waiting for peers behind by wall time"
+    ALLREDUCE = "averaging"
+
+
+@dataclass(frozen=True)
+class RoundActivity:
+    """One round in flight: its stage, until when at most (monotonic seconds), and, while patient, the live
+    peers whose records show they have not reached it yet."""
+
+    fragment: int
+    round: int
+    stage: RoundStage
+    until: float
+    waiting_for: tuple[str, ...] = ()
 
 
 class Swarm:
@@ -61,15 +84,18 @@ class Swarm:
         self._known: dict[str, float] = {}  # peer id -> when we last saw it live (pinged when we are alone)
         self._reconnecting = False
         self._initial_peers: dict[str, list[str]] = {}  # {peer id: its multiaddrs}, dialed by _reconnect
+        self._activity: dict[tuple[int, int], RoundActivity] = {}  # rounds in flight (written by swarm-net)
 
     # ---- lifecycle -------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, stop: Optional[threading.Event] = None) -> None:
+        """Starts the DHT and the networking thread. Raises :class:`~peer.dht_node.JoinError` if no initial peer
+        answered within ``join_timeout`` (retried with backoff; ``stop`` ends the retries)."""
         validators, self._subkey = make_validators(self.run_key)
         self.dht = create_dht(initial_peers=self.cfg.initial_peers, host_maddrs=self.cfg.host_maddrs,
                               announce_maddrs=self.cfg.announce_maddrs, identity_path=self.identity_path,
                               client_mode=self.cfg.client_mode, nat_port_map=self.cfg.nat_port_map,
                               record_validators=validators, startup_timeout=self.cfg.startup_timeout,
-                              wait_timeout=self.cfg.dht_timeout)
+                              wait_timeout=self.cfg.dht_timeout, join_timeout=self.cfg.join_timeout, stop=stop)
         self._initial_peers = peers_of(self.cfg.initial_peers)  # checked by create_dht
         self._thread.start()
         self.p2p = self._call(self.dht.replicate_p2p(), self.cfg.startup_timeout)
@@ -138,7 +164,8 @@ class Swarm:
         t0 = time.monotonic()
         step, round_, tps = self._progress
         snaps = [self.state_servicer.snapshots.get(p) for p in range(len(self.state_servicer.snapshots))]
-        rec = ProgressRecord(peer_id=self.peer_id, step=step, round=round_, tokens_per_second=tps,
+        seeking = [[a.fragment, a.round] for a in self.activity() if a.stage is not RoundStage.ALLREDUCE]
+        rec = ProgressRecord(peer_id=self.peer_id, step=step, round=round_, tokens_per_second=tps, seeking=seeking,
                              client_mode=self.cfg.client_mode, time=get_dht_time(),
                              rounds=[s.round for s in snaps if s], digests=[s.digest for s in snaps if s])
         store = self.dht.store(progress_key(self.run_key), rec.model_dump(), get_dht_time() + self.cfg.progress_ttl,
@@ -200,21 +227,54 @@ class Swarm:
 
     # ---- rounds ----------------------------------------------------------------------------
     def run_round(self, *, fragment: int, round_: int, delta: torch.Tensor, weight: float, inner_step: int,
-                  target_group_size: int) -> "concurrent.futures.Future[RoundOutcome]":
+                  target_group_size: int, sync_every: Optional[int] = None
+                  ) -> "concurrent.futures.Future[RoundOutcome]":
         """Starts round ``round_`` of ``fragment`` in the background; the future never raises.
 
         ``delta`` (fp32 CPU, the outer gradient) must not be modified until the future is done.
-        The future completes within matchmaking_timeout + allreduce_timeout seconds.
+        ``sync_every``: the steps schedule's H (None on the clock schedule). The phase rules of
+        :mod:`peer.phase` then apply: if no group formed within matchmaking_timeout, keep looking while a
+        live peer's record shows it has not reached ``inner_step`` yet; stop as soon as every live peer has left
+        the round without us. On both schedules the search stops once no other peer is live (status ``alone``,
+        as at launch). The future completes within matchmaking_timeout
+        (+ matchmaking_patience on the steps schedule) + allreduce_timeout seconds.
         """
-        coro = self._round(fragment, round_, delta, weight, inner_step, target_group_size)
+        coro = self._round(fragment, round_, delta, weight, inner_step, target_group_size, sync_every)
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
+    def activity(self) -> list[RoundActivity]:
+        """The rounds in flight, by fragment and round (a snapshot; cheap, never blocks)."""
+        return [a for _, a in sorted(dict(self._activity).items())]
+
     async def _round(self, fragment: int, round_: int, delta: torch.Tensor, weight: float, inner_step: int,
-                     target_group_size: int) -> RoundOutcome:
+                     target_group_size: int, sync_every: Optional[int]) -> RoundOutcome:
         t0 = time.monotonic()
         label = f"peer {self.peer_id[-8:]} fragment {fragment} round {round_}"
         out = RoundOutcome(fragment, round_, "failed")
-        log.info("%s: looking for a group (weight %.0f, target %d)", label, weight, target_group_size)
+        patience = self.cfg.matchmaking_patience if sync_every else 0.0
+        patience_end = t0 + self.cfg.matchmaking_timeout + patience
+
+        def keep_waiting() -> bool:
+            behind = laggards(self.live_peers(), self.peer_id, inner_step)
+            if behind and time.monotonic() > t0 + self.cfg.matchmaking_timeout:  # searching past the timeout
+                self._activity[(fragment, round_)] = RoundActivity(fragment, round_, RoundStage.PATIENT,
+                                                                   patience_end, tuple(behind))
+            return bool(behind)
+
+        def give_up() -> Optional[GaveUp]:
+            records = self.live_peers()
+            if late := swarm_is_past(records, self.peer_id, fragment, round_):
+                return GaveUp(late, "behind")
+            if not any(pid != self.peer_id for pid in records):  # everyone left (a clean stop, or silent for ttl)
+                return GaveUp("no other peer is live any more", "alone")
+            if sync_every and (gone := nobody_coming(records, self.peer_id, launch_step=inner_step,
+                                                      fragment=fragment, round_=round_)):
+                return GaveUp(gone, "no_group")
+            return None
+
+        self._activity[(fragment, round_)] = RoundActivity(fragment, round_, RoundStage.MATCHMAKING,
+                                                 t0 + self.cfg.matchmaking_timeout)
+        log.debug("%s: looking for a group (weight %.0f, target %d)", label, weight, target_group_size)
         try:
             info = pb.MemberInfo(protocol_version=PROTOCOL_VERSION, weight=weight, inner_step=inner_step,
                                  client_mode=self.cfg.client_mode, numel=delta.numel())
@@ -224,12 +284,15 @@ class Swarm:
                 min_group_size=self.cfg.min_group_size, min_matchmaking_time=self.cfg.matchmaking_time,
                 request_timeout=self.cfg.request_timeout, client_mode=self.cfg.client_mode,
                 timeout=self.cfg.matchmaking_timeout, poll=min(1.0, self.cfg.progress_period),
-                give_up=lambda: swarm_is_past(self.live_peers(), self.peer_id, fragment, round_))
+                give_up=give_up, keep_waiting=keep_waiting, patience=patience)
             if group is None:
-                out.status, out.error = "no_group", "no group formed within matchmaking_timeout"
+                waited = time.monotonic() - t0
+                out.status, out.error = "no_group", f"no other peer came to this round within {waited:.0f} s"
                 return out
             out.group_size = len(group.peer_ids)
-            log.info("%s: group of %d assembled, all-reduce starting", label, out.group_size)
+            self._activity[(fragment, round_)] = RoundActivity(fragment, round_, RoundStage.ALLREDUCE,
+                                                     time.monotonic() + self.cfg.allreduce_timeout)
+            log.debug("%s: group of %d assembled, all-reduce starting", label, out.group_size)
             plan = GroupPlan.from_group(group, self.p2p.peer_id, self.codec, delta.numel(), label)
             result = await run_allreduce(self.p2p, self.servicer, plan, delta, weight,
                                          part_timeout=self.cfg.part_timeout,
@@ -240,8 +303,8 @@ class Swarm:
             out.status = "ok" if result.complete else "partial"
             return out
         except GaveUp as e:
-            out.status, out.error = "behind", str(e)
-            log.info("%s: stopped looking for a group: %s", label, e)
+            out.status, out.error = e.status, str(e)
+            log.debug("%s: stopped looking for a group: %s", label, e)
             return out
         except GroupError as e:
             out.error = f"group rejected: {e}"
@@ -252,3 +315,4 @@ class Swarm:
             return out
         finally:
             out.seconds = time.monotonic() - t0
+            self._activity.pop((fragment, round_), None)

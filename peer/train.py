@@ -5,6 +5,10 @@ One peer, per inner step: take a batch from its own shard, step AdamW, then let 
 through the swarm and apply the aggregates that are due (``launch + tau``). The swarm's heartbeat
 publishes our progress. SIGINT/SIGTERM stop the loop between steps; a round in flight is abandoned
 (nothing of it is applied) and the peer leaves the swarm cleanly.
+
+Before joining the swarm the peer locks its run dir (one process per run dir) and checks what the user
+can fix (device, model contract, data: :mod:`peer.preflight`), so those fail in one line before any
+other peer waits for this one.
 """
 
 from __future__ import annotations
@@ -19,29 +23,40 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from hivemind.utils import get_dht_time
 
-from peer import checkpoint
+from peer import checkpoint, phase, preflight
 from peer.codec import get_codec, make_codec
 from peer.config import PeerConfig
-from peer.data import make_source
-from peer.dht_node import ensure_identity
-from peer.events import EventLog, StatusLine, setup_logging
+from peer.dht_node import JoinError, check_maddrs, ensure_identity
+from peer.events import EventLog, setup_logging
 from peer.fragments import Fragment, partition
 from peer.inner import InnerLoop
 from peer.model import build_model, count_parameters
 from peer.outer import FragmentState, RoundOutcome
+from peer.run_dir import RunDirLock
 from peer.schedule import ClockSchedule, StepsSchedule
 from peer.state_transfer import DownloadError, Snapshot, launch_gate, plan_catch_up
 from peer.streaming import AutoTau, OuterSettings, StreamingEngine
+from peer.status import StatusLine, describe
 from peer.swarm import Swarm
 
 log = logging.getLogger(__name__)
+# A checkpoint that could not be written (a full disk) is tried again this often at most (seconds).
+CHECKPOINT_RETRY_S = 60.0
+# How long the status line says "out of phase" after the step counter moved up to meet the swarm (seconds).
+REALIGNED_SHOWN_S = 30.0
 
 
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def shard_of(peer_id: str) -> int:
+    """The data shard a peer reads when ``data.shard`` is -1: derived from its peer id."""
+    return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "little")
 
 
 class StopFlag:
@@ -66,47 +81,87 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = Path(cfg.run.run_dir)
         self.stop = StopFlag()
-        self.events = EventLog(cfg.run.log_json)
+        self.events = EventLog(None)  # opened in run(), once the run dir is ours
         self.swarm: Optional[Swarm] = None
         self.bytes_up = self.bytes_down = 0
         self.peers_seen = 1
         self.rounds_done = 0
+        self.rounds_ok = self.rounds_total = 0
         self.engine: Optional[StreamingEngine] = None  # set in _train
         self.found_late = False  # a round was late (launch_gate): catch up right after this step
         self.auto_tau: Optional[AutoTau] = None
+        self.status: Optional[StatusLine] = None
         self._found_checkpoint = None
+        self._last_status = ""  # the previous round outcome's status (repeats are logged at DEBUG)
+        self._realigned: Optional[tuple[float, phase.Realignment]] = None  # when and how we last moved up
+        self._step, self._loss, self._tok_s = 0, None, 0.0  # for the status line while blocked
+        self._floor: Optional[float] = None
+        self.step_seconds: Optional[float] = None  # moving average of our inner step time (realignment)
+        self._checkpoint_failures = 0  # in a row (a full disk): the first is a warning, the others DEBUG
 
     def run(self) -> int:
-        """Trains; returns the process exit code (0 on max_steps or a stop signal)."""
+        """Trains; returns the process exit code (0 on max_steps or a stop signal).
+
+        Raises :class:`~peer.preflight.SetupError` (the run dir in use, a bad device, model or data, a
+        checkpoint of another run) before joining, and :class:`~peer.dht_node.JoinError` if no initial peer
+        answered."""
+        lock = RunDirLock(self.run_dir)
+        try:
+            lock.acquire()
+        except RuntimeError as e:
+            raise preflight.SetupError(str(e)) from None
+        try:
+            return self._run()
+        finally:
+            lock.release()
+
+    def _run(self) -> int:
         cfg = self.cfg
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        peer_id = ensure_identity(cfg.identity_path)
+        try:
+            peer_id = ensure_identity(cfg.identity_path)
+        except (ValueError, OSError) as e:
+            raise preflight.SetupError(f"--identity-path: {e}") from None
+        try:
+            check_maddrs(initial_peers=cfg.swarm.initial_peers, host_maddrs=cfg.swarm.host_maddrs,
+                         announce_maddrs=cfg.swarm.announce_maddrs)
+        except ValueError as e:
+            raise preflight.SetupError(str(e)) from None
         label = f"peer {peer_id[-8:]}"
         setup_logging(cfg.run.log_level, self.run_dir / "peer.log", label)
+        self.events = EventLog(cfg.run.log_json)
         self.stop.install()
         run_hash = cfg.run_hash()
         log.info("resolved config (run hash %s): %s", run_hash, cfg.to_dict())
-        # Before joining the swarm: a checkpoint of another run in this run dir is a usage error.
+        # Before joining the swarm: everything the user can fix is reported here, in one line.
         self._found_checkpoint = checkpoint.load_latest(self.run_dir / "checkpoints")
         if self._found_checkpoint is not None and self._found_checkpoint[1].get("run_hash") != run_hash:
-            raise ValueError(f"--run-dir {self.run_dir} holds a checkpoint of another run (run hash "
-                             f"{self._found_checkpoint[1].get('run_hash')}, this config's is {run_hash}): "
-                             f"use another --run-dir")
+            raise preflight.SetupError(
+                f"--run-dir {self.run_dir} holds a checkpoint of another run (run hash "
+                f"{self._found_checkpoint[1].get('run_hash')}, this config's is {run_hash}): use another --run-dir")
+        preflight.check_device(cfg.inner.device)
+        preflight.check_model(cfg)
+        source = preflight.open_data(cfg, cfg.data.shard if cfg.data.shard >= 0 else shard_of(peer_id))
         # The DHT forks a process: start it before anything can initialize CUDA.
         codec = make_codec(cfg.outer.codec, stochastic_rounding=True) if cfg.outer.stochastic_rounding else cfg.outer.codec
         self.swarm = Swarm(cfg.swarm, run_key=run_hash, codec=codec, identity_path=str(cfg.identity_path))
         try:
-            self.swarm.start()
+            try:
+                self.swarm.start(stop=self.stop.event)
+            except JoinError:
+                if not self.stop.event.is_set():
+                    raise
+                log.info("stopped before joining the swarm")  # Ctrl-C while the initial peers were retried
+                return 0
             log.info("joined the swarm as %s; listening on %s", peer_id, " ".join(self.swarm.visible_maddrs()))
             self.events.emit("start", peer_id=peer_id, run_hash=run_hash, maddrs=self.swarm.visible_maddrs(),
                              config=cfg.to_dict())
-            return self._train(label)
+            return self._train(label, source)
         finally:
             self.swarm.shutdown()
             self.events.close()
             log.info("left the swarm")
 
-    def _build(self):
+    def _build(self, source):
         cfg = self.cfg
         if cfg.inner.threads:
             torch.set_num_threads(cfg.inner.threads)
@@ -115,17 +170,13 @@ class Trainer:
         model, blocks = build_model(cfg.model.preset, cfg.data.vocab_size, cfg.model.seq_len,
                                      cfg.model.factory or None)
         model.to(device)
-        shard = cfg.data.shard if cfg.data.shard >= 0 else \
-            int.from_bytes(hashlib.sha256(self.swarm.peer_id.encode()).digest()[:4], "little")
-        source = make_source(cfg.data.source, paths=cfg.data.paths, vocab_size=cfg.data.vocab_size,
-                             seed=cfg.data.seed, shard_index=shard)
         inner = InnerLoop(model, lr=cfg.inner.lr, weight_decay=cfg.inner.weight_decay,
                           betas=(cfg.inner.beta1, cfg.inner.beta2), warmup_steps=cfg.inner.warmup_steps,
                           total_steps=cfg.inner.total_steps, min_lr_ratio=cfg.inner.min_lr_ratio,
                           grad_clip=cfg.inner.grad_clip, z_loss=cfg.inner.z_loss, device=device)
         log.info("model %s: %s parameters on %s; data %s shard %d", cfg.model.factory or cfg.model.preset,
-                 f"{count_parameters(model):,}", device, cfg.data.source, shard)
-        return model, blocks, source, inner
+                 f"{count_parameters(model):,}", device, cfg.data.source, source.shard_index)
+        return model, blocks, inner
 
     def _wait_for_peers(self) -> None:
         """Blocks until ``min_peers`` peers of this run are visible, a stop signal, or start_timeout."""
@@ -134,29 +185,33 @@ class Trainer:
             self.peers_seen = self.swarm.live_count()
             if self.peers_seen >= want or time.monotonic() > deadline:
                 break
+            self._show_status(f"waiting for peers ({self.peers_seen}/{want} visible, "
+                              f"up to {deadline - time.monotonic():.0f} s)")
             self.stop.event.wait(min(1.0, self.cfg.swarm.progress_period))
         log.info("%d peer(s) of this run visible (wanted %d); starting to train", self.peers_seen, want)
 
-    def _train(self, label: str) -> int:
+    def _train(self, label: str, source) -> int:
         cfg = self.cfg
-        model, blocks, source, inner = self._build()
+        model, blocks, inner = self._build(source)
         fragments = partition(model, blocks, cfg.outer.fragment_blocks, cfg.outer.fragment_pattern)
-        log.info("%d fragment(s) of %s elements (%s, %d blocks each); codec %s, tau %d, eager %s, merge %s",
+        log.info("%d fragment(s) of %s elements (%s, %d blocks each); codec %s, tau %s, eager %s, merge %s",
                  len(fragments), [f.numel for f in fragments], cfg.outer.fragment_pattern,
                  cfg.outer.fragment_blocks, cfg.outer.codec, cfg.outer.tau, cfg.outer.eager, cfg.outer.merge)
         self.auto_tau = AutoTau(cfg.outer.tau_max) if cfg.outer.tau == "auto" else None
         settings = OuterSettings(H=cfg.outer.sync_every, lr=cfg.outer.lr, momentum=cfg.outer.momentum,
                                  alpha=cfg.outer.alpha, tau=0 if self.auto_tau else cfg.outer.tau,
                                  eager=cfg.outer.eager, merge=cfg.outer.merge, wait_timeout=cfg.outer.wait_timeout)
-        transport = SwarmTransport(self)
+        schedule = self._schedule(len(fragments))
+        transport = SwarmTransport(self, sync_every=cfg.outer.sync_every if isinstance(schedule, StepsSchedule)
+                                   else None)
         engine = StreamingEngine(fragments, settings, transport, group_size_hint=lambda: self.peers_seen,
                                  stop=self.stop.event, on_outcome=lambda f, st, o, step: self._report(label, f, st, o,
                                                                                                     step),
                                  error_feedback_codec=get_codec(cfg.outer.codec) if cfg.outer.error_feedback else None,
-                                 tau_fn=self.auto_tau, schedule=self._schedule(len(fragments)))
+                                 tau_fn=self.auto_tau, schedule=schedule, on_wait=self._show_status)
         self.engine = engine
-        floor = getattr(source, "entropy_floor", None)
-        status = StatusLine(cfg.run.status_interval, label)
+        self._floor = getattr(source, "entropy_floor", None)
+        self.status = StatusLine(cfg.run.status_interval, label)
         parts = dict(model=model, inner=inner, source=source, engine=engine)
         step = self._resume(**parts)
         for frag, st in zip(fragments, engine.states):
@@ -169,23 +224,28 @@ class Trainer:
         tok_s, compute_seconds = 0.0, 0.0
         last_ckpt_time, last_ckpt_rounds = time.monotonic(), self.rounds_done
         while not self.stop.event.is_set() and (cfg.run.max_steps == 0 or step < cfg.run.max_steps):
+            step = self._realign(engine, step)
             t_step = time.monotonic()
             batch = source.next_batch(cfg.data.batch_size, cfg.model.seq_len)
             stats = inner.step(batch)
             step_seconds = time.monotonic() - t_step
             compute_seconds += step_seconds
+            self.step_seconds = step_seconds if self.step_seconds is None else \
+                0.7 * self.step_seconds + 0.3 * step_seconds
             if self.auto_tau is not None:
                 self.auto_tau.observe_step(step_seconds)
             step += 1
+            self._step, self._loss = step, stats.ce
             tokens_total += stats.tokens
             window_tokens += stats.tokens
             engine.add_tokens(stats.tokens)
             if step % cfg.run.log_every == 0:
                 now = time.monotonic()
                 tok_s, window_tokens, window_t0 = window_tokens / max(now - window_t0, 1e-9), 0, now
+                self._tok_s = tok_s
                 # compute utilization = compute_seconds / (compute_seconds + blocked_seconds)
                 self.events.emit("step", step=step, loss=stats.loss, ce=stats.ce, lr=stats.lr, tokens=tokens_total,
-                                 tokens_per_second=tok_s, elapsed=now - t_start, floor=floor,
+                                 tokens_per_second=tok_s, elapsed=now - t_start, floor=self._floor,
                                  compute_seconds=compute_seconds, blocked_seconds=engine.blocked_seconds,
                                  tau=self.auto_tau() if self.auto_tau else cfg.outer.tau)
             self.swarm.update_progress(step, engine.states[0].round, tok_s)
@@ -198,10 +258,14 @@ class Trainer:
             every = cfg.run.checkpoint_rounds
             if (cfg.run.checkpoint_minutes and time.monotonic() - last_ckpt_time >= 60 * cfg.run.checkpoint_minutes) or \
                     (every and engine.states[0].applied_rounds and self.rounds_done - last_ckpt_rounds >= every):
-                self._checkpoint(step, **parts)
-                last_ckpt_time, last_ckpt_rounds = time.monotonic(), self.rounds_done
-            status.maybe_show(step=step, loss=stats.ce, floor=floor, tok_s=tok_s, peers=self.peers_seen,
-                              next_sync=engine.schedule.describe_next(step), up=self.bytes_up, down=self.bytes_down)
+                if self._checkpoint(step, **parts):
+                    last_ckpt_time, last_ckpt_rounds = time.monotonic(), self.rounds_done
+                else:  # not written (a full disk): try again in a while, not at every step
+                    retry = min(CHECKPOINT_RETRY_S, 60 * cfg.run.checkpoint_minutes or CHECKPOINT_RETRY_S)
+                    last_ckpt_time = time.monotonic() - 60 * cfg.run.checkpoint_minutes + retry
+                    last_ckpt_rounds = self.rounds_done
+            if self.status.due():
+                self._show_status()
         engine.abandon()
         self._checkpoint(step, **parts)
         reason = "stop signal" if self.stop.event.is_set() else f"max_steps={cfg.run.max_steps}"
@@ -209,6 +273,45 @@ class Trainer:
         self.events.emit("stop", step=step, reason=reason, rounds=self.rounds_done, tokens=tokens_total)
         return 0
 
+    # ---- phase -------------------------------------------------------------------------------
+    def _realign(self, engine: StreamingEngine, step: int) -> int:
+        """Steps schedule: moves the step counter up to meet the swarm when we are far behind it by wall time
+        (see :mod:`peer.phase`); returns the step to continue from. Our progress is kept (``S - theta``)."""
+        if not isinstance(engine.schedule, StepsSchedule):
+            return step
+        move = phase.realign(self.swarm.live_peers(), self.swarm.peer_id, my_step=step,
+                             my_rounds=[st.last_applied for st in engine.states], step_seconds=self.step_seconds,
+                             min_lag_seconds=max(self.cfg.swarm.matchmaking_patience / 2, 1.0),
+                             H=self.cfg.outer.sync_every, num_fragments=len(engine.states), now=get_dht_time())
+        if move is None:
+            return step
+        lag = f" (~{move.behind_steps * self.step_seconds:.0f} s)" if self.step_seconds else ""
+        log.info("out of phase with the swarm: %d steps%s behind peer %s; moving to step %d to meet it at its "
+                 "next round (our progress is kept)", move.behind_steps, lag, move.lead[-8:], move.step)
+        self.events.emit("realign", step=step, to_step=move.step, behind_steps=move.behind_steps, lead=move.lead)
+        self._realigned = (time.monotonic(), move)
+        return move.step
+
+    # ---- what the user sees --------------------------------------------------------------------
+    def _show_status(self, doing: Optional[str] = None) -> None:
+        """Prints the status line if it is due (also called while blocked, so the user never sees silence)."""
+        if self.status is None or not self.status.due():
+            return
+        self.status.show(step=self._step, loss=self._loss, floor=self._floor, tok_s=self._tok_s,
+                         peers=self.swarm.live_count(), rounds=f"{self.rounds_ok}/{self.rounds_total}",
+                         next_sync=self.engine.schedule.describe_next(self._step) if self.engine else "-",
+                         up=self.bytes_up, down=self.bytes_down, doing=doing or describe(
+                             now=time.monotonic(), live=self.swarm.live_count(), need=self.cfg.swarm.min_group_size,
+                             activity=self.swarm.activity(), blocked=bool(self.engine and self.engine.waiting),
+                             moved_ahead=self._moved_ahead()))
+
+    def _moved_ahead(self) -> Optional[int]:
+        """Steps the last realignment moved us up, while the status line still tells it (else None)."""
+        if self._realigned is None or time.monotonic() - self._realigned[0] >= REALIGNED_SHOWN_S:
+            return None
+        return self._realigned[1].behind_steps
+
+    # ---- state ---------------------------------------------------------------------------------
     def _publish_snapshot(self, frag: Fragment, st: FragmentState, step: int) -> None:
         self.swarm.publish_snapshot(Snapshot(frag.index, st.last_applied, step, st.G.clone(), st.v.clone(),
                                              st.digest()))
@@ -227,6 +330,7 @@ class Trainer:
         for plan in plans:
             frag, t0 = engine.fragments[plan.fragment], time.monotonic()
             random.shuffle(plan.donors)  # joiners spread over the donors
+            self._show_status(f"catching up: downloading fragment {plan.fragment} round {plan.round}")
             try:
                 snap = self.swarm.download_state(plan.fragment, plan.donors, round_=plan.round, numel=frag.numel,
                                                  digest=plan.digest)
@@ -244,20 +348,35 @@ class Trainer:
             # Lockstep: the next round we launch must be the swarm's next round, never one we just downloaded.
             # Behind the donors' step: move up to it. Back only if we ran ahead of everyone alone (our round
             # counter kept running during an outage); moving back otherwise would re-launch the other
-            # fragments' rounds that we have already applied.
+            # fragments' rounds that we have already applied. (_realign then moves us up to the swarm's
+            # current step: the donors' snapshot step is when they applied the round.)
             swarm_step = max((rec.step for rec in records.values() if rec.peer_id != self.swarm.peer_id),
                              default=step)
             if step < max(donor_steps) or step > swarm_step + self.cfg.outer.sync_every:
                 step = max(donor_steps)
         return step
 
-    def _checkpoint(self, step: int, *, model, inner, source, engine) -> None:
-        """Saves everything needed to resume (atomic; see peer/checkpoint.py)."""
-        payload = {"format": 1, "run_hash": self.cfg.run_hash(), "step": step, "model": model.state_dict(),
-                   "inner": inner.state_dict(), "data": source.state_dict(), "engine": engine.state_dict(),
-                   "torch_rng": torch.get_rng_state()}
-        path = checkpoint.save(self.run_dir / "checkpoints", step, payload, keep=self.cfg.run.checkpoint_keep)
-        log.info("checkpoint at step %d: %s", step, path)
+    def _checkpoint(self, step: int, *, model, inner, source, engine) -> bool:
+        """Saves everything needed to resume (atomic; see peer/checkpoint.py), with the resolved config, so the
+        run dir alone describes the run. A write that fails (a full disk) is a warning, not the end of the
+        run: the previous checkpoint stays; returns whether this one was written."""
+        payload = {"format": 1, "run_hash": self.cfg.run_hash(), "config": self.cfg.to_dict(), "step": step,
+                   "model": model.state_dict(), "inner": inner.state_dict(), "data": source.state_dict(),
+                   "engine": engine.state_dict(), "torch_rng": torch.get_rng_state()}
+        try:
+            path = checkpoint.save(self.run_dir / "checkpoints", step, payload, keep=self.cfg.run.checkpoint_keep)
+        except OSError as e:
+            kept = checkpoint.newest(self.run_dir / "checkpoints")
+            (log.debug if self._checkpoint_failures else log.warning)(
+                "checkpoint at step %d not written (%s); keeping %s and training on; trying again later", step,
+                e.strerror or e, kept.name if kept else "no earlier checkpoint")
+            self._checkpoint_failures += 1
+            self.events.emit("checkpoint_failed", step=step, error=str(e))
+            return False
+        again = f" (written again after {self._checkpoint_failures} failed tries)" if self._checkpoint_failures else ""
+        self._checkpoint_failures = 0
+        log.info("checkpoint at step %d: %s%s", step, path, again)
+        return True
 
     def _resume(self, *, model, inner, source, engine) -> int:
         """Restores the newest good checkpoint of this run dir; returns the step to continue from."""
@@ -265,14 +384,23 @@ class Trainer:
         if found is None:
             return 0
         path, state = found
-        model.load_state_dict(state["model"])
-        inner.load_state_dict(state["inner"])
-        source.load_state_dict(state["data"])
-        engine.load_state_dict(state["engine"])
+        try:
+            model.load_state_dict(state["model"])
+            inner.load_state_dict(state["inner"])
+            engine.load_state_dict(state["engine"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise preflight.SetupError(f"--run-dir {self.run_dir}: {path.name} does not fit this model ({e}); "
+                                       f"use another --run-dir") from None
+        try:
+            source.load_state_dict(state["data"])
+        except ValueError as e:  # data.* are this peer's own choice and may change between runs
+            log.warning("the data changed since %s (%s): reading it from the start of this peer's shard",
+                        path.name, e)
         torch.set_rng_state(state["torch_rng"])
         log.info("resumed from %s at step %d (rounds %s)", path.name, state["step"],
                  [st.round for st in engine.states])
         self.events.emit("resume", step=state["step"], checkpoint=str(path))
+        self._step = int(state["step"])
         return int(state["step"])
 
     def _schedule(self, num_fragments: int):
@@ -282,9 +410,12 @@ class Trainer:
         return StepsSchedule(cfg.sync_every, num_fragments)
 
     def _report(self, label: str, frag: Fragment, st: FragmentState, outcome: RoundOutcome, step: int) -> None:
-        """Logs one applied (or missed) round: a readable line and a JSON ``round`` event."""
+        """Records one applied (or missed) round: a JSON ``round`` event, and at most one console line at INFO
+        (ok rounds and repeats of the previous status go to DEBUG; the status line counts them)."""
         applied = sum(s.average is not None for s in outcome.spans)
         self.rounds_done += applied > 0
+        self.rounds_total += 1
+        self.rounds_ok += outcome.status == "ok"
         if outcome.status == "behind":  # given up in matchmaking: take the swarm's state right after this step
             self.found_late = True
         self._publish_snapshot(frag, st, step)
@@ -297,8 +428,16 @@ class Trainer:
         msg = (f"{label} fragment {frag.index} round {outcome.round}: {outcome.status}, group {outcome.group_size}, "
                f"{applied}/{len(outcome.spans)} spans applied, up {outcome.bytes_sent} B down "
                f"{outcome.bytes_received} B in {outcome.seconds:.2f}s, digest {digest[:12]}")
-        quiet = outcome.status in ("ok", "alone", "behind")
-        (log.info if quiet else log.warning)(msg + (f" ({outcome.error})" if outcome.error else ""))
+        msg += f" ({outcome.error})" if outcome.error else ""
+        if outcome.status in ("partial", "failed", "missed"):
+            log.warning(msg)
+        elif outcome.status == "ok" and self._last_status not in ("", "ok"):
+            log.info("%s: averaging with the swarm again", msg)
+        elif outcome.status not in ("ok", self._last_status):  # a waiting state, said once
+            log.info("%s; repeats are logged at DEBUG, the status line says what the peer waits for", msg)
+        else:
+            log.debug(msg)
+        self._last_status = outcome.status
         self.events.emit("round", fragment=frag.index, round=outcome.round, step=step, status=outcome.status,
                          launch_step=outcome.launch_step, numel=frag.numel,
                          group_size=outcome.group_size, bytes_sent=outcome.bytes_sent,
@@ -321,10 +460,14 @@ class _Done:
 
 
 class SwarmTransport:
-    """The engine's Transport over the swarm: reads the live peers, skips rounds alone or behind the swarm."""
+    """The engine's Transport over the swarm: reads the live peers, skips rounds alone or behind the swarm.
 
-    def __init__(self, trainer: Trainer):
+    ``sync_every`` (the steps schedule's H; None on the clock schedule): the phase rules of :mod:`peer.phase`
+    apply to its rounds."""
+
+    def __init__(self, trainer: Trainer, *, sync_every: Optional[int] = None):
         self.trainer = trainer
+        self.sync_every = sync_every
 
     def launch(self, *, fragment: int, round_: int, delta: torch.Tensor, weight: float, step: int):
         tr, cfg = self.trainer, self.trainer.cfg
@@ -340,4 +483,4 @@ class SwarmTransport:
             tr.found_late = True
             return _Done(RoundOutcome(fragment, round_, "behind", group_size=1, error=why))
         return tr.swarm.run_round(fragment=fragment, round_=round_, delta=delta, weight=weight, inner_step=step,
-                                  target_group_size=tr.peers_seen)
+                                  target_group_size=tr.peers_seen, sync_every=self.sync_every)

@@ -16,7 +16,7 @@ the schedule arithmetic, the fragment assignment and the bookkeeping are written
   parameters and outer optimizer; at t = H nothing is applied; from t = 2H on it receives ``Delta^(t-H)`` and
   applies ``OuterOpt(theta_m^(t-H), Delta~_m)`` with ``Delta~_m = (1/M)(Delta_m^(t) - Delta_m^(t-H)) +
   Delta^(t-H)`` (eager) or ``Delta~_m = Delta^(t-H)`` (naive). With ``fragments`` (P > 1) the same algorithm
-  runs per fragment on the streaming schedule above (ALGORITHM.md section 5: "at each sync event of p").
+  runs per fragment on the streaming schedule above (docs/algorithm.md section 5: "at each sync event of p").
 
 The toy problem (:class:`ToyNet`, :class:`ToyReplica`) is shared by the reference run and the engine run so that
 both see identical initial weights, data streams and inner optimizers; only the outer algorithm differs.
@@ -152,7 +152,7 @@ class Result:
     """Outer parameters: per replica (Alg. 1, Alg. 3: theta_m^(t-H) after the last sync, all fragments), or per
     fragment (Streaming Alg. 2: global_p)."""
     shared: Optional[Params] = None
-    """Alg. 3 only: theta_0 stepped by OuterOpt with the received averages Delta^(t-H) alone (ALGORITHM.md
+    """Alg. 3 only: theta_0 stepped by OuterOpt with the received averages Delta^(t-H) alone (docs/algorithm.md
     section 5's shared G; the papers do not name it)."""
     history: list[tuple[int, int, Params]] = field(default_factory=list)
     """(step, fragment, outer params of that fragment after the step's outer update)."""
@@ -219,7 +219,7 @@ def eager_one_outer_step(replicas: list[ToyReplica], *, H: int, T: int, eager: b
     """Eager paper Alg. 3 (eager) / Alg. 2 (naive delayed): per-replica outer parameters and OuterOpt.
 
     ``fragments=None`` is the paper's P = 1. With P > 1 fragments the same algorithm runs per fragment on
-    Streaming DiLoCo's schedule (fragment p's events at ``t_p + r*H``, ALGORITHM.md section 5: "at each sync
+    Streaming DiLoCo's schedule (fragment p's events at ``t_p + r*H``, docs/algorithm.md section 5: "at each sync
     event of p"); the eager scale stays the paper's 1/M.
     """
     M = len(replicas)

@@ -96,10 +96,17 @@ def test_peer_resumes_after_clean_stop_and_after_kill_9(procs, tmp_path):
     wait_for(lambda: first.returncode is not None, 180, "first run to finish")
     assert first.returncode == 0, first.tail()
     assert any("checkpoint at step 30" in line for line in first.lines())
+    # The run dir alone describes the run: the checkpoint holds the resolved config. Eager is off, so it holds
+    # six fp32 copies of the model (weights, AdamW's two moments, G, v, S), not eight.
+    path, state = checkpoint.load_latest(tmp_path / "run" / "checkpoints")
+    assert state["config"]["outer"]["sync_every"] == 20 and state["config"]["run"]["max_steps"] == 30
+    assert state["config"]["run"]["run_dir"] == str(tmp_path / "run")
+    model_bytes = 4 * sum(t.numel() for t in {t.data_ptr(): t for t in state["model"].values()}.values())  # tied once
+    assert path.stat().st_size < 6.2 * model_bytes, (path.stat().st_size, model_bytes)
 
     second = run_peer(procs, tmp_path, "second", "--max-steps", "100000", "--checkpoint-minutes", "0.01")
     second.wait_for_line(r"resumed from ckpt-0000000030\.swl at step 30", timeout=180)
-    m = second.wait_for_line(r"checkpoint at step (\d+)", timeout=180)
+    m = second.wait_for_line(r"checkpoint at step (\d+): ", timeout=180)
     saved = int(m.group(1))
     assert saved > 30
     second.kill_group(signal.SIGKILL)  # a crash: only what was checkpointed survives

@@ -1,4 +1,4 @@
-"""Wire codecs (peer/codec.py, protos/codec.proto, ALGORITHM.md section 6).
+"""Wire codecs (peer/codec.py, protos/codec.proto, docs/algorithm.md section 6).
 
 FP4 E3M0: code table, every rounding threshold and tie, signs, zero blocks, padding, nibble order,
 validation of malformed messages, error statistics on Gaussian data, stochastic rounding, error

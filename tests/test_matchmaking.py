@@ -54,7 +54,7 @@ def test_a_search_gives_up_when_told_why(dhts):
 
     def give_up():
         asked.append(time.monotonic())
-        return "late: the swarm already applied round 1" if len(asked) >= 2 else None
+        return GaveUp("late: the swarm already applied round 1") if len(asked) >= 2 else None
 
     async def main():
         p2p = await dhts[0].replicate_p2p()
@@ -70,3 +70,28 @@ def test_a_search_gives_up_when_told_why(dhts):
 
     assert run_async(main()) < 30.0  # asked twice, 0.2 s apart: far from the 60 s timeout
     assert len(asked) == 2
+
+
+@pytest.mark.timeout(120)
+def test_a_patient_search_waits_for_a_peer_on_its_way(dhts):
+    """Patience (peer/phase.py): a search that found no group within ``timeout`` goes on while ``keep_waiting``
+    says a peer is on its way, and that peer, arriving after the timeout, joins it; the same late arrival
+    without patience finds no one (the first search ended at its timeout)."""
+    timeout, late = 3.0, 6.0  # the second peer starts looking 6 s after the first: after its timeout
+
+    async def pair(patience: float, n: int):
+        p2ps = [await d.replicate_p2p() for d in dhts[:2]]
+        kwargs = dict(gather=b"x", target_group_size=2, min_group_size=2, min_matchmaking_time=1.0,
+                      request_timeout=0.5, client_mode=False, poll=0.2, timeout=timeout)
+        prefix = round_prefix("patience", n, 1)
+        t0 = time.monotonic()
+        first = asyncio.ensure_future(form_group(p2ps[0], dhts[0], prefix=prefix, patience=patience,
+                                                 keep_waiting=lambda: time.monotonic() < t0 + late, **kwargs))
+        await asyncio.sleep(late)  # the second peer's arrival time is the scenario (no synchronization)
+        second = await form_group(p2ps[1], dhts[1], prefix=prefix, **kwargs)
+        return await first, second
+
+    patient = run_async(pair(patience=20.0, n=0))
+    assert all(g is not None and len(g.peer_ids) == 2 for g in patient), patient
+    impatient = run_async(pair(patience=0.0, n=1))
+    assert impatient == (None, None), impatient

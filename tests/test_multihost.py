@@ -61,6 +61,7 @@ FAST = ["--model-seq-len", "32", "--data-batch-size", "4", "--outer-sync-every",
         "--progress-period", str(PERIOD), "--progress-ttl", str(TTL), "--dht-timeout", str(DHT_TIMEOUT),
         "--drift-check-period", "3",
         "--status-interval", "0", "--inner-warmup-steps", "10", "--inner-threads", "1", "--log-every", "5",
+        "--log-level", "DEBUG",  # round detail ("looking for a group", read below) is logged at DEBUG
         "--min-peers", str(len(NAMES)), "--start-timeout", "90", "--max-steps", "1000000"]
 
 

@@ -32,6 +32,7 @@ SLOW = "p3"
 FAST = ["--model-seq-len", "32", "--data-batch-size", "4", "--outer-sync-every", str(H), "--matchmaking-time", "5",
         "--matchmaking-timeout", "20", "--request-timeout", "2", "--progress-period", "1", "--progress-ttl", "8",
         "--dht-timeout", "3", "--status-interval", "0", "--inner-warmup-steps", "10", "--log-every", "1",
+        "--log-level", "DEBUG",  # round detail ("looking for a group", read below) is logged at DEBUG
         "--min-peers", "3", "--outer-tau", str(TAU), "--outer-eager",
         # 64 KiB of fp32 per streamed message (~37 KB in FP4). The reducer drops a part whose first message is
         # not in within request_timeout (peer/allreduce.py, rpc_reduce); with the default 1 MiB a whole span

@@ -99,3 +99,21 @@ def test_auto_tau_hides_the_measured_round_time_within_bounds():
     fast.observe_step(1.0)
     fast.observe_round(0.01)
     assert fast() == 2
+
+
+def test_checkpointed_state_holds_the_eager_terms_only_when_they_are_used():
+    """Eager off (tau < H): E and u stay zero and are not saved (a checkpoint was 8 fp32 model copies, now
+    6: weights, AdamW's two moments, G, v, S). tau = H keeps E (the divergence from G); eager keeps both."""
+    never = lambda f, r, d: None  # noqa: E731
+    cases = {(0, False): {"G", "v", "S"}, (1, True): {"G", "v", "S", "E", "u"}, (2, False): {"G", "v", "S", "E"}}
+    for (tau, eager), terms in cases.items():
+        _, eng, _ = one_param_engine(OuterSettings(H=2, tau=tau, eager=eager), never)
+        saved = eng.state_dict()["fragments"][0]
+        assert {k for k, v in saved.items() if isinstance(v, torch.Tensor)} == terms, (tau, eager)
+    # A checkpoint without them loads with zeros, also into a peer that now turns eager on.
+    _, plain, _ = one_param_engine(OuterSettings(H=2), never, value=3.0)
+    _, eager, _ = one_param_engine(OuterSettings(H=2, tau=1, eager=True), never)
+    eager.states[0].E += 5.0
+    eager.load_state_dict(plain.state_dict())
+    torch.testing.assert_close(eager.states[0].G, torch.full((8,), 3.0))
+    assert not eager.states[0].E.any() and not eager.states[0].u.any()

@@ -1,6 +1,6 @@
 """The StreamingEngine on M in-process replicas (fp32 codec) equals plain transcriptions of the papers.
 
-ALGORITHM.md section 7: "M in-process replicas (no network), fp32 codec: equals a plain transcription of Alg. 1
+docs/algorithm.md section 7: "M in-process replicas (no network), fp32 codec: equals a plain transcription of Alg. 1
 (P=1), Alg. 2 (P>1, tau, alpha) and eager Alg. 3 (tau = H) on the same data." The transcriptions live in
 ``tests/reference_algorithms.py`` and import nothing from ``peer/``. Both runs use the same toy problem (same
 initial weights, per-replica data streams and inner optimizers) and equal token counts, so token weighting is 1/M.
@@ -89,7 +89,7 @@ def compare_history(run: EngineRun, expected: list[tuple[int, int, Params]], nam
 
 def compare_outer_state(run: EngineRun, ref, what: str) -> None:
     """tau = H: S = G + E is replica m's outer parameters theta_m^(t-H) of Alg. 3; G is theta_0 stepped with the
-    received averages only (the shared machine of ALGORITHM.md section 5)."""
+    received averages only (the shared machine of docs/algorithm.md section 5)."""
     for m, eng in enumerate(run.engines):
         for p, (st, names) in enumerate(zip(eng.states, run.fragment_names)):
             close(st.S, flat(ref.outer[m], names), f"{what}: replica {m}'s S_{p} vs theta_m^(t-H)")
@@ -198,7 +198,7 @@ def test_tau_H_equals_eager_paper(eager, inner):
 @pytest.mark.parametrize("eager", [True, False], ids=["eager-alg3", "naive-alg2"])
 def test_tau_H_streaming_equals_eager_paper_per_fragment(eager):
     """P = 3 (offsets 0, 3, 5 for H = 8), tau = H: Alg. 3 / Alg. 2 run per fragment on the streaming schedule
-    (ALGORITHM.md section 5, "at each sync event of p"), eager scale 1/M for equal peers."""
+    (docs/algorithm.md section 5, "at each sync event of p"), eager scale 1/M for equal peers."""
     M, H, P = 3, 8, 3
     T = 4 * H + 6
     run = EngineRun(M, H=H, blocks_per_fragment=2, tau=H, alpha=0.0, eager=eager)
@@ -214,7 +214,7 @@ def test_tau_H_streaming_equals_eager_paper_per_fragment(eager):
 
 
 def test_eager_launch_jump_uses_share_one_over_M_for_equal_peers():
-    """0 < tau < H, eager (ALGORITHM.md section 5): at launch E_p = Nesterov_step(G_p, v_p, (w_m/W) Delta_m) - G_p
+    """0 < tau < H, eager (docs/algorithm.md section 5): at launch E_p = Nesterov_step(G_p, v_p, (w_m/W) Delta_m) - G_p
     with w_m/W "1/M for equal peers". Every replica here processes the same tokens every step, so every launch of
     every fragment must use 1/M -- including fragments p > 0, whose first round spans t_p + H steps."""
     M, H, tau = 3, 8, 1

@@ -1,0 +1,96 @@
+"""Checks made before a peer joins the swarm, so that whatever a user can fix is reported in one line
+before any other peer waits for this one: the device, the model's contract, the data.
+
+:class:`SetupError` is the one kind of error the command line reports as a usage error (exit status 2);
+a failure during training is not one.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from peer.config import PeerConfig
+from peer.data import make_source
+from peer.model import build_model
+
+# The smallest batch that shows a model's output shape (a forward on the meta device costs nothing).
+_PROBE_BATCH, _PROBE_LEN = 2, 8
+
+
+class SetupError(ValueError):
+    """Something in the user's setup (config, files, device, model) that must be fixed before training."""
+
+
+def check_device(name: str) -> None:
+    """``inner.device`` names a device this machine has. ``auto`` always passes (it falls back to the CPU).
+
+    Uses NVML to count CUDA devices, which does not initialize CUDA in this process: the DHT process is
+    forked after this check, and a fork after CUDA initialization is unsafe.
+    """
+    if not name.startswith("cuda"):
+        return
+    if not torch.backends.cuda.is_built():
+        raise SetupError(f"inner.device = {name}: this torch {torch.__version__} has no CUDA support; install a "
+                         f"CUDA build of torch (see README, Docker: TORCH_INDEX_URL) or use --inner-device cpu")
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise SetupError(f"inner.device = {name}: no CUDA device is visible (NVIDIA driver missing, or "
+                         f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '')!r}); "
+                         f"use --inner-device cpu or auto")
+    index = int(name.partition(":")[2] or 0)
+    if index >= count:
+        raise SetupError(f"inner.device = {name}: only {count} CUDA device(s) visible (cuda:0 .. cuda:{count - 1})")
+
+
+def _describe(out: Any) -> str:
+    if isinstance(out, torch.Tensor):
+        return f"a tensor of shape {list(out.shape)}"
+    return f"a {type(out).__name__}"
+
+
+def check_model(cfg: PeerConfig) -> None:
+    """The model builds and its forward returns logits ``[batch, seq, vocab_size]`` for int64 tokens
+    ``[batch, seq]``: built and run on the meta device (shapes only: no memory, no compute, no RNG).
+
+    A factory whose model cannot run on the meta device (an op without a meta kernel) is only built here;
+    its forward is then checked by the first training step.
+    """
+    where = f"model.factory {cfg.model.factory!r}" if cfg.model.factory else f"model.preset {cfg.model.preset!r}"
+    try:
+        with torch.device("meta"):
+            model, _ = build_model(cfg.model.preset, cfg.data.vocab_size, cfg.model.seq_len,
+                                   cfg.model.factory or None)
+    except ValueError as e:
+        raise SetupError(str(e)) from None
+    except Exception as e:  # the user's factory raised while building
+        raise SetupError(f"{where}: building the model failed: {type(e).__name__}: {e}") from None
+    length = min(_PROBE_LEN, cfg.model.seq_len)
+    tokens = torch.zeros((_PROBE_BATCH, length), dtype=torch.long, device="meta")
+    try:
+        with torch.no_grad():
+            out = model(tokens)
+    except NotImplementedError:
+        return  # an op without a meta kernel: the first real step checks it
+    except Exception as e:
+        raise SetupError(f"{where}: forward(tokens [batch, seq]) failed: {type(e).__name__}: {e}") from None
+    want = [_PROBE_BATCH, length, cfg.data.vocab_size]
+    if not isinstance(out, torch.Tensor) or list(out.shape) != want:
+        raise SetupError(f"{where}: forward(tokens [batch, seq]) must return logits [batch, seq, vocab_size] = "
+                         f"{want}, got {_describe(out)} (see README: bring your own model)")
+
+
+def open_data(cfg: PeerConfig, shard: int):
+    """This peer's data source, checked: files readable, at least one sequence long, ids within the vocabulary
+    (in the first window; every window is checked again as it is read)."""
+    try:
+        source = make_source(cfg.data.source, paths=cfg.data.paths, vocab_size=cfg.data.vocab_size,
+                             seed=cfg.data.seed, shard_index=shard)
+        check = getattr(source, "check", None)
+        if check is not None:
+            check(cfg.model.seq_len)
+    except (ValueError, OSError) as e:
+        raise SetupError(f"data: {e}") from None
+    return source
