@@ -4,24 +4,25 @@ On the steps schedule a round is due at a local step count, so two peers meet on
 step at about the same wall time. A restart, a pause (a laptop that sleeps, SIGSTOP) or a round that
 blocked one peer longer than another (one waited for a dead reducer's span) leaves peers *out of
 phase*: each reaches every round after the other gave up waiting, and with two peers they never meet
-again. Two rules bring them back, both read from the progress records the swarm already publishes
-(a record carries its owner's step and its applied round per fragment):
+again. Three rules bring them back, all read from the progress records (a record carries its owner's
+step, its applied round per fragment, and the rounds it is looking for a group for, ``seeking``):
 
 - **Patience** (the peer ahead yields): a peer whose search found no group keeps searching, for up to
   ``swarm.matchmaking_patience`` seconds more, while a live peer's record shows that it has not yet
   reached the step at which this round was launched (:func:`laggards`): that peer is behind by wall
   time and on its way. Once they meet, both resume from the same round at the same moment: in phase.
 - **Realignment** (the peer far behind moves up): a peer whose step is further behind the swarm's lead
-  than patience can cover moves its step counter up to just before the latest sync the lead has passed
+  than patience can cover moves its step counter up to just before the latest sync the lead has reached
   (:func:`realign`), so it launches that round next, while the lead is still looking for it. Nothing
   of its training is lost: the progress of every fragment stays in ``S - theta`` and goes into the
   fragment's next round, weighted by its tokens. A peer never moves back by this rule, and it never
   follows a peer whose state is two or more rounds behind its own (that peer ran on alone during an
   outage; it downloads the swarm's state and moves back itself, see ``Trainer._catch_up``).
+- **Giving up early**: a search ends at once when every other live peer has left its round without it
+  (:func:`nobody_coming`), e.g. a round launched from a record a heartbeat old.
 
-Bound (docs/architecture.md): a peer that is behind by ``d`` seconds is waited for in the first round it
-is live and ``d`` is under the patience, and realigns before its next launch otherwise; tests measure
-the rounds until the peers average together again after SIGINT, SIGKILL and SIGSTOP.
+The bound these give (three rounds of each fragment) is derived and measured in docs/architecture.md,
+"Phase on the steps schedule".
 """
 
 from __future__ import annotations

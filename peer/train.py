@@ -142,7 +142,8 @@ class Trainer:
         preflight.check_model(cfg)
         source = preflight.open_data(cfg, cfg.data.shard if cfg.data.shard >= 0 else shard_of(peer_id))
         # The DHT forks a process: start it before anything can initialize CUDA.
-        codec = make_codec(cfg.outer.codec, stochastic_rounding=True) if cfg.outer.stochastic_rounding else cfg.outer.codec
+        codec = make_codec(cfg.outer.codec, stochastic_rounding=True) if cfg.outer.stochastic_rounding \
+            else cfg.outer.codec
         self.swarm = Swarm(cfg.swarm, run_key=run_hash, codec=codec, identity_path=str(cfg.identity_path))
         try:
             try:
@@ -255,14 +256,14 @@ class Trainer:
                                    time.monotonic() - last_drift_check >= cfg.swarm.drift_check_period):
                 step = self._catch_up(engine, step, joining=False, late=self.found_late)
                 self.found_late, last_drift_check = False, time.monotonic()
-            every = cfg.run.checkpoint_rounds
-            if (cfg.run.checkpoint_minutes and time.monotonic() - last_ckpt_time >= 60 * cfg.run.checkpoint_minutes) or \
+            every, minutes = cfg.run.checkpoint_rounds, cfg.run.checkpoint_minutes
+            if (minutes and time.monotonic() - last_ckpt_time >= 60 * minutes) or \
                     (every and engine.states[0].applied_rounds and self.rounds_done - last_ckpt_rounds >= every):
                 if self._checkpoint(step, **parts):
                     last_ckpt_time, last_ckpt_rounds = time.monotonic(), self.rounds_done
                 else:  # not written (a full disk): try again in a while, not at every step
-                    retry = min(CHECKPOINT_RETRY_S, 60 * cfg.run.checkpoint_minutes or CHECKPOINT_RETRY_S)
-                    last_ckpt_time = time.monotonic() - 60 * cfg.run.checkpoint_minutes + retry
+                    retry = min(CHECKPOINT_RETRY_S, 60 * minutes or CHECKPOINT_RETRY_S)
+                    last_ckpt_time = time.monotonic() - 60 * minutes + retry
                     last_ckpt_rounds = self.rounds_done
             if self.status.due():
                 self._show_status()

@@ -53,7 +53,8 @@ def test_peers_average_together_again_after_sigint_sigkill_and_a_pause(procs, tm
     print(f"{n} peers, {schedule}: {results}")
     for r in results:
         assert r["rounds"] <= BOUND_ROUNDS and r["seconds"] <= BOUND_S, results
-    if schedule == "steps":  # the status line said what was going on, instead of repeated no_group lines
+    if schedule == "steps" and n == 2:  # the status line said what was going on, not repeated no_group lines
+        # (with two peers, the one that comes back is far behind the other, which ran on alone: it moves up)
         status = [line for name in swarm.names for line in swarm.peer[name].lines() if "peer.status" in line]
         assert any("out of phase with the swarm: moved ahead" in line or "behind by wall time" in line
                    for line in status), "\n".join(status[-20:])
