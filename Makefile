@@ -16,9 +16,12 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: install
-	$(BIN)/python -m peer.demo --config configs/demo.toml
+	$(BIN)/python -m peer.cli.demo --config configs/demo.toml
 
+# Lint and type checks first (seconds), then the tests.
 test: install
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q tests
 
 # Regenerate peer/proto/*_pb2.py from protos/*.proto (a test fails when they are stale).

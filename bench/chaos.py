@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import re
 import shutil
@@ -310,11 +309,12 @@ class Chaos:
             resumed = "-" if k.resumed_after is None else f"{k.resumed_after:.0f} s"
             if k.killed_again:
                 resumed += " (killed again first)"
-            print(f"| {i} | {k.t:.0f} | {k.peer} | {'-' if k.last_step is None else k.last_step} | {k.last_ckpt} | {k.lost} | {k.resumed_step} | "
+            last_step = "-" if k.last_step is None else k.last_step
+            print(f"| {i} | {k.t:.0f} | {k.peer} | {last_step} | {k.last_ckpt} | {k.lost} | {k.resumed_step} | "
                   f"{resumed} | {k.survivors_rounds} | {agreed} |")
+        back = [k.resumed_after for k in self.kills if k.resumed_after is not None] or [0]
         print(f"\nkills survived: {len(survived)}/{len(self.kills)} (resumed from the last checkpoint: "
-              f"{len(resumed_right)}/{len(self.kills)}; kill to resume: median "
-              f"{statistics.median([k.resumed_after for k in self.kills if k.resumed_after is not None] or [0]):.0f} s)")
+              f"{len(resumed_right)}/{len(self.kills)}; kill to resume: median {statistics.median(back):.0f} s)")
         if lost:
             print(f"work lost per kill: mean {statistics.mean(lost):.1f} steps, max {max(lost)} steps "
                   f"(~{statistics.mean(lost) * step_s:.1f} s of training at {step_s * 1000:.0f} ms/step; a checkpoint "
@@ -328,8 +328,8 @@ class Chaos:
               f"last {len(last_rounds)} ({', '.join(f'f{f} r{r}' for f, r in last_rounds)}): "
               f"{'identical' if last_identical else 'DIFFER'}")
         print("loss (mean of the first / last 10 logged steps): " + ", ".join(
-            f"{n} {f:.2f} -> {l:.2f} (step {s})" for n, (f, l, s) in losses.items()))
-        falling = all(l < f - 0.3 for f, l, _ in losses.values())
+            f"{n} {f:.2f} -> {last:.2f} (step {s})" for n, (f, last, s) in losses.items()))
+        falling = all(last < f - 0.3 for f, last, _ in losses.values())
         print(f"loss still falling: {'yes' if falling else 'NO'}; exit codes at SIGTERM: {exits}, "
               f"bootstrap {boot_exit}")
         summary = dict(kills=[k.__dict__ | {"lost": k.lost} for k in self.kills], survived=len(survived),

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from peer.codec import decode, encode  # noqa: E402
+from peer.outer.codec import decode, encode  # noqa: E402
 
 
 def best_of(fn, reps: int, sync) -> float:

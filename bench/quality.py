@@ -8,7 +8,7 @@
 (6-15 min: on 2 CPU cores shared with other work, with 2 jobs.) Every method trains the same model
 (``--preset``, default tiny) on the built-in synthetic Markov corpus (``peer.data.MarkovSource`` at
 ``--vocab-size`` 64, whose entropy rate is the best achievable CE) for the same
-number of inner steps and tokens per peer, in the in-process simulator (``peer.simulator``: M
+number of inner steps and tokens per peer, in the in-process simulator (``peer.outer.simulator``: M
 replicas, each a real :class:`peer.streaming.StreamingEngine`, one :class:`FakeTransport` that
 averages exactly, through the wire codec). The methods (issue 7):
 
@@ -65,13 +65,13 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from peer.codec import get_codec  # noqa: E402
-from peer.data import MarkovSource  # noqa: E402
-from peer.fragments import partition  # noqa: E402
-from peer.inner import InnerLoop  # noqa: E402
-from peer.model import build_model, count_parameters, lm_loss  # noqa: E402
-from peer.simulator import FakeTransport, Replica, run_lockstep  # noqa: E402
-from peer.streaming import OuterSettings, StreamingEngine  # noqa: E402
+from peer.outer.codec import get_codec  # noqa: E402
+from peer.local.data import MarkovSource  # noqa: E402
+from peer.outer.fragments import partition  # noqa: E402
+from peer.local.inner import InnerLoop  # noqa: E402
+from peer.local.model import build_model, count_parameters, lm_loss  # noqa: E402
+from peer.outer.simulator import FakeTransport, Replica, run_lockstep  # noqa: E402
+from peer.outer.engine import OuterSettings, StreamingEngine  # noqa: E402
 
 EVAL_SHARD = 10_000
 SHARD_STRIDE = 100  # replica m of seed s reads shard SHARD_STRIDE * s + m
@@ -284,7 +284,7 @@ def run_one(method: Method, setup: Setup, seed: int) -> RunResult:
             step_all(point - done, done)
             done = point
             record(done)
-        for engine in engines:  # what a stopping peer keeps (peer/train.py): rounds in flight are dropped
+        for engine in engines:  # what a stopping peer keeps (peer/run/trainer.py): rounds in flight are dropped
             engine.abandon()
         finals = [evaluate(m, held_out) for m in models]
         res.finite = res.finite and all(math.isfinite(v) for v in finals)
@@ -338,7 +338,7 @@ def run_swarm(method: Method, setup: Setup, seed: int, out_dir: Path, timeout: f
     sys.path.insert(0, str(REPO / "tests"))
     from helpers import Proc  # noqa: E402 (tests/helpers.py: processes in their own sessions)
 
-    from peer import checkpoint
+    from peer.run import checkpoint
 
     if len(set(method.tau)) != 1 or method.dp:
         raise ValueError("the swarm run takes one tau for all peers and an outer method")

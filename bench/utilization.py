@@ -148,7 +148,7 @@ def run_method(method: Method, args, out_dir: Path) -> tuple[list[PeerResult], f
                                        f"(raise --timeout or lower --steps); logs in {out_dir}")
                 time.sleep(POLL)
             wall = time.monotonic() - t0
-            frag_line = next((line.split("peer.train: ", 1)[-1] for line in peers["p1"].lines()
+            frag_line = next((line.split("peer.run.trainer: ", 1)[-1] for line in peers["p1"].lines()
                               if "fragment(s) of" in line), "")
             boot.terminate(timeout=30)
             return [peer_result(n, p, out_dir / n) for n, p in peers.items()], wall, frag_line
@@ -166,7 +166,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rate-mbit", type=float, default=50.0, help="per-peer link rate, each direction (Mbit/s)")
     ap.add_argument("--steps", type=int, default=300, help="inner steps per peer (--max-steps)")
-    ap.add_argument("--preset", default="tiny", help="model preset (peer/model.py)")
+    ap.add_argument("--preset", default="tiny", help="model preset (peer/local/model.py)")
     ap.add_argument("--peers", type=int, default=4)
     ap.add_argument("--sync-every", type=int, default=50, help="H: inner steps between syncs of a fragment")
     ap.add_argument("--tau", type=int, default=20, help="overlap of the streaming method (inner steps)")
@@ -209,7 +209,8 @@ def main(argv=None) -> int:
         print(f"\n[{method.name}] {method.describe}; {frag_line}")
         for r in results:
             print(f"  {r.name}: exit {r.exit_code}, steps {r.steps}, compute {r.compute:.1f}s, "
-                  f"blocked {r.blocked:.1f}s, elapsed {r.elapsed:.1f}s, utilization {r.utilization:.1%} (wall {r.wall_utilization:.1%}), "
+                  f"blocked {r.blocked:.1f}s, elapsed {r.elapsed:.1f}s, utilization {r.utilization:.1%} "
+                  f"(wall {r.wall_utilization:.1%}), "
                   f"rounds {r.rounds}")
         if bad:
             print(f"  WARNING: {[r.name for r in bad]} did not finish {args.steps} steps with exit 0 "

@@ -16,7 +16,7 @@ import re
 import signal
 import sys
 import threading
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 PROG = "swarm-bootstrap"
 ENV_PREFIX = "SWARM_"
@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Every flag can also be set with an environment variable SWARM_<FLAG_IN_UPPER_SNAKE>, "
         "e.g. SWARM_HOST_MADDRS='/ip4/0.0.0.0/tcp/31337'; lists are space- or comma-separated.",
     )
-    lst = dict(nargs="+", action="extend", default=None, metavar="MADDR")
+    lst: dict[str, Any] = dict(nargs="+", action="extend", default=None, metavar="MADDR")
     p.add_argument("--host-maddrs", **lst,
                    help=f"multiaddrs to listen on (repeatable; default {' '.join(DEFAULT_HOST_MADDRS)})")
     p.add_argument("--announce-maddrs", **lst,
@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _pick(cli_value, flag: str, env: dict, default, convert: Callable = lambda v: v):
+def _pick(cli_value, flag: str, env: Mapping[str, str], default, convert: Callable = lambda v: v):
     """CLI value if given, else the environment twin, else the default -- converted, errors naming both."""
     if cli_value is not None:
         source, raw = flag, cli_value
@@ -124,9 +124,9 @@ def _level(raw) -> str:
     return level
 
 
-def parse_args(argv: Sequence[str] | None = None, env: dict | None = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> argparse.Namespace:
     """Parse flags and their SWARM_* twins; raises UsageError with a one-line, flag-naming message."""
-    env = os.environ if env is None else env
+    env = dict(os.environ) if env is None else env
     args = build_parser().parse_args(argv)
     as_list = lambda v: split_list([v] if isinstance(v, str) else v)  # noqa: E731
     args.host_maddrs = _pick(args.host_maddrs, "--host-maddrs", env, DEFAULT_HOST_MADDRS, as_list)
@@ -177,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     dht = None
     try:
-        from peer import dht_node  # imports hivemind (and through it torch) lazily
+        from peer.net import dht as dht_node  # imports hivemind (and through it torch) lazily
 
         logging.getLogger("hivemind").setLevel(max(logging.getLevelName(args.log_level), logging.INFO))
         if args.nat_port_map:

@@ -40,7 +40,7 @@ the commands use, and checks:
   listening TCP port accepts a connection.
 
 Exit status 0 = healthy, 1 = unhealthy, with one line saying why (``docker inspect`` shows it).
-This file imports only the standard library and the light ``peer.cli`` / ``bootstrap.cli`` modules
+This file imports only the standard library and the light ``peer.cli.swarm_peer`` / ``bootstrap.cli`` modules
 (hivemind and torch are imported only by the bootstrap preparation, to read the identity's peer id).
 """
 
@@ -182,7 +182,7 @@ def _quiet(fn, *args, **kwargs):
 def prepare_peer(argv: Sequence[str], env: dict[str, str], *, resolve: Callable[[str], str] = resolve_ipv4,
                  ip: Optional[str] = None, wait: Optional[float] = None) -> tuple[dict[str, str], Optional[int]]:
     """The environment to exec ``swarm-peer argv`` with, and the run slot's lock fd (or None)."""
-    from peer.cli import build_parser, parse_overrides
+    from peer.cli.swarm_peer import build_parser, parse_overrides
     from peer.config import ConfigError, build_config
 
     env = dict(env)
@@ -220,7 +220,7 @@ def prepare_peer(argv: Sequence[str], env: dict[str, str], *, resolve: Callable[
 
 
 def _peer_id_of_identity(path: str) -> str:
-    from peer.dht_node import ensure_identity  # imports hivemind (and torch): only here
+    from peer.net.dht import ensure_identity  # imports hivemind (and torch): only here
 
     return ensure_identity(path)
 
@@ -348,7 +348,7 @@ def check_run_dir(run_dir: Path, log_json: Optional[Path], max_age: float,
 def check_peer(args: Sequence[str], env: dict[str, str], max_age: float,
                cwd: Optional[str] = None) -> tuple[bool, str]:
     """The peer's run dir and event log, from its args and env (relative paths: relative to its cwd)."""
-    from peer.cli import build_parser, parse_overrides
+    from peer.cli.swarm_peer import build_parser, parse_overrides
     from peer.config import ConfigError, build_config
 
     base = Path(cwd) if cwd else Path.cwd()

@@ -14,7 +14,8 @@ into exit status 2.
 The *run hash* (:meth:`PeerConfig.run_hash`) covers every setting that changes the shared
 computation (model, outer optimizer, schedule, codec, inner hyper-parameters, vocabulary, run id);
 it is part of every DHT key and matchmaking key, so peers with different run configs never group.
-Local choices (network addresses, run dir, device, batch size, data files) are not in it.
+Local choices (network addresses, run dir, device, batch size, data files, tau, ...) are not in it: each field
+says so itself (``setting(..., local=True)``), next to its help text.
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 
-CODEC_NAMES = ("e3m0", "fp8", "bf16", "fp32")  # peer/codec.py's CODECS (a test keeps them equal)
+CODEC_NAMES = ("e3m0", "fp8", "bf16", "fp32")  # peer/outer/codec.py's CODECS (a test keeps them equal)
 
 
 class ConfigError(ValueError):
@@ -42,16 +43,34 @@ def _check(cond: bool, key: str, allowed: str, value: Any) -> None:
         raise ConfigError(f"{key}: must be {allowed} (got {value!r})")
 
 
+def setting(default: Any = dataclasses.MISSING, *, help: str, local: bool = False,
+            factory: Optional[Callable[[], Any]] = None) -> Any:
+    """A config field: its default (or ``factory``), its ``help`` (shown by ``swarm-peer run --help``) and
+    whether it is ``local``: a per-peer choice that never changes the shared computation, so it is left out
+    of the run hash and may differ across the peers of one run (addresses, device, tau, ...)."""
+    metadata = {"help": help, "local": local}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def default_of(cls: type, name: str) -> Any:
+    """The default of config field ``name`` of section class ``cls`` (for code that must agree with it)."""
+    f = {f.name: f for f in dataclasses.fields(cls)}[name]
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
+
+
 @dataclass(kw_only=True)
 class ModelConfig:
-    preset: str = "tiny"
-    """Built-in shape: tiny, small, 35M, 100M, 200M, 300M, 500M, 1B (see peer/model.py)."""
-    factory: str = ""
-    """Optional user model as ``module:factory`` returning ``(model, blocks)``; overrides preset."""
-    seq_len: int = 128
-    """Tokens per training sequence."""
-    init_seed: int = 0
-    """Seed of the initial weights; every peer of a run starts from the same ``theta_0``."""
+    preset: str = setting("tiny", help="Built-in shape: tiny, small, 35M, 100M, 200M, 300M, 500M, 1B (see "
+            "peer/local/model.py).")
+    factory: str = setting("", help="Optional user model as ``module:factory`` returning ``(model, blocks)``; "
+            "overrides preset.")
+    seq_len: int = setting(128, help="Tokens per training sequence.")
+    init_seed: int = setting(0, help="Seed of the initial weights; every peer of a run starts from the same "
+            "``theta_0``.")
 
     def __post_init__(self) -> None:
         _check(bool(self.preset), "model.preset", "a preset name", self.preset)
@@ -61,18 +80,16 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class DataConfig:
-    source: str = "synthetic"
-    """synthetic (seeded Markov corpus, known entropy floor), text (byte-level files), bin (uint16 shards)."""
-    paths: list[str] = field(default_factory=list)
-    """Input files for text/bin sources."""
-    vocab_size: int = 256
-    """Vocabulary size (256 for byte-level text)."""
-    batch_size: int = 8
-    """Sequences per inner step on this peer (peers may differ: contributions are weighted by tokens)."""
-    seed: int = 1234
-    """Seed of the synthetic corpus (the same for every peer of a run: they learn one distribution)."""
-    shard: int = -1
-    """This peer's data shard; -1 derives it from the peer id, so every peer reads its own stream."""
+    source: str = setting("synthetic", local=True, help="synthetic (seeded Markov corpus, known entropy floor), text "
+            "(byte-level files), bin (uint16 shards).")
+    paths: list[str] = setting(factory=list, local=True, help="Input files for text/bin sources.")
+    vocab_size: int = setting(256, help="Vocabulary size (256 for byte-level text).")
+    batch_size: int = setting(8, local=True, help="Sequences per inner step on this peer (peers may differ: "
+            "contributions are weighted by tokens).")
+    seed: int = setting(1234, help="Seed of the synthetic corpus (the same for every peer of a run: they learn one "
+            "distribution).")
+    shard: int = setting(-1, local=True, help="This peer's data shard; -1 derives it from the peer id, so every peer "
+            "reads its own stream.")
 
     def __post_init__(self) -> None:
         _check(self.source in ("synthetic", "text", "bin"), "data.source", "one of synthetic, text, bin", self.source)
@@ -84,28 +101,17 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class InnerConfig:
-    lr: float = 3e-3
-    """Peak AdamW learning rate."""
-    weight_decay: float = 0.1
-    """AdamW decoupled weight decay."""
-    beta1: float = 0.9
-    """AdamW beta1."""
-    beta2: float = 0.95
-    """AdamW beta2."""
-    warmup_steps: int = 50
-    """Linear warm-up steps."""
-    total_steps: int = 5000
-    """Step at which the cosine schedule reaches lr * min_lr_ratio."""
-    min_lr_ratio: float = 0.1
-    """Final LR as a fraction of the peak."""
-    grad_clip: float = 1.0
-    """Global gradient-norm clip (0 disables)."""
-    z_loss: float = 1e-4
-    """z-loss coefficient (Chinchilla / Streaming DiLoCo)."""
-    device: str = "auto"
-    """auto (cuda if available), cpu, cuda, cuda:N."""
-    threads: int = 0
-    """torch intra-op CPU threads (0 keeps torch's default)."""
+    lr: float = setting(3e-3, help="Peak AdamW learning rate.")
+    weight_decay: float = setting(0.1, help="AdamW decoupled weight decay.")
+    beta1: float = setting(0.9, help="AdamW beta1.")
+    beta2: float = setting(0.95, help="AdamW beta2.")
+    warmup_steps: int = setting(50, help="Linear warm-up steps.")
+    total_steps: int = setting(5000, help="Step at which the cosine schedule reaches lr * min_lr_ratio.")
+    min_lr_ratio: float = setting(0.1, help="Final LR as a fraction of the peak.")
+    grad_clip: float = setting(1.0, help="Global gradient-norm clip (0 disables).")
+    z_loss: float = setting(1e-4, help="z-loss coefficient (Chinchilla / Streaming DiLoCo).")
+    device: str = setting("auto", local=True, help="auto (cuda if available), cpu, cuda, cuda:N.")
+    threads: int = setting(0, local=True, help="torch intra-op CPU threads (0 keeps torch's default).")
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, "inner.lr", "> 0", self.lr)
@@ -124,43 +130,38 @@ class InnerConfig:
 
 @dataclass(kw_only=True)
 class OuterConfig:
-    lr: float = 0.7
-    """Outer Nesterov learning rate (DiLoCo: 0.7)."""
-    momentum: float = 0.9
-    """Outer Nesterov momentum (DiLoCo: 0.9)."""
-    sync_every: int = 100
-    """H: inner steps between two syncs of the same fragment."""
-    fragment_blocks: int = 3
-    """k: transformer blocks per fragment (P = ceil(L/k) fragments); 0 syncs the whole model (DiLoCo)."""
-    fragment_pattern: str = "strided"
-    """How blocks map to fragments: strided (p, p+P, ...; the paper's default) or sequential."""
-    schedule: str = "clock"
-    """When rounds happen: clock (round r of fragment p at swarm time clock_origin + (r + p/P) * round_seconds;
-    the volunteer default: peers of any speed, nobody waits for a slower one) or steps (every H local steps,
-    lockstep: homogeneous peers, the paper's schedule; docs/benchmarks.md "Drop and rejoin" has the evidence)."""
-    round_seconds: float = 60.0
-    """Clock schedule: seconds between two rounds of the same fragment."""
-    clock_origin: float = 0.0
-    """Clock schedule: swarm time (unix seconds) at which round 0 of fragment 0 starts."""
-    codec: str = "e3m0"
-    """Wire codec of outer gradients: e3m0 (FP4, 4.5 bits/element), fp8, bf16 or fp32 (ablations)."""
-    error_feedback: bool = False
-    """Carry each round's codec rounding error into the next round's outer gradient (per fragment)."""
-    stochastic_rounding: bool = False
-    """Round FP4/FP8 codes stochastically (unbiased) instead of to nearest."""
-    alpha: float = 0.0
-    """Merge factor: theta <- alpha*theta + (1-alpha)*G after a round (0 = take the synced value)."""
-    tau: int | str = 0
-    """Overlap: inner steps this peer trains before it must have a round's aggregate (0..H), or
-    ``auto``: from this peer's measured round time and step time, at most tau_max."""
-    tau_max: int = 10
-    """Upper bound of ``tau = auto``."""
-    eager: bool = False
-    """Eager updates: apply our own outer gradient at launch, corrected when the aggregate arrives."""
-    merge: str = "alpha"
-    """How a late aggregate meets local weights: alpha (Streaming DiLoCo) or replay (keep the tau steps)."""
-    wait_timeout: float = 180.0
-    """Seconds to wait at launch + tau for an aggregate before the round counts as missed."""
+    lr: float = setting(0.7, help="Outer Nesterov learning rate (DiLoCo: 0.7).")
+    momentum: float = setting(0.9, help="Outer Nesterov momentum (DiLoCo: 0.9).")
+    sync_every: int = setting(100, help="H: inner steps between two syncs of the same fragment.")
+    fragment_blocks: int = setting(3, help="k: transformer blocks per fragment (P = ceil(L/k) fragments); 0 syncs "
+            "the whole model (DiLoCo).")
+    fragment_pattern: str = setting("strided", help="How blocks map to fragments: strided (p, p+P, ...; the paper's "
+            "default) or sequential.")
+    schedule: str = setting("clock", help="When rounds happen: clock (round r of fragment p at swarm time "
+            "clock_origin + (r + p/P) * round_seconds; the volunteer default: peers of any speed, nobody waits for a "
+            "slower one) or steps (every H local steps, lockstep: homogeneous peers, the paper's schedule; "
+            'docs/benchmarks.md "Drop and rejoin" has the evidence).')
+    round_seconds: float = setting(60.0, help="Clock schedule: seconds between two rounds of the same fragment.")
+    clock_origin: float = setting(0.0, help="Clock schedule: swarm time (unix seconds) at which round 0 of fragment "
+            "0 starts.")
+    codec: str = setting("e3m0", help="Wire codec of outer gradients: e3m0 (FP4, 4.5 bits/element), fp8, bf16 or "
+            "fp32 (ablations).")
+    error_feedback: bool = setting(False, local=True, help="Carry each round's codec rounding error into the next "
+            "round's outer gradient (per fragment).")
+    stochastic_rounding: bool = setting(False, local=True, help="Round FP4/FP8 codes stochastically (unbiased) "
+            "instead of to nearest.")
+    alpha: float = setting(0.0, local=True, help="Merge factor: theta <- alpha*theta + (1-alpha)*G after a round (0 "
+            "= take the synced value).")
+    tau: int | str = setting(0, local=True, help="Overlap: inner steps this peer trains before it must have a "
+            "round's aggregate (0..H), or ``auto``: from this peer's measured round time and step time, at most "
+            "tau_max.")
+    tau_max: int = setting(10, local=True, help="Upper bound of ``tau = auto``.")
+    eager: bool = setting(False, local=True, help="Eager updates: apply our own outer gradient at launch, corrected "
+            "when the aggregate arrives.")
+    merge: str = setting("alpha", local=True, help="How a late aggregate meets local weights: alpha (Streaming "
+            "DiLoCo) or replay (keep the tau steps).")
+    wait_timeout: float = setting(180.0, local=True, help="Seconds to wait at launch + tau for an aggregate before "
+            "the round counts as missed.")
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, "outer.lr", "> 0", self.lr)
@@ -183,57 +184,50 @@ class OuterConfig:
 
 @dataclass(kw_only=True)
 class SwarmConfig:
-    run_id: str = "swarmloco"
-    """Name of the training run; part of every DHT key."""
-    initial_peers: list[str] = field(default_factory=list)
-    """Multiaddrs of bootstrap nodes or peers (from swarm-bootstrap's paste line)."""
-    new_swarm: bool = False
-    """Start a new swarm without initial peers (otherwise empty initial_peers is an error)."""
-    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
-    """Multiaddrs to listen on."""
-    announce_maddrs: list[str] = field(default_factory=list)
-    """Multiaddrs other peers should dial (public address behind port forwarding)."""
-    identity_path: str = ""
-    """libp2p private key file (created if missing; stable peer id). Default: RUN_DIR/identity.key."""
-    client_mode: bool = False
-    """Outbound connections only (behind NAT): the peer contributes but reduces no span."""
-    nat_port_map: bool = False
-    """Opt-in UPnP/NAT-PMP port mapping on the local gateway."""
-    min_peers: int = 1
-    """Wait at start until this many peers of the run are visible (bounded by start_timeout)."""
-    start_timeout: float = 120.0
-    """Seconds to wait for min_peers before training anyway."""
-    min_group_size: int = 2
-    """Smallest group that averages; a peer alone skips the round (its progress is kept)."""
-    matchmaking_time: float = 15.0
-    """Seconds a group leader waits for stragglers; the group forms at once when every live peer joined."""
-    matchmaking_timeout: float = 30.0
-    """Seconds to find a group for a round before the round counts as missed."""
-    matchmaking_patience: float = 60.0
-    """Steps schedule: seconds a peer keeps looking for a group past matchmaking_timeout while a live peer's
-    record shows it has not reached this round yet (it is behind by wall time: the peer ahead yields)."""
-    request_timeout: float = 3.0
-    """Seconds to wait for one matchmaking request to a potential leader."""
-    dht_timeout: float = 5.0
-    """Seconds to wait for one DHT request; a node that does not answer is skipped (and banned a while)."""
-    allreduce_timeout: float = 60.0
-    """Seconds a member waits for all averaged spans after its group formed."""
-    part_timeout: float = 30.0
-    """Seconds a reducer waits for members' parts before averaging what it has (< allreduce_timeout)."""
-    chunk_bytes: int = 1 << 20
-    """Target payload bytes of one streamed all-reduce message."""
-    progress_period: float = 5.0
-    """Seconds between progress records published to the DHT."""
-    progress_ttl: float = 30.0
-    """Lifetime of a progress record: a peer silent this long no longer counts as live."""
-    startup_timeout: float = 30.0
-    """Seconds for the local DHT/p2p daemon to start."""
-    join_timeout: float = 60.0
-    """Seconds to keep retrying the initial peers (with backoff) before giving up with their addresses."""
-    state_timeout: float = 60.0
-    """Seconds to download one fragment's outer state from one donor before trying the next."""
-    drift_check_period: float = 10.0
-    """Seconds between checks of our (round, digest) against the swarm's majority (0 disables)."""
+    run_id: str = setting("swarmloco", help="Name of the training run; part of every DHT key.")
+    initial_peers: list[str] = setting(factory=list, local=True, help="Multiaddrs of bootstrap nodes or peers (from "
+            "swarm-bootstrap's paste line).")
+    new_swarm: bool = setting(False, local=True, help="Start a new swarm without initial peers (otherwise empty "
+            "initial_peers is an error).")
+    host_maddrs: list[str] = setting(factory=lambda: ["/ip4/0.0.0.0/tcp/0"], local=True, help="Multiaddrs to listen "
+            "on.")
+    announce_maddrs: list[str] = setting(factory=list, local=True, help="Multiaddrs other peers should dial (public "
+            "address behind port forwarding).")
+    identity_path: str = setting("", local=True, help="libp2p private key file (created if missing; stable peer id). "
+            "Default: RUN_DIR/identity.key.")
+    client_mode: bool = setting(False, local=True, help="Outbound connections only (behind NAT): the peer "
+            "contributes but reduces no span.")
+    nat_port_map: bool = setting(False, local=True, help="Opt-in UPnP/NAT-PMP port mapping on the local gateway.")
+    min_peers: int = setting(1, local=True, help="Wait at start until this many peers of the run are visible "
+            "(bounded by start_timeout).")
+    start_timeout: float = setting(120.0, local=True, help="Seconds to wait for min_peers before training anyway.")
+    min_group_size: int = setting(2, help="Smallest group that averages; a peer alone skips the round (its progress "
+            "is kept).")
+    matchmaking_time: float = setting(15.0, help="Seconds a group leader waits for stragglers; the group forms at "
+            "once when every live peer joined.")
+    matchmaking_timeout: float = setting(30.0, help="Seconds to find a group for a round before the round counts as "
+            "missed.")
+    matchmaking_patience: float = setting(60.0, local=True, help="Steps schedule: seconds a peer keeps looking for a "
+            "group past matchmaking_timeout while a live peer's record shows it has not reached this round yet (it "
+            "is behind by wall time: the peer ahead yields).")
+    request_timeout: float = setting(3.0, help="Seconds to wait for one matchmaking request to a potential leader.")
+    dht_timeout: float = setting(5.0, local=True, help="Seconds to wait for one DHT request; a node that does not "
+            "answer is skipped (and banned a while).")
+    allreduce_timeout: float = setting(60.0, help="Seconds a member waits for all averaged spans after its group "
+            "formed.")
+    part_timeout: float = setting(30.0, help="Seconds a reducer waits for members' parts before averaging what it "
+            "has (< allreduce_timeout).")
+    chunk_bytes: int = setting(1 << 20, help="Target payload bytes of one streamed all-reduce message.")
+    progress_period: float = setting(5.0, help="Seconds between progress records published to the DHT.")
+    progress_ttl: float = setting(30.0, help="Lifetime of a progress record: a peer silent this long no longer "
+            "counts as live.")
+    startup_timeout: float = setting(30.0, local=True, help="Seconds for the local DHT/p2p daemon to start.")
+    join_timeout: float = setting(60.0, local=True, help="Seconds to keep retrying the initial peers (with backoff) "
+            "before giving up with their addresses.")
+    state_timeout: float = setting(60.0, help="Seconds to download one fragment's outer state from one donor before "
+            "trying the next.")
+    drift_check_period: float = setting(10.0, help="Seconds between checks of our (round, digest) against the "
+            "swarm's majority (0 disables).")
 
     def __post_init__(self) -> None:
         _check(bool(self.run_id) and "." not in self.run_id and " " not in self.run_id, "swarm.run_id",
@@ -261,24 +255,18 @@ class SwarmConfig:
 
 @dataclass(kw_only=True)
 class RunConfig:
-    run_dir: str = "runs/peer"
-    """Directory for identity, logs and (later) checkpoints."""
-    max_steps: int = 0
-    """Stop cleanly after this many inner steps (0 = run until stopped)."""
-    log_json: str = ""
-    """Path of a JSON-lines event log (step and round events); empty disables."""
-    log_every: int = 10
-    """Inner steps between two step events / log lines."""
-    status_interval: float = 2.0
-    """Seconds between console status lines (0 disables)."""
-    log_level: str = "INFO"
-    """Python log level of the console log."""
-    checkpoint_minutes: float = 10.0
-    """Minutes between checkpoints in RUN_DIR/checkpoints (0 disables the timer; one is always written at a clean stop)."""
-    checkpoint_rounds: int = 0
-    """Also checkpoint after every N applied rounds of fragment 0 (0 disables)."""
-    checkpoint_keep: int = 3
-    """Checkpoints kept (the newest ones)."""
+    run_dir: str = setting("runs/peer", local=True, help="Directory for identity, logs and (later) checkpoints.")
+    max_steps: int = setting(0, local=True, help="Stop cleanly after this many inner steps (0 = run until stopped).")
+    log_json: str = setting("", local=True, help="Path of a JSON-lines event log (step and round events); empty "
+            "disables.")
+    log_every: int = setting(10, local=True, help="Inner steps between two step events / log lines.")
+    status_interval: float = setting(2.0, local=True, help="Seconds between console status lines (0 disables).")
+    log_level: str = setting("INFO", local=True, help="Python log level of the console log.")
+    checkpoint_minutes: float = setting(10.0, local=True, help="Minutes between checkpoints in RUN_DIR/checkpoints "
+            "(0 disables the timer; one is always written at a clean stop).")
+    checkpoint_rounds: int = setting(0, local=True, help="Also checkpoint after every N applied rounds of fragment 0 "
+            "(0 disables).")
+    checkpoint_keep: int = setting(3, local=True, help="Checkpoints kept (the newest ones).")
 
     def __post_init__(self) -> None:
         _check(bool(self.run_dir), "run.run_dir", "a directory path", self.run_dir)
@@ -297,16 +285,6 @@ SECTIONS: dict[str, type] = {
     "swarm": SwarmConfig, "run": RunConfig,
 }
 BARE_SECTIONS = ("run", "swarm")  # their flags carry no section prefix
-# Fields that do not change the shared computation (see module docstring).
-LOCAL_KEYS = {"swarm": {"initial_peers", "new_swarm", "host_maddrs", "announce_maddrs", "identity_path",
-                        "client_mode", "nat_port_map", "min_peers", "start_timeout", "startup_timeout",
-                        "dht_timeout", "join_timeout", "matchmaking_patience"},
-              "data": {"source", "paths", "batch_size", "shard"}, "inner": {"device", "threads"},
-              # per-peer choices that change only this peer's local weights, never the shared G, v
-              "outer": {"tau", "tau_max", "eager", "merge", "alpha", "wait_timeout", "error_feedback",
-                        "stochastic_rounding"},
-              "run": {"run_dir", "max_steps", "log_json", "log_every", "status_interval", "log_level",
-                      "checkpoint_minutes", "checkpoint_rounds", "checkpoint_keep"}}
 
 
 @dataclass(kw_only=True)
@@ -322,8 +300,10 @@ class PeerConfig:
         return dataclasses.asdict(self)
 
     def run_hash(self) -> str:
-        """Hex digest (16 chars) of every setting that must agree across the peers of one run."""
-        shared = {sec: {k: v for k, v in vals.items() if k not in LOCAL_KEYS.get(sec, ())}
+        """Hex digest (16 chars) of every setting that must agree across the peers of one run (the fields not
+        marked ``local``)."""
+        local = {(section, f.name) for section, f in iter_settings() if f.metadata["local"]}
+        shared = {sec: {k: v for k, v in vals.items() if (sec, k) not in local}
                   for sec, vals in self.to_dict().items()}
         blob = json.dumps(shared, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
@@ -358,6 +338,13 @@ def flag_name(section: str, key: str) -> str:
 
 def env_name(section: str, key: str) -> str:
     return "SWARM_" + flag_name(section, key)[2:].replace("-", "_").upper()
+
+
+def iter_settings():
+    """Yields (section, dataclasses.Field) for every config field (``metadata``: ``help``, ``local``)."""
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            yield section, f
 
 
 def iter_fields():
@@ -436,12 +423,12 @@ def load_toml(path: str | Path) -> dict[str, dict[str, Any]]:
 def build_config(toml_path: str | None, overrides: dict[tuple[str, str], Any],
                  environ: dict[str, str] | None = None) -> PeerConfig:
     """Merges defaults < TOML < env < ``overrides`` (parsed flags, keyed by (section, key)) and validates."""
-    environ = os.environ if environ is None else environ
+    env: dict[str, str] = dict(os.environ) if environ is None else environ
     values: dict[str, dict[str, Any]] = load_toml(toml_path) if toml_path else {}
     for section, key, typ in iter_fields():
-        env = env_name(section, key)
-        if env in environ:
-            values.setdefault(section, {})[key] = parse_scalar(section, key, typ, environ[env])
+        name = env_name(section, key)
+        if name in env:
+            values.setdefault(section, {})[key] = parse_scalar(section, key, typ, env[name])
     for (section, key), value in overrides.items():
         values.setdefault(section, {})[key] = value
     try:

@@ -35,7 +35,10 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
+
+if TYPE_CHECKING:
+    from helpers import Proc
 
 FAMILY = "swlab"
 SUBNET = "10.77.0"  # a private /24 that exists only inside the lab's namespaces

@@ -12,9 +12,9 @@ import torch
 from hivemind.averaging.group_info import GroupInfo
 
 from helpers import p2p_mesh, run_async
-from peer.allreduce import (PROTOCOL_VERSION, AllReduceServicer, GroupError, GroupPlan, member_spans,
+from peer.net.allreduce import (PROTOCOL_VERSION, AllReduceServicer, GroupError, GroupPlan, member_spans,
                             run_allreduce)
-from peer.codec import get_codec
+from peer.outer.codec import get_codec
 from peer.proto import allreduce_pb2 as pb
 
 NUMEL = 1000

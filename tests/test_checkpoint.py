@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers import Proc, wait_for
-from peer import checkpoint
+from peer.run import checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -58,7 +58,7 @@ def test_kill_during_a_checkpoint_write_leaves_the_previous_one_loadable(tmp_pat
     script = textwrap.dedent(f"""
         import sys, torch
         sys.path.insert(0, {str(REPO)!r})
-        from peer import checkpoint
+        from peer.run import checkpoint
         big = torch.randn(8_000_000)  # 32 MB: a write takes long enough to be interrupted
         for i in range(1, 1000):
             checkpoint.save({str(tmp_path)!r}, i, {{"step": i, "w": big}}, keep=2)

@@ -1,4 +1,4 @@
-"""Wire codecs (peer/codec.py, protos/codec.proto, docs/algorithm.md section 6).
+"""Wire codecs (peer/outer/codec.py, protos/codec.proto, docs/algorithm.md section 6).
 
 FP4 E3M0: code table, every rounding threshold and tie, signs, zero blocks, padding, nibble order,
 validation of malformed messages, error statistics on Gaussian data, stochastic rounding, error
@@ -12,9 +12,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from peer.codec import (CODECS, CodecError, E3M0Codec, ErrorFeedback, Fp8Codec, codec_key, decode,
-                        e3m0_byte_table, e3m0_code_values, e3m0_reference_codes, encode, get_codec,
-                        make_codec, roundtrip)
+from peer.outer.codec import CODECS, CodecError, E3M0Codec, codec_key, decode, encode, get_codec, make_codec, roundtrip
+from peer.outer.e3m0 import e3m0_byte_table, e3m0_code_values, e3m0_reference_codes
+from peer.outer.state import ErrorFeedback
 from peer.proto import codec_pb2
 
 ALL = ["fp32", "bf16", "fp8", "e3m0"]

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from peer.config import ConfigError, build_config
-from peer.cli import main
+from peer.cli.swarm_peer import main
 
 NEW = {("swarm", "new_swarm"): True}
 
@@ -86,7 +86,7 @@ def test_cli_help_works():
 
 
 def test_codec_names_match_the_codec_registry():
-    from peer.codec import CODECS
+    from peer.outer.codec import CODECS
     from peer.config import CODEC_NAMES
 
     assert set(CODEC_NAMES) == set(CODECS)

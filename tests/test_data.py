@@ -1,4 +1,4 @@
-"""Tests for peer/data.py: Markov corpus, text and bin sources, cursors, errors."""
+"""Tests for peer/local/data.py: Markov corpus, text and bin sources, cursors, errors."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from peer.data import (
+from peer.local.data import (
     BinShardSource,
     MarkovSource,
     TextFileSource,

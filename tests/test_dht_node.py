@@ -1,4 +1,4 @@
-"""peer/dht_node.py: identity files, multiaddr validation, network-safety options, visible addresses."""
+"""peer/net/dht.py: identity files, multiaddr validation, network-safety options, visible addresses."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from helpers import dht_nodes
-from peer import dht_node
+from peer.net import dht as dht_node
 
 GOOD_PEER = "/ip4/127.0.0.1/tcp/4001/p2p/QmSoLnSGccFuZQJzRadHn95W2CrSFmZuTdDWP8HXaHca9z"
 
@@ -161,7 +161,7 @@ HAMMER = """
 import os, signal, subprocess, sys, time
 sys.path.insert(0, sys.argv[1])
 import hivemind
-from peer import dht_node
+from peer.net import dht as dht_node
 hits = []
 signal.signal(signal.SIGUSR1, lambda *_: hits.append(1))  # a Python-level handler: read() gets EINTR
 hammer = subprocess.Popen([sys.executable, "-c", "import os, signal, sys, time\\n"

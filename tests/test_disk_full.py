@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from helpers import Proc, wait_for
-from peer import checkpoint
-from peer.events import EventLog
+from peer.run import checkpoint
+from peer.run.events import EventLog
 
 REPO = Path(__file__).resolve().parents[1]
 # A tiny-preset checkpoint without eager terms is ~29 MB (model, AdamW moments, G, v, S): one fits, two do not
@@ -40,7 +40,7 @@ def test_event_log_on_a_full_device_drops_events_and_warns_once(caplog):
 
 def test_log_file_on_a_full_device_warns_once_without_tracebacks(tmp_path, capfd):
     """logging's default prints a traceback for every line it cannot write; ours says it once."""
-    from peer.events import setup_logging
+    from peer.run.events import setup_logging
 
     root = logging.getLogger()
     saved = (root.level, list(root.handlers))

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from bootstrap.cli import parse_args as bootstrap_parse_args
-from peer.cli import build_parser, parse_overrides
+from peer.cli.swarm_peer import build_parser, parse_overrides
 from peer.config import build_config, env_name, iter_fields
 
 REPO = Path(__file__).resolve().parent.parent
@@ -45,9 +45,9 @@ PARSER = build_parser()  # building it reads every field's docstring (slow): bui
 
 @pytest.fixture(autouse=True)
 def one_parser(monkeypatch):
-    import peer.cli
+    import peer.cli.swarm_peer
 
-    monkeypatch.setattr(peer.cli, "build_parser", lambda: PARSER)  # what swarm-docker imports, too
+    monkeypatch.setattr(peer.cli.swarm_peer, "build_parser", lambda: PARSER)  # what swarm-docker imports, too
 
 
 def compose() -> dict:

@@ -4,9 +4,9 @@ import pytest
 import torch
 from torch import nn
 
-from peer.fragments import block_assignment, partition, unique_named_parameters
-from peer.model import build_model
-from peer.schedule import due_round, fragment_offset, next_sync_step
+from peer.outer.fragments import block_assignment, partition, unique_named_parameters
+from peer.local.model import build_model
+from peer.outer.schedule import due_round, fragment_offset, next_sync_step
 
 
 def test_block_layouts():

@@ -1,4 +1,4 @@
-"""Tests for peer/inner.py: LR schedule, weight-decay groups, InnerLoop behaviour."""
+"""Tests for peer/local/inner.py: LR schedule, weight-decay groups, InnerLoop behaviour."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from peer.data import MarkovSource
-from peer.inner import InnerLoop, lr_at, split_decay_params
-from peer.model import build_model
+from peer.local.data import MarkovSource
+from peer.local.inner import InnerLoop, lr_at, split_decay_params
+from peer.local.model import build_model
 
 CPU = torch.device("cpu")
 

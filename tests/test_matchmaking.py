@@ -1,4 +1,4 @@
-"""Group formation on real DHT nodes and p2p daemons on loopback (peer/matchmaking.py)."""
+"""Group formation on real DHT nodes and p2p daemons on loopback (peer/net/matchmaking.py)."""
 
 import asyncio
 import time
@@ -7,7 +7,7 @@ import pytest
 from hivemind.averaging.key_manager import GroupKeyManager
 
 from helpers import dht_nodes, run_async
-from peer.matchmaking import GaveUp, form_group, round_prefix
+from peer.net.matchmaking import GaveUp, form_group, round_prefix
 
 
 @pytest.fixture
@@ -54,7 +54,7 @@ def test_a_search_gives_up_when_told_why(dhts):
 
     def give_up():
         asked.append(time.monotonic())
-        return GaveUp("late: the swarm already applied round 1") if len(asked) >= 2 else None
+        return GaveUp("late: the swarm already applied round 1", "behind") if len(asked) >= 2 else None
 
     async def main():
         p2p = await dhts[0].replicate_p2p()
@@ -74,7 +74,7 @@ def test_a_search_gives_up_when_told_why(dhts):
 
 @pytest.mark.timeout(120)
 def test_a_patient_search_waits_for_a_peer_on_its_way(dhts):
-    """Patience (peer/phase.py): a search that found no group within ``timeout`` goes on while ``keep_waiting``
+    """Patience (peer/net/consensus.py): a search that found no group within ``timeout`` goes on while ``keep_waiting``
     says a peer is on its way, and that peer, arriving after the timeout, joins it; the same late arrival
     without patience finds no one (the first search ended at its timeout)."""
     timeout, late = 3.0, 6.0  # the second peer starts looking 6 s after the first: after its timeout

@@ -1,4 +1,4 @@
-"""Tests for peer/model.py: shapes, presets, causality, QK-norm/RoPE, z-loss, factories."""
+"""Tests for peer/local/model.py: shapes, presets, causality, QK-norm/RoPE, z-loss, factories."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from peer import model as model_mod
-from peer.model import PRESETS, ModelShape, Transformer, build_model, count_parameters, lm_loss
+from peer.local import model as model_mod
+from peer.local.model import PRESETS, ModelShape, Transformer, build_model, count_parameters, lm_loss
 
 VOCAB = 256
 

@@ -2,7 +2,8 @@
 
 import torch
 
-from peer.outer import FragmentState, NesterovSGD, Span, apply_round
+from peer.outer.rounds import Span
+from peer.outer.state import FragmentState, NesterovSGD, apply_round
 
 
 def diloco_by_hand(theta0, worker_thetas, weights, lr, mu, v0):

@@ -15,7 +15,7 @@ there the peers must complete a round together (status ok on every peer, group o
 ``BOUND_ROUNDS`` rounds of the undisturbed peers (rounds of any fragment counted: with two fragments, six
 rounds are three of each) and within ``BOUND_S`` seconds. Before issue 11 the two-peer swarm on
 the steps schedule never met again after any of the three: each peer reached every round ~25 s after the
-other, waited ``matchmaking_timeout`` alone and moved on (see ``peer/phase.py`` and docs/architecture.md).
+other, waited ``matchmaking_timeout`` alone and moved on (see ``peer/net/consensus.py`` and docs/architecture.md).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ from hivemind.utils import ValueWithExpiration, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from helpers import dht_nodes
-from peer.progress import LiveView, ProgressRecord, make_validators, progress_key
+from peer.net.progress import LiveView, make_validators, progress_key
+from peer.net.records import ProgressRecord
 
 TTL = 10.0
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from peer.model import ModelShape, Transformer
-from peer.schedule import rounds_due_by
+from peer.local.model import ModelShape, Transformer
+from peer.outer.schedule import rounds_due_by
 
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("bench_quality", REPO / "bench" / "quality.py")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from peer.schedule import ClockSchedule, StepsSchedule
+from peer.outer.schedule import ClockSchedule, StepsSchedule
 
 
 class FakeClock:

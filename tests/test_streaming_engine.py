@@ -2,9 +2,9 @@
 
 import torch
 
-from peer.fragments import Fragment
-from peer.outer import RoundOutcome, Span
-from peer.streaming import AutoTau, OuterSettings, StreamingEngine
+from peer.outer.fragments import Fragment
+from peer.outer.rounds import RoundOutcome, Span
+from peer.outer.engine import AutoTau, OuterSettings, StreamingEngine
 
 
 class ScriptedTransport:
@@ -13,7 +13,7 @@ class ScriptedTransport:
     def __init__(self, outcomes):
         self.outcomes, self.launched = outcomes, []
 
-    def launch(self, *, fragment, round_, delta, weight, step):
+    def launch(self, *, fragment, round_, delta, weight, step, expected_round):
         self.launched.append((fragment, round_, delta.clone(), weight, step))
         outcome = self.outcomes(fragment, round_, delta)
 
@@ -22,6 +22,9 @@ class ScriptedTransport:
                 if outcome is None:
                     raise TimeoutError
                 return outcome
+
+            def done(self):
+                return outcome is not None
 
             def cancel(self):
                 return True
@@ -117,3 +120,27 @@ def test_checkpointed_state_holds_the_eager_terms_only_when_they_are_used():
     eager.load_state_dict(plain.state_dict())
     torch.testing.assert_close(eager.states[0].G, torch.full((8,), 3.0))
     assert not eager.states[0].E.any() and not eager.states[0].u.any()
+
+
+def test_a_round_the_transport_keeps_home_is_reported_at_once_without_a_jump():
+    """A round not launched (alone, behind) is reported at its launch step, not tau steps later: nothing is in
+    flight, so there is no eager jump to undo, its tokens and the error-feedback residual stay for the next one."""
+    from peer.outer.codec import get_codec
+    from peer.outer.rounds import RoundStatus
+
+    reported = []
+    behind = lambda f, r, d: RoundOutcome(f, r, RoundStatus.BEHIND, error="late")  # noqa: E731
+    p = torch.nn.Parameter(torch.zeros(8))
+    eng = StreamingEngine([Fragment(0, ["w"], [p])], OuterSettings(H=2, tau=1, eager=True),
+                          ScriptedTransport(behind), group_size_hint=lambda: 2,
+                          on_outcome=lambda frag, st, o, step: reported.append((o.status, o.launch_step, step)),
+                          error_feedback_codec=get_codec("e3m0"))
+    with torch.no_grad():
+        p -= 1.0
+    eng.add_tokens(10)
+    eng.launch_due(2)
+    assert reported == [(RoundStatus.BEHIND, 2, 2)]  # at launch
+    assert eng.pending[0] == [] and eng.states[0].round == 1 and eng.states[0].tokens_since_sync == 10
+    torch.testing.assert_close(p.detach(), torch.full((8,), -1.0))  # no eager jump
+    assert eng.error_feedback[0].residual is None  # nothing was sent
+    assert not eng.states[0].E.any()

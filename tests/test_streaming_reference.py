@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from peer.fragments import partition
-from peer.simulator import FakeTransport, Replica, run_lockstep
-from peer.streaming import OuterSettings, StreamingEngine
+from peer.outer.fragments import partition
+from peer.outer.simulator import FakeTransport, Replica, run_lockstep
+from peer.outer.engine import OuterSettings, StreamingEngine
 from reference_algorithms import (Params, ToyReplica, diloco, eager_one_outer_step, fragment_offsets,
                                   make_replicas, streaming_diloco, strided_fragments)
 

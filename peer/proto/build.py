@@ -1,4 +1,4 @@
-"""Generate ``peer/proto/*_pb2.py`` from ``protos/*.proto``.
+"""Generate ``peer/proto/*_pb2.py`` (and their type stubs ``*_pb2.pyi``, for mypy) from ``protos/*.proto``.
 
 Run as ``python -m peer.proto.build`` (``make protos``). ``tests/test_protos.py`` calls
 :func:`generate` into a temporary folder and fails when the checked-in modules are stale.
@@ -24,15 +24,16 @@ def generate(out_dir: Path = OUT_DIR) -> list[Path]:
     from grpc_tools import protoc  # build-time only
 
     protos = sorted(PROTO_DIR.glob("*.proto"))
-    args = ["protoc", f"-I{PROTO_DIR}", f"--python_out={out_dir}"] + [str(p) for p in protos]
+    args = ["protoc", f"-I{PROTO_DIR}", f"--python_out={out_dir}", f"--pyi_out={out_dir}"] + [str(p) for p in protos]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed on {[p.name for p in protos]}")
     outputs = []
     for proto in protos:
-        path = Path(out_dir) / f"{proto.stem}_pb2.py"
-        text = re.sub(r"^import (\w+_pb2) as", r"from . import \1 as", path.read_text(), flags=re.M)
-        path.write_text(text)
-        outputs.append(path)
+        for suffix in (".py", ".pyi"):
+            path = Path(out_dir) / f"{proto.stem}_pb2{suffix}"
+            text = re.sub(r"^import (\w+_pb2) as", r"from . import \1 as", path.read_text(), flags=re.M)
+            path.write_text(text)
+            outputs.append(path)
     return outputs
 
 

@@ -337,7 +337,7 @@ class BinShardSource(_WindowSource):
             raise ValueError("bin source needs at least one path in data.paths")
         if not 0 < vocab_size <= 65536:
             raise ValueError(f"bin source stores uint16 ids: vocab_size must be in 1..65536, got {vocab_size}")
-        segments = []
+        segments: list[tuple[str, np.ndarray]] = []
         for path in paths:
             _check_file(path)
             if os.path.getsize(path) % 2:

@@ -24,6 +24,7 @@ import importlib
 import math
 import os
 import sys
+import typing
 from dataclasses import dataclass
 
 import torch
@@ -206,7 +207,7 @@ class Transformer(nn.Module):
         std = 0.02
         nn.init.normal_(self.tok_emb.weight, std=std)
         resid_std = std / math.sqrt(2 * self.shape.n_layers)
-        for block in self.blocks:
+        for block in typing.cast(list[Block], self.blocks):
             nn.init.normal_(block.attn.qkv.weight, std=std)
             nn.init.normal_(block.attn.out.weight, std=resid_std)
             nn.init.normal_(block.mlp.up.weight, std=std)
@@ -218,7 +219,7 @@ class Transformer(nn.Module):
         t = tokens.shape[1]
         if t > self.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds max_seq_len={self.max_seq_len}")
-        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        cos, sin = typing.cast(Tensor, self.rope_cos)[:t], typing.cast(Tensor, self.rope_sin)[:t]
         x = self.tok_emb(tokens)
         for block in self.blocks:
             x = block(x, cos, sin)

@@ -14,9 +14,9 @@ from typing import Callable, Optional
 
 import torch
 
-from peer.codec import Codec, get_codec
-from peer.outer import RoundOutcome, Span
-from peer.streaming import StreamingEngine
+from peer.outer.codec import Codec, get_codec
+from peer.outer.rounds import RoundOutcome, RoundStatus, Span
+from peer.outer.engine import StreamingEngine
 
 
 class _Handle:
@@ -29,6 +29,9 @@ class _Handle:
             raise TimeoutError(f"round {self._key} is still missing parts")
         return outcome
 
+    def done(self) -> bool:
+        return self._transport.outcome(self._key) is not None
+
     def cancel(self) -> bool:
         return False
 
@@ -37,7 +40,8 @@ class _Endpoint:
     def __init__(self, transport: "FakeTransport", index: int):
         self._transport, self._index = transport, index
 
-    def launch(self, *, fragment: int, round_: int, delta: torch.Tensor, weight: float, step: int) -> _Handle:
+    def launch(self, *, fragment: int, round_: int, delta: torch.Tensor, weight: float, step: int,
+               expected_round: int) -> _Handle:
         self._transport.submit((fragment, round_), self._index, delta, weight)
         return _Handle(self._transport, (fragment, round_))
 
@@ -72,7 +76,7 @@ class FakeTransport:
                 nbytes += size
             average, size = self._roundtrip(acc / total)  # encoded once, decoded identically by all
             self.bytes_per_round[key] = nbytes + size * self.num_replicas
-            self._done[key] = RoundOutcome(key[0], key[1], "ok", group_size=self.num_replicas,
+            self._done[key] = RoundOutcome(key[0], key[1], RoundStatus.OK, group_size=self.num_replicas,
                                            spans=[Span(0, delta.numel(), average)],
                                            contributors=[sorted(parts)], total_weight=total)
             del self._parts[key]

@@ -49,7 +49,8 @@ def _events(path: Path) -> list[dict]:
 
 def summarize(run_root: Path, names: list[str]) -> tuple[str, bool]:
     """The summary table and whether every round's digests agree across peers."""
-    rows, digests = [], {}
+    rows: list[str] = []
+    digests: dict[tuple[int, int], set[str]] = {}
     for name in names:
         ev = _events(run_root / name / "events.jsonl")
         steps = [e for e in ev if e["event"] == "step"]
@@ -71,7 +72,7 @@ def summarize(run_root: Path, names: list[str]) -> tuple[str, bool]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m peer.demo", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m peer.cli.demo", description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="configs/demo.toml")
     ap.add_argument("--peers", type=int, default=3)
     ap.add_argument("--max-steps", type=int, default=400)

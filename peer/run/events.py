@@ -1,4 +1,4 @@
-"""What a peer reports: the JSON-lines event log and its console/file logging (the status line: peer/status.py).
+"""What a peer reports: the JSON-lines event log and its console/file logging (the status line: peer/run/status.py).
 
 JSON events (one object per line, ``--log-json``): ``start``, ``step`` (every ``log_every`` steps:
 step, loss, ce, tokens, time, ...), ``round`` (after each sync: fragment, round, status,

@@ -8,7 +8,7 @@ fragment every H steps; P = 1 is DiLoCo's schedule.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 
 def fragment_offset(p: int, num_fragments: int, H: int) -> int:
@@ -66,13 +66,13 @@ class ClockSchedule:
     never contributes to a round it did not train for.
     """
 
-    def __init__(self, round_seconds: float, num_fragments: int, *, origin: float = 0.0, clock=None):
+    def __init__(self, round_seconds: float, num_fragments: int, *, clock: Callable[[], float],
+                 origin: float = 0.0):
+        """``clock``: the swarm's clock in seconds (the trainer passes hivemind's DHT time)."""
         if round_seconds <= 0:
             raise ValueError(f"round_seconds must be > 0 (got {round_seconds})")
-        from hivemind.utils import get_dht_time  # the swarm's clock
-
         self.T, self.P, self.origin = round_seconds, num_fragments, origin
-        self.clock = clock or get_dht_time
+        self.clock = clock
         self.last = [self.current_round(p) for p in range(num_fragments)]
 
     def current_round(self, p: int) -> int:

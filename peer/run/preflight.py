@@ -1,8 +1,7 @@
 """Checks made before a peer joins the swarm, so that whatever a user can fix is reported in one line
 before any other peer waits for this one: the device, the model's contract, the data.
 
-:class:`SetupError` is the one kind of error the command line reports as a usage error (exit status 2);
-a failure during training is not one.
+Each raises :class:`~peer.errors.SetupError` (one line, exit status 2).
 """
 
 from __future__ import annotations
@@ -13,15 +12,12 @@ from typing import Any
 import torch
 
 from peer.config import PeerConfig
-from peer.data import make_source
-from peer.model import build_model
+from peer.errors import SetupError
+from peer.local.data import make_source
+from peer.local.model import build_model
 
 # The smallest batch that shows a model's output shape (a forward on the meta device costs nothing).
 _PROBE_BATCH, _PROBE_LEN = 2, 8
-
-
-class SetupError(ValueError):
-    """Something in the user's setup (config, files, device, model) that must be fixed before training."""
 
 
 def check_device(name: str) -> None:

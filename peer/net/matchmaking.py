@@ -85,7 +85,7 @@ class GaveUp(Exception):
     """Matchmaking stopped early because ``give_up`` said why (the message); ``status`` is the round status
     the caller reports (e.g. ``behind``: the swarm applied the round without us)."""
 
-    def __init__(self, reason: str, status: str = "behind"):
+    def __init__(self, reason: str, status: str):
         super().__init__(reason)
         self.status = status
 

@@ -16,22 +16,25 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
+from hivemind.dht import DHT
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
-from peer.allreduce import PROTOCOL_VERSION, AllReduceServicer, GroupError, GroupPlan, run_allreduce
-from peer.codec import codec_key, get_codec
+from peer.net.allreduce import PROTOCOL_VERSION, AllReduceServicer, GroupError, GroupPlan, run_allreduce
+from peer.outer.codec import codec_key, get_codec
 from peer.config import SwarmConfig
-from peer.dht_node import create_dht, peers_of, reconnect
-from peer.matchmaking import GaveUp, form_group, round_prefix
-from peer.outer import RoundOutcome
-from peer.phase import laggards, nobody_coming
-from peer.progress import LiveView, ProgressRecord, make_validators, progress_key
-from peer.state_transfer import Snapshot, StateServicer, download, swarm_is_past
+from peer.net.dht import create_dht, peers_of, reconnect
+from peer.net.matchmaking import GaveUp, form_group, round_prefix
+from peer.outer.rounds import RoundOutcome, RoundStatus
+from peer.net.consensus import laggards, nobody_coming, swarm_is_past
+from peer.net.progress import LiveView, make_validators, progress_key
+from peer.net.records import ProgressRecord
+from peer.net.state_transfer import Snapshot, StateServicer, download
 from peer.proto import allreduce_pb2 as pb
+from peer.util import short_id
 
 log = logging.getLogger(__name__)
 # Heartbeats in flight at once: each is bounded by progress_ttl, so this bounds the DHT load of a stalled DHT.
@@ -74,13 +77,14 @@ class Swarm:
         self.identity_path = identity_path
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="swarm-net", daemon=True)
-        self.dht = None
-        self.p2p: Optional[P2P] = None
-        self.servicer: Optional[AllReduceServicer] = None
-        self.state_servicer: Optional[StateServicer] = None
+        self._dht: Optional[DHT] = None  # set by start(), cleared by shutdown()
+        self._p2p: Optional[P2P] = None
+        self.servicer = AllReduceServicer(registration_timeout=cfg.request_timeout, part_timeout=cfg.part_timeout)
+        self.state_servicer = StateServicer(chunk_elems=max(1, cfg.chunk_bytes // 8))
         self._subkey = b""
         self._progress = (0, 0, 0.0)  # (step, round of fragment 0, tokens/s), published by the heartbeat
         self._view = LiveView(cfg.progress_ttl)  # everyone's records, merged by the heartbeat
+        self._first_read = threading.Event()  # set once the heartbeat's first read of the records ended
         self._known: dict[str, float] = {}  # peer id -> when we last saw it live (pinged when we are alone)
         self._reconnecting = False
         self._initial_peers: dict[str, list[str]] = {}  # {peer id: its multiaddrs}, dialed by _reconnect
@@ -91,17 +95,14 @@ class Swarm:
         """Starts the DHT and the networking thread. Raises :class:`~peer.dht_node.JoinError` if no initial peer
         answered within ``join_timeout`` (retried with backoff; ``stop`` ends the retries)."""
         validators, self._subkey = make_validators(self.run_key)
-        self.dht = create_dht(initial_peers=self.cfg.initial_peers, host_maddrs=self.cfg.host_maddrs,
+        self._dht = create_dht(initial_peers=self.cfg.initial_peers, host_maddrs=self.cfg.host_maddrs,
                               announce_maddrs=self.cfg.announce_maddrs, identity_path=self.identity_path,
                               client_mode=self.cfg.client_mode, nat_port_map=self.cfg.nat_port_map,
                               record_validators=validators, startup_timeout=self.cfg.startup_timeout,
                               wait_timeout=self.cfg.dht_timeout, join_timeout=self.cfg.join_timeout, stop=stop)
         self._initial_peers = peers_of(self.cfg.initial_peers)  # checked by create_dht
         self._thread.start()
-        self.p2p = self._call(self.dht.replicate_p2p(), self.cfg.startup_timeout)
-        self.servicer = AllReduceServicer(registration_timeout=self.cfg.request_timeout,
-                                          part_timeout=self.cfg.part_timeout)
-        self.state_servicer = StateServicer(chunk_elems=max(1, self.cfg.chunk_bytes // 8))
+        self._p2p = self._call(self.dht.replicate_p2p(), self.cfg.startup_timeout)
         if not self.cfg.client_mode:
             self._call(self.servicer.add_p2p_handlers(self.p2p), self.cfg.startup_timeout)
             self._call(self.state_servicer.add_p2p_handlers(self.p2p), self.cfg.startup_timeout)
@@ -109,7 +110,7 @@ class Swarm:
 
     def shutdown(self) -> None:
         """Withdraws our progress record, stops the event loop thread and the DHT. Idempotent."""
-        if self.dht is not None and self._thread.is_alive():
+        if self._dht is not None and self._thread.is_alive():
             try:
                 self._call(self.dht.store(progress_key(self.run_key), None, get_dht_time() + self.cfg.progress_ttl,
                                           subkey=self._subkey, return_future=True), self.cfg.request_timeout)
@@ -118,9 +119,9 @@ class Swarm:
         if self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._cancel_all_and_stop)
             self._thread.join(timeout=10)
-        if self.dht is not None:
-            self.dht.shutdown()
-            self.dht = None
+        if self._dht is not None:
+            self._dht.shutdown()
+            self._dht = None
 
     def _cancel_all_and_stop(self) -> None:
         for task in asyncio.all_tasks(self._loop):
@@ -129,6 +130,20 @@ class Swarm:
 
     def _call(self, coro, timeout: float):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    @property
+    def dht(self) -> DHT:
+        """The DHT. Must be used after :meth:`start` and before :meth:`shutdown`."""
+        if self._dht is None:
+            raise RuntimeError("the swarm is not started (or already shut down)")
+        return self._dht
+
+    @property
+    def p2p(self) -> P2P:
+        """Our replica of the DHT's libp2p daemon. Must be used after :meth:`start` and before :meth:`shutdown`."""
+        if self._p2p is None:
+            raise RuntimeError("the swarm is not started (or already shut down)")
+        return self._p2p
 
     @property
     def peer_id(self) -> str:
@@ -171,15 +186,18 @@ class Swarm:
         store = self.dht.store(progress_key(self.run_key), rec.model_dump(), get_dht_time() + self.cfg.progress_ttl,
                                subkey=self._subkey, return_future=True)
         fetch = self.dht.get(progress_key(self.run_key), latest=True, return_future=True)
-        stored, found = await asyncio.gather(asyncio.wait_for(store, self.cfg.progress_ttl),
-                                             asyncio.wait_for(fetch, self.cfg.progress_ttl), return_exceptions=True)
+        results: tuple[Any, ...] = await asyncio.gather(asyncio.wait_for(store, self.cfg.progress_ttl),
+                                                  asyncio.wait_for(fetch, self.cfg.progress_ttl),
+                                                  return_exceptions=True)
+        stored, found = results
         for what, result in (("store", stored), ("get", found)):
             if isinstance(result, BaseException):
-                log.debug("peer %s: progress %s failed: %s", self.peer_id[-8:], what, type(result).__name__)
+                log.debug("peer %s: progress %s failed: %s", short_id(self.peer_id), what, type(result).__name__)
         if not isinstance(found, BaseException):
             self._view.merge(found, dht_now=get_dht_time(), local_now=time.monotonic())
+        self._first_read.set()
         others = [pid for pid in self.live_peers() if pid != self.peer_id]
-        log.debug("peer %s: progress beat took %.1f s, %d others live", self.peer_id[-8:], time.monotonic() - t0,
+        log.debug("peer %s: progress beat took %.1f s, %d others live", short_id(self.peer_id), time.monotonic() - t0,
                   len(others))
         now = time.monotonic()
         known = {**self._known, **{pid: now for pid in others}}
@@ -197,12 +215,18 @@ class Swarm:
         self._reconnecting = True
         try:
             size = await asyncio.wait_for(reconnect(self.dht, peers, self.cfg.dht_timeout), 3 * self.cfg.dht_timeout)
-            log.debug("peer %s: alone, pinged %d known peers: %d in the DHT routing table", self.peer_id[-8:],
+            log.debug("peer %s: alone, pinged %d known peers: %d in the DHT routing table", short_id(self.peer_id),
                       len(peers), size)
         except Exception as e:
-            log.debug("peer %s: reconnect failed: %s", self.peer_id[-8:], type(e).__name__)
+            log.debug("peer %s: reconnect failed: %s", short_id(self.peer_id), type(e).__name__)
         finally:
             self._reconnecting = False
+
+    def wait_first_read(self, timeout: float) -> bool:
+        """Blocks until the heartbeat has read the others' progress records once (found or not), up to
+        ``timeout`` s; False on timeout. Call it before a decision that needs the swarm's view, such as the
+        catch-up of a peer that just joined: until then :meth:`live_peers` is empty."""
+        return self._first_read.wait(timeout)
 
     def live_peers(self) -> dict[str, ProgressRecord]:
         """Progress records of the peers of this run heard from within ``progress_ttl`` (see
@@ -233,7 +257,7 @@ class Swarm:
 
         ``delta`` (fp32 CPU, the outer gradient) must not be modified until the future is done.
         ``sync_every``: the steps schedule's H (None on the clock schedule). The phase rules of
-        :mod:`peer.phase` then apply: if no group formed within matchmaking_timeout, keep looking while a
+        :mod:`peer.net.consensus` then apply: if no group formed within matchmaking_timeout, keep looking while a
         live peer's record shows it has not reached ``inner_step`` yet; stop as soon as every live peer has left
         the round without us. On both schedules the search stops once no other peer is live (status ``alone``,
         as at launch). The future completes within matchmaking_timeout
@@ -249,8 +273,8 @@ class Swarm:
     async def _round(self, fragment: int, round_: int, delta: torch.Tensor, weight: float, inner_step: int,
                      target_group_size: int, sync_every: Optional[int]) -> RoundOutcome:
         t0 = time.monotonic()
-        label = f"peer {self.peer_id[-8:]} fragment {fragment} round {round_}"
-        out = RoundOutcome(fragment, round_, "failed")
+        label = f"peer {short_id(self.peer_id)} fragment {fragment} round {round_}"
+        out = RoundOutcome(fragment, round_, RoundStatus.FAILED)
         patience = self.cfg.matchmaking_patience if sync_every else 0.0
         patience_end = t0 + self.cfg.matchmaking_timeout + patience
 
@@ -264,12 +288,12 @@ class Swarm:
         def give_up() -> Optional[GaveUp]:
             records = self.live_peers()
             if late := swarm_is_past(records, self.peer_id, fragment, round_):
-                return GaveUp(late, "behind")
+                return GaveUp(late, RoundStatus.BEHIND)
             if not any(pid != self.peer_id for pid in records):  # everyone left (a clean stop, or silent for ttl)
-                return GaveUp("no other peer is live any more", "alone")
+                return GaveUp("no other peer is live any more", RoundStatus.ALONE)
             if sync_every and (gone := nobody_coming(records, self.peer_id, launch_step=inner_step,
                                                       fragment=fragment, round_=round_)):
-                return GaveUp(gone, "no_group")
+                return GaveUp(gone, RoundStatus.NO_GROUP)
             return None
 
         self._activity[(fragment, round_)] = RoundActivity(fragment, round_, RoundStage.MATCHMAKING,
@@ -287,7 +311,7 @@ class Swarm:
                 give_up=give_up, keep_waiting=keep_waiting, patience=patience)
             if group is None:
                 waited = time.monotonic() - t0
-                out.status, out.error = "no_group", f"no other peer came to this round within {waited:.0f} s"
+                out.status, out.error = RoundStatus.NO_GROUP, f"no other peer came to this round within {waited:.0f} s"
                 return out
             out.group_size = len(group.peer_ids)
             self._activity[(fragment, round_)] = RoundActivity(fragment, round_, RoundStage.ALLREDUCE,
@@ -300,10 +324,10 @@ class Swarm:
                                          connect_timeout=self.cfg.request_timeout, chunk_bytes=self.cfg.chunk_bytes)
             out.spans, out.contributors, out.total_weight = result.spans, result.contributors, result.total_weight
             out.bytes_sent, out.bytes_received = result.traffic.sent, result.traffic.received
-            out.status = "ok" if result.complete else "partial"
+            out.status = RoundStatus.OK if result.complete else RoundStatus.PARTIAL
             return out
         except GaveUp as e:
-            out.status, out.error = e.status, str(e)
+            out.status, out.error = RoundStatus(e.status), str(e)
             log.debug("%s: stopped looking for a group: %s", label, e)
             return out
         except GroupError as e:

@@ -20,25 +20,9 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils.crypto import RSAPrivateKey
 
+from peer.net.records import ProgressRecord
+
 _OWNER = re.compile(b".*" + RSASignatureValidator.PUBLIC_KEY_REGEX + b".*", re.DOTALL)
-
-
-class ProgressRecord(pydantic.BaseModel):
-    """One peer's progress (values are checked strictly: they come from other peers)."""
-
-    peer_id: pydantic.StrictStr
-    step: pydantic.conint(strict=True, ge=0)
-    round: pydantic.conint(strict=True, ge=0)  # rounds completed of fragment 0
-    # per fragment: rounds applied and the hex digest of G after them (drift check, state donors)
-    rounds: list[pydantic.conint(strict=True, ge=0)] = pydantic.Field(default_factory=list, max_length=4096)
-    digests: list[pydantic.constr(strict=True, max_length=64)] = pydantic.Field(default_factory=list,
-                                                                               max_length=4096)
-    # rounds this peer is looking for a group for right now, as [fragment, round] (the phase rules, peer/phase.py)
-    seeking: list[pydantic.conlist(pydantic.conint(strict=True, ge=0), min_length=2, max_length=2)] = \
-        pydantic.Field(default_factory=list, max_length=64)
-    tokens_per_second: pydantic.confloat(strict=True, ge=0.0, allow_inf_nan=False)
-    client_mode: pydantic.StrictBool
-    time: pydantic.confloat(strict=True, allow_inf_nan=False)
 
 
 class ProgressValidator(RecordValidatorBase):

@@ -1,7 +1,7 @@
 """The Streaming DiLoCo outer engine of one peer: launch, overlap tau, eager updates, merge.
 
 Pure torch; the network is behind a :class:`Transport`, so the same engine runs in the swarm
-(``peer/train.py``) and in the in-process simulator (``peer/simulator.py``). Per inner step the
+(``peer/run/trainer.py``) and in the in-process simulator (``peer/outer/simulator.py``). Per inner step the
 caller runs :meth:`StreamingEngine.launch_due` then :meth:`StreamingEngine.apply_due` (the
 simulator runs phase 1 on every replica before phase 2, so a lockstep fake transport never
 deadlocks).
@@ -37,32 +37,33 @@ from typing import Callable, Optional, Protocol
 
 import torch
 
-from peer.codec import Codec, ErrorFeedback, roundtrip
-from peer.fragments import Fragment
-from peer.outer import FragmentState, NesterovSGD, RoundOutcome, apply_round
-from peer.schedule import ClockSchedule, StepsSchedule
+from peer.config import OuterConfig, default_of
+from peer.outer.codec import Codec, roundtrip
+from peer.outer.fragments import Fragment
+from peer.outer.rounds import RoundOutcome, RoundStatus
+from peer.outer.state import ErrorFeedback, FragmentState, NesterovSGD, apply_round
+from peer.outer.schedule import ClockSchedule, StepsSchedule
+from peer.util import time_left
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
 class OuterSettings:
+    """The engine's view of the ``[outer]`` settings. ``peer/config.py``'s :class:`~peer.config.OuterConfig` is
+    the one source of truth: it documents every field, and the defaults here are its defaults. ``H`` is its
+    ``sync_every``; ``tau`` is an integer (``auto`` is resolved round by round through the engine's
+    ``tau_fn``). Build it from a config with :meth:`from_config`; tests and the simulator set fields directly.
+    """
+
     H: int
-    """Inner steps between two syncs of the same fragment."""
-    lr: float = 0.7
-    """Outer Nesterov learning rate."""
-    momentum: float = 0.9
-    """Outer Nesterov momentum."""
-    alpha: float = 0.0
-    """Merge factor for tau < H: theta <- alpha*theta + (1-alpha)*(G + E)."""
+    lr: float = default_of(OuterConfig, "lr")
+    momentum: float = default_of(OuterConfig, "momentum")
+    alpha: float = default_of(OuterConfig, "alpha")
     tau: int = 0
-    """Inner steps a peer trains before it must have a round's aggregate (0..H)."""
-    eager: bool = False
-    """Apply the peer's own share at launch (tau > 0) / the eager machine (tau = H)."""
-    merge: str = "alpha"
-    """How an aggregate arriving tau steps after launch meets the local weights: alpha or replay."""
-    wait_timeout: float = 120.0
-    """Seconds to wait at launch + tau for a late aggregate before the round counts as missed."""
+    eager: bool = default_of(OuterConfig, "eager")
+    merge: str = default_of(OuterConfig, "merge")
+    wait_timeout: float = default_of(OuterConfig, "wait_timeout")
 
     def __post_init__(self) -> None:
         if self.H < 1 or not 0 <= self.tau <= self.H:
@@ -70,17 +71,32 @@ class OuterSettings:
         if self.merge not in ("alpha", "replay") or not 0 <= self.alpha <= 1:
             raise ValueError(f"merge must be alpha or replay and alpha in [0, 1] (got {self.merge}, {self.alpha})")
 
+    @classmethod
+    def from_config(cls, outer: OuterConfig) -> "OuterSettings":
+        """The settings of ``outer`` (``tau = auto`` starts at 0: the engine's ``tau_fn`` decides per round)."""
+        return cls(H=outer.sync_every, lr=outer.lr, momentum=outer.momentum, alpha=outer.alpha,
+                   tau=outer.tau if isinstance(outer.tau, int) else 0, eager=outer.eager, merge=outer.merge,
+                   wait_timeout=outer.wait_timeout)
+
 
 class Handle(Protocol):
-    """A launched round. ``result`` raises ``TimeoutError`` if it is not in within ``timeout``."""
+    """A launched round. ``result`` raises ``TimeoutError`` if it is not in within ``timeout``; ``done`` says
+    whether it is in (a round the transport decided not to launch is done at once)."""
 
     def result(self, timeout: Optional[float] = None) -> RoundOutcome: ...
+
+    def done(self) -> bool: ...
 
     def cancel(self) -> bool: ...
 
 
 class Transport(Protocol):
-    def launch(self, *, fragment: int, round_: int, delta: torch.Tensor, weight: float, step: int) -> Handle: ...
+    """Where rounds go. The engine passes what it knows: ``expected_round`` is the last round its state will
+    have applied once its rounds in flight land (a transport may decide not to launch a round the swarm is
+    past; that decision comes back only in the round's outcome, status ``alone`` or ``behind``)."""
+
+    def launch(self, *, fragment: int, round_: int, delta: torch.Tensor, weight: float, step: int,
+               expected_round: int) -> Handle: ...
 
 
 @dataclass
@@ -166,8 +182,12 @@ class StreamingEngine:
             st.tokens_since_sync = 0
             if self.error_feedback is not None:
                 delta = self.error_feedback[p].compensate(delta)
+            handle = self.transport.launch(fragment=p, round_=r, delta=delta, weight=weight, step=step,
+                                           expected_round=self.expected_round(p))
+            if not self.one_outer_step and handle.done() and self._not_launched(p, r, weight, handle, step):
+                continue
+            if self.error_feedback is not None and self.ef_codec is not None:  # what the peers will decode
                 self.error_feedback[p].update(delta, roundtrip(delta, self.ef_codec))
-            handle = self.transport.launch(fragment=p, round_=r, delta=delta, weight=weight, step=step)
             tau = self.cfg.tau if self.tau_fn is None else max(0, min(self.cfg.H - 1, self.tau_fn()))
             jump = None
             if self.cfg.eager and 0 < tau < self.cfg.H:
@@ -178,6 +198,21 @@ class StreamingEngine:
                 frag.assign(merged)
                 theta = merged
             self.pending[p].append(Pending(r, step, delta, weight, handle, tau, theta, jump))
+
+    def _not_launched(self, p: int, r: int, weight: float, handle: Handle, step: int) -> bool:
+        """Reports at once a round the transport decided not to launch (alone, or the swarm is past it): nothing
+        of it is in flight, so nothing is jumped to or applied, its tokens and error-feedback residual are kept
+        for the next round, and whoever reacts to its status (a catch-up) does so now, not ``tau`` steps later.
+        Returns False for a round that was launched (it is applied at ``launch + tau`` as usual)."""
+        outcome = handle.result(timeout=0)
+        if RoundStatus(outcome.status).launched:
+            return False
+        st = self.states[p]
+        st.tokens_since_sync += int(weight)
+        st.round = r
+        outcome.launch_step = step
+        self.on_outcome(self.fragments[p], st, outcome, step)
+        return True
 
     # ---- phase 2 ---------------------------------------------------------------------------
     def apply_due(self, step: int) -> None:
@@ -221,13 +256,13 @@ class StreamingEngine:
     def _wait_until_deadline(self, pend: Pending, p: int, deadline: float) -> RoundOutcome:
         while True:
             try:
-                return pend.handle.result(timeout=min(0.2, max(0.0, deadline - time.monotonic())))
+                return pend.handle.result(timeout=min(0.2, time_left(deadline)))
             except TimeoutError:
                 self.on_wait()
                 if self.stop.is_set() or time.monotonic() >= deadline:
                     pend.handle.cancel()
                     why = "stopping" if self.stop.is_set() else f"not in within wait_timeout {self.cfg.wait_timeout}s"
-                    return RoundOutcome(p, pend.round, "missed", error=why)
+                    return RoundOutcome(p, pend.round, RoundStatus.MISSED, error=why)
 
     def _merged(self, theta: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self.cfg.alpha * theta + (1.0 - self.cfg.alpha) * target
@@ -249,10 +284,10 @@ class StreamingEngine:
 
     def _apply_one_outer_step(self, p: int, prev: Pending, fresh: Pending, outcome: RoundOutcome) -> None:
         frag, st = self.fragments[p], self.states[p]
-        arrived = [s for s in outcome.spans if s.average is not None]
-        for span in arrived:
+        arrived = [(s, s.average) for s in outcome.spans if s.average is not None]
+        for span, average in arrived:
             sl = slice(span.start, span.end)
-            self.opt.step_(st.G[sl], st.v[sl], span.average)
+            self.opt.step_(st.G[sl], st.v[sl], average)
         if arrived:
             self._record_share(p, prev, outcome)
         if self.cfg.eager:

@@ -11,7 +11,7 @@ Network-safety rules enforced here (the swarm must never talk to anything outsid
 * ``auto_nat`` / ``use_relay`` keep hivemind's defaults (on): they only talk to peers we are already
   connected to (AutoNAT dial-back, circuit-relay transport), never to third parties.
 
-hivemind is imported lazily so that ``import peer.dht_node`` stays cheap (hivemind imports torch).
+hivemind is imported lazily so that ``import peer.net.dht`` stays cheap (hivemind imports torch).
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
+from peer.errors import JoinError
+
 if TYPE_CHECKING:  # pragma: no cover
     import hivemind
 
@@ -36,9 +38,6 @@ JOIN_RETRY_FIRST, JOIN_RETRY_MAX = 1.0, 15.0
 # p2pd's words when none of its bootstrap peers could be connected to.
 _BOOTSTRAP_FAILED = "failed to connect to bootstrap peers"
 
-
-class JoinError(RuntimeError):
-    """No initial peer could be reached within ``join_timeout``; the message names every address and why."""
 _PEER_FORMAT = "/ip4/HOST/tcp/PORT/p2p/PEER_ID"
 _HOST_FORMAT = "/ip4/HOST/tcp/PORT"
 
@@ -170,7 +169,7 @@ def create_dht(
             if stop is not None and stop.is_set():
                 raise JoinError("stopped before any initial peer answered") from None
             if time.monotonic() + delay > deadline:
-                from peer.reachability import diagnose_initial_peers
+                from peer.net.reachability import diagnose_initial_peers
 
                 why = "; ".join(diagnose_initial_peers(initial_peers, host_maddrs, timeout=wait_timeout))
                 raise JoinError(f"could not reach any initial peer within {join_timeout:g} s (swarm.join_timeout): "
@@ -210,7 +209,6 @@ def _start_dht(
         except ValueError as e:
             raise ValueError(f"--identity-path: {e}") from e
 
-    import hivemind
 
     dht = None
     # p2pd start <= startup_timeout; bootstrap pings + neighbour search are bounded by ~2 * wait_timeout.

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from peer.model import lm_loss
+from peer.local.model import lm_loss
 
 __all__ = ["lr_at", "split_decay_params", "StepStats", "InnerLoop"]
 
@@ -56,7 +56,8 @@ def split_decay_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Pa
     Shared (tied) tensors appear once; order follows ``model.named_parameters``.
     """
     embedding_ids = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for _, p in model.named_parameters():  # de-duplicates tied tensors
         if not p.requires_grad:
             continue

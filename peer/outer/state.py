@@ -2,7 +2,8 @@
 
 For fragment p a peer holds, in fp32 on the CPU: ``G`` (shared outer parameters, changed only by
 swarm aggregates), ``v`` (shared Nesterov momentum) and ``S`` (start point of the current inner
-phase); ``G`` and ``v`` are bit-identical on every peer that applied the same rounds.
+phase); ``G`` and ``v`` are bit-identical on every peer that applied the same rounds. Per peer, the eager
+terms ``E, u`` and, with error feedback, the codec's residual (:class:`ErrorFeedback`).
 
 A round's aggregate may arrive incomplete (a reducer died): it is a list of spans, each either the
 decoded average or ``None``. Every elementwise update below touches only the spans that arrived, so
@@ -18,38 +19,7 @@ from typing import Optional, Sequence
 
 import torch
 
-
-@dataclass(frozen=True)
-class Span:
-    """Elements ``[start, end)`` of a fragment's flat vector and their averaged outer gradient
-    (``None`` when this span's reducer failed: nothing is applied there)."""
-
-    start: int
-    end: int
-    average: Optional[torch.Tensor]
-
-
-@dataclass
-class RoundOutcome:
-    """What one round of one fragment produced for this peer (from the swarm or a fake transport).
-
-    ``spans`` is empty unless ``status`` is ok/partial; ``total_weight`` is the group's summed weight.
-    """
-
-    fragment: int
-    round: int
-    # "ok" (all spans), "partial" (some missing), "no_group", "alone", "behind" (the swarm is past this round:
-    # not launched, its state is downloaded instead), "failed", "missed"
-    status: str
-    group_size: int = 0
-    spans: list[Span] = field(default_factory=list)
-    contributors: list[list[int]] = field(default_factory=list)
-    total_weight: float = 0.0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    seconds: float = 0.0
-    error: str = ""
-    launch_step: int = 0  # set by the engine: the inner step the round was launched after
+from peer.outer.rounds import Span
 
 
 @dataclass
@@ -81,8 +51,8 @@ class FragmentState:
     G: torch.Tensor
     v: torch.Tensor
     S: torch.Tensor
-    E: Optional[torch.Tensor] = None  # eager term (zero when eager updates are off)
-    u: Optional[torch.Tensor] = None  # eager momentum (tau = H mode)
+    E: torch.Tensor  # eager term (zero when eager updates are off)
+    u: torch.Tensor  # eager momentum (tau = H mode)
     round: int = 0
     tokens_since_sync: int = 0
     applied_rounds: list[int] = field(default_factory=list)
@@ -141,3 +111,43 @@ def apply_round(state: FragmentState, theta: torch.Tensor, spans: Sequence[Span]
         state.S[sl] = state.G[sl]
         applied[sl] = True
     return theta, applied
+
+
+class ErrorFeedback:
+    """Residual of a lossy codec for one fragment (off by default; the trainer owns one per fragment).
+
+    Each round: ``x = ef.compensate(delta)`` (delta + residual), send ``x``, then
+    ``ef.update(x, decoded_x)`` with ``decoded_x`` what the peers will decode from our bytes (for a
+    deterministic codec ``roundtrip(x, codec)``). The residual ``x - decoded_x`` is added to the next
+    round's delta, so quantization errors are delayed instead of lost.
+    """
+
+    def __init__(self) -> None:
+        self.residual: Optional[torch.Tensor] = None
+
+    def compensate(self, delta: torch.Tensor) -> torch.Tensor:
+        if self.residual is None:
+            return delta
+        if self.residual.shape != delta.shape:
+            raise ValueError(f"error feedback residual has shape {tuple(self.residual.shape)}, "
+                             f"delta has {tuple(delta.shape)}")
+        return delta + self.residual.to(device=delta.device, dtype=delta.dtype)
+
+    def update(self, sent: torch.Tensor, decoded_sent: torch.Tensor) -> torch.Tensor:
+        if sent.shape != decoded_sent.shape:
+            raise ValueError(f"sent {tuple(sent.shape)} and decoded {tuple(decoded_sent.shape)} differ in shape")
+        residual = sent.detach().to(torch.float32) - decoded_sent.detach().to(device=sent.device, dtype=torch.float32)
+        if not bool(torch.isfinite(residual).all()):
+            raise ValueError("error feedback residual is not finite")
+        self.residual = residual
+        return residual
+
+    def reset(self) -> None:
+        self.residual = None
+
+    def state_dict(self) -> dict:
+        return {"residual": None if self.residual is None else self.residual.detach().clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        residual = state.get("residual")
+        self.residual = None if residual is None else residual.detach().to(torch.float32).clone()

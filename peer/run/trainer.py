@@ -7,7 +7,7 @@ publishes our progress. SIGINT/SIGTERM stop the loop between steps; a round in f
 (nothing of it is applied) and the peer leaves the swarm cleanly.
 
 Before joining the swarm the peer locks its run dir (one process per run dir) and checks what the user
-can fix (device, model contract, data: :mod:`peer.preflight`), so those fail in one line before any
+can fix (device, model contract, data: :mod:`peer.run.preflight`), so those fail in one line before any
 other peer waits for this one.
 """
 
@@ -25,21 +25,27 @@ from typing import Optional
 import torch
 from hivemind.utils import get_dht_time
 
-from peer import checkpoint, phase, preflight
-from peer.codec import get_codec, make_codec
+from peer.net import consensus
+from peer.run import checkpoint, preflight
+from peer.outer.codec import get_codec, make_codec
 from peer.config import PeerConfig
-from peer.dht_node import JoinError, check_maddrs, ensure_identity
-from peer.events import EventLog, setup_logging
-from peer.fragments import Fragment, partition
-from peer.inner import InnerLoop
-from peer.model import build_model, count_parameters
-from peer.outer import FragmentState, RoundOutcome
-from peer.run_dir import RunDirLock
-from peer.schedule import ClockSchedule, StepsSchedule
-from peer.state_transfer import DownloadError, Snapshot, launch_gate, plan_catch_up
-from peer.streaming import AutoTau, OuterSettings, StreamingEngine
-from peer.status import StatusLine, describe
-from peer.swarm import Swarm
+from peer.errors import JoinError, SetupError
+from peer.net.dht import check_maddrs, ensure_identity
+from peer.run.events import EventLog, setup_logging
+from peer.outer.fragments import Fragment, partition
+from peer.local.inner import InnerLoop
+from peer.local.model import build_model, count_parameters
+from peer.outer.rounds import RoundOutcome, RoundStatus
+from peer.outer.state import FragmentState
+from peer.run.run_dir import RunDirLock
+from peer.outer.schedule import ClockSchedule, StepsSchedule
+from peer.net.consensus import plan_catch_up, step_after_catch_up
+from peer.net.state_transfer import DownloadError, Snapshot
+from peer.net.transport import SwarmTransport
+from peer.outer.engine import AutoTau, OuterSettings, StreamingEngine
+from peer.run.status import StatusLine, describe
+from peer.net.swarm import Swarm
+from peer.util import short_id
 
 log = logging.getLogger(__name__)
 # A checkpoint that could not be written (a full disk) is tried again this often at most (seconds).
@@ -82,18 +88,20 @@ class Trainer:
         self.run_dir = Path(cfg.run.run_dir)
         self.stop = StopFlag()
         self.events = EventLog(None)  # opened in run(), once the run dir is ours
-        self.swarm: Optional[Swarm] = None
+        # Created here (nothing starts before run()); its DHT process forks, so run() starts it before any CUDA.
+        codec = make_codec(cfg.outer.codec, stochastic_rounding=True) if cfg.outer.stochastic_rounding \
+            else cfg.outer.codec
+        self.swarm = Swarm(cfg.swarm, run_key=cfg.run_hash(), codec=codec, identity_path=str(cfg.identity_path))
         self.bytes_up = self.bytes_down = 0
-        self.peers_seen = 1
         self.rounds_done = 0
         self.rounds_ok = self.rounds_total = 0
         self.engine: Optional[StreamingEngine] = None  # set in _train
         self.found_late = False  # a round was late (launch_gate): catch up right after this step
         self.auto_tau: Optional[AutoTau] = None
         self.status: Optional[StatusLine] = None
-        self._found_checkpoint = None
-        self._last_status = ""  # the previous round outcome's status (repeats are logged at DEBUG)
-        self._realigned: Optional[tuple[float, phase.Realignment]] = None  # when and how we last moved up
+        self._found_checkpoint: Optional[tuple[Path, dict]] = None
+        self._last_status: Optional[RoundStatus] = None  # the previous round's (its repeats are logged at DEBUG)
+        self._realigned: Optional[tuple[float, consensus.Realignment]] = None  # when and how we last moved up
         self._step, self._loss, self._tok_s = 0, None, 0.0  # for the status line while blocked
         self._floor: Optional[float] = None
         self.step_seconds: Optional[float] = None  # moving average of our inner step time (realignment)
@@ -102,14 +110,14 @@ class Trainer:
     def run(self) -> int:
         """Trains; returns the process exit code (0 on max_steps or a stop signal).
 
-        Raises :class:`~peer.preflight.SetupError` (the run dir in use, a bad device, model or data, a
+        Raises :class:`~peer.SetupError` (the run dir in use, a bad device, model or data, a
         checkpoint of another run) before joining, and :class:`~peer.dht_node.JoinError` if no initial peer
         answered."""
         lock = RunDirLock(self.run_dir)
         try:
             lock.acquire()
         except RuntimeError as e:
-            raise preflight.SetupError(str(e)) from None
+            raise SetupError(str(e)) from None
         try:
             return self._run()
         finally:
@@ -120,13 +128,13 @@ class Trainer:
         try:
             peer_id = ensure_identity(cfg.identity_path)
         except (ValueError, OSError) as e:
-            raise preflight.SetupError(f"--identity-path: {e}") from None
+            raise SetupError(f"--identity-path: {e}") from None
         try:
             check_maddrs(initial_peers=cfg.swarm.initial_peers, host_maddrs=cfg.swarm.host_maddrs,
                          announce_maddrs=cfg.swarm.announce_maddrs)
         except ValueError as e:
-            raise preflight.SetupError(str(e)) from None
-        label = f"peer {peer_id[-8:]}"
+            raise SetupError(str(e)) from None
+        label = f"peer {short_id(peer_id)}"
         setup_logging(cfg.run.log_level, self.run_dir / "peer.log", label)
         self.events = EventLog(cfg.run.log_json)
         self.stop.install()
@@ -135,17 +143,13 @@ class Trainer:
         # Before joining the swarm: everything the user can fix is reported here, in one line.
         self._found_checkpoint = checkpoint.load_latest(self.run_dir / "checkpoints")
         if self._found_checkpoint is not None and self._found_checkpoint[1].get("run_hash") != run_hash:
-            raise preflight.SetupError(
+            raise SetupError(
                 f"--run-dir {self.run_dir} holds a checkpoint of another run (run hash "
                 f"{self._found_checkpoint[1].get('run_hash')}, this config's is {run_hash}): use another --run-dir")
         preflight.check_device(cfg.inner.device)
         preflight.check_model(cfg)
         source = preflight.open_data(cfg, cfg.data.shard if cfg.data.shard >= 0 else shard_of(peer_id))
-        # The DHT forks a process: start it before anything can initialize CUDA.
-        codec = make_codec(cfg.outer.codec, stochastic_rounding=True) if cfg.outer.stochastic_rounding \
-            else cfg.outer.codec
-        self.swarm = Swarm(cfg.swarm, run_key=run_hash, codec=codec, identity_path=str(cfg.identity_path))
-        try:
+        try:  # the DHT forks a process: start it before anything can initialize CUDA
             try:
                 self.swarm.start(stop=self.stop.event)
             except JoinError:
@@ -180,16 +184,20 @@ class Trainer:
         return model, blocks, inner
 
     def _wait_for_peers(self) -> None:
-        """Blocks until ``min_peers`` peers of this run are visible, a stop signal, or start_timeout."""
+        """Blocks until ``min_peers`` peers of this run are visible, a stop signal, or start_timeout; in any case
+        until the swarm's progress records were read once (bounded by ``progress_ttl``), so that the catch-up
+        of a peer that comes back sees how far the others got (otherwise it launches rounds from its old
+        state, and only finds out it is behind a round later)."""
         want, deadline = self.cfg.swarm.min_peers, time.monotonic() + self.cfg.swarm.start_timeout
-        while want > 1 and not self.stop.event.is_set():
-            self.peers_seen = self.swarm.live_count()
-            if self.peers_seen >= want or time.monotonic() > deadline:
-                break
-            self._show_status(f"waiting for peers ({self.peers_seen}/{want} visible, "
-                              f"up to {deadline - time.monotonic():.0f} s)")
+        if not self.swarm.wait_first_read(min(self.cfg.swarm.progress_ttl, self.cfg.swarm.start_timeout)):
+            log.warning("the swarm's progress records could not be read within %.0f s; starting without them",
+                        min(self.cfg.swarm.progress_ttl, self.cfg.swarm.start_timeout))
+        seen = self.swarm.live_count()
+        while want > 1 and not self.stop.event.is_set() and seen < want and time.monotonic() <= deadline:
+            self._show_status(f"waiting for peers ({seen}/{want} visible, up to {deadline - time.monotonic():.0f} s)")
             self.stop.event.wait(min(1.0, self.cfg.swarm.progress_period))
-        log.info("%d peer(s) of this run visible (wanted %d); starting to train", self.peers_seen, want)
+            seen = self.swarm.live_count()
+        log.info("%d peer(s) of this run visible (wanted %d); starting to train", seen, want)
 
     def _train(self, label: str, source) -> int:
         cfg = self.cfg
@@ -199,13 +207,11 @@ class Trainer:
                  len(fragments), [f.numel for f in fragments], cfg.outer.fragment_pattern,
                  cfg.outer.fragment_blocks, cfg.outer.codec, cfg.outer.tau, cfg.outer.eager, cfg.outer.merge)
         self.auto_tau = AutoTau(cfg.outer.tau_max) if cfg.outer.tau == "auto" else None
-        settings = OuterSettings(H=cfg.outer.sync_every, lr=cfg.outer.lr, momentum=cfg.outer.momentum,
-                                 alpha=cfg.outer.alpha, tau=0 if self.auto_tau else cfg.outer.tau,
-                                 eager=cfg.outer.eager, merge=cfg.outer.merge, wait_timeout=cfg.outer.wait_timeout)
+        settings = OuterSettings.from_config(cfg.outer)
         schedule = self._schedule(len(fragments))
-        transport = SwarmTransport(self, sync_every=cfg.outer.sync_every if isinstance(schedule, StepsSchedule)
-                                   else None)
-        engine = StreamingEngine(fragments, settings, transport, group_size_hint=lambda: self.peers_seen,
+        transport = SwarmTransport(self.swarm, min_group_size=cfg.swarm.min_group_size,
+                                   sync_every=cfg.outer.sync_every if isinstance(schedule, StepsSchedule) else None)
+        engine = StreamingEngine(fragments, settings, transport, group_size_hint=lambda: transport.live_count,
                                  stop=self.stop.event, on_outcome=lambda f, st, o, step: self._report(label, f, st, o,
                                                                                                     step),
                                  error_feedback_codec=get_codec(cfg.outer.codec) if cfg.outer.error_feedback else None,
@@ -277,10 +283,10 @@ class Trainer:
     # ---- phase -------------------------------------------------------------------------------
     def _realign(self, engine: StreamingEngine, step: int) -> int:
         """Steps schedule: moves the step counter up to meet the swarm when we are far behind it by wall time
-        (see :mod:`peer.phase`); returns the step to continue from. Our progress is kept (``S - theta``)."""
+        (see :mod:`peer.net.consensus`); returns the step to continue from. Our progress is kept (``S - theta``)."""
         if not isinstance(engine.schedule, StepsSchedule):
             return step
-        move = phase.realign(self.swarm.live_peers(), self.swarm.peer_id, my_step=step,
+        move = consensus.realign(self.swarm.live_peers(), self.swarm.peer_id, my_step=step,
                              my_rounds=[st.last_applied for st in engine.states], step_seconds=self.step_seconds,
                              min_lag_seconds=max(self.cfg.swarm.matchmaking_patience / 2, 1.0),
                              H=self.cfg.outer.sync_every, num_fragments=len(engine.states), now=get_dht_time())
@@ -288,7 +294,7 @@ class Trainer:
             return step
         lag = f" (~{move.behind_steps * self.step_seconds:.0f} s)" if self.step_seconds else ""
         log.info("out of phase with the swarm: %d steps%s behind peer %s; moving to step %d to meet it at its "
-                 "next round (our progress is kept)", move.behind_steps, lag, move.lead[-8:], move.step)
+                 "next round (our progress is kept)", move.behind_steps, lag, short_id(move.lead), move.step)
         self.events.emit("realign", step=step, to_step=move.step, behind_steps=move.behind_steps, lead=move.lead)
         self._realigned = (time.monotonic(), move)
         return move.step
@@ -345,20 +351,12 @@ class Trainer:
                      snap.digest[:12], time.monotonic() - t0, plan.reason)
             self.events.emit("catch_up", fragment=plan.fragment, round=snap.round, digest=snap.digest,
                              step=snap.step, seconds=time.monotonic() - t0, reason=plan.reason)
-        if donor_steps and isinstance(engine.schedule, StepsSchedule):
-            # Lockstep: the next round we launch must be the swarm's next round, never one we just downloaded.
-            # Behind the donors' step: move up to it. Back only if we ran ahead of everyone alone (our round
-            # counter kept running during an outage); moving back otherwise would re-launch the other
-            # fragments' rounds that we have already applied. (_realign then moves us up to the swarm's
-            # current step: the donors' snapshot step is when they applied the round.)
-            swarm_step = max((rec.step for rec in records.values() if rec.peer_id != self.swarm.peer_id),
-                             default=step)
-            if step < max(donor_steps) or step > swarm_step + self.cfg.outer.sync_every:
-                step = max(donor_steps)
+        if isinstance(engine.schedule, StepsSchedule):
+            step = step_after_catch_up(step, donor_steps, records, self.swarm.peer_id, self.cfg.outer.sync_every)
         return step
 
     def _checkpoint(self, step: int, *, model, inner, source, engine) -> bool:
-        """Saves everything needed to resume (atomic; see peer/checkpoint.py), with the resolved config, so the
+        """Saves everything needed to resume (atomic; see peer/run/checkpoint.py), with the resolved config, so the
         run dir alone describes the run. A write that fails (a full disk) is a warning, not the end of the
         run: the previous checkpoint stays; returns whether this one was written."""
         payload = {"format": 1, "run_hash": self.cfg.run_hash(), "config": self.cfg.to_dict(), "step": step,
@@ -390,7 +388,7 @@ class Trainer:
             inner.load_state_dict(state["inner"])
             engine.load_state_dict(state["engine"])
         except (RuntimeError, ValueError, KeyError) as e:
-            raise preflight.SetupError(f"--run-dir {self.run_dir}: {path.name} does not fit this model ({e}); "
+            raise SetupError(f"--run-dir {self.run_dir}: {path.name} does not fit this model ({e}); "
                                        f"use another --run-dir") from None
         try:
             source.load_state_dict(state["data"])
@@ -407,7 +405,7 @@ class Trainer:
     def _schedule(self, num_fragments: int):
         cfg = self.cfg.outer
         if cfg.schedule == "clock":
-            return ClockSchedule(cfg.round_seconds, num_fragments, origin=cfg.clock_origin)
+            return ClockSchedule(cfg.round_seconds, num_fragments, origin=cfg.clock_origin, clock=get_dht_time)
         return StepsSchedule(cfg.sync_every, num_fragments)
 
     def _report(self, label: str, frag: Fragment, st: FragmentState, outcome: RoundOutcome, step: int) -> None:
@@ -416,11 +414,11 @@ class Trainer:
         applied = sum(s.average is not None for s in outcome.spans)
         self.rounds_done += applied > 0
         self.rounds_total += 1
-        self.rounds_ok += outcome.status == "ok"
-        if outcome.status == "behind":  # given up in matchmaking: take the swarm's state right after this step
+        self.rounds_ok += outcome.status == RoundStatus.OK
+        if outcome.status == RoundStatus.BEHIND:  # the swarm is past it: take its state right after this step
             self.found_late = True
         self._publish_snapshot(frag, st, step)
-        if self.auto_tau is not None and outcome.status in ("ok", "partial"):
+        if self.auto_tau is not None and outcome.status in (RoundStatus.OK, RoundStatus.PARTIAL):
             self.auto_tau.observe_round(outcome.seconds)
         self.bytes_up += outcome.bytes_sent
         self.bytes_down += outcome.bytes_received
@@ -430,11 +428,11 @@ class Trainer:
                f"{applied}/{len(outcome.spans)} spans applied, up {outcome.bytes_sent} B down "
                f"{outcome.bytes_received} B in {outcome.seconds:.2f}s, digest {digest[:12]}")
         msg += f" ({outcome.error})" if outcome.error else ""
-        if outcome.status in ("partial", "failed", "missed"):
+        if outcome.status in (RoundStatus.PARTIAL, RoundStatus.FAILED, RoundStatus.MISSED):
             log.warning(msg)
-        elif outcome.status == "ok" and self._last_status not in ("", "ok"):
+        elif outcome.status == RoundStatus.OK and self._last_status not in (None, RoundStatus.OK):
             log.info("%s: averaging with the swarm again", msg)
-        elif outcome.status not in ("ok", self._last_status):  # a waiting state, said once
+        elif outcome.status not in (RoundStatus.OK, self._last_status):  # a waiting state, said once
             log.info("%s; repeats are logged at DEBUG, the status line says what the peer waits for", msg)
         else:
             log.debug(msg)
@@ -445,43 +443,3 @@ class Trainer:
                          bytes_received=outcome.bytes_received, seconds=outcome.seconds, digest=digest,
                          spans_applied=applied, spans_missing=missing, total_weight=outcome.total_weight,
                          contributors=outcome.contributors, error=outcome.error)
-
-
-class _Done:
-    """A handle for a round that finished before it started (e.g. no one to average with)."""
-
-    def __init__(self, outcome: RoundOutcome):
-        self.outcome = outcome
-
-    def result(self, timeout: Optional[float] = None) -> RoundOutcome:
-        return self.outcome
-
-    def cancel(self) -> bool:
-        return False
-
-
-class SwarmTransport:
-    """The engine's Transport over the swarm: reads the live peers, skips rounds alone or behind the swarm.
-
-    ``sync_every`` (the steps schedule's H; None on the clock schedule): the phase rules of :mod:`peer.phase`
-    apply to its rounds."""
-
-    def __init__(self, trainer: Trainer, *, sync_every: Optional[int] = None):
-        self.trainer = trainer
-        self.sync_every = sync_every
-
-    def launch(self, *, fragment: int, round_: int, delta: torch.Tensor, weight: float, step: int):
-        tr, cfg = self.trainer, self.trainer.cfg
-        records, me = tr.swarm.live_peers(), tr.swarm.peer_id  # as of the last heartbeat: never blocks
-        tr.peers_seen = 1 + sum(pid != me for pid in records)
-        if tr.peers_seen < cfg.swarm.min_group_size:
-            # Alone in the run: no group can form; the progress is kept for the next round.
-            return _Done(RoundOutcome(fragment, round_, "alone", group_size=1,
-                                      error=f"{tr.peers_seen} live peer(s) < min_group_size "
-                                            f"{cfg.swarm.min_group_size}"))
-        why = launch_gate(records, me, fragment, round_, tr.engine.expected_round(fragment))
-        if why:  # no group will have us: take the swarm's state right after this step (Trainer._catch_up)
-            tr.found_late = True
-            return _Done(RoundOutcome(fragment, round_, "behind", group_size=1, error=why))
-        return tr.swarm.run_round(fragment=fragment, round_=round_, delta=delta, weight=weight, inner_step=step,
-                                  target_group_size=tr.peers_seen, sync_every=self.sync_every)

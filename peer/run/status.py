@@ -13,8 +13,8 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from peer.events import fmt_bytes
-from peer.swarm import RoundActivity, RoundStage
+from peer.run.events import fmt_bytes
+from peer.net.swarm import RoundActivity, RoundStage
 
 
 def describe(*, now: float, live: int, need: int, activity: Sequence[RoundActivity], blocked: bool,

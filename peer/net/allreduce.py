@@ -32,9 +32,11 @@ from google.protobuf.message import DecodeError
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 
-from peer.codec import Codec, CodecError, get_codec
-from peer.outer import Span
+from peer.outer.codec import Codec, CodecError
+from peer.outer.rounds import Span
 from peer.proto import allreduce_pb2 as pb
+from peer.proto import codec_pb2
+from peer.util import next_by, short_id, time_left
 
 log = logging.getLogger(__name__)
 PROTOCOL_VERSION = 1
@@ -108,7 +110,7 @@ class Traffic:
     received: int = 0
 
 
-def encode_pieces(codec: Codec, values: torch.Tensor, chunk_elems: int) -> list[tuple[int, object]]:
+def encode_pieces(codec: Codec, values: torch.Tensor, chunk_elems: int) -> list[tuple[int, codec_pb2.EncodedTensor]]:
     """Cuts a flat vector into (offset, EncodedTensor) pieces of at most ``chunk_elems`` elements."""
     step = max(codec.block_size, chunk_elems - chunk_elems % codec.block_size)
     return [(off, codec.encode_flat(values[off:off + step])) for off in range(0, values.numel(), step)]
@@ -166,11 +168,11 @@ class SpanReduction:
 
     async def _finalize(self) -> list[pb.ReduceResponse]:
         try:
-            await asyncio.wait_for(self.all_in.wait(), timeout=max(0.0, self.deadline - time.monotonic()))
+            await asyncio.wait_for(self.all_in.wait(), timeout=time_left(self.deadline))
         except asyncio.TimeoutError:
             missing = sorted(set(range(len(self.plan.peer_ids))) - self.contributors)
             log.warning("%s: reducer averages without members %s (no part within part_timeout)",
-                        self.plan.label, [str(self.plan.peer_ids[i])[-8:] for i in missing])
+                        self.plan.label, [short_id(self.plan.peer_ids[i]) for i in missing])
         if not self.contributors:
             return [pb.ReduceResponse(status=Status.FAILED, error="no parts arrived")]
         average = self.sum / self.total_weight
@@ -261,10 +263,10 @@ class AllReduceServicer(ServicerBase):
                 red.traffic.received += msg.ByteSize()
                 if filled == red.length:
                     break
-                msg = await asyncio.wait_for(requests.__anext__(), timeout=max(0.0, red.deadline - time.monotonic()))
+                msg = await next_by(requests, red.deadline)
             if not red.add(sender, header.weight, part):
                 log.info("%s: part from %s arrived after averaging; it is not included", plan.label,
-                         str(context.remote_id)[-8:])
+                         short_id(context.remote_id))
             for response in await asyncio.shield(red.result):
                 yield response
             # Hold the stream open until the member closes its side: it does so only after reading
@@ -272,7 +274,7 @@ class AllReduceServicer(ServicerBase):
             with contextlib.suppress(StopAsyncIteration, asyncio.TimeoutError):
                 await asyncio.wait_for(requests.__anext__(), timeout=self.registration_timeout)
         except (CodecError, asyncio.TimeoutError, StopAsyncIteration) as e:
-            log.warning("rpc_reduce from %s: dropped a member's part: %s", str(context.remote_id)[-8:],
+            log.warning("rpc_reduce from %s: dropped a member's part: %s", short_id(context.remote_id),
                         type(e).__name__ + (f": {e}" if str(e) else ""))
             yield pb.ReduceResponse(status=Status.REJECTED, error=f"bad or incomplete part: {type(e).__name__}")
         finally:
@@ -307,16 +309,16 @@ async def _remote_span(p2p: P2P, plan: GroupPlan, j: int, values: torch.Tensor, 
             yield msg
         # End our side only once the whole average is in (see AllReduceServicer.rpc_reduce).
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(got_all.wait(), timeout=max(0.0, deadline - time.monotonic()))
+            await asyncio.wait_for(got_all.wait(), timeout=time_left(deadline))
 
     stub = AllReduceServicer.get_stub(p2p, plan.peer_ids[j])
     # Opening the stream dials the reducer: a dead one is detected here, within connect_timeout.
     stream = await asyncio.wait_for(stub.rpc_reduce(requests()),
-                                    timeout=max(0.0, min(connect_timeout, deadline - time.monotonic())))
+                                    timeout=min(connect_timeout, time_left(deadline)))
     responses, received = [], 0
     try:
         while received < span_length:
-            msg = await asyncio.wait_for(stream.__anext__(), timeout=max(0.0, deadline - time.monotonic()))
+            msg = await next_by(stream, deadline)
             traffic.received += msg.ByteSize()
             responses.append(msg)
             if msg.status != Status.OK:
@@ -328,7 +330,7 @@ async def _remote_span(p2p: P2P, plan: GroupPlan, j: int, values: torch.Tensor, 
     finally:
         got_all.set()  # lets our request stream end, then the reducer closes: read up to that EOF
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(_drain(stream), timeout=max(0.0, min(5.0, deadline - time.monotonic())))
+            await asyncio.wait_for(_drain(stream), timeout=min(5.0, time_left(deadline)))
         await stream.aclose()
 
 
@@ -398,18 +400,18 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
             total_weight = max(total_weight, total)
             if average is None:
                 log.warning("%s: span %d [%d, %d) from reducer %s is missing and NOT applied: %s", plan.label,
-                            j, start, end, str(plan.peer_ids[j])[-8:], why)
+                            j, start, end, short_id(plan.peer_ids[j]), why)
             spans.append(Span(start, end, average))
             contributors.append(who)
         # Our average must reach every member still reading it before we return: the caller may
         # shut the peer down right after its last round. Bounded by the round's deadline.
         if my_end > my_start:
-            await asyncio.wait([red.result], timeout=max(0.0, deadline - time.monotonic()))
+            await asyncio.wait([red.result], timeout=time_left(deadline))
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(red.idle.wait(), timeout=max(0.0, deadline - time.monotonic()))
+                await asyncio.wait_for(red.idle.wait(), timeout=time_left(deadline))
         traffic.sent += red.sent_bytes()
         traffic.received += red.traffic.received
         return AllReduceResult(spans, contributors, traffic, total_weight)
     finally:
-        asyncio.get_running_loop().call_later(max(0.0, deadline - time.monotonic()), servicer.unregister,
+        asyncio.get_running_loop().call_later(time_left(deadline), servicer.unregister,
                                               plan.group_id)

@@ -10,23 +10,8 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from peer.config import SECTIONS, ConfigError, build_config, env_name, flag_name, iter_fields, unknown_env
-
-import dataclasses
-
-
-def _field_help(section: str, key: str) -> str:
-    """The field's docstring (the string literal after it in peer/config.py), for --help."""
-    import ast
-    import inspect
-
-    tree = ast.parse(inspect.getsource(SECTIONS[section]))
-    body = tree.body[0].body
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == key:
-            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-                return str(nxt.value.value)
-    return ""
+from peer.config import (SECTIONS, ConfigError, build_config, default_of, env_name, flag_name, iter_fields,
+                         iter_settings, unknown_env)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,14 +21,15 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="join the swarm and train", description="Join the swarm and train. Flags "
                          "override the --config TOML file, which overrides defaults; every flag has an env twin.")
     run.add_argument("--config", help="TOML config file (sections: " + ", ".join(SECTIONS) + ")")
-    defaults = {s: {f.name: f for f in dataclasses.fields(cls)} for s, cls in SECTIONS.items()}
+    fields = {(s, f.name): f for s, f in iter_settings()}
     for section, key, typ in iter_fields():
         group_title = f"[{section}]"
         groups = {g.title: g for g in run._action_groups}
         group = groups.get(group_title) or run.add_argument_group(group_title)
-        f = defaults[section][key]
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        help_text = f"{_field_help(section, key)} (env {env_name(section, key)}; default {default!r})"
+        f = fields[(section, key)]
+        default = default_of(SECTIONS[section], key)
+        local = "; this peer's own choice, not in the run hash" if f.metadata["local"] else ""
+        help_text = f"{f.metadata['help']} (env {env_name(section, key)}; default {default!r}{local})"
         dest = f"{section}__{key}"
         if typ is bool:
             group.add_argument(flag_name(section, key), dest=dest, action=argparse.BooleanOptionalAction,
@@ -94,9 +80,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"swarm-peer: error: {e}", file=sys.stderr)
         return EXIT_SETUP
     if ns.command == "run":
-        from peer.dht_node import JoinError  # heavy imports only when we really run
-        from peer.preflight import SetupError
-        from peer.train import Trainer
+        from peer.errors import JoinError, SetupError
+        from peer.run.trainer import Trainer  # heavy imports only when we really run
 
         try:
             return Trainer(cfg).run()

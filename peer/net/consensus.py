@@ -1,0 +1,263 @@
+"""What the swarm's progress records say this peer should do (pure: no I/O, no torch).
+
+Every decision a peer takes from the other peers' signed records lives here, so it can be tested alone:
+
+**The swarm's state** (catching up). For each fragment the swarm's state is the (applied round, digest) held
+by the most other peers (:func:`swarm_state`). :func:`plan_catch_up` says which fragments to download: when
+we are behind it (joining, two rounds behind, or a round found late) or disagree with everyone at our round.
+:func:`launch_gate` says when a round must not be launched because the swarm is past it (*late*) or our
+state is two or more rounds behind (*behind*); :func:`swarm_is_past` ends a search the same way.
+:func:`step_after_catch_up` moves the step counter to the donors' after a download (steps schedule).
+
+**Phase** (steps schedule). A round is due at a local step count, so two peers meet only if they reach that
+step at about the same wall time. A restart, a pause (a laptop that sleeps, SIGSTOP) or a round that blocked
+one peer longer than another (one waited for a dead reducer's span) leaves peers *out of phase*: each reaches
+every round after the other gave up waiting, and with two peers they never meet again. Three rules bring them
+back, all read from the records (a record carries its owner's step, its applied round per fragment, and the
+rounds it is looking for a group for, ``seeking``):
+
+- **Patience** (the peer ahead yields): a peer whose search found no group keeps searching, for up to
+  ``swarm.matchmaking_patience`` seconds more, while a live peer's record shows that it has not yet
+  reached the step at which this round was launched (:func:`laggards`): that peer is behind by wall
+  time and on its way. Once they meet, both resume from the same round at the same moment: in phase.
+- **Realignment** (the peer far behind moves up): a peer whose step is further behind the swarm's lead
+  than patience can cover moves its step counter up to just before the latest sync the lead has reached
+  (:func:`realign`), so it launches that round next, while the lead is still looking for it. Nothing
+  of its training is lost: the progress of every fragment stays in ``S - theta`` and goes into the
+  fragment's next round, weighted by its tokens. A peer never moves back by this rule, and it never
+  follows a peer whose state is two or more rounds behind its own (that peer ran on alone during an
+  outage; it downloads the swarm's state and moves back itself: :func:`step_after_catch_up`).
+- **Giving up early**: a search ends at once when every other live peer has left its round without it
+  (:func:`nobody_coming`), e.g. a round launched from a record a heartbeat old.
+
+The bound these give (three rounds of each fragment) is derived and measured in docs/architecture.md,
+"Phase on the steps schedule".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
+
+from peer.net.records import ProgressRecord
+from peer.outer.rounds import RoundStatus
+from peer.outer.schedule import last_sync_step, next_sync_step, sync_step
+
+
+# ---- phase (steps schedule) ----------------------------------------------------------------------------------
+def laggards(records: Mapping[str, ProgressRecord], me: str, launch_step: int) -> list[str]:
+    """Live peers (ids, sorted) whose newest record shows they have not reached ``launch_step`` yet: the
+    step at which this peer launched the round it is looking for a group for."""
+    return sorted(pid for pid, rec in records.items() if pid != me and rec.step < launch_step)
+
+
+def nobody_coming(records: Mapping[str, ProgressRecord], me: str, *, launch_step: int, fragment: int,
+                  round_: int) -> Optional[str]:
+    """Why no peer will come to round ``round_`` of ``fragment`` (launched at ``launch_step``), or None.
+
+    Every other live peer's record shows it past ``launch_step`` and not looking for a group for that round
+    (its ``seeking``), without the round applied (that case is :func:`~peer.state_transfer.swarm_is_past`):
+    each has left the round without us, alone or with a group that is over. Typical right after a
+    realignment from a record a heartbeat old: we launched a round the lead had just left; waiting
+    ``matchmaking_timeout`` in it would only delay meeting the lead at the round it now waits in.
+    """
+    others = [rec for pid, rec in records.items() if pid != me]
+    if others and all(rec.step > launch_step and [fragment, round_] not in rec.seeking
+                      and (len(rec.rounds) <= fragment or rec.rounds[fragment] < round_) for rec in others):
+        return "every live peer has left this round without it"
+    return None
+
+
+def in_step_with(rec: ProgressRecord, my_rounds: Sequence[int]) -> bool:
+    """Whether ``rec``'s peer can set the phase for us: its state is at most one round behind ours in every
+    fragment (a peer that advertises a round a moment late is still in the same phase; one that is two or
+    more behind trained alone and will download the swarm's state and move back)."""
+    return len(rec.rounds) == len(my_rounds) and all(r >= m - 1 for r, m in zip(rec.rounds, my_rounds))
+
+
+@dataclass(frozen=True)
+class Realignment:
+    """Move the step counter from ``behind_steps`` behind ``lead``'s up to ``step``."""
+
+    step: int
+    lead: str
+    behind_steps: int
+
+
+def projected_step(rec: ProgressRecord, *, now: float, step_seconds: Optional[float], H: int,
+                   num_fragments: int) -> int:
+    """Where ``rec``'s peer probably is at DHT time ``now``, as far as a round is concerned: its record is up to
+    a heartbeat old. A peer looking for a group is at the launch of the earliest round it seeks (we must come
+    to that round). Otherwise it went on at our own step time (the steps schedule is for peers of one speed),
+    but not past its next sync, where it may be blocked looking for a group; a record written at a sync step
+    is taken as is (it may be blocked there)."""
+    if rec.seeking:  # (never past its own step: it launched them)
+        return min([rec.step] + [sync_step(p, r, num_fragments, H) for p, r in rec.seeking])
+    if step_seconds is None or step_seconds <= 0 or last_sync_step(rec.step, num_fragments, H) == rec.step:
+        return rec.step
+    ahead = int(max(0.0, now - rec.time) / step_seconds)
+    return min(rec.step + ahead, next_sync_step(rec.step, num_fragments, H))
+
+
+def realign(records: Mapping[str, ProgressRecord], me: str, *, my_step: int, my_rounds: Sequence[int],
+            step_seconds: Optional[float], min_lag_seconds: float, H: int, num_fragments: int, now: float
+            ) -> Optional[Realignment]:
+    """Where to move our step counter (steps schedule) so that we launch the swarm's current round, or None.
+
+    The lead is the live peer in step with us (:func:`in_step_with`) that is furthest ahead (at its
+    :func:`projected_step`, DHT time ``now``). We move up when we are at least ``min_lag_seconds`` behind it
+    at our own ``step_seconds`` (a shorter lag is covered by the lead's patience), or a whole ``H`` steps
+    behind (also while our step time is not measured yet). The new step is just before the latest sync step
+    the lead has reached, so that sync is our next launch: never past it (we would skip the round the lead
+    is looking for a group for), never back.
+    """
+    leads = [(projected_step(rec, now=now, step_seconds=step_seconds, H=H, num_fragments=num_fragments), rec.peer_id)
+             for pid, rec in records.items() if pid != me and in_step_with(rec, my_rounds)]
+    if not leads:
+        return None
+    lead_step, lead = max(leads)
+    behind = lead_step - my_step
+    target = last_sync_step(lead_step, num_fragments, H) - 1
+    far = behind >= H or (step_seconds is not None and behind * step_seconds >= min_lag_seconds)
+    if target <= my_step or not far:
+        return None
+    return Realignment(step=target, lead=lead, behind_steps=behind)
+
+
+# ---- the swarm's state: catching up and launching ---------------------------------------------------------
+@dataclass(frozen=True)
+class CatchUp:
+    """Fragment ``fragment`` should be replaced by the majority's state ``(round, digest)`` held by ``donors``."""
+
+    fragment: int
+    round: int
+    digest: str
+    donors: list[str]
+    reason: str
+
+
+def _others(records: Mapping[str, ProgressRecord], me: str, fragment: int) -> list[tuple[str, int, str]]:
+    """(peer id, applied round, digest) of ``fragment`` for every other peer that advertises it."""
+    return [(rec.peer_id, rec.rounds[fragment], rec.digests[fragment]) for rec in records.values()
+            if rec.peer_id != me and len(rec.rounds) > fragment and len(rec.digests) > fragment]
+
+
+def swarm_state(records: Mapping[str, ProgressRecord], me: str, fragment: int) -> Optional[tuple[int, str, list[str]]]:
+    """The swarm's state of ``fragment``: the (applied round, digest) held by the most other peers (ties: the
+    later round, then the smaller digest), with its holders; None if no other peer advertises one."""
+    holders: dict[tuple[int, str], list[str]] = {}
+    for pid, r, d in _others(records, me, fragment):
+        holders.setdefault((r, d), []).append(pid)
+    if not holders:
+        return None
+    (best, digest), donors = max(holders.items(), key=lambda kv: (len(kv[1]), kv[0][0], [-ord(c) for c in kv[0][1]]))
+    return best, digest, donors
+
+
+def launch_verdict(records: Mapping[str, ProgressRecord], me: str, *, fragment: int, round_: int,
+                   expected_round: int, min_group_size: int) -> Optional[tuple[RoundStatus, str]]:
+    """Whether round ``round_`` of ``fragment`` goes to the swarm: None, or why not, as the round's status and
+    a reason. The one place that decides it, before anything is sent:
+
+    - ``alone``: fewer live peers than ``min_group_size`` (us included): no group can form; the progress is
+      kept for the next round;
+    - ``behind``: :func:`launch_gate` (the swarm is past the round, or our state is two or more rounds behind):
+      the caller downloads the swarm's state right away.
+
+    ``expected_round`` is the last round our state will have applied once our rounds in flight land.
+    """
+    live = 1 + sum(pid != me for pid in records)
+    if live < min_group_size:
+        return RoundStatus.ALONE, f"{live} live peer(s) < min_group_size {min_group_size}"
+    why = launch_gate(records, me, fragment, round_, expected_round)
+    return (RoundStatus.BEHIND, why) if why else None
+
+
+def launch_gate(records: Mapping[str, ProgressRecord], me: str, fragment: int, round_: int,
+                my_expected: int) -> Optional[str]:
+    """Why round ``round_`` of ``fragment`` must not be launched from our state (None: launch it).
+
+    ``my_expected`` is the last round our state will have applied once our rounds in flight land.
+
+    - *late*: the swarm already applied that round, so no one will come to it;
+    - *behind*: the swarm applied two or more rounds our state never will (our round counter ran on alone
+      during a network outage, say): our outer gradient is relative to a state the swarm left long ago.
+
+    Both are repaired by downloading the swarm's state at once (``plan_catch_up`` with ``expected``),
+    instead of waiting ``matchmaking_timeout`` for a group that never forms. One round behind
+    (we missed the last one) we still launch: we join the swarm's current round, and the drift check
+    replaces our state, which then differs, with the swarm's a round later. Skipping instead would leave
+    us behind again by the time the download is done, round after round.
+    """
+    late = swarm_is_past(records, me, fragment, round_)
+    if late:
+        return late
+    state = swarm_state(records, me, fragment)
+    if state is not None and state[0] >= my_expected + 2:
+        return f"behind: our state stops at round {my_expected}, the swarm applied {state[0]}"
+    return None
+
+
+def swarm_is_past(records: Mapping[str, ProgressRecord], me: str, fragment: int, round_: int) -> Optional[str]:
+    """Why no group will form for round ``round_`` of ``fragment`` any more (the swarm's state already
+    includes it: we are late), or None."""
+    state = swarm_state(records, me, fragment)
+    return f"late: the swarm already applied round {state[0]}" if state and state[0] >= round_ else None
+
+
+def plan_catch_up(records: Mapping[str, ProgressRecord], me: str, my_rounds: Sequence[int],
+                  my_digests: Sequence[str], *, joining: bool,
+                  expected: Optional[Sequence[int]] = None) -> list[CatchUp]:
+    """Which fragments to download, from the other peers' progress records (pure; see below).
+
+    Rounds here are *applied* rounds (a peer that trained alone does not advance). For each fragment,
+    the swarm's state is :func:`swarm_state`. We download it when we are behind: ``joining``, by any round;
+    with ``expected`` (per fragment, the round our state reaches once our rounds in flight land; given when
+    a round was just found late, see :func:`launch_gate`), when the swarm is past it; otherwise by two or
+    more, since a peer may see others a moment after they applied the round it is about to apply. Or when
+    no other peer at our exact round holds our digest and theirs wins: it is held by two or more, or it is
+    the smaller of a tie once no other peer's record is behind our round (two survivors of a broken round
+    converge on one state; a record not yet updated cannot turn a tie against the majority).
+    """
+    plans = []
+    for p, (mine_r, mine_d) in enumerate(zip(my_rounds, my_digests)):
+        state = swarm_state(records, me, p)
+        if state is None:
+            continue
+        best, digest, donors = state
+        others = _others(records, me, p)
+        same_round = [d for _, r, d in others if r == mine_r]
+        if best > mine_r and (joining or best >= mine_r + 2 or (expected is not None and best > expected[p])):
+            plans.append(CatchUp(p, best, digest, donors, f"behind: round {mine_r}, swarm at {best}"))
+        elif same_round and mine_d not in same_round:
+            # We disagree with everyone at our round. The most common digest there wins over ours when more
+            # peers hold it than ours (us counted); a tie goes to the smallest, so two survivors of a broken
+            # round converge on one state, but only once every other peer's record has reached our round:
+            # records lag by up to a heartbeat, and a tie against the one peer whose record is already here
+            # (say, after a partial round of its own) would pull us off the state the others are about to show.
+            counts = {d: same_round.count(d) for d in same_round}
+            winner = min(counts, key=lambda d: (-counts[d], d))
+            settled = all(r >= mine_r for _, r, _ in others)
+            if counts[winner] > 1 or (settled and winner < mine_d):
+                holders = [pid for pid, r, d in others if r == mine_r and d == winner]
+                plans.append(CatchUp(p, mine_r, winner, holders,
+                                     f"digest {mine_d[:12]} disagrees with the swarm's at round {mine_r}"))
+    return plans
+
+
+def step_after_catch_up(step: int, donor_steps: Sequence[int], records: Mapping[str, ProgressRecord], me: str,
+                        H: int) -> int:
+    """The step to continue from after downloading fragments from donors whose snapshots were taken at
+    ``donor_steps`` (steps schedule): the next round we launch must be the swarm's next round, never one we
+    just downloaded.
+
+    Behind the donors' step: move up to it. Back only if we ran ahead of everyone alone (our round counter kept
+    running during an outage: more than ``H`` past every other peer's step); moving back otherwise would
+    re-launch rounds of the other fragments that we have already applied. (:func:`realign` then moves us up to
+    the swarm's current step: a snapshot's step is when its donor applied the round.)
+    """
+    if not donor_steps:
+        return step
+    swarm_step = max((rec.step for pid, rec in records.items() if pid != me), default=step)
+    if step < max(donor_steps) or step > swarm_step + H:
+        return max(donor_steps)
+    return step

@@ -1,0 +1,7 @@
+"""The outer algorithm (Streaming DiLoCo, docs/algorithm.md), pure torch: no sockets, no DHT.
+
+``fragments`` (which parameters sync together), ``schedule`` (when), ``state`` (outer state per fragment, the
+Nesterov outer step, error feedback), ``rounds`` (what a round produced: status and spans), ``engine`` (launch,
+overlap tau, eager updates, merge), ``codec`` (wire formats; FP4 in ``e3m0``, shared parts in ``wire``),
+``simulator`` (M replicas in-process). May import: ``peer.config``, ``peer.util``, ``peer.proto``.
+"""

@@ -1,0 +1,61 @@
+"""What a round of one fragment produced: its status and the spans of its average (pure data).
+
+A round's average may arrive incomplete (a reducer died): it is a list of spans, each either the decoded
+average or ``None``. The transport fills a :class:`RoundOutcome`; the engine applies it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+
+class RoundStatus(enum.StrEnum):
+    """How a round ended for this peer (written as its value in the JSON ``round`` events)."""
+
+    OK = "ok"  # every span of the average arrived
+    PARTIAL = "partial"  # some spans are missing (a reducer died): the others are applied
+    NO_GROUP = "no_group"  # no group formed: nobody came, or everyone left the round
+    ALONE = "alone"  # fewer live peers than min_group_size: not launched
+    BEHIND = "behind"  # the swarm is past this round, or our state is 2+ rounds behind: not launched, catch up
+    FAILED = "failed"  # the round broke (an error in matchmaking or the all-reduce)
+    MISSED = "missed"  # not in within wait_timeout, or abandoned at a stop
+
+    @property
+    def launched(self) -> bool:
+        """Whether the round went to the swarm at all (ALONE and BEHIND are decided before launching)."""
+        return self not in (RoundStatus.ALONE, RoundStatus.BEHIND)
+
+
+@dataclass(frozen=True)
+class Span:
+    """Elements ``[start, end)`` of a fragment's flat vector and their averaged outer gradient
+    (``None`` when this span's reducer failed: nothing is applied there)."""
+
+    start: int
+    end: int
+    average: Optional[torch.Tensor]
+
+
+@dataclass
+class RoundOutcome:
+    """What one round of one fragment produced for this peer (from the swarm or a fake transport).
+
+    ``spans`` is empty unless ``status`` is ok/partial; ``total_weight`` is the group's summed weight.
+    """
+
+    fragment: int
+    round: int
+    status: RoundStatus
+    group_size: int = 0
+    spans: list[Span] = field(default_factory=list)
+    contributors: list[list[int]] = field(default_factory=list)
+    total_weight: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+    error: str = ""
+    launch_step: int = 0  # set by the engine: the inner step the round was launched after

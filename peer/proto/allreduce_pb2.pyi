@@ -1,0 +1,61 @@
+from . import codec_pb2 as _codec_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class MemberInfo(_message.Message):
+    __slots__ = ("protocol_version", "weight", "inner_step", "client_mode", "numel")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEP_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_MODE_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    weight: float
+    inner_step: int
+    client_mode: bool
+    numel: int
+    def __init__(self, protocol_version: _Optional[int] = ..., weight: _Optional[float] = ..., inner_step: _Optional[int] = ..., client_mode: _Optional[bool] = ..., numel: _Optional[int] = ...) -> None: ...
+
+class ReduceRequest(_message.Message):
+    __slots__ = ("group_id", "span_index", "weight", "offset", "piece")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    SPAN_INDEX_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    PIECE_FIELD_NUMBER: _ClassVar[int]
+    group_id: bytes
+    span_index: int
+    weight: float
+    offset: int
+    piece: _codec_pb2.EncodedTensor
+    def __init__(self, group_id: _Optional[bytes] = ..., span_index: _Optional[int] = ..., weight: _Optional[float] = ..., offset: _Optional[int] = ..., piece: _Optional[_Union[_codec_pb2.EncodedTensor, _Mapping]] = ...) -> None: ...
+
+class ReduceResponse(_message.Message):
+    __slots__ = ("status", "error", "contributors", "total_weight", "offset", "piece")
+    class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        OK: _ClassVar[ReduceResponse.Status]
+        REJECTED: _ClassVar[ReduceResponse.Status]
+        FAILED: _ClassVar[ReduceResponse.Status]
+    OK: ReduceResponse.Status
+    REJECTED: ReduceResponse.Status
+    FAILED: ReduceResponse.Status
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    PIECE_FIELD_NUMBER: _ClassVar[int]
+    status: ReduceResponse.Status
+    error: str
+    contributors: _containers.RepeatedScalarFieldContainer[int]
+    total_weight: float
+    offset: int
+    piece: _codec_pb2.EncodedTensor
+    def __init__(self, status: _Optional[_Union[ReduceResponse.Status, str]] = ..., error: _Optional[str] = ..., contributors: _Optional[_Iterable[int]] = ..., total_weight: _Optional[float] = ..., offset: _Optional[int] = ..., piece: _Optional[_Union[_codec_pb2.EncodedTensor, _Mapping]] = ...) -> None: ...

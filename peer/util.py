@@ -1,0 +1,25 @@
+"""Small helpers every layer shares (standard library only): deadlines and peer ids in log lines."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import AsyncIterator, TypeVar
+
+T = TypeVar("T")
+
+
+def time_left(deadline: float) -> float:
+    """Seconds until ``deadline`` (a ``time.monotonic()`` value), never negative."""
+    return max(0.0, deadline - time.monotonic())
+
+
+async def next_by(stream: AsyncIterator[T], deadline: float) -> T:
+    """The next message of ``stream``, or ``asyncio.TimeoutError`` at ``deadline`` (monotonic);
+    ``StopAsyncIteration`` when the stream ended."""
+    return await asyncio.wait_for(stream.__anext__(), timeout=time_left(deadline))
+
+
+def short_id(peer_id: object) -> str:
+    """The last 8 characters of a peer id: how log lines name a peer."""
+    return str(peer_id)[-8:]

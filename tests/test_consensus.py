@@ -1,0 +1,164 @@
+"""What the records say a peer should do (peer/net/consensus.py), alone: catching up, launching or not, and the
+phase rules of the steps schedule (patience, giving up, realignment)."""
+
+from __future__ import annotations
+
+from peer.net.consensus import (in_step_with, laggards, launch_gate, launch_verdict, nobody_coming, plan_catch_up,
+                                projected_step, realign, step_after_catch_up)
+from peer.net.records import ProgressRecord
+from peer.outer.rounds import RoundStatus
+from peer.outer.schedule import last_sync_step, next_sync_step, sync_step
+
+H, P = 20, 2  # fragment 0 syncs after steps 20, 40, ...; fragment 1 (offset 10) after 30, 50, ...
+
+
+def rec(pid: str, step: int, rounds=(3, 3), seeking=(), time: float = 100.0) -> ProgressRecord:
+    return ProgressRecord(peer_id=pid, step=step, round=rounds[0], rounds=list(rounds), digests=["d"] * len(rounds),
+                          seeking=[list(s) for s in seeking], tokens_per_second=1.0, client_mode=False, time=time)
+
+
+def view(*records: ProgressRecord) -> dict:
+    return {r.peer_id: r for r in records}
+
+
+def test_schedule_helpers():
+    assert [sync_step(0, r, P, H) for r in (1, 2)] == [20, 40] and sync_step(1, 1, P, H) == 30
+    assert last_sync_step(0, P, H) == 0 and last_sync_step(29, P, H) == 20 and last_sync_step(30, P, H) == 30
+    assert next_sync_step(30, P, H) == 40 and next_sync_step(31, P, H) == 40
+
+
+def test_laggards_are_the_live_peers_that_have_not_reached_the_launch_step():
+    records = view(rec("me", 40), rec("a", 39), rec("b", 40), rec("c", 55), rec("d", 2))
+    assert laggards(records, "me", 40) == ["a", "d"]
+    assert laggards(view(rec("me", 40)), "me", 40) == []
+
+
+def test_nobody_coming_when_every_other_peer_left_the_round_without_it():
+    # round 2 of fragment 0 was launched at step 40
+    gone = view(rec("me", 40, rounds=(1, 1)), rec("a", 47, rounds=(1, 1)), rec("b", 61, rounds=(1, 1)))
+    assert "left this round" in nobody_coming(gone, "me", launch_step=40, fragment=0, round_=2)
+    still_in_it = view(rec("a", 47, rounds=(1, 1), seeking=[(0, 2)]), rec("b", 61, rounds=(1, 1)))
+    assert nobody_coming(still_in_it, "me", launch_step=40, fragment=0, round_=2) is None  # tau > 0: a seeks it
+    at_launch = view(rec("a", 40, rounds=(1, 1)), rec("b", 61, rounds=(1, 1)))
+    assert nobody_coming(at_launch, "me", launch_step=40, fragment=0, round_=2) is None  # a is at it (blocked)
+    applied = view(rec("a", 47, rounds=(2, 1)))
+    assert nobody_coming(applied, "me", launch_step=40, fragment=0, round_=2) is None  # late: state_transfer's rule
+    assert nobody_coming(view(rec("me", 40)), "me", launch_step=40, fragment=0, round_=2) is None  # alone: no
+
+
+def test_projected_step():
+    kw = dict(now=102.0, H=H, num_fragments=P)
+    assert projected_step(rec("a", 41, time=100.0), step_seconds=0.5, **kw) == 45  # 2 s at 0.5 s per step
+    assert projected_step(rec("a", 41, time=100.0), step_seconds=0.1, **kw) == 50  # not past its next sync
+    assert projected_step(rec("a", 40, time=90.0), step_seconds=0.1, **kw) == 40  # at a sync: maybe blocked
+    assert projected_step(rec("a", 41, time=100.0), step_seconds=None, **kw) == 41  # our speed unknown
+    assert projected_step(rec("a", 55, seeking=[(1, 2), (0, 2)]), step_seconds=0.1, **kw) == 40  # the earliest
+    assert projected_step(rec("a", 55, seeking=[(0, 99)]), step_seconds=0.1, **kw) == 55  # never past its step
+
+
+def test_in_step_with():
+    assert in_step_with(rec("a", 0, rounds=(3, 2)), [3, 3])  # one round late: same phase
+    assert not in_step_with(rec("a", 0, rounds=(1, 3)), [3, 3])  # trained alone: it will move back itself
+    assert not in_step_with(rec("a", 0, rounds=(3,)), [3, 3])
+
+
+def test_realign_moves_up_to_just_before_the_round_the_lead_is_at():
+    kw = dict(my_rounds=[3, 3], step_seconds=0.1, min_lag_seconds=30.0, H=H, num_fragments=P, now=100.0)
+    records = view(rec("me", 12), rec("lead", 95, time=100.0), rec("slow", 60, time=100.0))
+    move = realign(records, "me", my_step=12, **kw)
+    assert (move.step, move.lead, move.behind_steps) == (89, "lead", 83)  # launches fragment 1 at 90 next
+    seeking = view(rec("lead", 95, seeking=[(0, 4)], time=100.0))  # blocked at 80, looking for a group
+    assert realign(seeking, "me", my_step=12, **kw).step == 79
+    assert realign(records, "me", my_step=88, **kw) is None  # 7 steps (0.7 s) behind: patience covers it
+    far_in_time = dict(kw, step_seconds=5.0)  # 7 steps at 5 s each: 35 s, more than patience would wait
+    assert realign(records, "me", my_step=81, **far_in_time).step == 89
+    assert realign(records, "me", my_step=120, **kw) is None  # never back
+    stale = view(rec("alone", 400, rounds=(1, 3), time=100.0))  # ran on alone with an old state: not followed
+    assert realign(stale, "me", my_step=12, **kw) is None
+    unmeasured = dict(kw, step_seconds=None)  # right after a restart: a whole H behind is enough
+    assert realign(records, "me", my_step=12, **unmeasured).step == 89
+    assert realign(view(rec("me", 12)), "me", my_step=12, **kw) is None
+
+
+def state(pid, rounds, digests):
+    return ProgressRecord(peer_id=pid, step=0, round=rounds[0], tokens_per_second=0.0, client_mode=False, time=0.0,
+                          rounds=rounds, digests=digests)
+
+
+def test_joiner_downloads_every_fragment_where_it_is_behind():
+    records = {p: state(p, [7, 6], ["a", "b"]) for p in ("x", "y")}
+    records["z"] = state("z", [7, 5], ["c", "q"])  # one peer disagrees at round 7: the majority wins
+    plans = plan_catch_up(records, "me", [0, 0], ["init", "init"], joining=True)
+    assert [(c.fragment, c.round, c.digest, sorted(c.donors)) for c in plans] == [
+        (0, 7, "a", ["x", "y"]), (1, 6, "b", ["x", "y"])]
+
+
+def test_running_peer_tolerates_one_round_of_lag_but_not_two_or_a_minority_digest():
+    records = {p: state(p, [5], ["a"]) for p in ("x", "y")}
+    assert plan_catch_up(records, "me", [4], ["old"], joining=False) == []  # about to apply round 5 itself
+    assert plan_catch_up(records, "me", [3], ["old"], joining=False)[0].round == 5
+    drifted = plan_catch_up(records, "me", [5], ["mine"], joining=False)
+    assert drifted and drifted[0].digest == "a" and "disagrees" in drifted[0].reason
+    assert plan_catch_up(records, "me", [5], ["a"], joining=False) == []
+
+
+def test_two_survivors_that_diverged_converge_on_the_smaller_digest():
+    assert plan_catch_up({"x": state("x", [5], ["a"])}, "me", [5], ["b"], joining=False)[0].digest == "a"
+    assert plan_catch_up({"x": state("x", [5], ["b"])}, "me", [5], ["a"], joining=False) == []  # we keep ours
+    three_way = {"x": state("x", [5], ["c"]), "y": state("y", [5], ["a"])}
+    assert plan_catch_up(three_way, "me", [5], ["b"], joining=False)[0].digest == "a"
+    assert plan_catch_up({"me": state("me", [9], ["z"])}, "me", [0], ["i"], joining=True) == []  # ourselves
+
+
+def test_a_tie_is_not_decided_while_another_record_lags_behind_our_round():
+    # Seen in a 4-peer swarm: a rejoined peer ended round 19 partial (digest "a"); the three others ended it ok
+    # ("b"). Each of them saw the rejoined peer's record at round 19 and the other two's still at 18: a 1-1 tie
+    # that "a" won, so all three adopted the minority state. A lagging record leaves the tie open ...
+    stale = {"p4": state("p4", [19], ["a"]), "p1": state("p1", [18], ["z"]), "p2": state("p2", [18], ["z"])}
+    assert plan_catch_up(stale, "me", [19], ["b"], joining=False) == []
+    # ... until every record is at our round (or past it), when the smaller digest wins as before
+    settled = {"p4": state("p4", [19], ["a"]), "p1": state("p1", [20], ["y"])}
+    assert plan_catch_up(settled, "me", [19], ["b"], joining=False)[0].digest == "a"
+    # the peer with the partial result follows the majority at once, lagging records or not
+    majority = {"p1": state("p1", [19], ["b"]), "p2": state("p2", [19], ["b"]), "p3": state("p3", [18], ["z"])}
+    assert plan_catch_up(majority, "p4", [19], ["a"], joining=False)[0].digest == "b"
+
+
+def test_launch_gate_skips_rounds_the_swarm_is_past():
+    records = {p: state(p, [7, 6], ["a", "b"]) for p in ("x", "y")}
+    # in step with the swarm (it applied round 7; we applied 7, or have it in flight): launch round 8
+    assert launch_gate(records, "me", 0, 8, my_expected=7) is None
+    # late: the swarm already applied the round we are about to launch, no one will come
+    assert launch_gate(records, "me", 0, 7, my_expected=6).startswith("late")
+    # one round behind (we missed round 7): join the swarm's current round, the drift check repairs us
+    assert launch_gate(records, "me", 0, 8, my_expected=6) is None
+    # behind: our round counter ran on alone during an outage, our state is many rounds old
+    assert launch_gate(records, "me", 0, 8, my_expected=5).startswith("behind")
+    assert launch_gate(records, "me", 1, 46, my_expected=2).startswith("behind")
+    assert launch_gate({}, "me", 0, 3, my_expected=0) is None  # no one else: nothing to be behind of
+    # the repair, once a round was late: every fragment the swarm is past, counting our rounds in flight
+    # (fragment 1: applied 5, round 6 in flight, swarm at 6: nothing to download); a drift check tolerates one
+    assert plan_catch_up(records, "me", [6, 5], ["a0", "b0"], joining=False) == []
+    plans = plan_catch_up(records, "me", [6, 5], ["a0", "b0"], joining=False, expected=[6, 6])
+    assert [(c.fragment, c.round, c.digest) for c in plans] == [(0, 7, "a")]
+    plans = plan_catch_up(records, "me", [6, 5], ["a0", "b0"], joining=False, expected=[6, 5])
+    assert [(c.fragment, c.round, c.digest) for c in plans] == [(0, 7, "a"), (1, 6, "b")]
+
+
+def test_launch_verdict_is_the_one_place_that_keeps_a_round_home():
+    records = {p: state(p, [7, 6], ["a", "b"]) for p in ("x", "y")}
+    assert launch_verdict(records, "me", fragment=0, round_=8, expected_round=7, min_group_size=2) is None
+    status, why = launch_verdict(records, "me", fragment=0, round_=7, expected_round=6, min_group_size=2)
+    assert status == RoundStatus.BEHIND and why.startswith("late") and not status.launched
+    status, why = launch_verdict({}, "me", fragment=0, round_=3, expected_round=0, min_group_size=2)
+    assert (status, why) == (RoundStatus.ALONE, "1 live peer(s) < min_group_size 2")
+    status, _ = launch_verdict(records, "me", fragment=0, round_=8, expected_round=7, min_group_size=4)
+    assert status == RoundStatus.ALONE  # 3 live < 4
+
+
+def test_after_a_download_the_step_moves_up_to_the_donors_and_back_only_after_running_ahead_alone():
+    records = {"x": rec("x", 95), "me": rec("me", 60)}
+    assert step_after_catch_up(60, [], records, "me", H) == 60  # nothing downloaded
+    assert step_after_catch_up(60, [80, 90], records, "me", H) == 90  # behind the donors: up to them
+    assert step_after_catch_up(100, [90], records, "me", H) == 100  # a bit ahead: never back (re-launching)
+    assert step_after_catch_up(400, [90], records, "me", H) == 90  # ran ahead alone (> H past everyone): back

@@ -1,0 +1,59 @@
+"""The folders of ``peer/`` are layers (peer/__init__.py): each imports only the layers below it, and the pure
+ones import no networking. A newcomer can trust the folder names; this test keeps them true."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PEER = Path(__file__).resolve().parents[1] / "peer"
+SHARED = {"config", "util", "errors", "proto"}  # every layer may import these
+ALLOWED = {
+    "local": SHARED,
+    "outer": SHARED,
+    "net": SHARED | {"outer"},
+    "run": SHARED | {"local", "outer", "net"},
+    "cli": SHARED | {"run"},
+}
+# Modules that are pure policy or pure math: no hivemind, no sockets, no asyncio.
+PURE = ["outer", "local", "net/consensus.py", "net/records.py"]
+NETWORKING = ("hivemind", "socket", "asyncio", "grpc")
+
+
+def imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names if node.module == "peer")
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return out
+
+
+def layer_of(module: str) -> str:
+    """``peer.net.swarm`` -> ``net``; ``peer.config`` -> ``config``."""
+    return module.split(".")[1]
+
+
+def test_every_layer_imports_only_the_layers_below_it():
+    wrong = []
+    for layer, allowed in ALLOWED.items():
+        for path in sorted((PEER / layer).glob("*.py")):
+            for module in imports(path):
+                if module.startswith("peer.") and layer_of(module) not in allowed | {layer}:
+                    wrong.append(f"{path.relative_to(PEER.parent)} imports {module}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_pure_modules_import_no_networking():
+    paths = [p for entry in PURE for p in ([PEER / entry] if entry.endswith(".py") else (PEER / entry).glob("*.py"))]
+    assert len(paths) > 10
+    wrong = [f"{p.relative_to(PEER.parent)} imports {m}" for p in paths for m in imports(p)
+             if m.split(".")[0] in NETWORKING]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_shared_modules_import_no_layer():
+    for name in ("config.py", "util.py", "errors.py"):
+        assert not [m for m in imports(PEER / name) if m.startswith("peer.")], name
