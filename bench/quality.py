@@ -70,6 +70,7 @@ from peer.local.data import MarkovSource  # noqa: E402
 from peer.outer.fragments import partition  # noqa: E402
 from peer.local.inner import InnerLoop  # noqa: E402
 from peer.local.model import build_model, count_parameters, lm_loss  # noqa: E402
+from peer.outer.aggregate import AggregationRule  # noqa: E402
 from peer.outer.simulator import FakeTransport, Replica, run_lockstep  # noqa: E402
 from peer.outer.engine import OuterSettings, StreamingEngine  # noqa: E402
 
@@ -92,6 +93,7 @@ class Method:
     merge: str = "alpha"
     eager: bool = False
     outer_lr: float = 0.7
+    aggregator: str = "mean"  # how the reducer combines parts: mean, or clipped (the robust default of a swarm)
 
     def blocks_per_fragment(self, setup: "Setup") -> int:
         return setup.fragment_blocks if self.fragment_blocks is None else self.fragment_blocks
@@ -112,6 +114,8 @@ METHODS: list[Method] = [
     Method("tau1_replay", "5", "+ FP4, tau=1, replay merge", codec="e3m0", tau=(1,), merge="replay"),
     Method("tau5_replay", "5", "+ FP4, tau=5, replay merge", codec="e3m0", tau=(5,), merge="replay"),
     Method("full", "5", "full: FP4, tau=5, replay, eager", codec="e3m0", tau=(5,), merge="replay", eager=True),
+    Method("full_clipped", "13", "full + robust aggregation (clipped, the swarm default)", codec="e3m0", tau=(5,),
+           merge="replay", eager=True, aggregator="clipped"),
     Method("tauH_eager", "6", "FP4, tau=H, eager (Alg. 3)", codec="e3m0", tau=("H",), eager=True),
     Method("tauH_eager_lr", "6", "FP4, tau=H, eager, outer lr 0.175", codec="e3m0", tau=("H",), eager=True,
            outer_lr=0.175),
@@ -240,7 +244,7 @@ def run_one(method: Method, setup: Setup, seed: int) -> RunResult:
         engines: list[StreamingEngine] = []
         transport: Optional[FakeTransport] = None
     else:
-        transport = FakeTransport(M, method.codec)
+        transport = FakeTransport(M, method.codec, None if method.aggregator == "mean" else AggregationRule())
         models, engines, sim = [], [], []
         step_ce: list[float] = []
         for m in range(M):

@@ -162,6 +162,14 @@ class OuterConfig:
             "DiLoCo) or replay (keep the tau steps).")
     wait_timeout: float = setting(180.0, local=True, help="Seconds to wait at launch + tau for an aggregate before "
             "the round counts as missed.")
+    aggregator: str = setting("clipped", help="How a reducer combines its span's parts: clipped (weights capped, "
+            "CenteredClip around the coordinate-wise median: one peer's effect is bounded; for swarms of strangers) "
+            "or mean (the plain token-weighted mean: every peer trusted). See peer/outer/aggregate.py.")
+    clip_factor: float = setting(1.5, help="clipped: radius = clip_factor x the median distance of the parts to "
+            "their coordinate-wise median (>= 1).")
+    weight_cap: float = setting(2.0, help="clipped: a declared weight counts at most weight_cap x the lower median "
+            "of the group's weights (>= 1).")
+    clip_iterations: int = setting(1, help="clipped: CenteredClip steps (1-20).")
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, "outer.lr", "> 0", self.lr)
@@ -180,6 +188,10 @@ class OuterConfig:
         _check(self.merge in ("alpha", "replay"), "outer.merge", "alpha or replay", self.merge)
         _check(self.wait_timeout > 0, "outer.wait_timeout", "> 0 seconds", self.wait_timeout)
         _check(0 <= self.alpha <= 1, "outer.alpha", "in [0, 1]", self.alpha)
+        _check(self.aggregator in ("clipped", "mean"), "outer.aggregator", "clipped or mean", self.aggregator)
+        _check(self.clip_factor >= 1, "outer.clip_factor", ">= 1", self.clip_factor)
+        _check(self.weight_cap >= 1, "outer.weight_cap", ">= 1", self.weight_cap)
+        _check(1 <= self.clip_iterations <= 20, "outer.clip_iterations", "in [1, 20]", self.clip_iterations)
 
 
 @dataclass(kw_only=True)

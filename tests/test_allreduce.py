@@ -14,6 +14,7 @@ from hivemind.averaging.group_info import GroupInfo
 from helpers import p2p_mesh, run_async
 from peer.net.allreduce import (PROTOCOL_VERSION, AllReduceServicer, GroupError, GroupPlan, member_spans,
                             run_allreduce)
+from peer.outer.aggregate import AggregationRule, Aggregator
 from peer.outer.codec import get_codec
 from peer.proto import allreduce_pb2 as pb
 
@@ -49,7 +50,7 @@ def test_group_plan_rejects_inconsistent_members():
         GroupPlan.from_group(bad, "a", codec, NUMEL, "t")
 
 
-async def _run(n_members, alive, weights, deltas, part_timeout=1.0, allreduce_timeout=4.0):
+async def _run(n_members, alive, weights, deltas, part_timeout=1.0, allreduce_timeout=4.0, rule=None):
     p2ps = await p2p_mesh(n_members)
     try:
         ids = [p.peer_id for p in p2ps]
@@ -60,7 +61,8 @@ async def _run(n_members, alive, weights, deltas, part_timeout=1.0, allreduce_ti
             if i in alive:  # a dead member registers no handler and sends nothing
                 await s.add_p2p_handlers(p)
             servicers.append(s)
-        plans = [GroupPlan.from_group(group, ids[i], get_codec("fp32"), NUMEL, f"member {i}") for i in range(n_members)]
+        plans = [GroupPlan.from_group(group, ids[i], get_codec("fp32"), NUMEL, f"member {i}", rule)
+                 for i in range(n_members)]
         results = await asyncio.gather(*[
             run_allreduce(p2ps[i], servicers[i], plans[i], deltas[i], weights[i], part_timeout=part_timeout,
                           allreduce_timeout=allreduce_timeout, connect_timeout=1.0, chunk_bytes=4096)
@@ -74,8 +76,8 @@ async def _run(n_members, alive, weights, deltas, part_timeout=1.0, allreduce_ti
 def test_all_members_get_identical_weighted_average():
     torch.manual_seed(0)
     deltas = [torch.randn(NUMEL) for _ in range(3)]
-    weights = [1.0, 2.0, 5.0]
-    results, spans = run_async(_run(3, [0, 1, 2], weights, deltas))
+    weights = [1.0, 2.0, 5.0]  # (5 > weight_cap x the lower median 2: the robust rule would cap it)
+    results, spans = run_async(_run(3, [0, 1, 2], weights, deltas, rule=AggregationRule(kind=Aggregator.MEAN)))
     expected = sum(w * d for w, d in zip(weights, deltas)) / sum(weights)
     for res in results.values():
         assert res.complete
@@ -102,3 +104,31 @@ def test_dead_reducer_span_is_missing_on_every_survivor():
             assert res.contributors[j] == [0, 1]
     for j in (0, 1):
         assert torch.equal(results[0].spans[j].average, results[1].spans[j].average)
+
+
+def test_a_member_that_scales_its_part_and_lies_about_its_weight_is_bounded_and_named():
+    """Issue 13's first attack, in one group of 4: member 3 multiplies its outer gradient by 1000 and declares
+    10^6 times its tokens. With the plain mean every member applies the attacker's vector; with the robust
+    rule (the default) every member gets a result closer to the honest mean than the farthest honest part is
+    (the attacker does less than an honest peer's own noise), still bit-identical, and every reducer names the
+    attacker (its peer id) among the contributions it limited."""
+    g = torch.Generator().manual_seed(3)
+    common = torch.randn(NUMEL, generator=g)
+    honest = [common + 0.3 * torch.randn(NUMEL, generator=g) for _ in range(3)]
+    deltas, weights = honest + [1000 * honest[0]], [1.0, 1.0, 1.0, 1e6]
+    clean = sum(honest) / 3
+    spread = max(float(torch.linalg.vector_norm(h - clean) / torch.linalg.vector_norm(clean)) for h in honest)
+    for rule, worst in ((AggregationRule(kind=Aggregator.MEAN), None), (AggregationRule(), spread)):
+        results, _ = run_async(_run(4, [0, 1, 2, 3], weights, deltas, rule=rule))
+        got = [torch.cat([s.average for s in results[i].spans]) for i in range(3)]
+        assert torch.equal(got[0], got[1]) and torch.equal(got[1], got[2])
+        error = float(torch.linalg.vector_norm(got[0] - clean) / torch.linalg.vector_norm(clean))
+        if worst is None:
+            assert error > 100, error  # the poisoned average (the issue: loss 2.49 -> 200,000)
+            assert not any(res.flagged for res in results.values())
+        else:
+            assert error < worst, error
+            attacker = str(results[0].flagged[0][0]) if results[0].flagged else "none"
+            for i in range(3):  # each honest reducer limited the attacker's part of its own span
+                assert [p for p, _ in results[i].flagged] == [attacker]
+                assert "capped" in results[i].flagged[0][1] and "clipped" in results[i].flagged[0][1]

@@ -11,6 +11,7 @@ from peer.net.progress import LiveView, make_validators, progress_key
 from peer.net.records import ProgressRecord
 
 TTL = 10.0
+A, B, C, D = (c * 46 for c in "ABCD")  # peer ids of the pure tests (base58 text of a peer id's length)
 
 
 def rec(pid: str, t: float, step: int = 0) -> dict:
@@ -26,44 +27,44 @@ def found(entries: dict, expiration: float = 1e12) -> ValueWithExpiration:
 def test_a_peer_stays_live_ttl_after_its_newest_record_arrived_however_old_the_record_was():
     view = LiveView(TTL)
     # written 9 s before it arrived (a DHT stalled on an unreachable node): still live for TTL from arrival
-    view.merge(found({b"a": (rec("A", 91.0), 101.0)}), dht_now=100.0, local_now=0.0)
-    assert set(view.live(local_now=9.9)) == {"A"}
+    view.merge(found({b"a": (rec(A, 91.0), 101.0)}), dht_now=100.0, local_now=0.0)
+    assert set(view.live(local_now=9.9)) == {A}
     assert view.live(local_now=10.1) == {}
     # the same record again is no news: it does not extend A's life
-    view.merge(found({b"a": (rec("A", 91.0), 101.0)}), dht_now=100.0, local_now=5.0)
+    view.merge(found({b"a": (rec(A, 91.0), 101.0)}), dht_now=100.0, local_now=5.0)
     assert view.live(local_now=10.1) == {}
 
 
 def test_a_read_that_misses_or_fails_forgets_no_one():
     view = LiveView(TTL)
-    view.merge(found({b"a": (rec("A", 100.0), 110.0), b"b": (rec("B", 100.0), 110.0)}), dht_now=100.0, local_now=0.0)
+    view.merge(found({b"a": (rec(A, 100.0), 110.0), b"b": (rec(B, 100.0), 110.0)}), dht_now=100.0, local_now=0.0)
     view.merge(None, dht_now=103.0, local_now=3.0)  # nothing found
-    view.merge(found({b"b": (rec("B", 103.0, step=7), 113.0)}), dht_now=103.0, local_now=3.0)  # A missing
+    view.merge(found({b"b": (rec(B, 103.0, step=7), 113.0)}), dht_now=103.0, local_now=3.0)  # A missing
     live = view.live(local_now=9.0)
-    assert set(live) == {"A", "B"} and live["B"].step == 7
-    assert set(view.live(local_now=12.0)) == {"B"}  # A's last record arrived at 0
+    assert set(live) == {A, B} and live[B].step == 7
+    assert set(view.live(local_now=12.0)) == {B}  # A's last record arrived at 0
 
 
 def test_newest_record_wins_expired_and_malformed_are_ignored():
     view = LiveView(TTL)
-    view.merge(found({b"a": (rec("A", 100.0, step=5), 110.0)}), dht_now=100.0, local_now=0.0)
-    view.merge(found({b"a2": (rec("A", 99.0, step=1), 109.0)}), dht_now=100.0, local_now=1.0)  # older: ignored
-    assert view.live(local_now=1.0)["A"].step == 5
-    view.merge(found({b"c": (rec("C", 80.0), 90.0)}), dht_now=100.0, local_now=1.0)  # expired in the DHT
-    bad = {**rec("D", 100.0), "step": -1}
+    view.merge(found({b"a": (rec(A, 100.0, step=5), 110.0)}), dht_now=100.0, local_now=0.0)
+    view.merge(found({b"a2": (rec(A, 99.0, step=1), 109.0)}), dht_now=100.0, local_now=1.0)  # older: ignored
+    assert view.live(local_now=1.0)[A].step == 5
+    view.merge(found({b"c": (rec(C, 80.0), 90.0)}), dht_now=100.0, local_now=1.0)  # expired in the DHT
+    bad = {**rec(D, 100.0), "step": -1}
     view.merge(found({b"d": (bad, 110.0), b"e": ("not a record", 110.0)}), dht_now=100.0, local_now=1.0)
-    assert set(view.live(local_now=1.0)) == {"A"}
+    assert set(view.live(local_now=1.0)) == {A}
 
 
 def test_a_withdrawn_record_drops_its_peer_at_once_but_not_a_restarted_one():
     view = LiveView(TTL)
-    view.merge(found({b"a": (rec("A", 100.0), 110.0), b"b": (rec("B", 100.0), 110.0)}), dht_now=100.0, local_now=0.0)
-    view.merge(found({b"a": (None, 111.0), b"b": (rec("B", 101.0), 111.0)}), dht_now=101.0, local_now=1.0)
-    assert set(view.live(local_now=1.0)) == {"B"}
+    view.merge(found({b"a": (rec(A, 100.0), 110.0), b"b": (rec(B, 100.0), 110.0)}), dht_now=100.0, local_now=0.0)
+    view.merge(found({b"a": (None, 111.0), b"b": (rec(B, 101.0), 111.0)}), dht_now=101.0, local_now=1.0)
+    assert set(view.live(local_now=1.0)) == {B}
     # B restarted (same peer id, new signing key): its old key's withdrawal does not drop the new record
-    view.merge(found({b"b2": (rec("B", 102.0), 112.0)}), dht_now=102.0, local_now=2.0)
-    view.merge(found({b"b": (None, 112.0), b"b2": (rec("B", 102.0), 112.0)}), dht_now=102.0, local_now=2.0)
-    assert set(view.live(local_now=2.0)) == {"B"}
+    view.merge(found({b"b2": (rec(B, 102.0), 112.0)}), dht_now=102.0, local_now=2.0)
+    view.merge(found({b"b": (None, 112.0), b"b2": (rec(B, 102.0), 112.0)}), dht_now=102.0, local_now=2.0)
+    assert set(view.live(local_now=2.0)) == {B}
 
 
 @pytest.mark.timeout(120)
@@ -81,6 +82,12 @@ def test_signed_records_through_a_real_dht(tmp_path):
         # another peer's subkey (signature check) and a value that is not a record (schema check)
         assert not nodes[1].store(key, rec(pids[1], get_dht_time()), get_dht_time() + 30, subkey=subkeys[0])
         assert not nodes[1].store(key, {"peer_id": pids[1]}, get_dht_time() + 30, subkey=subkeys[1])
+        # schema-valid and validly signed, but its peer id is not one and its rounds overflow: issue 13's
+        # record that made every honest peer exit (the catch-up picked it, parsing the donor id raised)
+        hostile = {**rec("not-a-peer-id", get_dht_time()), "rounds": [1 << 63], "digests": ["ab"]}
+        assert not nodes[1].store(key, hostile, get_dht_time() + 30, subkey=subkeys[1])
+        assert not nodes[1].store(key, {**rec(pids[1], get_dht_time()), "digests": ["<script>"], "rounds": [1]},
+                                  get_dht_time() + 30, subkey=subkeys[1])
         views = [LiveView(30.0) for _ in nodes]
         for node, view in zip(nodes, views):
             view.merge(node.get(key, latest=True), dht_now=get_dht_time(), local_now=time.monotonic())

@@ -6,9 +6,11 @@ Protocol (messages in protos/allreduce.proto, RPC ``AllReduceServicer.rpc_reduce
    (:func:`member_spans`); member i reduces span i.
 2. Every member streams its encoded part of span i, with its weight, to reducer i (its own part
    goes through the same encode/decode locally).
-3. Reducer i waits until all members' parts arrived or ``part_timeout`` passed, averages the parts
-   it received in FP32 weighted by tokens, **encodes the average once**, and streams that same
-   encoding back to every member, with the list of contributors.
+3. Reducer i waits until all members' parts arrived or ``part_timeout`` passed, combines the parts
+   it received by the run's aggregation rule (:mod:`peer.outer.aggregate`: the token-weighted mean,
+   or by default the robust clipped rule that bounds any one contributor's effect), **encodes the
+   result once**, and streams that same encoding back to every member, with the list of
+   contributors. Every part it clipped or whose weight it capped is logged with the sender's id.
 4. Every member (the reducer included) decodes those bytes: all members hold bit-identical
    averages. A span whose reducer failed comes back as ``None``: it is not applied, and logged.
 
@@ -32,6 +34,7 @@ from google.protobuf.message import DecodeError
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 
+from peer.outer.aggregate import MAX_WEIGHT, AggregationRule, aggregate
 from peer.outer.codec import Codec, CodecError
 from peer.outer.rounds import Span
 from peer.proto import allreduce_pb2 as pb
@@ -41,6 +44,12 @@ from peer.util import next_by, short_id, time_left
 log = logging.getLogger(__name__)
 PROTOCOL_VERSION = 1
 MAX_GROUP_SIZE = 256
+HEAVY_CLIP = 0.5  # a part of which the robust rule kept less than this fraction is reported as clipped
+
+
+def valid_weight(weight: float) -> bool:
+    """A declared weight (tokens) the protocol accepts: finite, > 0 and at most MAX_WEIGHT."""
+    return math.isfinite(weight) and 0 < weight <= MAX_WEIGHT
 Status = pb.ReduceResponse.Status
 
 
@@ -77,9 +86,11 @@ class GroupPlan:
     spans: list[tuple[int, int]]
     codec: Codec
     label: str  # "fragment 0 round 7", for logs
+    rule: AggregationRule = field(default_factory=AggregationRule)  # how reducers combine parts (run config)
 
     @classmethod
-    def from_group(cls, group: GroupInfo, me: PeerID, codec: Codec, numel: int, label: str) -> "GroupPlan":
+    def from_group(cls, group: GroupInfo, me: PeerID, codec: Codec, numel: int, label: str,
+                   rule: Optional[AggregationRule] = None) -> "GroupPlan":
         """Parses and checks every member's MemberInfo. Raises GroupError when they disagree."""
         if not 1 <= len(group.peer_ids) <= MAX_GROUP_SIZE or len(group.gathered) != len(group.peer_ids):
             raise GroupError(f"malformed group of {len(group.peer_ids)} peers")
@@ -94,12 +105,12 @@ class GroupPlan:
             if info.protocol_version != PROTOCOL_VERSION or info.numel != numel:
                 raise GroupError(f"peer {peer_id} has protocol {info.protocol_version}/numel {info.numel}, "
                                  f"expected {PROTOCOL_VERSION}/{numel}")
-            if not (math.isfinite(info.weight) and info.weight > 0):
+            if not valid_weight(info.weight):
                 raise GroupError(f"peer {peer_id} declared weight {info.weight}")
             infos.append(info)
         spans = member_spans(numel, [i.client_mode for i in infos], codec.block_size)
         return cls(group.group_id, tuple(group.peer_ids), infos, group.peer_ids.index(me), numel, spans,
-                   codec, label)
+                   codec, label, rule or AggregationRule())
 
 
 @dataclass
@@ -129,15 +140,15 @@ def decode_piece(codec: Codec, piece, offset: int, filled: int, length: int) -> 
 
 
 class SpanReduction:
-    """Reducer-side state of one group: accumulates members' parts of our span, averages once."""
+    """Reducer-side state of one group: collects members' parts of our span, combines them once."""
 
     def __init__(self, plan: GroupPlan, part_timeout: float, chunk_elems: int):
         self.plan = plan
         start, end = plan.spans[plan.my_index]
         self.length = end - start
-        self.sum = torch.zeros(self.length, dtype=torch.float32)
+        self.parts: dict[int, tuple[float, torch.Tensor]] = {}  # member index -> (declared weight, part)
         self.total_weight = 0.0
-        self.contributors: set[int] = set()
+        self.flagged: list[tuple[str, str]] = []  # (peer id, why) of parts clipped or capped by the rule
         self.all_in = asyncio.Event()
         self.deadline = time.monotonic() + part_timeout
         self.chunk_elems = chunk_elems
@@ -157,30 +168,50 @@ class SpanReduction:
 
     def add(self, index: int, weight: float, part: torch.Tensor) -> bool:
         """Adds a member's complete, decoded part; False if it came too late or twice."""
-        if self.result.done() or index in self.contributors:
+        if self.result.done() or index in self.parts:
             return False
-        self.sum.add_(part, alpha=weight)
-        self.total_weight += weight
-        self.contributors.add(index)
-        if len(self.contributors) == len(self.plan.peer_ids):
+        self.parts[index] = (weight, part)
+        if len(self.parts) == len(self.plan.peer_ids):
             self.all_in.set()
         return True
+
+    @property
+    def contributors(self) -> list[int]:
+        return sorted(self.parts)
+
+    def _combine(self) -> torch.Tensor:
+        """The parts combined by the plan's rule, in member order (deterministic); reports what it clipped."""
+        order = self.contributors
+        out = aggregate([self.parts[i][1] for i in order], [self.parts[i][0] for i in order], self.plan.rule)
+        self.total_weight = out.total_weight
+        for i, declared, used, kept in zip(order, (self.parts[i][0] for i in order), out.weights, out.kept):
+            why = []
+            if used < declared:
+                why.append(f"declared weight {declared:.4g} capped to {used:.4g}")
+            if kept < HEAVY_CLIP:
+                why.append(f"part clipped to {kept:.1%} of its distance from the group's center")
+            if why:
+                peer = str(self.plan.peer_ids[i])
+                self.flagged.append((peer, "; ".join(why)))
+                log.warning("%s: contribution of peer %s limited by the %s rule: %s", self.plan.label, short_id(peer),
+                            self.plan.rule.kind, "; ".join(why))
+        return out.value
 
     async def _finalize(self) -> list[pb.ReduceResponse]:
         try:
             await asyncio.wait_for(self.all_in.wait(), timeout=time_left(self.deadline))
         except asyncio.TimeoutError:
-            missing = sorted(set(range(len(self.plan.peer_ids))) - self.contributors)
+            missing = sorted(set(range(len(self.plan.peer_ids))) - set(self.parts))
             log.warning("%s: reducer averages without members %s (no part within part_timeout)",
                         self.plan.label, [short_id(self.plan.peer_ids[i]) for i in missing])
-        if not self.contributors:
+        if not self.parts:
             return [pb.ReduceResponse(status=Status.FAILED, error="no parts arrived")]
-        average = self.sum / self.total_weight
+        average = self._combine()
         responses = []
         for k, (offset, piece) in enumerate(encode_pieces(self.plan.codec, average, self.chunk_elems)):
             msg = pb.ReduceResponse(status=Status.OK, offset=offset, piece=piece)
             if k == 0:
-                msg.contributors.extend(sorted(self.contributors))
+                msg.contributors.extend(self.contributors)
                 msg.total_weight = self.total_weight
             responses.append(msg)
         return responses
@@ -194,6 +225,7 @@ class AllReduceResult:
     contributors: list[list[int]]
     traffic: Traffic = field(default_factory=Traffic)
     total_weight: float = 0.0  # the largest total weight among the spans that arrived
+    flagged: list[tuple[str, str]] = field(default_factory=list)  # (peer id, why): parts our span's rule limited
 
     @property
     def complete(self) -> bool:
@@ -248,7 +280,7 @@ class AllReduceServicer(ServicerBase):
                 yield pb.ReduceResponse(status=Status.REJECTED, error="sender is not in the group")
                 return
             sender = plan.peer_ids.index(context.remote_id)
-            if header.span_index != plan.my_index or not (math.isfinite(header.weight) and header.weight > 0):
+            if header.span_index != plan.my_index or not valid_weight(header.weight):
                 yield pb.ReduceResponse(status=Status.REJECTED, error="wrong span index or invalid weight")
                 return
             red.requesters.add(sender)
@@ -411,7 +443,7 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
                 await asyncio.wait_for(red.idle.wait(), timeout=time_left(deadline))
         traffic.sent += red.sent_bytes()
         traffic.received += red.traffic.received
-        return AllReduceResult(spans, contributors, traffic, total_weight)
+        return AllReduceResult(spans, contributors, traffic, total_weight, list(red.flagged))
     finally:
         asyncio.get_running_loop().call_later(time_left(deadline), servicer.unregister,
                                               plan.group_id)

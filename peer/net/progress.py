@@ -44,7 +44,7 @@ class ProgressValidator(RecordValidatorBase):
             value = DHTProtocol.serializer.loads(record.value)
             if not isinstance(subkey, bytes) or not _OWNER.fullmatch(subkey):
                 return False
-            return value is None or ProgressRecord.model_validate(value) is not None
+            return value is None or ProgressRecord.from_wire(value) is not None
         except (ValueError, TypeError, pydantic.ValidationError, Exception):
             return False
 
@@ -98,8 +98,8 @@ class LiveView:
             if entry.expiration_time < dht_now:
                 continue
             try:
-                rec = ProgressRecord.model_validate(entry.value)
-            except pydantic.ValidationError:
+                rec = ProgressRecord.from_wire(entry.value)
+            except ValueError:  # (pydantic.ValidationError is one)
                 continue
             known = peers.get(rec.peer_id)
             if known is None or rec.time > known[1].time:

@@ -6,11 +6,18 @@ Every value is checked strictly: records come from other peers.
 
 from __future__ import annotations
 
-from typing import Annotated
+import re
+from typing import Annotated, Any
 
 from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-Count = Annotated[StrictInt, Field(ge=0)]
+# Steps and rounds: far above any real run (2^40 rounds of one minute is two million years), far below what
+# overflows a tensor index or a timestamp computation downstream (a record with 2^63 rounds made peers crash).
+Count = Annotated[StrictInt, Field(ge=0, le=1 << 40)]
+# On the wire (ProgressRecord.from_wire): a libp2p peer id in base58 (CIDv0 "Qm...", or an inlined key
+# "12D3..."; the state donors and the phase rules act on it) and hex digests, or the whole record is refused.
+PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{32,128}")
+DIGEST = re.compile(r"[0-9a-f]{1,64}")
 
 
 class ProgressRecord(BaseModel):
@@ -28,3 +35,12 @@ class ProgressRecord(BaseModel):
     tokens_per_second: Annotated[StrictFloat, Field(ge=0.0, allow_inf_nan=False)]
     client_mode: StrictBool
     time: Annotated[StrictFloat, Field(allow_inf_nan=False)]  # DHT time when written
+
+    @classmethod
+    def from_wire(cls, value: Any) -> "ProgressRecord":
+        """A record read from the DHT: the schema, plus a real peer id and hex digests. Raises ValueError
+        (pydantic's ValidationError is one)."""
+        rec = cls.model_validate(value)
+        if not PEER_ID.fullmatch(rec.peer_id) or not all(DIGEST.fullmatch(d) for d in rec.digests):
+            raise ValueError("progress record with a malformed peer id or digest")
+        return rec

@@ -24,6 +24,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
 from peer.net.allreduce import PROTOCOL_VERSION, AllReduceServicer, GroupError, GroupPlan, run_allreduce
+from peer.outer.aggregate import AggregationRule
 from peer.outer.codec import codec_key, get_codec
 from peer.config import SwarmConfig
 from peer.net.dht import create_dht, peers_of, reconnect
@@ -32,7 +33,7 @@ from peer.outer.rounds import RoundOutcome, RoundStatus
 from peer.net.consensus import laggards, nobody_coming, swarm_is_past
 from peer.net.progress import LiveView, make_validators, progress_key
 from peer.net.records import ProgressRecord
-from peer.net.state_transfer import Snapshot, StateServicer, download
+from peer.net.state_transfer import DownloadError, Snapshot, StateServicer, download
 from peer.proto import allreduce_pb2 as pb
 from peer.util import short_id
 
@@ -70,9 +71,12 @@ class Swarm:
     must be called after :meth:`start` and before :meth:`shutdown`.
     """
 
-    def __init__(self, cfg: SwarmConfig, *, run_key: str, codec, identity_path: str):
+    def __init__(self, cfg: SwarmConfig, *, run_key: str, codec, identity_path: str,
+                 rule: Optional[AggregationRule] = None):
+        """``rule``: how our spans are combined when we reduce (the run's; by default the robust rule)."""
         self.cfg = cfg
         self.codec = get_codec(codec)  # a name or a configured codec instance
+        self.rule = rule or AggregationRule()
         self.run_key = f"{cfg.run_id}_{run_key}_{codec_key(self.codec.name)}"
         self.identity_path = identity_path
         self._loop = asyncio.new_event_loop()
@@ -243,11 +247,22 @@ class Swarm:
         self.state_servicer.publish(snap)
 
     def download_state(self, fragment: int, donors: list[str], *, round_: int, numel: int, digest: str) -> Snapshot:
-        """Blocking: the fragment's state from the first donor that delivers ``digest``; DownloadError if none."""
-        coro = download(self.p2p, [PeerID.from_base58(d) for d in donors], fragment, round_=round_, numel=numel,
-                        digest=digest,
+        """Blocking: the fragment's state from the first donor that delivers ``digest``; DownloadError if none
+        (donor ids come from other peers' records: one that does not parse is skipped)."""
+        ids = []
+        for d in donors:
+            try:
+                ids.append(PeerID.from_base58(d))
+            except Exception:  # (base58 and multihash errors of several kinds)
+                log.warning("fragment %d: skipping state donor %r: not a peer id", fragment, d[:64])
+        if not ids:
+            raise DownloadError("no valid donor")
+        coro = download(self.p2p, ids, fragment, round_=round_, numel=numel, digest=digest,
                         timeout_per_donor=self.cfg.state_timeout, max_chunk_elems=max(1, self.cfg.chunk_bytes // 4))
-        return self._call(coro, self.cfg.state_timeout * max(1, len(donors)) + 5)
+        try:
+            return self._call(coro, self.cfg.state_timeout * len(ids) + 5)
+        except concurrent.futures.TimeoutError:
+            raise DownloadError(f"no donor delivered within {self.cfg.state_timeout * len(ids) + 5:.0f} s") from None
 
     # ---- rounds ----------------------------------------------------------------------------
     def run_round(self, *, fragment: int, round_: int, delta: torch.Tensor, weight: float, inner_step: int,
@@ -317,12 +332,13 @@ class Swarm:
             self._activity[(fragment, round_)] = RoundActivity(fragment, round_, RoundStage.ALLREDUCE,
                                                      time.monotonic() + self.cfg.allreduce_timeout)
             log.debug("%s: group of %d assembled, all-reduce starting", label, out.group_size)
-            plan = GroupPlan.from_group(group, self.p2p.peer_id, self.codec, delta.numel(), label)
+            plan = GroupPlan.from_group(group, self.p2p.peer_id, self.codec, delta.numel(), label, self.rule)
             result = await run_allreduce(self.p2p, self.servicer, plan, delta, weight,
                                          part_timeout=self.cfg.part_timeout,
                                          allreduce_timeout=self.cfg.allreduce_timeout,
                                          connect_timeout=self.cfg.request_timeout, chunk_bytes=self.cfg.chunk_bytes)
             out.spans, out.contributors, out.total_weight = result.spans, result.contributors, result.total_weight
+            out.flagged = result.flagged
             out.bytes_sent, out.bytes_received = result.traffic.sent, result.traffic.received
             out.status = RoundStatus.OK if result.complete else RoundStatus.PARTIAL
             return out

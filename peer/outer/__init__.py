@@ -2,6 +2,7 @@
 
 ``fragments`` (which parameters sync together), ``schedule`` (when), ``state`` (outer state per fragment, the
 Nesterov outer step, error feedback), ``rounds`` (what a round produced: status and spans), ``engine`` (launch,
-overlap tau, eager updates, merge), ``codec`` (wire formats; FP4 in ``e3m0``, shared parts in ``wire``),
-``simulator`` (M replicas in-process). May import: ``peer.config``, ``peer.util``, ``peer.proto``.
+overlap tau, eager updates, merge), ``aggregate`` (how a reducer combines parts: mean or the robust rule),
+``codec`` (wire formats; FP4 in ``e3m0``, shared parts in ``wire``), ``simulator`` (M replicas in-process).
+May import: ``peer.config``, ``peer.util``, ``peer.proto``.
 """

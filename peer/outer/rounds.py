@@ -59,3 +59,4 @@ class RoundOutcome:
     seconds: float = 0.0
     error: str = ""
     launch_step: int = 0  # set by the engine: the inner step the round was launched after
+    flagged: list[tuple[str, str]] = field(default_factory=list)  # (peer id, why): contributions our span limited

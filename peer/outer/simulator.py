@@ -3,8 +3,9 @@
 The place where the math is tested and ablated (tests/test_streaming_reference.py, bench/): every
 replica runs the real :class:`peer.streaming.StreamingEngine`; :class:`FakeTransport` completes
 round (p, r) once all M replicas launched it, with the same semantics as the swarm's butterfly
-all-reduce: each part goes through the wire codec, the token-weighted FP32 average is encoded
-once and every replica decodes the same bytes.
+all-reduce: each part goes through the wire codec, the token-weighted FP32 average (or, with a
+``rule``, the reducer's aggregation rule over the whole vector as one span) is encoded once and every
+replica decodes the same bytes.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
+from peer.outer.aggregate import AggregationRule, aggregate
 from peer.outer.codec import Codec, get_codec
 from peer.outer.rounds import RoundOutcome, RoundStatus, Span
 from peer.outer.engine import StreamingEngine
@@ -49,9 +51,10 @@ class _Endpoint:
 class FakeTransport:
     """Shared by M engines; ``endpoint(m)`` is replica m's Transport."""
 
-    def __init__(self, num_replicas: int, codec: str | Codec = "fp32"):
+    def __init__(self, num_replicas: int, codec: str | Codec = "fp32", rule: Optional[AggregationRule] = None):
         self.num_replicas = num_replicas
         self.codec = get_codec(codec)
+        self.rule = rule  # None: the exact weighted mean of the decoded parts
         self._parts: dict[tuple[int, int], dict[int, tuple[torch.Tensor, float]]] = {}
         self._done: dict[tuple[int, int], RoundOutcome] = {}
         self.bytes_per_round: dict[tuple[int, int], int] = {}
@@ -69,11 +72,15 @@ class FakeTransport:
         if len(parts) == self.num_replicas:
             total = sum(w for _, w in parts.values())
             acc = torch.zeros_like(delta)
-            nbytes = 0
+            nbytes, decoded_parts = 0, []
             for i in sorted(parts):
                 decoded, size = self._roundtrip(parts[i][0])
                 acc += parts[i][1] * decoded
                 nbytes += size
+                decoded_parts.append(decoded)
+            if self.rule is not None:
+                combined = aggregate(decoded_parts, [parts[i][1] for i in sorted(parts)], self.rule)
+                acc, total = combined.value * combined.total_weight, combined.total_weight
             average, size = self._roundtrip(acc / total)  # encoded once, decoded identically by all
             self.bytes_per_round[key] = nbytes + size * self.num_replicas
             self._done[key] = RoundOutcome(key[0], key[1], RoundStatus.OK, group_size=self.num_replicas,

@@ -42,6 +42,7 @@ from peer.outer.schedule import ClockSchedule, StepsSchedule
 from peer.net.consensus import plan_catch_up, step_after_catch_up
 from peer.net.state_transfer import DownloadError, Snapshot
 from peer.net.transport import SwarmTransport
+from peer.outer.aggregate import AggregationRule
 from peer.outer.engine import AutoTau, OuterSettings, StreamingEngine
 from peer.run.status import StatusLine, describe
 from peer.net.swarm import Swarm
@@ -91,7 +92,8 @@ class Trainer:
         # Created here (nothing starts before run()); its DHT process forks, so run() starts it before any CUDA.
         codec = make_codec(cfg.outer.codec, stochastic_rounding=True) if cfg.outer.stochastic_rounding \
             else cfg.outer.codec
-        self.swarm = Swarm(cfg.swarm, run_key=cfg.run_hash(), codec=codec, identity_path=str(cfg.identity_path))
+        self.swarm = Swarm(cfg.swarm, run_key=cfg.run_hash(), codec=codec, identity_path=str(cfg.identity_path),
+                           rule=AggregationRule.from_config(cfg.outer))
         self.bytes_up = self.bytes_down = 0
         self.rounds_done = 0
         self.rounds_ok = self.rounds_total = 0
@@ -443,3 +445,6 @@ class Trainer:
                          bytes_received=outcome.bytes_received, seconds=outcome.seconds, digest=digest,
                          spans_applied=applied, spans_missing=missing, total_weight=outcome.total_weight,
                          contributors=outcome.contributors, error=outcome.error)
+        for peer, why in outcome.flagged:  # (the console line is the reducer's warning, in peer.net.allreduce)
+            self.events.emit("contribution_limited", fragment=frag.index, round=outcome.round, peer=peer, reason=why,
+                             aggregator=self.cfg.outer.aggregator)
