@@ -151,6 +151,10 @@ class Setup:
     data_seed: int = 1234
     vocab_size: int = 64
     eval_seqs: int = 128  # the final eval (the table)
+    # the robust rule of methods with aggregator="clipped" (peer/outer/aggregate.py; bench/attacks.py varies them)
+    clip_factor: float = AggregationRule().clip_factor
+    weight_cap: float = AggregationRule().weight_cap
+    clip_iterations: int = AggregationRule().iterations
     curve_seqs: int = 32  # the eval points of the curves: the first curve_seqs of the same held-out set
 
     @property
@@ -177,6 +181,8 @@ class RunResult:
     train_ce: list[float] = field(default_factory=list)  # mean over replicas and the steps since the last point
     final: float = math.nan
     final_replica0: float = math.nan
+    final_honest: float = math.nan  # over the replicas that do not tamper with their parts (bench/attacks.py)
+    excluded: dict = field(default_factory=dict)  # replica -> round it was excluded at (with a robust rule)
     bytes_per_peer: float = 0.0
     rounds: int = 0
     finite: bool = True
@@ -219,8 +225,10 @@ def fp32_bytes(numel: int) -> int:
     return get_codec("fp32").encode_flat(torch.zeros(numel)).ByteSize()
 
 
-def run_one(method: Method, setup: Setup, seed: int) -> RunResult:
-    """Trains one method with one seed in the simulator; never raises for a diverged run (``finite``)."""
+def run_one(method: Method, setup: Setup, seed: int, tamper: Optional[dict] = None) -> RunResult:
+    """Trains one method with one seed in the simulator; never raises for a diverged run (``finite``).
+    ``tamper`` (bench/attacks.py): replica index -> what that attacker does to its part; ``final_honest`` is
+    then the final eval over the other replicas."""
     torch.set_num_threads(1)
     if not 0 <= seed < EVAL_SHARD // SHARD_STRIDE or setup.replicas > SHARD_STRIDE:
         raise ValueError(f"seed must be in [0, {EVAL_SHARD // SHARD_STRIDE}) and replicas <= {SHARD_STRIDE}")
@@ -244,7 +252,9 @@ def run_one(method: Method, setup: Setup, seed: int) -> RunResult:
         engines: list[StreamingEngine] = []
         transport: Optional[FakeTransport] = None
     else:
-        transport = FakeTransport(M, method.codec, None if method.aggregator == "mean" else AggregationRule())
+        rule = AggregationRule(clip_factor=setup.clip_factor, weight_cap=setup.weight_cap,
+                               iterations=setup.clip_iterations)
+        transport = FakeTransport(M, method.codec, None if method.aggregator == "mean" else rule, tamper=tamper)
         models, engines, sim = [], [], []
         step_ce: list[float] = []
         for m in range(M):
@@ -294,12 +304,15 @@ def run_one(method: Method, setup: Setup, seed: int) -> RunResult:
         res.finite = res.finite and all(math.isfinite(v) for v in finals)
         res.final = sum(finals) / len(finals)
         res.final_replica0 = finals[0]
+        honest = [v for i, v in enumerate(finals) if i not in (tamper or {})]
+        res.final_honest = sum(honest) / len(honest)
     except FloatingPointError as e:  # the inner loop refuses a non-finite loss or gradient
         res.finite, res.error = False, str(e)
     res.finite = res.finite and all(params_finite(m) for m in models) and all(math.isfinite(x) for x in losses)
     if transport is not None:  # bytes_per_round: M parts up + the average down to M replicas, each encoded
         res.bytes_per_peer = butterfly_share(M) * sum(transport.bytes_per_round.values()) / (2 * M)
         res.rounds = len(transport.bytes_per_round)
+        res.excluded = dict(transport.excluded)
     res.seconds = time.perf_counter() - t0
     return res
 

@@ -165,7 +165,7 @@ class OuterConfig:
     aggregator: str = setting("clipped", help="How a reducer combines its span's parts: clipped (weights capped, "
             "CenteredClip around the coordinate-wise median: one peer's effect is bounded; for swarms of strangers) "
             "or mean (the plain token-weighted mean: every peer trusted). See peer/outer/aggregate.py.")
-    clip_factor: float = setting(1.5, help="clipped: radius = clip_factor x the median distance of the parts to "
+    clip_factor: float = setting(1.0, help="clipped: radius = clip_factor x the median distance of the parts to "
             "their coordinate-wise median (>= 1).")
     weight_cap: float = setting(2.0, help="clipped: a declared weight counts at most weight_cap x the lower median "
             "of the group's weights (>= 1).")
@@ -240,11 +240,15 @@ class SwarmConfig:
             "trying the next.")
     drift_check_period: float = setting(10.0, help="Seconds between checks of our (round, digest) against the "
             "swarm's majority (0 disables).")
+    exclude_after: int = setting(3, local=True, help="Offences (parts that do not decode, parts the robust rule cut "
+            "hard, implausible averages) after which this peer stops working with another for the rest of the run "
+            "(see peer/net/exclusion.py).")
 
     def __post_init__(self) -> None:
         _check(bool(self.run_id) and "." not in self.run_id and " " not in self.run_id, "swarm.run_id",
                "a non-empty name without '.' or spaces", self.run_id)
         _check(self.drift_check_period >= 0, "swarm.drift_check_period", ">= 0", self.drift_check_period)
+        _check(self.exclude_after >= 1, "swarm.exclude_after", ">= 1", self.exclude_after)
         for key in ("start_timeout", "state_timeout", "matchmaking_time", "matchmaking_timeout", "request_timeout",
                     "allreduce_timeout", "part_timeout", "progress_period", "progress_ttl", "startup_timeout",
                     "dht_timeout", "join_timeout"):

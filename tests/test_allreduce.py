@@ -132,3 +132,48 @@ def test_a_member_that_scales_its_part_and_lies_about_its_weight_is_bounded_and_
             for i in range(3):  # each honest reducer limited the attacker's part of its own span
                 assert [p for p, _ in results[i].flagged] == [attacker]
                 assert "capped" in results[i].flagged[0][1] and "clipped" in results[i].flagged[0][1]
+
+
+def test_a_repeat_offender_is_excluded_then_refused_and_skipped():
+    """The same attacker (member 3, parts x1000) over four rounds of one group: every honest reducer cuts its
+    part hard each round, and at exclude_after = 3 offences excludes it. In round 4 the honest reducers refuse
+    its part (it is not among their contributors) and the honest members skip its span (missing, not applied)."""
+    g = torch.Generator().manual_seed(4)
+    common = torch.randn(NUMEL, generator=g)
+    honest = [common + 0.3 * torch.randn(NUMEL, generator=g) for _ in range(3)]
+    deltas, weights = honest + [1000 * honest[0]], [1.0, 1.0, 1.0, 1.0]
+
+    async def main():
+        p2ps = await p2p_mesh(4)
+        try:
+            ids = [p.peer_id for p in p2ps]
+            servicers = [AllReduceServicer(registration_timeout=1.0, part_timeout=1.0) for _ in p2ps]
+            for s, p in zip(servicers, p2ps):
+                await s.add_p2p_handlers(p)
+            rounds = []
+            for r in range(4):
+                gathered = tuple(pb.MemberInfo(protocol_version=PROTOCOL_VERSION, weight=w,
+                                               numel=NUMEL).SerializeToString() for w in weights)
+                group = GroupInfo(bytes([r + 1]) * 20, tuple(ids), gathered)
+                plans = [GroupPlan.from_group(group, ids[i], get_codec("fp32"), NUMEL, f"fragment 0 round {r}")
+                         for i in range(4)]
+                rounds.append(await asyncio.gather(*[
+                    run_allreduce(p2ps[i], servicers[i], plans[i], deltas[i], weights[i], part_timeout=1.0,
+                                  allreduce_timeout=4.0, connect_timeout=1.0, chunk_bytes=4096) for i in range(4)]))
+            return ids, servicers, rounds
+        finally:
+            for p in p2ps:
+                await p.shutdown()
+
+    ids, servicers, rounds = run_async(main())
+    attacker = str(ids[3])
+    for i in range(3):
+        assert set(servicers[i].exclusions.excluded()) == {attacker}, servicers[i].exclusions.excluded()
+        assert "clipped" in servicers[i].exclusions.excluded()[attacker]
+    assert servicers[3].exclusions.excluded() == {}  # honest parts are never cut hard
+    last = rounds[-1]
+    for i in range(3):
+        assert last[i].spans[3].average is None  # the attacker's span: skipped
+        assert all(3 not in who for j, who in enumerate(last[i].contributors) if j != 3)
+        got = [torch.cat([s.average for s in last[k].spans[:3]]) for k in (0, 1, 2)]
+        assert torch.equal(got[0], got[i])

@@ -13,6 +13,13 @@ Protocol (messages in protos/allreduce.proto, RPC ``AllReduceServicer.rpc_reduce
    contributors. Every part it clipped or whose weight it capped is logged with the sender's id.
 4. Every member (the reducer included) decodes those bytes: all members hold bit-identical
    averages. A span whose reducer failed comes back as ``None``: it is not applied, and logged.
+   So does a span whose result fails the member's checks: metadata, decoding, finiteness, and
+   scale (:func:`implausible`: a result whose values are far larger than both our own outer
+   gradient's and the group's results', the gross lie of a reducer that scales its average).
+
+Offences (a part that does not decode or has an invalid header, a part the robust rule cut hard, a
+result that fails the checks) go to the peer's :class:`~peer.net.exclusion.Exclusions`; an excluded
+peer's parts are refused and a span it reduces is not requested.
 
 Unlike hivemind's ``AllReduceRunner`` nobody returns ``average - own part`` or keeps its own
 uncompressed span, so a lossy codec cannot make peers drift apart. Everything read from a peer is
@@ -34,7 +41,8 @@ from google.protobuf.message import DecodeError
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 
-from peer.outer.aggregate import MAX_WEIGHT, AggregationRule, aggregate
+from peer.net.exclusion import Exclusions, Offence
+from peer.outer.aggregate import HEAVY_CLIP, MAX_WEIGHT, OFFENCE_CLIP, AggregationRule, aggregate
 from peer.outer.codec import Codec, CodecError
 from peer.outer.rounds import Span
 from peer.proto import allreduce_pb2 as pb
@@ -44,7 +52,9 @@ from peer.util import next_by, short_id, time_left
 log = logging.getLogger(__name__)
 PROTOCOL_VERSION = 1
 MAX_GROUP_SIZE = 256
-HEAVY_CLIP = 0.5  # a part of which the robust rule kept less than this fraction is reported as clipped
+# A member refuses a span result whose RMS exceeds PLAUSIBLE x both references of implausible(). A false alarm
+# needs an honest span 10x the RMS of our whole outer gradient and of the median span of the round.
+PLAUSIBLE = 10.0
 
 
 def valid_weight(weight: float) -> bool:
@@ -142,8 +152,10 @@ def decode_piece(codec: Codec, piece, offset: int, filled: int, length: int) -> 
 class SpanReduction:
     """Reducer-side state of one group: collects members' parts of our span, combines them once."""
 
-    def __init__(self, plan: GroupPlan, part_timeout: float, chunk_elems: int):
+    def __init__(self, plan: GroupPlan, part_timeout: float, chunk_elems: int,
+                 exclusions: Optional[Exclusions] = None):
         self.plan = plan
+        self.exclusions = exclusions or Exclusions()
         start, end = plan.spans[plan.my_index]
         self.length = end - start
         self.parts: dict[int, tuple[float, torch.Tensor]] = {}  # member index -> (declared weight, part)
@@ -193,6 +205,8 @@ class SpanReduction:
             if why:
                 peer = str(self.plan.peer_ids[i])
                 self.flagged.append((peer, "; ".join(why)))
+                if kept < OFFENCE_CLIP and i != self.plan.my_index:
+                    self.exclusions.report(peer, Offence.CLIPPED, f"{self.plan.label}: kept {kept:.1%}")
                 log.warning("%s: contribution of peer %s limited by the %s rule: %s", self.plan.label, short_id(peer),
                             self.plan.rule.kind, "; ".join(why))
         return out.value
@@ -239,7 +253,9 @@ class AllReduceServicer(ServicerBase):
     before the group's members are told the group exists, :meth:`unregister` when the round ends.
     """
 
-    def __init__(self, *, registration_timeout: float, part_timeout: float, max_pending: int = 64):
+    def __init__(self, *, registration_timeout: float, part_timeout: float, max_pending: int = 64,
+                 exclusions: Optional[Exclusions] = None):
+        self.exclusions = exclusions or Exclusions()  # shared with the rounds of this peer (run_allreduce)
         self._groups: dict[bytes, SpanReduction] = {}
         self._waiters: dict[bytes, asyncio.Event] = {}
         self.registration_timeout = registration_timeout
@@ -279,8 +295,13 @@ class AllReduceServicer(ServicerBase):
             if context.remote_id not in plan.peer_ids:
                 yield pb.ReduceResponse(status=Status.REJECTED, error="sender is not in the group")
                 return
+            if context.remote_id in self.exclusions:
+                yield pb.ReduceResponse(status=Status.REJECTED, error="sender is excluded by this peer")
+                return
             sender = plan.peer_ids.index(context.remote_id)
             if header.span_index != plan.my_index or not valid_weight(header.weight):
+                self.exclusions.report(str(context.remote_id), Offence.BAD_PART,
+                                       f"{plan.label}: span {header.span_index}, weight {header.weight}")
                 yield pb.ReduceResponse(status=Status.REJECTED, error="wrong span index or invalid weight")
                 return
             red.requesters.add(sender)
@@ -308,6 +329,8 @@ class AllReduceServicer(ServicerBase):
         except (CodecError, asyncio.TimeoutError, StopAsyncIteration) as e:
             log.warning("rpc_reduce from %s: dropped a member's part: %s", short_id(context.remote_id),
                         type(e).__name__ + (f": {e}" if str(e) else ""))
+            if isinstance(e, CodecError) and red is not None:  # (a timeout or a closed stream: the network's)
+                self.exclusions.report(str(context.remote_id), Offence.BAD_PART, f"{red.plan.label}: {e}")
             yield pb.ReduceResponse(status=Status.REJECTED, error=f"bad or incomplete part: {type(e).__name__}")
         finally:
             if red is not None and sender is not None:
@@ -371,17 +394,44 @@ async def _drain(stream) -> None:
         pass
 
 
-def _span_from_responses(plan: GroupPlan, j: int, responses: list[pb.ReduceResponse]
-                         ) -> tuple[Optional[torch.Tensor], list[int], str, float]:
-    """Decodes a reducer's averaged span, or returns (None, [], reason) when it is unusable."""
+@dataclass
+class SpanResult:
+    """A reducer's answer for one span as a member reads it: the average, or why there is none."""
+
+    average: Optional[torch.Tensor]
+    contributors: list[int] = field(default_factory=list)
+    why: str = ""
+    total_weight: float = 0.0
+    offence: bool = False  # the reducer answered, and what it sent is wrong (not the network)
+
+
+def _rms(t: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(t)) / math.sqrt(max(1, t.numel()))
+
+
+def implausible(result: torch.Tensor, ours: torch.Tensor, round_results: Sequence[torch.Tensor]) -> Optional[str]:
+    """Why a span's ``result`` cannot be an honest combination of the group's parts, or None: its RMS exceeds
+    PLAUSIBLE x the RMS of our whole outer gradient ``ours`` and PLAUSIBLE x the lower median RMS of the
+    round's span results ``round_results`` (this one included: with fewer than half the reducers lying, the
+    median is an honest one). Two references, so that a small gradient of ours (few steps since the last
+    round) is no false alarm."""
+    scales = sorted(_rms(r) for r in round_results) or [0.0]
+    limit = PLAUSIBLE * max(_rms(ours), scales[(len(scales) - 1) // 2])
+    if _rms(result) > limit:
+        return f"implausible average: RMS {_rms(result):.3g}, more than {PLAUSIBLE:g}x ours and the round's median"
+    return None
+
+
+def _span_from_responses(plan: GroupPlan, j: int, responses: list[pb.ReduceResponse]) -> SpanResult:
+    """Decodes and checks a reducer's averaged span (metadata, coverage, codec, finiteness)."""
     start, end = plan.spans[j]
     if not responses or responses[0].status != Status.OK:
-        return None, [], (responses[0].error if responses else "no response"), 0.0
+        return SpanResult(None, why=responses[0].error if responses else "no response")
     contributors = list(responses[0].contributors)
     total = responses[0].total_weight
-    if not contributors or any(c >= len(plan.peer_ids) for c in contributors) or not (math.isfinite(total)
-                                                                                   and total > 0):
-        return None, [], "invalid contributor list or total weight", 0.0
+    if (not contributors or len(set(contributors)) != len(contributors)
+            or any(c >= len(plan.peer_ids) for c in contributors) or not (math.isfinite(total) and total > 0)):
+        return SpanResult(None, why="invalid contributor list or total weight", offence=True)
     out = torch.empty(end - start, dtype=torch.float32)
     filled = 0
     try:
@@ -390,10 +440,10 @@ def _span_from_responses(plan: GroupPlan, j: int, responses: list[pb.ReduceRespo
             out[filled:filled + values.numel()] = values
             filled += values.numel()
     except CodecError as e:
-        return None, [], f"bad average: {e}", 0.0
-    if filled != end - start:
-        return None, [], f"average covers {filled} of {end - start} elements", 0.0
-    return out, contributors, "", total
+        return SpanResult(None, why=f"bad average: {e}", offence=True)
+    if filled != end - start:  # (the stream ended early: the network's)
+        return SpanResult(None, why=f"average covers {filled} of {end - start} elements")
+    return SpanResult(out, contributors, "", total)
 
 
 async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, delta: torch.Tensor,
@@ -407,7 +457,7 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
     chunk_elems = max(1, chunk_bytes // 4)
     deadline = time.monotonic() + allreduce_timeout
     my_start, my_end = plan.spans[plan.my_index]
-    red = SpanReduction(plan, part_timeout, chunk_elems)
+    red = SpanReduction(plan, part_timeout, chunk_elems, servicer.exclusions)
     servicer.register(red)
     traffic = Traffic()
     try:
@@ -418,23 +468,35 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
             values = delta[start:end]
             if j == plan.my_index:
                 tasks.append((j, asyncio.ensure_future(_own_span(red, values, weight))))
+            elif plan.peer_ids[j] in servicer.exclusions:
+                continue  # an excluded reducer: its span is missing (below), our part is not sent
             else:
                 tasks.append((j, asyncio.ensure_future(
                     _remote_span(p2p, plan, j, values, weight, chunk_elems, deadline, connect_timeout, traffic))))
-        spans, contributors, total_weight = [], [], 0.0
+        results: dict[int, SpanResult] = {}
         for j, task in tasks:
-            start, end = plan.spans[j]
             try:
-                responses = await task
-                average, who, why, total = _span_from_responses(plan, j, responses)
-            except Exception as e:  # a dead or misbehaving reducer: this span is missing
-                average, who, why, total = None, [], f"{type(e).__name__}: {e}", 0.0
-            total_weight = max(total_weight, total)
-            if average is None:
+                results[j] = _span_from_responses(plan, j, await task)
+            except Exception as e:  # a dead reducer, or one that broke the stream: this span is missing
+                results[j] = SpanResult(None, why=f"{type(e).__name__}: {e}")
+        arrived = [r.average for r in results.values() if r.average is not None]
+        spans, contributors, total_weight = [], [], 0.0
+        for j, (start, end) in enumerate(plan.spans):
+            if end == start:
+                continue
+            got = results.get(j, SpanResult(None, why="its reducer is excluded by this peer"))
+            if got.average is not None and j != plan.my_index:
+                why = implausible(got.average, delta, arrived)
+                if why:
+                    got = SpanResult(None, why=why, offence=True)
+            total_weight = max(total_weight, got.total_weight)
+            if got.average is None:
                 log.warning("%s: span %d [%d, %d) from reducer %s is missing and NOT applied: %s", plan.label,
-                            j, start, end, short_id(plan.peer_ids[j]), why)
-            spans.append(Span(start, end, average))
-            contributors.append(who)
+                            j, start, end, short_id(plan.peer_ids[j]), got.why)
+            if got.offence:
+                servicer.exclusions.report(str(plan.peer_ids[j]), Offence.BAD_AVERAGE, f"{plan.label}: {got.why}")
+            spans.append(Span(start, end, got.average))
+            contributors.append(got.contributors)
         # Our average must reach every member still reading it before we return: the caller may
         # shut the peer down right after its last round. Bounded by the round's deadline.
         if my_end > my_start:

@@ -154,7 +154,8 @@ def swarm_state(records: Mapping[str, ProgressRecord], me: str, fragment: int) -
 
 
 def launch_verdict(records: Mapping[str, ProgressRecord], me: str, *, fragment: int, round_: int,
-                   expected_round: int, min_group_size: int) -> Optional[tuple[RoundStatus, str]]:
+                   expected_round: int, min_group_size: int,
+                   vouched: Optional[Mapping[str, ProgressRecord]] = None) -> Optional[tuple[RoundStatus, str]]:
     """Whether round ``round_`` of ``fragment`` goes to the swarm: None, or why not, as the round's status and
     a reason. The one place that decides it, before anything is sent:
 
@@ -163,12 +164,14 @@ def launch_verdict(records: Mapping[str, ProgressRecord], me: str, *, fragment: 
     - ``behind``: :func:`launch_gate` (the swarm is past the round, or our state is two or more rounds behind):
       the caller downloads the swarm's state right away.
 
-    ``expected_round`` is the last round our state will have applied once our rounds in flight land.
+    ``expected_round`` is the last round our state will have applied once our rounds in flight land. ``records``
+    are every live peer's; ``vouched`` (default: the same) those whose word on the swarm's state counts
+    (:meth:`peer.net.swarm.Swarm.vouched_peers`).
     """
     live = 1 + sum(pid != me for pid in records)
     if live < min_group_size:
         return RoundStatus.ALONE, f"{live} live peer(s) < min_group_size {min_group_size}"
-    why = launch_gate(records, me, fragment, round_, expected_round)
+    why = launch_gate(records if vouched is None else vouched, me, fragment, round_, expected_round)
     return (RoundStatus.BEHIND, why) if why else None
 
 

@@ -23,13 +23,18 @@ from hivemind.utils import get_dht_time
 
 
 class JoinServicer(ServicerBase):
-    """Forwards join requests of one round to that round's Matchmaking instance."""
+    """Forwards join requests of one round to that round's Matchmaking instance, except those of peers
+    ``excluded`` says this peer no longer works with (see :mod:`peer.net.exclusion`)."""
 
-    def __init__(self, matchmaking: Matchmaking):
+    def __init__(self, matchmaking: Matchmaking, excluded: Callable[[str], bool] = lambda peer: False):
         self.matchmaking = matchmaking
+        self.excluded = excluded
 
     async def rpc_join_group(self, request: averaging_pb2.JoinRequest,
                              context: P2PContext) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        if self.excluded(str(context.remote_id)):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
         async for message in self.matchmaking.rpc_join_group(request, context):
             yield message
 
@@ -63,6 +68,12 @@ class _RoundKeys(GroupKeyManager):
     """
 
     _pending: set = set()  # strong references: the event loop keeps only weak ones to tasks
+    excluded: Callable[[str], bool] = staticmethod(lambda peer: False)  # set per instance by form_group
+
+    async def get_averagers(self, group_key, only_active):
+        """The potential leaders of this round, without the peers we excluded."""
+        found = await super().get_averagers(group_key, only_active)
+        return [(peer, expiration) for peer, expiration in found if not self.excluded(str(peer))]
 
     async def declare_averager(self, group_key, peer_id, expiration_time, looking_for_group=True):
         declare = super().declare_averager(group_key, peer_id, expiration_time, looking_for_group=looking_for_group)
@@ -94,7 +105,7 @@ async def form_group(p2p: P2P, dht: DHT, *, prefix: str, gather: bytes, target_g
                      min_group_size: int, min_matchmaking_time: float, request_timeout: float,
                      client_mode: bool, timeout: float, give_up: Callable[[], Optional[GaveUp]] = lambda: None,
                      keep_waiting: Callable[[], bool] = lambda: False, patience: float = 0.0,
-                     poll: float = 1.0) -> Optional[GroupInfo]:
+                     poll: float = 1.0, excluded: Callable[[str], bool] = lambda peer: False) -> Optional[GroupInfo]:
     """Finds a group for the round named by ``prefix``; None if none formed in time.
 
     ``gather`` (this peer's serialized MemberInfo) reaches every member of the group. The group
@@ -103,7 +114,8 @@ async def form_group(p2p: P2P, dht: DHT, *, prefix: str, gather: bytes, target_g
     true (a live peer is on its way to this round, see :func:`peer.phase.laggards`): until ``timeout`` s
     after it last was, and at most ``patience`` s past ``timeout``. ``give_up`` and ``keep_waiting`` are
     asked every ``poll`` s while no group has formed; a :class:`GaveUp` from ``give_up`` (e.g. the swarm
-    already applied this round, so no one will come) ends the search: it is raised.
+    already applied this round, so no one will come) ends the search: it is raised. Peers for which
+    ``excluded`` is true are neither followed as leaders nor accepted as followers.
     Must run in the event loop that owns ``p2p``.
     """
     schema_hash = hashlib.sha256(prefix.encode()).digest()
@@ -111,8 +123,10 @@ async def form_group(p2p: P2P, dht: DHT, *, prefix: str, gather: bytes, target_g
                      target_group_size=max(target_group_size, min_group_size), min_group_size=min_group_size,
                      min_matchmaking_time=min_matchmaking_time, request_timeout=request_timeout,
                      client_mode=client_mode)
-    mm.group_key_manager = _RoundKeys(dht, prefix, "", mm.target_group_size)
-    servicer = JoinServicer(mm)
+    keys = _RoundKeys(dht, prefix, "", mm.target_group_size)
+    keys.excluded = excluded
+    mm.group_key_manager = keys
+    servicer = JoinServicer(mm, excluded)
     await servicer.add_p2p_handlers(p2p, namespace=prefix)
 
     def search_until(deadline: float) -> asyncio.Future:

@@ -28,6 +28,7 @@ from peer.outer.aggregate import AggregationRule
 from peer.outer.codec import codec_key, get_codec
 from peer.config import SwarmConfig
 from peer.net.dht import create_dht, peers_of, reconnect
+from peer.net.exclusion import Exclusions
 from peer.net.matchmaking import GaveUp, form_group, round_prefix
 from peer.outer.rounds import RoundOutcome, RoundStatus
 from peer.net.consensus import laggards, nobody_coming, swarm_is_past
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 MAX_BEATS_IN_FLIGHT = 4
 # Peers remembered to reconnect to when we find ourselves alone: the most recently seen, for an hour.
 MAX_KNOWN_PEERS, KNOWN_PEER_TTL = 64, 3600.0
+MAX_PARTNERS = 1024  # peers we were in a group with, remembered for KNOWN_PEER_TTL (see vouched_peers)
 
 
 class RoundStage(enum.Enum):
@@ -83,13 +85,16 @@ class Swarm:
         self._thread = threading.Thread(target=self._loop.run_forever, name="swarm-net", daemon=True)
         self._dht: Optional[DHT] = None  # set by start(), cleared by shutdown()
         self._p2p: Optional[P2P] = None
-        self.servicer = AllReduceServicer(registration_timeout=cfg.request_timeout, part_timeout=cfg.part_timeout)
+        self.exclusions = Exclusions(threshold=cfg.exclude_after)  # peers we no longer work with (and why)
+        self.servicer = AllReduceServicer(registration_timeout=cfg.request_timeout, part_timeout=cfg.part_timeout,
+                                          exclusions=self.exclusions)
         self.state_servicer = StateServicer(chunk_elems=max(1, cfg.chunk_bytes // 8))
         self._subkey = b""
         self._progress = (0, 0, 0.0)  # (step, round of fragment 0, tokens/s), published by the heartbeat
         self._view = LiveView(cfg.progress_ttl)  # everyone's records, merged by the heartbeat
         self._first_read = threading.Event()  # set once the heartbeat's first read of the records ended
         self._known: dict[str, float] = {}  # peer id -> when we last saw it live (pinged when we are alone)
+        self._partners: dict[str, float] = {}  # peer id -> when we last were in a group with it (vouched_peers)
         self._reconnecting = False
         self._initial_peers: dict[str, list[str]] = {}  # {peer id: its multiaddrs}, dialed by _reconnect
         self._activity: dict[tuple[int, int], RoundActivity] = {}  # rounds in flight (written by swarm-net)
@@ -234,8 +239,31 @@ class Swarm:
 
     def live_peers(self) -> dict[str, ProgressRecord]:
         """Progress records of the peers of this run heard from within ``progress_ttl`` (see
-        :class:`~peer.progress.LiveView`); never blocks: the training thread calls it at every launch."""
-        return self._view.live(time.monotonic())
+        :class:`~peer.progress.LiveView`), without the peers we excluded (:mod:`peer.net.exclusion`: they count
+        for no group, no state download and no vote); never blocks: the training thread calls it at every launch."""
+        return {pid: rec for pid, rec in self._view.live(time.monotonic()).items() if pid not in self.exclusions}
+
+    def vouched_peers(self) -> dict[str, ProgressRecord]:
+        """The live records the consensus rules may act on (the swarm's state to adopt, whether a round is late,
+        where the swarm's step is): those of the peers we were in a group with within ``KNOWN_PEER_TTL``, when
+        any of them is live; otherwise every live record (a peer that has met no one yet, e.g. a joiner).
+
+        A record is self-declared: one peer can publish records under many made-up ids (sybils), each claiming
+        a "majority" state or a round far ahead. Only peers that took part in our rounds count, so such a
+        majority cannot be manufactured without joining rounds (and being clipped and excluded there). A
+        joiner has no such anchor: in an open run it trusts the records it finds; an authenticated run (issue
+        13, open) is the answer there."""
+        live = self.live_peers()
+        now = time.monotonic()
+        vouched = {pid: rec for pid, rec in live.items()
+                   if pid in self._partners and self._partners[pid] + KNOWN_PEER_TTL >= now}
+        return vouched or live
+
+    def _met(self, peers: set[str]) -> None:
+        """Remembers the members of a group we assembled with (at most MAX_PARTNERS, the latest)."""
+        now = time.monotonic()
+        self._partners = dict(sorted({**self._partners, **{p: now for p in peers}}.items(),
+                                     key=lambda kv: kv[1])[-MAX_PARTNERS:])
 
     def live_count(self) -> int:
         """Live peers of this run, ourselves always included."""
@@ -302,7 +330,7 @@ class Swarm:
 
         def give_up() -> Optional[GaveUp]:
             records = self.live_peers()
-            if late := swarm_is_past(records, self.peer_id, fragment, round_):
+            if late := swarm_is_past(self.vouched_peers(), self.peer_id, fragment, round_):
                 return GaveUp(late, RoundStatus.BEHIND)
             if not any(pid != self.peer_id for pid in records):  # everyone left (a clean stop, or silent for ttl)
                 return GaveUp("no other peer is live any more", RoundStatus.ALONE)
@@ -323,12 +351,14 @@ class Swarm:
                 min_group_size=self.cfg.min_group_size, min_matchmaking_time=self.cfg.matchmaking_time,
                 request_timeout=self.cfg.request_timeout, client_mode=self.cfg.client_mode,
                 timeout=self.cfg.matchmaking_timeout, poll=min(1.0, self.cfg.progress_period),
-                give_up=give_up, keep_waiting=keep_waiting, patience=patience)
+                give_up=give_up, keep_waiting=keep_waiting, patience=patience,
+                excluded=self.exclusions.__contains__)
             if group is None:
                 waited = time.monotonic() - t0
                 out.status, out.error = RoundStatus.NO_GROUP, f"no other peer came to this round within {waited:.0f} s"
                 return out
             out.group_size = len(group.peer_ids)
+            self._met({str(pid) for pid in group.peer_ids} - {self.peer_id})
             self._activity[(fragment, round_)] = RoundActivity(fragment, round_, RoundStage.ALLREDUCE,
                                                      time.monotonic() + self.cfg.allreduce_timeout)
             log.debug("%s: group of %d assembled, all-reduce starting", label, out.group_size)

@@ -52,8 +52,8 @@ class SwarmTransport:
     def launch(self, *, fragment: int, round_: int, delta: torch.Tensor, weight: float, step: int,
                expected_round: int):
         records, me = self.swarm.live_peers(), self.swarm.peer_id  # as of the last heartbeat: never blocks
-        verdict = launch_verdict(records, me, fragment=fragment, round_=round_, expected_round=expected_round,
-                                 min_group_size=self.min_group_size)
+        verdict = launch_verdict(records, me, vouched=self.swarm.vouched_peers(), fragment=fragment, round_=round_,
+                                 expected_round=expected_round, min_group_size=self.min_group_size)
         if verdict is not None:
             status, why = verdict
             return Done(RoundOutcome(fragment, round_, status, group_size=1, error=why))

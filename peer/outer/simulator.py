@@ -6,6 +6,11 @@ round (p, r) once all M replicas launched it, with the same semantics as the swa
 all-reduce: each part goes through the wire codec, the token-weighted FP32 average (or, with a
 ``rule``, the reducer's aggregation rule over the whole vector as one span) is encoded once and every
 replica decodes the same bytes.
+
+For the attack benchmarks (bench/attacks.py) a replica's part can be ``tamper``ed with on its way in
+(scaled, replaced, its weight a lie), and the transport then plays the honest reducers' defences: a part
+that is not finite is refused, and with a rule, a replica with ``exclude_after`` offences (refused parts,
+parts the rule kept less than OFFENCE_CLIP of) is excluded, as :mod:`peer.net.exclusion` does.
 """
 
 from __future__ import annotations
@@ -15,10 +20,13 @@ from typing import Callable, Optional
 
 import torch
 
-from peer.outer.aggregate import AggregationRule, aggregate
+from peer.outer.aggregate import OFFENCE_CLIP, AggregationRule, aggregate
 from peer.outer.codec import Codec, get_codec
 from peer.outer.rounds import RoundOutcome, RoundStatus, Span
 from peer.outer.engine import StreamingEngine
+
+
+Tamper = Callable[[torch.Tensor, float], tuple[torch.Tensor, float]]  # (delta, weight) -> what is sent
 
 
 class _Handle:
@@ -51,10 +59,15 @@ class _Endpoint:
 class FakeTransport:
     """Shared by M engines; ``endpoint(m)`` is replica m's Transport."""
 
-    def __init__(self, num_replicas: int, codec: str | Codec = "fp32", rule: Optional[AggregationRule] = None):
+    def __init__(self, num_replicas: int, codec: str | Codec = "fp32", rule: Optional[AggregationRule] = None,
+                 tamper: Optional[dict[int, Tamper]] = None, exclude_after: int = 3):
         self.num_replicas = num_replicas
         self.codec = get_codec(codec)
         self.rule = rule  # None: the exact weighted mean of the decoded parts
+        self.tamper = tamper or {}  # replica index -> what an attacker does to its part and weight
+        self.exclude_after = exclude_after
+        self.offences: dict[int, int] = {}
+        self.excluded: dict[int, int] = {}  # replica index -> the round (of fragment 0's count) it was excluded
         self._parts: dict[tuple[int, int], dict[int, tuple[torch.Tensor, float]]] = {}
         self._done: dict[tuple[int, int], RoundOutcome] = {}
         self.bytes_per_round: dict[tuple[int, int], int] = {}
@@ -66,26 +79,44 @@ class FakeTransport:
         msg = self.codec.encode_flat(x)
         return self.codec.decode_flat(msg), msg.ByteSize()
 
+    def _offence(self, index: int, key: tuple[int, int]) -> None:
+        self.offences[index] = self.offences.get(index, 0) + 1
+        if self.rule is not None and self.offences[index] >= self.exclude_after:
+            self.excluded.setdefault(index, key[1])
+
     def submit(self, key: tuple[int, int], index: int, delta: torch.Tensor, weight: float) -> None:
         parts = self._parts.setdefault(key, {})
-        parts[index] = (delta.clone(), weight)
+        delta = delta.clone()
+        if index in self.tamper:
+            delta, weight = self.tamper[index](delta, weight)
+        parts[index] = (delta, weight)
         if len(parts) == self.num_replicas:
-            total = sum(w for _, w in parts.values())
-            acc = torch.zeros_like(delta)
-            nbytes, decoded_parts = 0, []
+            nbytes, kept = 0, {}
             for i in sorted(parts):
+                if not bool(torch.isfinite(parts[i][0]).all()):  # a reducer refuses it (peer.net.allreduce)
+                    self._offence(i, key)
+                    continue
                 decoded, size = self._roundtrip(parts[i][0])
-                acc += parts[i][1] * decoded
                 nbytes += size
-                decoded_parts.append(decoded)
+                if i not in self.excluded:
+                    kept[i] = (decoded, parts[i][1])
+            order = sorted(kept)
             if self.rule is not None:
-                combined = aggregate(decoded_parts, [parts[i][1] for i in sorted(parts)], self.rule)
+                combined = aggregate([kept[i][0] for i in order], [kept[i][1] for i in order], self.rule)
+                for i, share in zip(order, combined.kept):
+                    if share < OFFENCE_CLIP:
+                        self._offence(i, key)
                 acc, total = combined.value * combined.total_weight, combined.total_weight
+            else:
+                total = sum(kept[i][1] for i in order)
+                acc = torch.zeros_like(delta)
+                for i in order:
+                    acc += kept[i][1] * kept[i][0]
             average, size = self._roundtrip(acc / total)  # encoded once, decoded identically by all
             self.bytes_per_round[key] = nbytes + size * self.num_replicas
             self._done[key] = RoundOutcome(key[0], key[1], RoundStatus.OK, group_size=self.num_replicas,
                                            spans=[Span(0, delta.numel(), average)],
-                                           contributors=[sorted(parts)], total_weight=total)
+                                           contributors=[order], total_weight=total)
             del self._parts[key]
 
     def outcome(self, key: tuple[int, int]) -> Optional[RoundOutcome]:

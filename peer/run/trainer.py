@@ -94,6 +94,7 @@ class Trainer:
             else cfg.outer.codec
         self.swarm = Swarm(cfg.swarm, run_key=cfg.run_hash(), codec=codec, identity_path=str(cfg.identity_path),
                            rule=AggregationRule.from_config(cfg.outer))
+        self.swarm.exclusions.on_exclude = lambda peer, why: self.events.emit("peer_excluded", peer=peer, reason=why)
         self.bytes_up = self.bytes_down = 0
         self.rounds_done = 0
         self.rounds_ok = self.rounds_total = 0
@@ -288,7 +289,7 @@ class Trainer:
         (see :mod:`peer.net.consensus`); returns the step to continue from. Our progress is kept (``S - theta``)."""
         if not isinstance(engine.schedule, StepsSchedule):
             return step
-        move = consensus.realign(self.swarm.live_peers(), self.swarm.peer_id, my_step=step,
+        move = consensus.realign(self.swarm.vouched_peers(), self.swarm.peer_id, my_step=step,
                              my_rounds=[st.last_applied for st in engine.states], step_seconds=self.step_seconds,
                              min_lag_seconds=max(self.cfg.swarm.matchmaking_patience / 2, 1.0),
                              H=self.cfg.outer.sync_every, num_fragments=len(engine.states), now=get_dht_time())
@@ -331,7 +332,7 @@ class Trainer:
         swarm is past, counting our rounds in flight, so that we rejoin with all of them at once); returns
         the step to continue from (steps schedule: the donors').
         Must be called after the step's launches and applies, so the adopted round is never re-launched."""
-        records = self.swarm.live_peers()
+        records = self.swarm.live_peers() if joining else self.swarm.vouched_peers()
         plans = plan_catch_up(records, self.swarm.peer_id, [st.last_applied for st in engine.states],
                               [st.digest() for st in engine.states], joining=joining,
                               expected=[engine.expected_round(p) for p in range(len(engine.states))] if late else None)

@@ -1,0 +1,77 @@
+"""Who this peer no longer works with, and why: the ledger of other peers' offences.
+
+An *offence* is something only a faulty or hostile peer does: a part that does not decode or whose header
+is invalid (seen by the reducer), a part the robust aggregation rule had to cut to less than a tenth of its
+distance from the group's center (the reducer), an average that fails a member's checks (the member). A slow
+or dead peer commits none: timeouts and dropped connections are the network's, not offences.
+
+After ``threshold`` offences a peer is *excluded* for the rest of the run (this process): it is invisible
+to this peer's view of the swarm (no group target, no state donor, no vote in the drift check), its join
+requests are refused and it is never picked as a leader, its parts are refused, and a span it reduces is
+not applied. Each peer keeps its own ledger; nothing about it is published (a record saying "exclude X"
+would be one more thing to forge).
+
+Thread-safe: written by the networking thread, read by the trainer.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from peer.util import short_id
+
+log = logging.getLogger(__name__)
+MAX_TRACKED = 4096  # peers with offences remembered (oldest first out); bounds what forged ids can cost us
+
+
+class Offence(enum.StrEnum):
+    BAD_PART = "bad_part"  # a part that does not decode, or a header with a wrong span or an invalid weight
+    CLIPPED = "clipped"  # a part the robust rule cut to less than OFFENCE_CLIP of its distance from the center
+    BAD_AVERAGE = "bad_average"  # a reducer's result that failed our checks (metadata, decoding, plausibility)
+
+
+@dataclass
+class Exclusions:
+    """The offence ledger of this peer. ``on_exclude(peer, why)`` is called once per excluded peer (from
+    whichever thread reported the last offence)."""
+
+    threshold: int = 3
+    on_exclude: Optional[Callable[[str, str], None]] = None
+    _offences: dict[str, list[str]] = field(default_factory=dict)
+    _excluded: dict[str, str] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def report(self, peer: str, offence: Offence, detail: str) -> bool:
+        """Counts one offence of ``peer`` (``detail`` names the fragment and round); True if that excluded it."""
+        with self._lock:
+            if peer in self._excluded:
+                return False
+            seen = self._offences.pop(peer, [])  # re-inserted last: the dict stays in order of last offence
+            seen.append(f"{offence}: {detail}")
+            self._offences[peer] = seen
+            while len(self._offences) > MAX_TRACKED:
+                self._offences.pop(next(iter(self._offences)))
+            if len(seen) < self.threshold:
+                return False
+            why = f"{len(seen)} offences: " + "; ".join(seen[-self.threshold:])
+            self._excluded[peer] = why
+        log.warning("excluding peer %s for the rest of the run (%s)", short_id(peer), why)
+        if self.on_exclude is not None:
+            self.on_exclude(peer, why)
+        return True
+
+    def __contains__(self, peer: object) -> bool:
+        return str(peer) in self._excluded
+
+    def excluded(self) -> dict[str, str]:
+        """{peer id: why} of every excluded peer."""
+        with self._lock:
+            return dict(self._excluded)
+
+    def offences(self, peer: str) -> int:
+        with self._lock:
+            return len(self._offences.get(peer, []))
