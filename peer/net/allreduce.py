@@ -156,6 +156,8 @@ class SpanReduction:
                  exclusions: Optional[Exclusions] = None):
         self.plan = plan
         self.exclusions = exclusions or Exclusions()
+        # parts we wait for: an excluded member's part is refused, so waiting for it would cost part_timeout
+        self.expected = sum(peer not in self.exclusions for peer in plan.peer_ids)
         start, end = plan.spans[plan.my_index]
         self.length = end - start
         self.parts: dict[int, tuple[float, torch.Tensor]] = {}  # member index -> (declared weight, part)
@@ -183,7 +185,7 @@ class SpanReduction:
         if self.result.done() or index in self.parts:
             return False
         self.parts[index] = (weight, part)
-        if len(self.parts) == len(self.plan.peer_ids):
+        if len(self.parts) >= self.expected:
             self.all_in.set()
         return True
 
