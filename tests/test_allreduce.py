@@ -12,8 +12,8 @@ import torch
 from hivemind.averaging.group_info import GroupInfo
 
 from helpers import p2p_mesh, run_async
-from peer.net.allreduce import (PROTOCOL_VERSION, AllReduceServicer, GroupError, GroupPlan, member_spans,
-                            run_allreduce)
+from peer.net.allreduce import AllReduceServicer, run_allreduce
+from peer.net.group import PROTOCOL_VERSION, GroupError, GroupPlan, member_spans
 from peer.outer.aggregate import AggregationRule, Aggregator
 from peer.outer.codec import get_codec
 from peer.proto import allreduce_pb2 as pb

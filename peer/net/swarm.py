@@ -23,7 +23,8 @@ from hivemind.dht import DHT
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
-from peer.net.allreduce import PROTOCOL_VERSION, AllReduceServicer, GroupError, GroupPlan, run_allreduce
+from peer.net.allreduce import AllReduceServicer, run_allreduce
+from peer.net.group import PROTOCOL_VERSION, GroupError, GroupPlan
 from peer.outer.aggregate import AggregationRule
 from peer.outer.codec import codec_key, get_codec
 from peer.config import SwarmConfig

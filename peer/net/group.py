@@ -1,0 +1,86 @@
+"""What every member of an assembled group agrees on before an all-reduce (pure data, no RPC): the protocol
+version, which member reduces which span, the codec and the aggregation rule, checked from the members'
+``MemberInfo`` that matchmaking gathered. The RPC runner is ``peer/net/allreduce.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from google.protobuf.message import DecodeError
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.p2p import PeerID
+
+from peer.outer.aggregate import MAX_WEIGHT, AggregationRule
+from peer.outer.codec import Codec
+from peer.proto import allreduce_pb2 as pb
+
+PROTOCOL_VERSION = 1
+MAX_GROUP_SIZE = 256
+
+
+def valid_weight(weight: float) -> bool:
+    """A declared weight (tokens) the protocol accepts: finite, > 0 and at most MAX_WEIGHT."""
+    return math.isfinite(weight) and 0 < weight <= MAX_WEIGHT
+
+
+class GroupError(ValueError):
+    """The assembled group's metadata is inconsistent or malformed; the round is skipped."""
+
+
+def member_spans(numel: int, client_mode: Sequence[bool], align: int) -> list[tuple[int, int]]:
+    """Splits ``[0, numel)`` into one span per member: equal shares (in blocks of ``align``
+    elements) for members that can be reached, empty spans for client-mode members."""
+    reducers = [i for i, client in enumerate(client_mode) if not client]
+    if not reducers:
+        raise GroupError("no member of the group accepts connections (all are in client mode)")
+    n_blocks = math.ceil(numel / align)
+    per, extra = divmod(n_blocks, len(reducers))
+    spans = [(0, 0)] * len(client_mode)
+    pos = 0
+    for k, i in enumerate(reducers):
+        end = min(numel, pos + (per + (k < extra)) * align)
+        spans[i] = (pos, end)
+        pos = end
+    return spans
+
+
+@dataclass
+class GroupPlan:
+    """Everything every member agrees on about one all-reduce, derived from matchmaking's GroupInfo."""
+
+    group_id: bytes
+    peer_ids: tuple[PeerID, ...]
+    infos: list[pb.MemberInfo]
+    my_index: int
+    numel: int
+    spans: list[tuple[int, int]]
+    codec: Codec
+    label: str  # "fragment 0 round 7", for logs
+    rule: AggregationRule = field(default_factory=AggregationRule)  # how reducers combine parts (run config)
+
+    @classmethod
+    def from_group(cls, group: GroupInfo, me: PeerID, codec: Codec, numel: int, label: str,
+                   rule: Optional[AggregationRule] = None) -> "GroupPlan":
+        """Parses and checks every member's MemberInfo. Raises GroupError when they disagree."""
+        if not 1 <= len(group.peer_ids) <= MAX_GROUP_SIZE or len(group.gathered) != len(group.peer_ids):
+            raise GroupError(f"malformed group of {len(group.peer_ids)} peers")
+        if me not in group.peer_ids:
+            raise GroupError("this peer is not in its own group")
+        infos = []
+        for peer_id, blob in zip(group.peer_ids, group.gathered):
+            try:
+                info = pb.MemberInfo.FromString(blob)
+            except DecodeError:
+                raise GroupError(f"peer {peer_id} sent unparsable member info") from None
+            if info.protocol_version != PROTOCOL_VERSION or info.numel != numel:
+                raise GroupError(f"peer {peer_id} has protocol {info.protocol_version}/numel {info.numel}, "
+                                 f"expected {PROTOCOL_VERSION}/{numel}")
+            if not valid_weight(info.weight):
+                raise GroupError(f"peer {peer_id} declared weight {info.weight}")
+            infos.append(info)
+        spans = member_spans(numel, [i.client_mode for i in infos], codec.block_size)
+        return cls(group.group_id, tuple(group.peer_ids), infos, group.peer_ids.index(me), numel, spans,
+                   codec, label, rule or AggregationRule())
