@@ -122,6 +122,13 @@ def test_a_tie_is_not_decided_while_another_record_lags_behind_our_round():
     # the peer with the partial result follows the majority at once, lagging records or not
     majority = {"p1": state("p1", [19], ["b"]), "p2": state("p2", [19], ["b"]), "p3": state("p3", [18], ["z"])}
     assert plan_catch_up(majority, "p4", [19], ["a"], joining=False)[0].digest == "b"
+    # ... and, knowing its last round of the fragment was partial (suspect), the one record already at its
+    # round is enough, whichever digest is smaller (seen: the cut peer's digest stayed off for 6 rounds while
+    # the drift check waited for a second record or a smaller digest)
+    one = {"p1": state("p1", [19], ["b"]), "p2": state("p2", [18], ["z"])}
+    assert plan_catch_up(one, "p4", [19], ["c"], joining=False) == []
+    assert plan_catch_up(one, "p4", [19], ["c"], joining=False, suspect=[0])[0].digest == "b"
+    assert plan_catch_up(one, "p4", [19], ["a"], joining=False, suspect=[0])[0].digest == "b"
 
 
 def test_launch_gate_skips_rounds_the_swarm_is_past():

@@ -209,7 +209,7 @@ def swarm_is_past(records: Mapping[str, ProgressRecord], me: str, fragment: int,
 
 def plan_catch_up(records: Mapping[str, ProgressRecord], me: str, my_rounds: Sequence[int],
                   my_digests: Sequence[str], *, joining: bool,
-                  expected: Optional[Sequence[int]] = None) -> list[CatchUp]:
+                  expected: Optional[Sequence[int]] = None, suspect: Sequence[int] = ()) -> list[CatchUp]:
     """Which fragments to download, from the other peers' progress records (pure; see below).
 
     Rounds here are *applied* rounds (a peer that trained alone does not advance). For each fragment,
@@ -219,7 +219,8 @@ def plan_catch_up(records: Mapping[str, ProgressRecord], me: str, my_rounds: Seq
     more, since a peer may see others a moment after they applied the round it is about to apply. Or when
     no other peer at our exact round holds our digest and theirs wins: it is held by two or more, or it is
     the smaller of a tie once no other peer's record is behind our round (two survivors of a broken round
-    converge on one state; a record not yet updated cannot turn a tie against the majority).
+    converge on one state; a record not yet updated cannot turn a tie against the majority), or any other
+    digest for a fragment in ``suspect`` (our own last round of it was partial: we are the likely odd one out).
     """
     plans = []
     for p, (mine_r, mine_d) in enumerate(zip(my_rounds, my_digests)):
@@ -239,8 +240,11 @@ def plan_catch_up(records: Mapping[str, ProgressRecord], me: str, my_rounds: Seq
             # (say, after a partial round of its own) would pull us off the state the others are about to show.
             counts = {d: same_round.count(d) for d in same_round}
             winner = min(counts, key=lambda d: (-counts[d], d))
+            # ``suspect``: fragments whose state we know to be off since a partial round of ours (a span we did
+            # not apply): there any other digest at our round wins a tie. (Two suspects holding each other's
+            # digest swap once; neither is suspect after adopting, so the next check converges them.)
             settled = all(r >= mine_r for _, r, _ in others)
-            if counts[winner] > 1 or (settled and winner < mine_d):
+            if counts[winner] > 1 or p in suspect or (settled and winner < mine_d):
                 holders = [pid for pid, r, d in others if r == mine_r and d == winner]
                 plans.append(CatchUp(p, mine_r, winner, holders,
                                      f"digest {mine_d[:12]} disagrees with the swarm's at round {mine_r}"))

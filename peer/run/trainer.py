@@ -100,6 +100,7 @@ class Trainer:
         self.rounds_ok = self.rounds_total = 0
         self.engine: Optional[StreamingEngine] = None  # set in _train
         self.found_late = False  # a round was late (launch_gate): catch up right after this step
+        self._suspect: set[int] = set()  # fragments whose last partial round left our state off the swarm's
         self.auto_tau: Optional[AutoTau] = None
         self.status: Optional[StatusLine] = None
         self._found_checkpoint: Optional[tuple[Path, dict]] = None
@@ -335,7 +336,8 @@ class Trainer:
         records = self.swarm.live_peers() if joining else self.swarm.vouched_peers()
         plans = plan_catch_up(records, self.swarm.peer_id, [st.last_applied for st in engine.states],
                               [st.digest() for st in engine.states], joining=joining,
-                              expected=[engine.expected_round(p) for p in range(len(engine.states))] if late else None)
+                              expected=[engine.expected_round(p) for p in range(len(engine.states))] if late else None,
+                              suspect=sorted(self._suspect))
         donor_steps = []
         for plan in plans:
             frag, t0 = engine.fragments[plan.fragment], time.monotonic()
@@ -348,6 +350,7 @@ class Trainer:
                 log.warning("fragment %d: could not catch up (%s): %s", plan.fragment, plan.reason, e)
                 continue
             engine.adopt(plan.fragment, snap.G, snap.v, snap.round)
+            self._suspect.discard(plan.fragment)
             donor_steps.append(snap.step)
             self._publish_snapshot(frag, engine.states[plan.fragment], snap.step)
             log.info("fragment %d: caught up to round %d (digest %s) in %.1fs; %s", plan.fragment, snap.round,
@@ -420,6 +423,8 @@ class Trainer:
         self.rounds_ok += outcome.status == RoundStatus.OK
         if outcome.status == RoundStatus.BEHIND:  # the swarm is past it: take its state right after this step
             self.found_late = True
+        if outcome.status == RoundStatus.PARTIAL:  # a span we did not apply: our state of it is likely the odd one
+            self._suspect.add(frag.index)
         self._publish_snapshot(frag, st, step)
         if self.auto_tau is not None and outcome.status in (RoundStatus.OK, RoundStatus.PARTIAL):
             self.auto_tau.observe_round(outcome.seconds)
