@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from peer.outer.aggregate import (MAX_WEIGHT, AggregationRule, Aggregator, aggregate, capped_weights,
-                                  centered_clip, coordinate_median, influence_bound, lower_median)
+                                  centered_clip, coordinate_median, influence_bound, lower_median, norm_guard)
 
 CLIPPED, MEAN = AggregationRule(), AggregationRule(kind=Aggregator.MEAN)
 ATTACKS = ["scaled_1e3", "scaled_1e6", "sign_flip", "noise", "constant", "huge_finite", "zero"]
@@ -65,22 +65,12 @@ def test_one_arbitrary_part_moves_the_result_at_most_the_bound(seed, n_honest, d
     w = torch.tensor(used, dtype=torch.float64)
     neutral = torch.stack(honest + [center])
     # (a part the guard shortened enters as its shortened self: any part is allowed by the bound)
-    attacked, _ = centered_clip(torch.stack([p for p in parts[:-1]] + [out_part(parts, -1)]), w, center,
-                                out.radius, CLIPPED.iterations)
+    attacked, _ = centered_clip(norm_guard(torch.stack(parts)), w, center, out.radius, CLIPPED.iterations)
     calm, _ = centered_clip(neutral, w, center, out.radius, CLIPPED.iterations)
     moved = float(torch.linalg.vector_norm(attacked - calm))
     bound = influence_bound(CLIPPED, out.radius, used[-1], sum(used))
     assert moved <= bound * (1 + 1e-4) + 1e-5, (moved, bound)
     assert torch.allclose(attacked, out.value, rtol=1e-5, atol=1e-5)
-
-
-def out_part(parts, k):
-    """Part ``k`` as the rule sees it after the numeric guard (NORM_GUARD lower-median norms at most)."""
-    from peer.outer.aggregate import NORM_GUARD
-    norms = torch.stack([torch.linalg.vector_norm(p, dtype=torch.float64) for p in parts])
-    limit = NORM_GUARD * float(lower_median(norms))
-    norm = float(norms[k])
-    return parts[k] * (limit / norm if norm > limit else 1.0)
 
 
 @settings(max_examples=60, deadline=None)

@@ -104,6 +104,15 @@ def capped_weights(weights: Sequence[float], cap: float) -> list[float]:
     return [min(x, limit) for x in weights]
 
 
+def norm_guard(parts: torch.Tensor) -> torch.Tensor:
+    """``parts`` (n, d) with those longer than NORM_GUARD x the lower median norm shortened to it. A numeric guard,
+    not the robust rule: no difference in :func:`aggregate` can then overflow fp32 (a finite part of 1e38s would
+    turn into inf - inf)."""
+    norms = torch.stack([torch.linalg.vector_norm(p, dtype=torch.float64) for p in parts])
+    limit = NORM_GUARD * float(lower_median(norms))
+    return parts * torch.where(norms > limit, limit / norms.clamp_min(1e-300), 1.0).to(torch.float32)[:, None]
+
+
 def coordinate_median(parts: torch.Tensor) -> torch.Tensor:
     """Coordinate-wise median of ``parts`` (n, d): the middle value, or the mean of the two middle ones."""
     n = parts.shape[0]
@@ -145,11 +154,7 @@ def aggregate(parts: Sequence[torch.Tensor], weights: Sequence[float], rule: Agg
         return Aggregate(value, list(weights), [1.0] * len(parts))
     used = capped_weights(weights, rule.weight_cap)
     w = torch.tensor(used, dtype=torch.float64)
-    # Numeric guard, not the robust rule: parts longer than NORM_GUARD x the lower median norm are shortened
-    # to it, so that no difference below overflows fp32 (a finite part of 1e38s would turn into inf - inf).
-    norms = torch.stack([torch.linalg.vector_norm(p, dtype=torch.float64) for p in stacked])
-    limit = NORM_GUARD * float(lower_median(norms))
-    stacked = stacked * torch.where(norms > limit, limit / norms.clamp_min(1e-300), 1.0).to(torch.float32)[:, None]
+    stacked = norm_guard(stacked)
     center = coordinate_median(stacked)
     dist = torch.linalg.vector_norm(stacked - center, dim=1).sort().values
     radius = rule.clip_factor * float(dist[dist.numel() // 2])

@@ -106,13 +106,14 @@ class FakeTransport:
                 for i, share in zip(order, combined.kept):
                     if share < OFFENCE_CLIP:
                         self._offence(i, key)
-                acc, total = combined.value * combined.total_weight, combined.total_weight
+                value, total = combined.value, combined.total_weight
             else:
                 total = sum(kept[i][1] for i in order)
                 acc = torch.zeros_like(delta)
                 for i in order:
                     acc += kept[i][1] * kept[i][0]
-            average, size = self._roundtrip(acc / total)  # encoded once, decoded identically by all
+                value = acc / total
+            average, size = self._roundtrip(value)  # encoded once, decoded identically by all
             self.bytes_per_round[key] = nbytes + size * self.num_replicas
             self._done[key] = RoundOutcome(key[0], key[1], RoundStatus.OK, group_size=self.num_replicas,
                                            spans=[Span(0, delta.numel(), average)],
