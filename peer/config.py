@@ -240,6 +240,10 @@ class SwarmConfig:
             "trying the next.")
     drift_check_period: float = setting(10.0, help="Seconds between checks of our (round, digest) against the "
             "swarm's majority (0 disables).")
+    max_streams_per_peer: int = setting(16, local=True, help="Streams one remote peer may hold open in this peer's "
+            "handlers at once (all-reduce parts, state downloads, join requests); more are refused.")
+    max_streams: int = setting(512, local=True, help="Streams all remote peers together may hold open in this peer's "
+            "handlers at once.")
     exclude_after: int = setting(3, local=True, help="Offences (parts that do not decode, parts the robust rule cut "
             "hard, implausible averages) after which this peer stops working with another for the rest of the run "
             "(see peer/net/exclusion.py).")
@@ -249,6 +253,10 @@ class SwarmConfig:
                "a non-empty name without '.' or spaces", self.run_id)
         _check(self.drift_check_period >= 0, "swarm.drift_check_period", ">= 0", self.drift_check_period)
         _check(self.exclude_after >= 1, "swarm.exclude_after", ">= 1", self.exclude_after)
+        _check(self.max_streams_per_peer >= 4, "swarm.max_streams_per_peer", ">= 4 (rounds of several fragments, "
+               "a download and a join request at once)", self.max_streams_per_peer)
+        _check(self.max_streams >= self.max_streams_per_peer, "swarm.max_streams", ">= swarm.max_streams_per_peer",
+               self.max_streams)
         for key in ("start_timeout", "state_timeout", "matchmaking_time", "matchmaking_timeout", "request_timeout",
                     "allreduce_timeout", "part_timeout", "progress_period", "progress_ttl", "startup_timeout",
                     "dht_timeout", "join_timeout"):

@@ -13,6 +13,7 @@ from hivemind.averaging.group_info import GroupInfo
 
 from helpers import p2p_mesh, run_async
 from peer.net.allreduce import AllReduceServicer, run_allreduce
+from peer.net.limits import StreamGuard
 from peer.net.group import PROTOCOL_VERSION, GroupError, GroupPlan, member_spans
 from peer.outer.aggregate import AggregationRule, Aggregator
 from peer.outer.codec import get_codec
@@ -57,7 +58,8 @@ async def _run(n_members, alive, weights, deltas, part_timeout=1.0, allreduce_ti
         group = _group(ids, weights)
         servicers = []
         for i, p in enumerate(p2ps):
-            s = AllReduceServicer(registration_timeout=1.0, part_timeout=part_timeout)
+            s = AllReduceServicer(registration_timeout=1.0, part_timeout=part_timeout, stream_timeout=30.0,
+                                  guard=StreamGuard(per_peer=16, total=64))
             if i in alive:  # a dead member registers no handler and sends nothing
                 await s.add_p2p_handlers(p)
             servicers.append(s)
@@ -147,7 +149,8 @@ def test_a_repeat_offender_is_excluded_then_refused_and_skipped():
         p2ps = await p2p_mesh(4)
         try:
             ids = [p.peer_id for p in p2ps]
-            servicers = [AllReduceServicer(registration_timeout=1.0, part_timeout=1.0) for _ in p2ps]
+            servicers = [AllReduceServicer(registration_timeout=1.0, part_timeout=1.0, stream_timeout=30.0,
+                                            guard=StreamGuard(per_peer=16, total=64)) for _ in p2ps]
             for s, p in zip(servicers, p2ps):
                 await s.add_p2p_handlers(p)
             rounds = []

@@ -7,7 +7,10 @@ import pytest
 from hivemind.averaging.key_manager import GroupKeyManager
 
 from helpers import dht_nodes, run_async
+from peer.net.limits import StreamGuard
 from peer.net.matchmaking import GaveUp, form_group, round_prefix
+
+GUARD = StreamGuard(per_peer=16, total=64)
 
 
 @pytest.fixture
@@ -29,7 +32,7 @@ def test_followers_whose_view_is_smaller_join_the_leaders_larger_group(dhts):
         def join(i: int, target: int):
             return asyncio.ensure_future(form_group(
                 p2ps[i], dhts[i], prefix=prefix, gather=bytes([i]), target_group_size=target, min_group_size=2,
-                min_matchmaking_time=5.0, request_timeout=2.0, client_mode=False, timeout=30.0))
+                min_matchmaking_time=5.0, request_timeout=2.0, client_mode=False, timeout=30.0, guard=GUARD))
 
         leader = join(0, 3)
         # the followers start once the leader's declaration is visible, so it is the leader they find
@@ -59,7 +62,7 @@ def test_a_search_gives_up_when_told_why(dhts):
     async def main():
         p2p = await dhts[0].replicate_p2p()
         kwargs = dict(gather=b"x", target_group_size=2, min_group_size=2, min_matchmaking_time=1.0,
-                      request_timeout=0.5, client_mode=False, poll=0.2)
+                      request_timeout=0.5, client_mode=False, poll=0.2, guard=GUARD)
         t0 = time.monotonic()
         with pytest.raises(GaveUp, match="already applied"):
             await form_group(p2p, dhts[0], prefix=round_prefix("testrun", 0, 1), timeout=60.0, give_up=give_up,
@@ -82,7 +85,8 @@ def test_a_patient_search_waits_for_a_peer_on_its_way(dhts):
     async def pair(patience: float, n: int):
         p2ps = [await d.replicate_p2p() for d in dhts[:2]]
         kwargs = dict(gather=b"x", target_group_size=2, min_group_size=2, min_matchmaking_time=1.0,
-                      request_timeout=0.5, client_mode=False, poll=0.2, timeout=timeout)
+                      request_timeout=0.5, client_mode=False, poll=0.2, timeout=timeout,
+                      guard=GUARD)
         prefix = round_prefix("patience", n, 1)
         t0 = time.monotonic()
         first = asyncio.ensure_future(form_group(p2ps[0], dhts[0], prefix=prefix, patience=patience,

@@ -1,22 +1,30 @@
 """State transfer: downloads from lying, dying and good donors (the catch-up plan: test_consensus.py)."""
 
+import asyncio
+import contextlib
+import os
+import time
 from typing import AsyncIterator
 
 import pytest
 import torch
-from hivemind.p2p import P2PContext
+from hivemind.p2p import P2P, P2PContext
 
 from helpers import p2p_mesh, run_async
 from peer.outer.state import digest_of
 from peer.proto import state_pb2 as pb
+from peer.net.limits import StreamGuard, cap_frame_size, frame_limit_for
 from peer.net.state_transfer import DownloadError, Snapshot, StateServicer, download
+
+SERVING = dict(guard=StreamGuard(per_peer=4, total=64), request_timeout=2.0, stream_timeout=30.0)
 
 
 class DyingServicer(StateServicer):
     """Sends the first chunk, then breaks the stream (a donor killed mid-download)."""
 
-    async def rpc_download(self, request: pb.StateRequest, context: P2PContext) -> AsyncIterator[pb.StateChunk]:
-        async for i, msg in _enumerate(super().rpc_download(request, context)):
+    async def rpc_download(self, requests: AsyncIterator[pb.StateRequest],
+                           context: P2PContext) -> AsyncIterator[pb.StateChunk]:
+        async for i, msg in _enumerate(super().rpc_download(requests, context)):
             if i == 1:
                 raise ConnectionResetError("donor died")
             yield msg
@@ -36,7 +44,7 @@ async def _scenario(numel, donors_kind):
     p2ps = await p2p_mesh(1 + len(donors_kind))
     try:
         for kind, p in zip(donors_kind, p2ps[1:]):
-            servicer = {"dying": DyingServicer, "good": StateServicer, "lying": StateServicer}[kind](chunk_elems=100)
+            servicer = {"dying": DyingServicer, "good": StateServicer, "lying": StateServicer}[kind](100, **SERVING)
             snap = good if kind != "lying" else Snapshot(0, 9, 90, G + 1, v, good.digest)  # claims the good digest
             servicer.publish(snap)
             await servicer.add_p2p_handlers(p)
@@ -57,3 +65,93 @@ def test_download_switches_donor_when_one_dies_or_lies():
 def test_download_fails_cleanly_without_an_honest_donor():
     with pytest.raises(DownloadError, match="no donor delivered"):
         run_async(_scenario(1000, ["dying", "lying"]))
+
+
+def _fds(p2p) -> int:
+    return len(os.listdir(f"/proc/{p2p._child.pid}/fd"))
+
+
+@pytest.mark.timeout(120)
+def test_never_finished_requests_are_bounded_per_peer_and_end_at_their_deadline():
+    """One peer opens 300 download streams and never sends a request (before: 17,000 such streams grew a
+    peer's descriptors until its daemon died). The victim holds at most ``per_peer`` of them, each for
+    ``request_timeout``; an honest peer downloads meanwhile; afterwards the victim's daemon is back to
+    the descriptors it had."""
+    async def main():
+        victim, attacker, honest = await p2p_mesh(3)
+        try:
+            G = torch.randn(1000)
+            guard = StreamGuard(per_peer=4, total=64)
+            servicer = StateServicer(100, guard=guard, request_timeout=1.0, stream_timeout=30.0)
+            servicer.publish(Snapshot(0, 9, 90, G, torch.randn(1000), digest_of(G)))
+            await servicer.add_p2p_handlers(victim)
+            fds_before = _fds(victim)
+            name = StateServicer._get_handle_name(None, "rpc_download")
+            held, peak = [], 0
+            for _ in range(300):
+                held.append(await attacker.call_binary_stream_handler(victim.peer_id, name))
+                peak = max(peak, guard.open.get(str(attacker.peer_id), 0))
+            got = await download(honest, [victim.peer_id], 0, round_=9, numel=1000, digest=digest_of(G),
+                                 timeout_per_donor=10, max_chunk_elems=100)
+            deadline = time.monotonic() + 20
+            while guard.open_total and time.monotonic() < deadline:  # each ends request_timeout after it opened
+                await asyncio.sleep(0.1)
+            for _, _, writer in held:
+                writer.close()
+            deadline = time.monotonic() + 20
+            while _fds(victim) > fds_before + 8 and time.monotonic() < deadline:  # the daemon closes them
+                await asyncio.sleep(0.1)
+            return got, peak, guard, _fds(victim) - fds_before
+        finally:
+            for p in (victim, attacker, honest):
+                await p.shutdown()
+
+    got, peak, guard, extra_fds = run_async(main())
+    assert torch.equal(got.G, got.G) and got.round == 9
+    assert peak <= 4 and guard.refused >= 296 - 4
+    assert guard.open_total == 0
+    assert extra_fds <= 8, extra_fds
+
+
+@pytest.mark.timeout(120)
+def test_a_frame_declaring_a_huge_length_is_refused_before_its_body_is_read(caplog):
+    """A frame whose prefix declares 2^40 bytes (before: the peer allocated over 2 GiB) closes the stream at
+    once, without reading the body; the victim serves an honest download right after."""
+    cap_frame_size(frame_limit_for(1 << 20))
+
+    async def main():
+        victim, attacker = await p2p_mesh(2)
+        try:
+            G = torch.randn(1000)
+            servicer = StateServicer(100, **SERVING)
+            servicer.publish(Snapshot(0, 9, 90, G, torch.randn(1000), digest_of(G)))
+            await servicer.add_p2p_handlers(victim)
+            rss_before = _rss()
+            _, reader, writer = await attacker.call_binary_stream_handler(
+                victim.peer_id, StateServicer._get_handle_name(None, "rpc_download"))
+            writer.write(P2P.MESSAGE_MARKER + (1 << 40).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
+            with contextlib.suppress(ConnectionError, asyncio.TimeoutError):
+                for _ in range(64):  # 64 MiB of body, which the victim must not take in
+                    writer.write(bytes(1 << 20))
+                    await asyncio.wait_for(writer.drain(), timeout=5)
+            try:  # the victim closed the stream: an end of file, or a reset once our unread writes are dropped
+                answer = await asyncio.wait_for(reader.read(), timeout=10)
+            except ConnectionError:
+                answer = b""
+            writer.close()
+            got = await download(attacker, [victim.peer_id], 0, round_=9, numel=1000, digest=digest_of(G),
+                                 timeout_per_donor=10, max_chunk_elems=100)
+            return answer, got, _rss() - rss_before
+        finally:
+            for p in (victim, attacker):
+                await p.shutdown()
+
+    answer, got, grown = run_async(main())
+    assert answer == b"" and got.round == 9
+    assert "refused a stream frame declaring 1099511627776 bytes" in caplog.text
+    assert grown < 32 << 20, grown
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -41,6 +41,7 @@ from hivemind.p2p import P2P, P2PContext, ServicerBase
 
 from peer.net.exclusion import Exclusions, Offence
 from peer.net.group import GroupPlan, valid_weight
+from peer.net.limits import StreamGuard, first_message
 from peer.outer.aggregate import HEAVY_CLIP, OFFENCE_CLIP, aggregate
 from peer.outer.codec import Codec, CodecError
 from peer.outer.rounds import Span
@@ -188,9 +189,13 @@ class AllReduceServicer(ServicerBase):
     before the group's members are told the group exists, :meth:`unregister` when the round ends.
     """
 
-    def __init__(self, *, registration_timeout: float, part_timeout: float, max_pending: int = 64,
-                 exclusions: Optional[Exclusions] = None):
+    def __init__(self, *, registration_timeout: float, part_timeout: float, stream_timeout: float,
+                 guard: StreamGuard, max_pending: int = 64, exclusions: Optional[Exclusions] = None):
+        """``stream_timeout``: the longest a member's stream may stay open (its part, our average, the close);
+        ``guard``: this peer's bound on streams per remote peer (shared by all its handlers)."""
         self.exclusions = exclusions or Exclusions()  # shared with the rounds of this peer (run_allreduce)
+        self.guard = guard
+        self.stream_timeout = stream_timeout
         self._groups: dict[bytes, SpanReduction] = {}
         self._waiters: dict[bytes, asyncio.Event] = {}
         self.registration_timeout = registration_timeout
@@ -217,11 +222,20 @@ class AllReduceServicer(ServicerBase):
 
     async def rpc_reduce(self, requests: AsyncIterator[pb.ReduceRequest],
                          context: P2PContext) -> AsyncIterator[pb.ReduceResponse]:
+        with self.guard.admit(str(context.remote_id), self.stream_timeout) as admitted:
+            if not admitted:
+                yield pb.ReduceResponse(status=Status.REJECTED, error="too many open streams from this peer")
+                return
+            async for response in self._reduce(requests, context):
+                yield response
+
+    async def _reduce(self, requests: AsyncIterator[pb.ReduceRequest],
+                      context: P2PContext) -> AsyncIterator[pb.ReduceResponse]:
         red, sender = None, None
         try:
             # The first message carries up to chunk_bytes of data: on a slow link it takes as long as
             # any other piece, so it gets the part deadline, not the (short) request timeout.
-            header = await asyncio.wait_for(requests.__anext__(), timeout=self.part_timeout)
+            header = await first_message(requests, self.part_timeout)
             red = await self._lookup(header.group_id)
             if red is None:
                 yield pb.ReduceResponse(status=Status.REJECTED, error="unknown group")

@@ -21,22 +21,39 @@ from hivemind.p2p import P2P, P2PContext, ServicerBase
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 
+from peer.net.limits import StreamGuard, first_message
+
 
 class JoinServicer(ServicerBase):
     """Forwards join requests of one round to that round's Matchmaking instance, except those of peers
-    ``excluded`` says this peer no longer works with (see :mod:`peer.net.exclusion`)."""
+    ``excluded`` says this peer no longer works with (see :mod:`peer.net.exclusion`), within the bounds of
+    ``guard`` (streams per remote peer; the request within ``request_timeout``, the whole exchange within
+    ``stream_timeout``: see :mod:`peer.net.limits`)."""
 
-    def __init__(self, matchmaking: Matchmaking, excluded: Callable[[str], bool] = lambda peer: False):
+    def __init__(self, matchmaking: Matchmaking, *, guard: StreamGuard, request_timeout: float,
+                 stream_timeout: float, excluded: Callable[[str], bool] = lambda peer: False):
         self.matchmaking = matchmaking
         self.excluded = excluded
+        self.guard = guard
+        self.request_timeout, self.stream_timeout = request_timeout, stream_timeout
 
-    async def rpc_join_group(self, request: averaging_pb2.JoinRequest,
+    async def rpc_join_group(self, requests: AsyncIterator[averaging_pb2.JoinRequest],
                              context: P2PContext) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        refuse = averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
         if self.excluded(str(context.remote_id)):
-            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            yield refuse
             return
-        async for message in self.matchmaking.rpc_join_group(request, context):
-            yield message
+        with self.guard.admit(str(context.remote_id), self.stream_timeout) as admitted:
+            if not admitted:
+                yield refuse
+                return
+            try:
+                request = await first_message(requests, self.request_timeout)
+            except (asyncio.TimeoutError, StopAsyncIteration):
+                yield refuse
+                return
+            async for message in self.matchmaking.rpc_join_group(request, context):
+                yield message
 
 
 @dataclass
@@ -105,7 +122,8 @@ async def form_group(p2p: P2P, dht: DHT, *, prefix: str, gather: bytes, target_g
                      min_group_size: int, min_matchmaking_time: float, request_timeout: float,
                      client_mode: bool, timeout: float, give_up: Callable[[], Optional[GaveUp]] = lambda: None,
                      keep_waiting: Callable[[], bool] = lambda: False, patience: float = 0.0,
-                     poll: float = 1.0, excluded: Callable[[str], bool] = lambda peer: False) -> Optional[GroupInfo]:
+                     poll: float = 1.0, excluded: Callable[[str], bool] = lambda peer: False,
+                     guard: StreamGuard) -> Optional[GroupInfo]:
     """Finds a group for the round named by ``prefix``; None if none formed in time.
 
     ``gather`` (this peer's serialized MemberInfo) reaches every member of the group. The group
@@ -115,7 +133,8 @@ async def form_group(p2p: P2P, dht: DHT, *, prefix: str, gather: bytes, target_g
     after it last was, and at most ``patience`` s past ``timeout``. ``give_up`` and ``keep_waiting`` are
     asked every ``poll`` s while no group has formed; a :class:`GaveUp` from ``give_up`` (e.g. the swarm
     already applied this round, so no one will come) ends the search: it is raised. Peers for which
-    ``excluded`` is true are neither followed as leaders nor accepted as followers.
+    ``excluded`` is true are neither followed as leaders nor accepted as followers. ``guard``: this peer's
+    bound on streams per remote peer (see :mod:`peer.net.limits`).
     Must run in the event loop that owns ``p2p``.
     """
     schema_hash = hashlib.sha256(prefix.encode()).digest()
@@ -126,7 +145,8 @@ async def form_group(p2p: P2P, dht: DHT, *, prefix: str, gather: bytes, target_g
     keys = _RoundKeys(dht, prefix, "", mm.target_group_size)
     keys.excluded = excluded
     mm.group_key_manager = keys
-    servicer = JoinServicer(mm, excluded)
+    servicer = JoinServicer(mm, guard=guard, request_timeout=request_timeout,
+                            stream_timeout=timeout + patience + min_matchmaking_time, excluded=excluded)
     await servicer.add_p2p_handlers(p2p, namespace=prefix)
 
     def search_until(deadline: float) -> asyncio.Future:

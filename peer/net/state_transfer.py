@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 
+from peer.net.limits import StreamGuard, first_message
 from peer.outer.state import digest_of
 from peer.proto import state_pb2 as pb
 from peer.util import time_left, next_by, short_id
@@ -51,8 +52,12 @@ class StateServicer(ServicerBase):
     round advertised). :meth:`publish` may be called from any thread (item assignments of new
     objects); the handler reads one snapshot object per request."""
 
-    def __init__(self, chunk_elems: int):
+    def __init__(self, chunk_elems: int, *, guard: StreamGuard, request_timeout: float, stream_timeout: float):
+        """``request_timeout``: for the request to arrive once the stream is open; ``stream_timeout``: the
+        longest one download may hold its stream; ``guard``: this peer's bound on streams per remote peer."""
         self.chunk_elems = chunk_elems
+        self.guard = guard
+        self.request_timeout, self.stream_timeout = request_timeout, stream_timeout
         self.snapshots: dict[int, Snapshot] = {}  # the newest, per fragment
         self.previous: dict[int, Snapshot] = {}
 
@@ -68,7 +73,21 @@ class StateServicer(ServicerBase):
                 return snap
         return None
 
-    async def rpc_download(self, request: pb.StateRequest, context: P2PContext) -> AsyncIterator[pb.StateChunk]:
+    async def rpc_download(self, requests: AsyncIterator[pb.StateRequest],
+                           context: P2PContext) -> AsyncIterator[pb.StateChunk]:
+        with self.guard.admit(str(context.remote_id), self.stream_timeout) as admitted:
+            if not admitted:
+                yield pb.StateChunk(error="too many open streams from this peer")
+                return
+            try:
+                request = await first_message(requests, self.request_timeout)
+            except (asyncio.TimeoutError, StopAsyncIteration):
+                yield pb.StateChunk(error=f"no request within {self.request_timeout:g} s")
+                return
+            async for chunk in self._serve(request):
+                yield chunk
+
+    async def _serve(self, request: pb.StateRequest) -> AsyncIterator[pb.StateChunk]:
         snap = self._find(request.fragment, request.round)
         if snap is None:
             yield pb.StateChunk(fragment=request.fragment, error=f"no state for fragment {request.fragment} "

@@ -30,6 +30,7 @@ from peer.outer.codec import codec_key, get_codec
 from peer.config import SwarmConfig
 from peer.net.dht import create_dht, peers_of, reconnect
 from peer.net.exclusion import Exclusions
+from peer.net.limits import StreamGuard, cap_frame_size, frame_limit_for
 from peer.net.matchmaking import GaveUp, form_group, round_prefix
 from peer.outer.rounds import RoundOutcome, RoundStatus
 from peer.net.consensus import laggards, nobody_coming, swarm_is_past
@@ -87,9 +88,13 @@ class Swarm:
         self._dht: Optional[DHT] = None  # set by start(), cleared by shutdown()
         self._p2p: Optional[P2P] = None
         self.exclusions = Exclusions(threshold=cfg.exclude_after)  # peers we no longer work with (and why)
+        self.guard = StreamGuard(per_peer=cfg.max_streams_per_peer, total=cfg.max_streams)  # all our handlers
         self.servicer = AllReduceServicer(registration_timeout=cfg.request_timeout, part_timeout=cfg.part_timeout,
-                                          exclusions=self.exclusions)
-        self.state_servicer = StateServicer(chunk_elems=max(1, cfg.chunk_bytes // 8))
+                                          stream_timeout=cfg.allreduce_timeout + cfg.part_timeout
+                                          + 2 * cfg.request_timeout, guard=self.guard, exclusions=self.exclusions)
+        self.state_servicer = StateServicer(max(1, cfg.chunk_bytes // 8), guard=self.guard,
+                                            request_timeout=cfg.request_timeout,
+                                            stream_timeout=cfg.state_timeout + cfg.request_timeout)
         self._subkey = b""
         self._progress = (0, 0, 0.0)  # (step, round of fragment 0, tokens/s), published by the heartbeat
         self._view = LiveView(cfg.progress_ttl)  # everyone's records, merged by the heartbeat
@@ -105,6 +110,7 @@ class Swarm:
         """Starts the DHT and the networking thread. Raises :class:`~peer.dht_node.JoinError` if no initial peer
         answered within ``join_timeout`` (retried with backoff; ``stop`` ends the retries)."""
         validators, self._subkey = make_validators(self.run_key)
+        cap_frame_size(frame_limit_for(self.cfg.chunk_bytes))  # before the DHT forks: its streams are bounded too
         self._dht = create_dht(initial_peers=self.cfg.initial_peers, host_maddrs=self.cfg.host_maddrs,
                               announce_maddrs=self.cfg.announce_maddrs, identity_path=self.identity_path,
                               client_mode=self.cfg.client_mode, nat_port_map=self.cfg.nat_port_map,
@@ -353,7 +359,7 @@ class Swarm:
                 request_timeout=self.cfg.request_timeout, client_mode=self.cfg.client_mode,
                 timeout=self.cfg.matchmaking_timeout, poll=min(1.0, self.cfg.progress_period),
                 give_up=give_up, keep_waiting=keep_waiting, patience=patience,
-                excluded=self.exclusions.__contains__)
+                excluded=self.exclusions.__contains__, guard=self.guard)
             if group is None:
                 waited = time.monotonic() - t0
                 out.status, out.error = RoundStatus.NO_GROUP, f"no other peer came to this round within {waited:.0f} s"

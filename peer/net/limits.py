@@ -1,0 +1,122 @@
+"""What one remote peer can make this peer hold: frames, streams, and how long each stream lives.
+
+Every protocol of ours (``rpc_reduce``, ``rpc_download``, ``rpc_join_group``) is a hivemind binary stream of
+length-prefixed protobuf frames, and any peer can open one. Three bounds keep a hostile peer from exhausting
+an honest one (the standing rule: bound every size and allocation before it happens, give every wait a
+deadline, bound what one remote peer can consume):
+
+- **Frame size.** hivemind's ``P2P.receive_raw_data`` reads whatever length the 8-byte prefix declares (a
+  frame declaring 2^40 bytes grew a peer past 2 GiB). :func:`cap_frame_size` replaces it, once per process,
+  with a reader that refuses a frame larger than the largest message of the run (``swarm.chunk_bytes`` of
+  payload plus headers) before reading its body. The refused stream ends as a closed connection does.
+- **Streams per remote peer.** :class:`StreamGuard` admits at most ``per_peer`` concurrent streams from one
+  remote peer and ``total`` overall, across all our handlers (17,000 never-finished streams from one peer
+  once exhausted a peer's descriptors until its networking daemon died).
+- **Stream lifetime.** Every admitted stream has a deadline after which its task is cancelled, whatever
+  it is waiting for (a request body that never arrives, a reader that never reads our answer).
+
+Handlers read their request through a stream (``AsyncIterator``) rather than hivemind's unary input, so they
+run, and are counted, from the moment the stream opens; :func:`first_message` reads the request with a
+deadline. (The wire format is the same: a caller may still pass a single message.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import Counter
+from typing import AsyncIterator, Iterator, TypeVar
+
+from hivemind.p2p import P2P
+
+log = logging.getLogger(__name__)
+
+FRAME_OVERHEAD = 64 << 10  # protobuf headers, group ids, contributor lists: far below this
+MIN_FRAME_LIMIT = 1 << 20  # matchmaking and error messages never need more
+
+_frame_limit = 64 << 20  # until cap_frame_size is called: hivemind's own messages are far smaller
+
+
+class FrameTooLarge(asyncio.IncompleteReadError):
+    """A frame declared more bytes than the run's largest message. (An ``IncompleteReadError``: hivemind's
+    stream readers end the stream quietly on it, as on a closed connection.)"""
+
+    def __init__(self, declared: int, limit: int):
+        super().__init__(b"", declared)
+        self.args = (f"a frame declared {declared} bytes (limit {limit})",)
+
+
+def frame_limit_for(chunk_bytes: int) -> int:
+    """The largest frame a peer of a run with ``swarm.chunk_bytes`` sends (its pieces and state chunks carry
+    at most ``chunk_bytes`` of payload), with headroom for headers."""
+    return max(MIN_FRAME_LIMIT, chunk_bytes) + FRAME_OVERHEAD
+
+
+async def _bounded_receive_raw_data(reader: asyncio.StreamReader) -> bytes:
+    header = await reader.readexactly(P2P.HEADER_LEN)
+    declared = int.from_bytes(header, P2P.BYTEORDER)
+    if declared > _frame_limit:
+        log.warning("refused a stream frame declaring %d bytes (limit %d); the stream is closed", declared,
+                    _frame_limit)
+        raise FrameTooLarge(declared, _frame_limit)
+    return await reader.readexactly(declared)
+
+
+def cap_frame_size(limit: int) -> None:
+    """Makes every hivemind stream reader of this process refuse frames over ``limit`` bytes (in both
+    directions: requests we serve and responses we read). Must be called before the P2P streams are used;
+    calling it again sets a new limit."""
+    global _frame_limit
+    _frame_limit = int(limit)
+    P2P.receive_raw_data = staticmethod(_bounded_receive_raw_data)
+
+
+class StreamGuard:
+    """Counts the streams each remote peer holds open in our handlers and bounds them.
+
+    Used from the event loop that runs the handlers (no locking needed). One guard is shared by all the
+    handlers of a peer, so the bound is per remote peer across protocols.
+    """
+
+    def __init__(self, *, per_peer: int, total: int):
+        self.per_peer, self.total = per_peer, total
+        self.open: Counter[str] = Counter()
+        self.refused = 0  # streams refused since start (for logs and tests)
+
+    @property
+    def open_total(self) -> int:
+        return sum(self.open.values())
+
+    @contextlib.contextmanager
+    def admit(self, peer: str, timeout: float) -> Iterator[bool]:
+        """Yields whether a stream from ``peer`` may proceed. If it may, it is counted until the block exits,
+        and the task running the block is cancelled after ``timeout`` seconds. Must be entered inside the
+        task that serves the stream (hivemind runs each handler in its own task)."""
+        if self.open[peer] >= self.per_peer or self.open_total >= self.total:
+            self.refused += 1
+            if self.refused in (1, 10, 100) or self.refused % 1000 == 0:
+                log.warning("refused a stream from %s: %d open from it, %d in all (limits %d, %d); %d refused so far",
+                            peer[-8:], self.open[peer], self.open_total, self.per_peer, self.total, self.refused)
+            yield False
+            return
+        task = asyncio.current_task()
+        watchdog = asyncio.get_running_loop().call_later(timeout, task.cancel) if task is not None else None
+        self.open[peer] += 1
+        try:
+            yield True
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
+            self.open[peer] -= 1
+            if self.open[peer] <= 0:
+                del self.open[peer]
+
+
+T = TypeVar("T")
+
+
+async def first_message(requests: AsyncIterator[T], timeout: float) -> T:
+    """The first message of a request stream, within ``timeout`` seconds. Raises ``asyncio.TimeoutError``,
+    or ``StopAsyncIteration`` if the stream ended without one."""
+    return await asyncio.wait_for(requests.__anext__(), timeout=timeout)
