@@ -131,6 +131,19 @@ def test_a_tie_is_not_decided_while_another_record_lags_behind_our_round():
     assert plan_catch_up(one, "p4", [19], ["a"], joining=False, suspect=[0])[0].digest == "b"
 
 
+def test_the_drift_check_compares_at_our_round_through_records_already_past_it():
+    """Rounds faster than records (seen: rounds 0.5 s apart, records every 1 s, a check every 3 s): a record is
+    rarely at exactly our round, so two survivors of a broken round stayed apart to the end of the run. A record
+    lists its last few rounds in ``past``: a peer a round past ours still tells its digest at our round, and we
+    download where it is now."""
+    ahead = state("p1", [20], ["d20"]).model_copy(update={"past": [(0, 18, "d18"), (0, 19, "b")]})
+    plan = plan_catch_up({"p1": ahead}, "p4", [19], ["c"], joining=False, suspect=[0])
+    assert [(c.fragment, c.round, c.digest, c.donors) for c in plan] == [(0, 20, "d20", ["p1"])]
+    assert plan_catch_up({"p1": ahead}, "p4", [19], ["b"], joining=False, suspect=[0]) == []  # we agree at 19
+    silent = state("p1", [20], ["d20"])  # no past: it does not say where it was at 19 (one round ahead: no plan)
+    assert plan_catch_up({"p1": silent}, "p4", [19], ["c"], joining=False, suspect=[0]) == []
+
+
 def test_launch_gate_skips_rounds_the_swarm_is_past():
     records = {p: state(p, [7, 6], ["a", "b"]) for p in ("x", "y")}
     # in step with the swarm (it applied round 7; we applied 7, or have it in flight): launch round 8

@@ -141,6 +141,15 @@ def _others(records: Mapping[str, ProgressRecord], me: str, fragment: int) -> li
             if rec.peer_id != me and len(rec.rounds) > fragment and len(rec.digests) > fragment]
 
 
+def digest_at(rec: ProgressRecord, fragment: int, round_: int) -> Optional[str]:
+    """``rec``'s digest of ``fragment`` after round ``round_``: its current one, or one it still lists in ``past``
+    (rounds may come faster than records: a peer already a round past ours still tells where it was); None
+    if the record does not say."""
+    if len(rec.rounds) > fragment and len(rec.digests) > fragment and rec.rounds[fragment] == round_:
+        return rec.digests[fragment]
+    return next((d for f, r, d in rec.past if f == fragment and r == round_), None)
+
+
 def swarm_state(records: Mapping[str, ProgressRecord], me: str, fragment: int) -> Optional[tuple[int, str, list[str]]]:
     """The swarm's state of ``fragment``: the (applied round, digest) held by the most other peers (ties: the
     later round, then the smaller digest), with its holders; None if no other peer advertises one."""
@@ -217,7 +226,8 @@ def plan_catch_up(records: Mapping[str, ProgressRecord], me: str, my_rounds: Seq
     with ``expected`` (per fragment, the round our state reaches once our rounds in flight land; given when
     a round was just found late, see :func:`launch_gate`), when the swarm is past it; otherwise by two or
     more, since a peer may see others a moment after they applied the round it is about to apply. Or when
-    no other peer at our exact round holds our digest and theirs wins: it is held by two or more, or it is
+    no other peer that applied our round (its current one or one in its ``past``: :func:`digest_at`) holds
+    our digest there and theirs wins (we then download where its holders are now): it is held by two or more, or it is
     the smaller of a tie once no other peer's record is behind our round (two survivors of a broken round
     converge on one state; a record not yet updated cannot turn a tie against the majority), or any other
     digest for a fragment in ``suspect`` (our own last round of it was partial: we are the likely odd one out).
@@ -229,7 +239,8 @@ def plan_catch_up(records: Mapping[str, ProgressRecord], me: str, my_rounds: Seq
             continue
         best, digest, donors = state
         others = _others(records, me, p)
-        same_round = [d for _, r, d in others if r == mine_r]
+        at_mine = {pid: d for pid, rec in records.items() if pid != me and (d := digest_at(rec, p, mine_r))}
+        same_round = list(at_mine.values())
         if best > mine_r and (joining or best >= mine_r + 2 or (expected is not None and best > expected[p])):
             plans.append(CatchUp(p, best, digest, donors, f"behind: round {mine_r}, swarm at {best}"))
         elif same_round and mine_d not in same_round:
@@ -245,8 +256,13 @@ def plan_catch_up(records: Mapping[str, ProgressRecord], me: str, my_rounds: Seq
             # digest swap once; neither is suspect after adopting, so the next check converges them.)
             settled = all(r >= mine_r for _, r, _ in others)
             if counts[winner] > 1 or p in suspect or (settled and winner < mine_d):
-                holders = [pid for pid, r, d in others if r == mine_r and d == winner]
-                plans.append(CatchUp(p, mine_r, winner, holders,
+                # Download what the winner's holders hold now: our round, or a later one they have applied since.
+                newest: dict[tuple[int, str], list[str]] = {}
+                for pid, r, d in others:
+                    if at_mine.get(pid) == winner:
+                        newest.setdefault((r, d), []).append(pid)
+                (round_, digest), holders = max(newest.items(), key=lambda kv: (len(kv[1]), kv[0][0]))
+                plans.append(CatchUp(p, round_, digest, holders,
                                      f"digest {mine_d[:12]} disagrees with the swarm's at round {mine_r}"))
     return plans
 

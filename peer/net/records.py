@@ -18,6 +18,7 @@ Count = Annotated[StrictInt, Field(ge=0, le=1 << 40)]
 # "12D3..."; the state donors and the phase rules act on it) and hex digests, or the whole record is refused.
 PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{32,128}")
 DIGEST = re.compile(r"[0-9a-f]{1,64}")
+MAX_PAST = 64  # entries of a record's ``past`` (a few rounds per fragment; fewer when there are many fragments)
 
 
 class ProgressRecord(BaseModel):
@@ -29,6 +30,10 @@ class ProgressRecord(BaseModel):
     # per fragment: rounds applied and the hex digest of G after them (drift check, state donors)
     rounds: list[Count] = Field(default_factory=list, max_length=4096)
     digests: list[Annotated[StrictStr, Field(max_length=64)]] = Field(default_factory=list, max_length=4096)
+    # earlier applied rounds, as (fragment, round, digest), a few per fragment: lets the drift check compare
+    # digests at the same round when rounds are faster than records (consensus.digest_at)
+    past: list[tuple[Count, Count, Annotated[StrictStr, Field(max_length=64)]]] = Field(default_factory=list,
+                                                                                        max_length=MAX_PAST)
     # rounds this peer is looking for a group for right now, as [fragment, round] (the phase rules, consensus.py)
     seeking: list[Annotated[list[Count], Field(min_length=2, max_length=2)]] = Field(default_factory=list,
                                                                                      max_length=64)
@@ -41,6 +46,7 @@ class ProgressRecord(BaseModel):
         """A record read from the DHT: the schema, plus a real peer id and hex digests. Raises ValueError
         (pydantic's ValidationError is one)."""
         rec = cls.model_validate(value)
-        if not PEER_ID.fullmatch(rec.peer_id) or not all(DIGEST.fullmatch(d) for d in rec.digests):
+        digests = [*rec.digests, *(d for _, _, d in rec.past)]
+        if not PEER_ID.fullmatch(rec.peer_id) or not all(DIGEST.fullmatch(d) for d in digests):
             raise ValueError("progress record with a malformed peer id or digest")
         return rec

@@ -35,12 +35,14 @@ from peer.net.matchmaking import GaveUp, form_group, round_prefix
 from peer.outer.rounds import RoundOutcome, RoundStatus
 from peer.net.consensus import laggards, nobody_coming, swarm_is_past
 from peer.net.progress import LiveView, make_validators, progress_key
-from peer.net.records import ProgressRecord
+from peer.net.records import MAX_PAST, ProgressRecord
 from peer.net.state_transfer import DownloadError, Snapshot, StateServicer, download
 from peer.proto import allreduce_pb2 as pb
 from peer.util import short_id
 
 log = logging.getLogger(__name__)
+
+PAST_ROUNDS = 4  # rounds per fragment a record remembers (consensus.digest_at): rounds may be faster than records
 # Heartbeats in flight at once: each is bounded by progress_ttl, so this bounds the DHT load of a stalled DHT.
 MAX_BEATS_IN_FLIGHT = 4
 # Peers remembered to reconnect to when we find ourselves alone: the most recently seen, for an hour.
@@ -104,6 +106,7 @@ class Swarm:
         self._reconnecting = False
         self._initial_peers: dict[str, list[str]] = {}  # {peer id: its multiaddrs}, dialed by _reconnect
         self._activity: dict[tuple[int, int], RoundActivity] = {}  # rounds in flight (written by swarm-net)
+        self._past: dict[int, dict[int, str]] = {}  # fragment -> {round: digest} of our last snapshots (replaced whole)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self, stop: Optional[threading.Event] = None) -> None:
@@ -198,7 +201,8 @@ class Swarm:
         seeking = [[a.fragment, a.round] for a in self.activity() if a.stage is not RoundStage.ALLREDUCE]
         rec = ProgressRecord(peer_id=self.peer_id, step=step, round=round_, tokens_per_second=tps, seeking=seeking,
                              client_mode=self.cfg.client_mode, time=get_dht_time(),
-                             rounds=[s.round for s in snaps if s], digests=[s.digest for s in snaps if s])
+                             rounds=[s.round for s in snaps if s], digests=[s.digest for s in snaps if s],
+                             past=self._past_entries())
         store = self.dht.store(progress_key(self.run_key), rec.model_dump(), get_dht_time() + self.cfg.progress_ttl,
                                subkey=self._subkey, return_future=True)
         fetch = self.dht.get(progress_key(self.run_key), latest=True, return_future=True)
@@ -277,9 +281,19 @@ class Swarm:
         return 1 + sum(pid != self.peer_id for pid in self.live_peers())
 
     # ---- state transfer --------------------------------------------------------------------
+    def _past_entries(self) -> list[tuple[int, int, str]]:
+        """The ``past`` of our record: per fragment, its last rounds before the current one (fewer per fragment
+        when there are many fragments: the record's list is bounded by MAX_PAST)."""
+        past = dict(self._past)  # (replaced whole by publish_snapshot: a consistent copy)
+        per_fragment = min(PAST_ROUNDS - 1, MAX_PAST // max(1, len(past)))
+        return [(p, r, d) for p, rounds in sorted(past.items()) for r, d in list(rounds.items())[-1 - per_fragment:-1]]
+
     def publish_snapshot(self, snap: Snapshot) -> None:
-        """Serves ``snap`` to joiners and advertises its (round, digest) with the next heartbeat."""
+        """Serves ``snap`` to joiners and advertises its (round, digest) with the next heartbeat (and, for
+        PAST_ROUNDS rounds after, in the record's ``past``). May be called from any thread."""
         self.state_servicer.publish(snap)
+        past = {**self._past.get(snap.fragment, {}), snap.round: snap.digest}
+        self._past[snap.fragment] = dict(sorted(past.items())[-PAST_ROUNDS:])
 
     def download_state(self, fragment: int, donors: list[str], *, round_: int, numel: int, digest: str) -> Snapshot:
         """Blocking: the fragment's state from the first donor that delivers ``digest``; DownloadError if none
