@@ -169,11 +169,10 @@ def test_rpc_download_answers_any_request_within_its_deadline(requests, hang):
         servicer.publish(Snapshot(0, 3, 30, G, torch.randn(NUMEL), digest_of(G)))
         responses = await _drive(servicer.rpc_download(_stream(requests, then_hang=hang), _context(STRANGER)))
         assert responses and all(isinstance(r, state_pb2.StateChunk) for r in responses)
-        if not requests:
-            assert "no request" in responses[0].error
-        elif requests[0].fragment == 0 and requests[0].round in (0, 3):
+        # one request and the end of the stream (what every honest requester sends), for a state we hold
+        if len(requests) == 1 and not hang and requests[0].fragment == 0 and requests[0].round in (0, 3):
             assert sum(len(r.g) for r in responses) == 4 * NUMEL
-        else:
+        else:  # no request, several, a stream left open, or a state we do not hold
             assert len(responses) == 1 and responses[0].error
         assert guard.open_total == 0
 

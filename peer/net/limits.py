@@ -114,9 +114,32 @@ class StreamGuard:
 
 
 T = TypeVar("T")
+REFUSAL_DRAIN_S = 0.5  # how long a refused stream may still deliver its end (an honest one's is already sent)
 
 
 async def first_message(requests: AsyncIterator[T], timeout: float) -> T:
     """The first message of a request stream, within ``timeout`` seconds. Raises ``asyncio.TimeoutError``,
     or ``StopAsyncIteration`` if the stream ended without one."""
     return await asyncio.wait_for(requests.__anext__(), timeout=timeout)
+
+
+async def single_request(requests: AsyncIterator[T], timeout: float) -> T:
+    """The one request of a request-response stream and the requester's end of stream after it, within
+    ``timeout`` seconds (hivemind's unary input, with a deadline). Reading to the end matters: closing our
+    side while the requester's end of stream is unread resets the stream in the daemons, and the requester
+    gets ``BrokenPipeError`` instead of our answer. Raises ``asyncio.TimeoutError``, ``StopAsyncIteration``
+    (no request) or ``ValueError`` (more than one)."""
+    async with asyncio.timeout(timeout):
+        request = await requests.__anext__()
+        async for _ in requests:
+            raise ValueError("more than one request in a request-response stream")
+    return request
+
+
+async def drain(requests: AsyncIterator, timeout: float = REFUSAL_DRAIN_S) -> None:
+    """Reads a refused stream to its end for at most ``timeout`` seconds before we answer and close (see
+    :func:`single_request`); whatever it sends is dropped."""
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(timeout):
+            async for _ in requests:
+                pass

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 from typing import AsyncIterator, Callable, Optional
 
 from dataclasses import dataclass
@@ -21,7 +22,22 @@ from hivemind.p2p import P2P, P2PContext, ServicerBase
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 
-from peer.net.limits import StreamGuard, first_message
+from peer.net.limits import StreamGuard, drain, single_request
+
+log = logging.getLogger(__name__)
+
+
+class _Matchmaking(Matchmaking):
+    """hivemind's Matchmaking, where a join request whose stream the leader closed or reset (a leader that
+    just died, or refused us and closed first) is a failed request, as hivemind treats a daemon error,
+    instead of an error that ends the whole search (the round then failed at once)."""
+
+    async def _request_join_group(self, leader):
+        try:
+            return await super()._request_join_group(leader)
+        except ConnectionError as e:
+            log.debug("join request to %s failed: %s: %s", leader, type(e).__name__, e)
+            return None
 
 
 class JoinServicer(ServicerBase):
@@ -40,16 +56,14 @@ class JoinServicer(ServicerBase):
     async def rpc_join_group(self, requests: AsyncIterator[averaging_pb2.JoinRequest],
                              context: P2PContext) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
         refuse = averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
-        if self.excluded(str(context.remote_id)):
-            yield refuse
-            return
         with self.guard.admit(str(context.remote_id), self.stream_timeout) as admitted:
-            if not admitted:
+            if not admitted or self.excluded(str(context.remote_id)):
+                await drain(requests)
                 yield refuse
                 return
             try:
-                request = await first_message(requests, self.request_timeout)
-            except (asyncio.TimeoutError, StopAsyncIteration):
+                request = await single_request(requests, self.request_timeout)
+            except (asyncio.TimeoutError, StopAsyncIteration, ValueError):
                 yield refuse
                 return
             async for message in self.matchmaking.rpc_join_group(request, context):
@@ -138,7 +152,7 @@ async def form_group(p2p: P2P, dht: DHT, *, prefix: str, gather: bytes, target_g
     Must run in the event loop that owns ``p2p``.
     """
     schema_hash = hashlib.sha256(prefix.encode()).digest()
-    mm = Matchmaking(p2p, schema_hash, dht, servicer_type=JoinServicer, prefix=prefix,
+    mm = _Matchmaking(p2p, schema_hash, dht, servicer_type=JoinServicer, prefix=prefix,
                      target_group_size=max(target_group_size, min_group_size), min_group_size=min_group_size,
                      min_matchmaking_time=min_matchmaking_time, request_timeout=request_timeout,
                      client_mode=client_mode)

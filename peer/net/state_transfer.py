@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 
-from peer.net.limits import StreamGuard, first_message
+from peer.net.limits import StreamGuard, drain, single_request
 from peer.outer.state import digest_of
 from peer.proto import state_pb2 as pb
 from peer.util import time_left, next_by, short_id
@@ -77,12 +77,13 @@ class StateServicer(ServicerBase):
                            context: P2PContext) -> AsyncIterator[pb.StateChunk]:
         with self.guard.admit(str(context.remote_id), self.stream_timeout) as admitted:
             if not admitted:
+                await drain(requests)
                 yield pb.StateChunk(error="too many open streams from this peer")
                 return
             try:
-                request = await first_message(requests, self.request_timeout)
-            except (asyncio.TimeoutError, StopAsyncIteration):
-                yield pb.StateChunk(error=f"no request within {self.request_timeout:g} s")
+                request = await single_request(requests, self.request_timeout)
+            except (asyncio.TimeoutError, StopAsyncIteration, ValueError) as e:
+                yield pb.StateChunk(error=f"no single request within {self.request_timeout:g} s ({type(e).__name__})")
                 return
             async for chunk in self._serve(request):
                 yield chunk
