@@ -227,8 +227,8 @@ def plan_catch_up(records: Mapping[str, ProgressRecord], me: str, my_rounds: Seq
     a round was just found late, see :func:`launch_gate`), when the swarm is past it; otherwise by two or
     more, since a peer may see others a moment after they applied the round it is about to apply. Or when
     no other peer that applied our round (its current one or one in its ``past``: :func:`digest_at`) holds
-    our digest there and theirs wins (we then download where its holders are now): it is held by two or more, or it is
-    the smaller of a tie once no other peer's record is behind our round (two survivors of a broken round
+    our digest there and theirs wins (we then download where its holders are now): it is held by two or
+    more, or it is the smaller of a tie once no other peer's record is behind our round (two survivors of a broken round
     converge on one state; a record not yet updated cannot turn a tie against the majority), or any other
     digest for a fragment in ``suspect`` (our own last round of it was partial: we are the likely odd one out).
     """

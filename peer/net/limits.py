@@ -16,8 +16,9 @@ deadline, bound what one remote peer can consume):
   it is waiting for (a request body that never arrives, a reader that never reads our answer).
 
 Handlers read their request through a stream (``AsyncIterator``) rather than hivemind's unary input, so they
-run, and are counted, from the moment the stream opens; :func:`first_message` reads the request with a
-deadline. (The wire format is the same: a caller may still pass a single message.)
+run, and are counted, from the moment the stream opens; :func:`single_request` (request-response protocols)
+and :func:`first_message` (``rpc_reduce``'s streamed part) read it with a deadline. The wire format is the
+same: a caller may still pass a single message.
 """
 
 from __future__ import annotations

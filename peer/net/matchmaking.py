@@ -153,9 +153,9 @@ async def form_group(p2p: P2P, dht: DHT, *, prefix: str, gather: bytes, target_g
     """
     schema_hash = hashlib.sha256(prefix.encode()).digest()
     mm = _Matchmaking(p2p, schema_hash, dht, servicer_type=JoinServicer, prefix=prefix,
-                     target_group_size=max(target_group_size, min_group_size), min_group_size=min_group_size,
-                     min_matchmaking_time=min_matchmaking_time, request_timeout=request_timeout,
-                     client_mode=client_mode)
+                      target_group_size=max(target_group_size, min_group_size), min_group_size=min_group_size,
+                      min_matchmaking_time=min_matchmaking_time, request_timeout=request_timeout,
+                      client_mode=client_mode)
     keys = _RoundKeys(dht, prefix, "", mm.target_group_size)
     keys.excluded = excluded
     mm.group_key_manager = keys
