@@ -39,6 +39,11 @@ def test_nobody_coming_when_every_other_peer_left_the_round_without_it():
     assert "left this round" in nobody_coming(gone, "me", launch_step=40, fragment=0, round_=2)
     still_in_it = view(rec("a", 47, rounds=(1, 1), seeking=[(0, 2)]), rec("b", 61, rounds=(1, 1)))
     assert nobody_coming(still_in_it, "me", launch_step=40, fragment=0, round_=2) is None  # tau > 0: a seeks it
+    # a and b averaging in that round: their group may include us while the leader's word is still on its way
+    # (seen in the netns lab: a 3 Mbit/s peer gave up on a group that had formed with it, and its spans were lost)
+    averaging = view(*(r.model_copy(update={"averaging": [[0, 2]]}) for r in (rec("a", 47, rounds=(1, 1)),
+                                                                              rec("b", 61, rounds=(1, 1)))))
+    assert nobody_coming(averaging, "me", launch_step=40, fragment=0, round_=2) is None
     at_launch = view(rec("a", 40, rounds=(1, 1)), rec("b", 61, rounds=(1, 1)))
     assert nobody_coming(at_launch, "me", launch_step=40, fragment=0, round_=2) is None  # a is at it (blocked)
     applied = view(rec("a", 47, rounds=(2, 1)))

@@ -54,14 +54,17 @@ def nobody_coming(records: Mapping[str, ProgressRecord], me: str, *, launch_step
                   round_: int) -> Optional[str]:
     """Why no peer will come to round ``round_`` of ``fragment`` (launched at ``launch_step``), or None.
 
-    Every other live peer's record shows it past ``launch_step`` and not looking for a group for that round
-    (its ``seeking``), without the round applied (that case is :func:`~peer.state_transfer.swarm_is_past`):
-    each has left the round without us, alone or with a group that is over. Typical right after a
-    realignment from a record a heartbeat old: we launched a round the lead had just left; waiting
-    ``matchmaking_timeout`` in it would only delay meeting the lead at the round it now waits in.
+    Every other live peer's record shows it past ``launch_step``, neither looking for a group for that round
+    (its ``seeking``) nor averaging in it (its ``averaging``: its group may include us, and the leader's word
+    may still be on its way over a slow link), without the round applied (that case is
+    :func:`~peer.state_transfer.swarm_is_past`): each has left the round without us, alone or with a group
+    that is over. Typical right after a realignment from a record a heartbeat old: we launched a round the
+    lead had just left; waiting ``matchmaking_timeout`` in it would only delay meeting the lead at the round
+    it now waits in.
     """
     others = [rec for pid, rec in records.items() if pid != me]
-    if others and all(rec.step > launch_step and [fragment, round_] not in rec.seeking
+    here = [fragment, round_]
+    if others and all(rec.step > launch_step and here not in rec.seeking and here not in rec.averaging
                       and (len(rec.rounds) <= fragment or rec.rounds[fragment] < round_) for rec in others):
         return "every live peer has left this round without it"
     return None

@@ -37,6 +37,10 @@ class ProgressRecord(BaseModel):
     # rounds this peer is looking for a group for right now, as [fragment, round] (the phase rules, consensus.py)
     seeking: list[Annotated[list[Count], Field(min_length=2, max_length=2)]] = Field(default_factory=list,
                                                                                      max_length=64)
+    # rounds this peer is averaging in right now (its group formed), as [fragment, round]: a peer that is still
+    # waiting for its leader's word may be in that group (consensus.nobody_coming)
+    averaging: list[Annotated[list[Count], Field(min_length=2, max_length=2)]] = Field(default_factory=list,
+                                                                                       max_length=64)
     tokens_per_second: Annotated[StrictFloat, Field(ge=0.0, allow_inf_nan=False)]
     client_mode: StrictBool
     time: Annotated[StrictFloat, Field(allow_inf_nan=False)]  # DHT time when written

@@ -198,8 +198,11 @@ class Swarm:
         t0 = time.monotonic()
         step, round_, tps = self._progress
         snaps = [self.state_servicer.snapshots.get(p) for p in range(len(self.state_servicer.snapshots))]
-        seeking = [[a.fragment, a.round] for a in self.activity() if a.stage is not RoundStage.ALLREDUCE]
+        activity = self.activity()
+        seeking = [[a.fragment, a.round] for a in activity if a.stage is not RoundStage.ALLREDUCE]
+        averaging = [[a.fragment, a.round] for a in activity if a.stage is RoundStage.ALLREDUCE]
         rec = ProgressRecord(peer_id=self.peer_id, step=step, round=round_, tokens_per_second=tps, seeking=seeking,
+                             averaging=averaging,
                              client_mode=self.cfg.client_mode, time=get_dht_time(),
                              rounds=[s.round for s in snaps if s], digests=[s.digest for s in snaps if s],
                              past=self._past_entries())
