@@ -2,14 +2,17 @@
 
 On the clock schedule a peer's part carries the tokens it trained since its last round, so a GPU four times
 faster than its group declares four times the weight, and its outer gradient (more inner steps from the
-same start) is longer. The clipped rule caps weights at ``weight_cap`` x the group's lower median and pulls
-parts beyond ``clip_factor`` x the median distance toward the center: both can cost an honest fast peer.
+same start) is longer. The clipped rule caps each peer's weight and part length at its cap times the group's
+lower median (``weight_cap``, or up to ``max_weight_cap`` where progress records vouch for its speed) and
+clips the parts' directions, rescaled to one length, beyond ``clip_factor`` x the median distance.
 
 Parts are modelled as ``steps * g + sqrt(steps) * noise`` (a shared descent direction plus the
 random-walk part of SGD, with the noise-to-signal ratio ``--noise``), ``steps`` proportional to speed.
-For each speed profile this prints, per peer, its share of the result under the clipped rule divided
-by its share under the plain token-weighted mean (1.0 = it kept all its legitimate weight), and the
-cosine between the two results. Run: ``python bench/heterogeneity.py``.
+For each speed profile this prints, per peer, the share of its legitimate weight the clipped rule used
+(weight used x length kept x deviation kept over its declared weight, relative to the plain token-weighted
+mean's, where all three are whole: 1.0 = it kept all of it), and the cosine and length ratio between the
+two results. Two cases: no peer vouched for (every cap ``weight_cap``) and every peer's speed vouched for
+by its records (:func:`peer.outer.aggregate.vouched_caps`). Run: ``python bench/heterogeneity.py``.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import math
 
 import torch
 
-from peer.outer.aggregate import AggregationRule, Aggregator, aggregate
+from peer.outer.aggregate import AggregationRule, Aggregator, aggregate, vouched_caps
 
 PROFILES = {
     "equal x4": [1, 1, 1, 1],
@@ -33,13 +36,11 @@ PROFILES = {
 }
 
 
-def shares(parts: list[torch.Tensor], weights: list[float], rule: AggregationRule) -> tuple[list[float], torch.Tensor]:
-    """Each part's share of the result: its weight used times the fraction of its deviation kept, normalized
-    (for the mean: its declared weight's fraction)."""
-    agg = aggregate(parts, weights, rule)
-    eff = [w * k for w, k in zip(agg.weights, agg.kept)]
-    total = sum(agg.weights)
-    return [e / total for e in eff], agg.value
+def shares(parts: list[torch.Tensor], weights: list[float], rule: AggregationRule,
+           caps: list[float] | None = None) -> tuple[list[float], torch.Tensor]:
+    """Each part's share of its legitimate weight the rule used (1.0 each for the mean), and the result."""
+    agg = aggregate(parts, weights, rule, caps)
+    return [u * n * k / w for u, n, k, w in zip(agg.weights, agg.lengths, agg.kept, weights)], agg.value
 
 
 def main() -> int:
@@ -55,24 +56,29 @@ def main() -> int:
     mean = AggregationRule(kind=Aggregator.MEAN)
     print(f"weight_cap {args.weight_cap}, clip_factor {args.clip_factor}, noise/signal {args.noise} per step, "
           f"{args.steps} steps per round on the slowest peer, {args.trials} trials")
-    print(f"{'profile':<16} {'speeds':<26} {'kept share per peer (clipped / mean)':<48} {'cos(result)':>11}")
+    print(f"{'profile':<14} {'speeds':<26} {'vouched':<8} {'kept share per peer':<42} {'cos':>7} {'length':>7}")
     gen = torch.Generator().manual_seed(0)
     for name, speeds in PROFILES.items():
-        kept = torch.zeros(len(speeds), dtype=torch.float64)
-        cos = 0.0
-        for _ in range(args.trials):
-            g = torch.randn(args.numel, generator=gen) / math.sqrt(args.numel)
-            steps = [s * args.steps for s in speeds]
-            parts = [n * g + math.sqrt(n) * args.noise * torch.randn(args.numel, generator=gen) / math.sqrt(args.numel)
-                     for n in steps]
-            weights = [float(n) for n in steps]  # tokens ~ steps
-            robust, value = shares(parts, weights, clipped)
-            plain, reference = shares(parts, weights, mean)
-            kept += torch.tensor([r / p for r, p in zip(robust, plain)], dtype=torch.float64)
-            cos += float(torch.nn.functional.cosine_similarity(value, reference, dim=0))
-        kept /= args.trials
-        print(f"{name:<16} {str(speeds):<26} {' '.join(f'{k:.2f}' for k in kept.tolist()):<48} "
-              f"{cos / args.trials:>11.4f}")
+        for vouched in (False, True):
+            caps = vouched_caps([float(x) for x in speeds], clipped) if vouched else None
+            kept = torch.zeros(len(speeds), dtype=torch.float64)
+            cos = length = 0.0
+            gen.manual_seed(0)  # the same parts for both cases
+            for _ in range(args.trials):
+                g = torch.randn(args.numel, generator=gen) / math.sqrt(args.numel)
+                steps = [s * args.steps for s in speeds]
+                parts = [n * g + math.sqrt(n) * args.noise * torch.randn(args.numel, generator=gen)
+                         / math.sqrt(args.numel) for n in steps]
+                weights = [float(n) for n in steps]  # tokens ~ steps
+                robust, value = shares(parts, weights, clipped, caps)
+                _, reference = shares(parts, weights, mean)
+                kept += torch.tensor(robust, dtype=torch.float64)
+                cos += float(torch.nn.functional.cosine_similarity(value, reference, dim=0))
+                length += float(value.norm() / reference.norm())
+            kept /= args.trials
+            print(f"{name:<14} {str(speeds):<26} {'yes' if vouched else 'no':<8} "
+                  f"{' '.join(f'{k:.2f}' for k in kept.tolist()):<42} {cos / args.trials:>7.4f} "
+                  f"{length / args.trials:>7.3f}")
     return 0
 
 

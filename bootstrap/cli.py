@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--join-timeout", default=None, metavar="SECONDS",
                    help=f"seconds to keep retrying --initial-peers (with backoff) before giving up with their "
                         f"addresses (default {DEFAULT_JOIN_TIMEOUT:g})")
+    p.add_argument("--authority", default=None, metavar="DIR",
+                   help="serve an authenticated run: only peers with a pass from the authority in DIR (swarm-bootstrap "
+                        "authority init DIR) may use this node; publishes DIR/revoked.txt every --refresh-period")
     p.add_argument("--log-level", default=None, metavar="LEVEL",
                    help=f"one of {', '.join(LOG_LEVELS)} (default INFO)")
     return p
@@ -138,6 +141,7 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
                                 _positive_float)
     args.join_timeout = _pick(args.join_timeout, "--join-timeout", env, DEFAULT_JOIN_TIMEOUT, _positive_float)
     args.log_level = _pick(args.log_level, "--log-level", env, "INFO", _level)
+    args.authority = _pick(args.authority, "--authority", env, "", str)
     if not args.host_maddrs:
         raise UsageError("--host-maddrs: at least one address is required")
     if not args.identity_path.strip():
@@ -146,6 +150,11 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["authority"]:
+        from bootstrap import authority
+
+        return authority.main(argv[1:])
     try:
         args = parse_args(argv)
     except UsageError as e:
@@ -188,6 +197,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as e:
             print(f"{PROG}: error: {e}", file=sys.stderr)
             return 2
+        try:
+            run_authority = _run_authority(args.authority, args.identity_path) if args.authority else None
+        except (ValueError, OSError) as e:
+            print(f"{PROG}: error: {e}", file=sys.stderr)
+            return 2
+        if run_authority is None:
+            logger.info("open: any peer may use this node (--authority DIR serves an authenticated run)")
+        else:
+            logger.info(f"authenticated: only peers with a pass from authority {run_authority.fingerprint} may use "
+                        f"this node")
         logger.info(f"starting DHT node: listen {' '.join(args.host_maddrs)}, identity {args.identity_path}, "
                     f"{len(args.initial_peers)} initial peer address(es)")
         try:
@@ -200,6 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 nat_port_map=args.nat_port_map,
                 join_timeout=args.join_timeout,
                 stop=stop,
+                **(run_authority.dht_kwargs if run_authority else {}),
             )
         except ValueError as e:
             print(f"{PROG}: error: {e}", file=sys.stderr)
@@ -227,7 +247,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             logger.info(f"joined through {len(args.initial_peers)} initial peer address(es)")
         print("--initial-peers " + " ".join(maddrs), flush=True)
 
+        if run_authority is not None:
+            run_authority.publish(dht, args.refresh_period)
         while not stop.wait(args.refresh_period):
+            if run_authority is not None:
+                run_authority.publish(dht, args.refresh_period)
             if not dht.is_alive():
                 logger.error("the DHT process died unexpectedly")
                 return 1
@@ -245,6 +269,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if dht is not None:
             dht_node.shutdown_dht(dht)
             logger.info("DHT node shut down")
+
+
+def _run_authority(directory: str, identity_path: str):
+    """The authenticated-run side of this node (bootstrap/authority.py), or ValueError naming what to fix."""
+    from bootstrap.authority import AuthorityError, NodeAuthority
+
+    try:
+        return NodeAuthority.create(directory, identity_path)
+    except AuthorityError as e:
+        raise ValueError(f"--authority: {e}") from None
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -167,8 +167,12 @@ class OuterConfig:
             "or mean (the plain token-weighted mean: every peer trusted). See peer/outer/aggregate.py.")
     clip_factor: float = setting(1.0, help="clipped: radius = clip_factor x the median distance of the parts to "
             "their coordinate-wise median (>= 1).")
-    weight_cap: float = setting(2.0, help="clipped: a declared weight counts at most weight_cap x the lower median "
-            "of the group's weights (>= 1).")
+    weight_cap: float = setting(2.0, help="clipped: a peer's declared weight counts at most weight_cap x the "
+            "group's lower median (>= 1).")
+    length_cap: float = setting(1.25, help="clipped: a peer's part counts at most length_cap x the group's lower "
+            "median part length (>= 1).")
+    max_weight_cap: float = setting(8.0, help="clipped: both caps rise up to max_weight_cap x where the peer's "
+            "progress records vouch for a speed that high relative to the group (>= both).")
     clip_iterations: int = setting(1, help="clipped: CenteredClip steps (1-20).")
 
     def __post_init__(self) -> None:
@@ -191,6 +195,9 @@ class OuterConfig:
         _check(self.aggregator in ("clipped", "mean"), "outer.aggregator", "clipped or mean", self.aggregator)
         _check(self.clip_factor >= 1, "outer.clip_factor", ">= 1", self.clip_factor)
         _check(self.weight_cap >= 1, "outer.weight_cap", ">= 1", self.weight_cap)
+        _check(self.length_cap >= 1, "outer.length_cap", ">= 1", self.length_cap)
+        _check(self.max_weight_cap >= max(self.weight_cap, self.length_cap), "outer.max_weight_cap",
+               ">= outer.weight_cap and outer.length_cap", self.max_weight_cap)
         _check(1 <= self.clip_iterations <= 20, "outer.clip_iterations", "in [1, 20]", self.clip_iterations)
 
 
@@ -207,6 +214,11 @@ class SwarmConfig:
             "address behind port forwarding).")
     identity_path: str = setting("", local=True, help="libp2p private key file (created if missing; stable peer id). "
             "Default: RUN_DIR/identity.key.")
+    authority: str = setting("", help="Authenticated run: the run authority's public key (the ssh-rsa line of "
+            "swarm-bootstrap authority init); only peers with a pass it signed take part. Empty: an open run that "
+            "anyone may join.")
+    pass_path: str = setting("", local=True, help="Authenticated run: the file holding this peer's pass (from the "
+            "operator, for the line of swarm-peer pass-request). Default: RUN_DIR/pass.txt.")
     client_mode: bool = setting(False, local=True, help="Outbound connections only (behind NAT): the peer "
             "contributes but reduces no span.")
     nat_port_map: bool = setting(False, local=True, help="Opt-in UPnP/NAT-PMP port mapping on the local gateway.")
@@ -335,6 +347,10 @@ class PeerConfig:
     @property
     def identity_path(self) -> Path:
         return Path(self.swarm.identity_path or Path(self.run.run_dir) / "identity.key")
+
+    @property
+    def pass_path(self) -> Path:
+        return Path(self.swarm.pass_path or Path(self.run.run_dir) / "pass.txt")
 
 
 def unknown_env(environ: dict[str, str]) -> list[str]:

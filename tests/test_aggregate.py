@@ -1,5 +1,5 @@
 """The reducer's aggregation rules (peer/outer/aggregate.py), alone: bounded influence of one arbitrary part,
-the plain mean for honest parts, determinism and order independence."""
+the plain mean for honest parts of any speed, determinism and order independence, the vouched caps."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from peer.outer.aggregate import (MAX_WEIGHT, AggregationRule, Aggregator, aggregate, capped_weights,
-                                  centered_clip, coordinate_median, influence_bound, lower_median, norm_guard)
+from peer.outer.aggregate import (MAX_WEIGHT, VOUCH_SLACK, AggregationRule, Aggregator, aggregate, capped_weights,
+                                  centered_clip, coordinate_median, influence_bound, lower_median, rescale,
+                                  vouched_caps)
 
 CLIPPED, MEAN = AggregationRule(), AggregationRule(kind=Aggregator.MEAN)
 ATTACKS = ["scaled_1e3", "scaled_1e6", "sign_flip", "noise", "constant", "huge_finite", "zero"]
@@ -53,44 +54,84 @@ def test_one_arbitrary_part_moves_the_result_at_most_the_bound(seed, n_honest, d
     assert torch.isfinite(out.value).all()
     used = out.weights
     assert used[-1] <= CLIPPED.weight_cap * max(weights) + 1e-9  # the lie counts at most weight_cap honest shares
-    stacked = torch.stack(honest)
-    # (with n >= 3 the coordinate-wise median lies within the honest parts' range in every coordinate)
-    lo, hi = stacked.min(0).values, stacked.max(0).values
-    center = coordinate_median(torch.stack(parts))
+    directions, ratios, _ = rescale(torch.stack(parts), [CLIPPED.length_cap] * len(parts))
+    assert float(ratios[-1]) <= CLIPPED.length_cap  # and its length at most length_cap median lengths
+    honest_dirs = directions[:-1]
+    # (with n >= 3 the coordinate-wise median lies within the honest directions' range in every coordinate)
+    lo, hi = honest_dirs.min(0).values, honest_dirs.max(0).values
+    center = coordinate_median(directions)
     assert bool(((center >= lo - 1e-5) & (center <= hi + 1e-5)).all())
-    farthest = float(torch.linalg.vector_norm(stacked - center, dim=1).max())
+    farthest = float(torch.linalg.vector_norm(honest_dirs - center, dim=1).max())
     assert out.radius <= CLIPPED.clip_factor * farthest * (1 + 1e-5) + 1e-6
-    # with the center, the radius and the honest weights fixed, the attacker's part could be anything:
+    # with the center, the radius and the strengths fixed, the attacker's direction could be anything:
     # compare with it replaced by the center itself (no pull at all)
-    w = torch.tensor(used, dtype=torch.float64)
-    neutral = torch.stack(honest + [center])
-    # (a part the guard shortened enters as its shortened self: any part is allowed by the bound)
-    attacked, _ = centered_clip(norm_guard(torch.stack(parts)), w, center, out.radius, CLIPPED.iterations)
-    calm, _ = centered_clip(neutral, w, center, out.radius, CLIPPED.iterations)
-    moved = float(torch.linalg.vector_norm(attacked - calm))
-    bound = influence_bound(CLIPPED, out.radius, used[-1], sum(used))
+    a = torch.tensor(out.strengths, dtype=torch.float64)
+    scale = float(a.sum()) / sum(used)
+    attacked, _ = centered_clip(directions, a, center, out.radius, CLIPPED.iterations)
+    calm, _ = centered_clip(torch.cat([honest_dirs, center[None]]), a, center, out.radius, CLIPPED.iterations)
+    moved = scale * float(torch.linalg.vector_norm(attacked - calm))
+    bound = influence_bound(CLIPPED, out.radius, out.strengths[-1], sum(used))
     assert moved <= bound * (1 + 1e-4) + 1e-5, (moved, bound)
-    assert torch.allclose(attacked, out.value, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(scale * attacked, out.value, rtol=1e-5, atol=1e-5)
 
 
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 10_000), n=st.integers(1, 8), d=st.integers(64, 512))
 def test_honest_parts_give_the_plain_weighted_mean(seed, n, d):
     """Peers whose outer gradients share a direction (spread 0.1 of it) and whose weights differ up to 2x
-    (weight_cap): no weight is capped, and the rule is the plain mean within 1% of its norm (the parts beyond
+    (weight_cap): no weight is capped, and the rule is the plain mean within 2.5% of its norm (the parts beyond
     the median distance are pulled in to it: with clip_factor 1 about half of them, by the spread of the
-    distances, ~10% of 0.1). With a radius that holds every part (clip_factor 2) it is the mean within 1e-5.
-    A peer more than weight_cap x faster than the group's lower median counts as weight_cap x.
+    distances, ~10% of 0.1; over 2,400 draws of n 3-8 and d 64/512: mean 0.16%, 99th percentile 0.86%, worst
+    1.9%). With a radius that holds every part (clip_factor 2) it is the mean within 1e-5.
     (A span has thousands of elements; in a few dimensions the distances to the median do not concentrate.)"""
     parts = honest_parts(seed, n, d, spread=0.1)
     weights = [1.0 + (i % 2) for i in range(n)]
     expected = weighted_mean(parts, weights)
     out = aggregate(parts, weights, CLIPPED)
     assert out.weights == weights
-    assert float(torch.linalg.vector_norm(out.value - expected)) <= 0.01 * float(torch.linalg.vector_norm(expected))
+    assert float(torch.linalg.vector_norm(out.value - expected)) <= 0.025 * float(torch.linalg.vector_norm(expected))
     wide = aggregate(parts, weights, AggregationRule(clip_factor=2.0))
     assert torch.allclose(wide.value, expected, rtol=1e-5, atol=1e-5)
     assert torch.allclose(aggregate(parts, weights, MEAN).value, expected, rtol=1e-6, atol=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), speeds=st.lists(st.sampled_from([1, 2, 4, 8]), min_size=2, max_size=8))
+def test_honest_peers_of_any_speed_keep_their_weight_where_their_speed_is_vouched_for(seed, speeds):
+    """The clock schedule: a peer ``s`` times faster trains ``s`` times the tokens and steps, so its part is
+    ``s * g + sqrt(s) * noise`` with weight ``s``. With caps from speeds the records vouch for, no weight or
+    length is capped, and the rule is the plain token-weighted mean within 2% of its norm (the parts are
+    rescaled to one length: a long one is no outlier); without, a peer more than weight_cap x faster than the
+    group's lower median counts as weight_cap x in both (and the rule stays a combination of honest parts)."""
+    g = torch.Generator().manual_seed(seed)
+    d = 2048
+    common = torch.randn(d, generator=g)
+    parts = [s * common + math.sqrt(s) * 0.3 * torch.randn(d, generator=g) for s in speeds]
+    weights = [float(s) for s in speeds]
+    expected = weighted_mean(parts, weights)
+    out = aggregate(parts, weights, CLIPPED, vouched_caps(weights, CLIPPED))
+    assert out.weights == weights and min(out.lengths) == 1.0
+    assert float(torch.linalg.vector_norm(out.value - expected)) <= 0.02 * float(torch.linalg.vector_norm(expected))
+    unvouched = aggregate(parts, weights, CLIPPED)
+    slowest = min(weights)
+    assert all(u <= CLIPPED.weight_cap * max(slowest, float(lower_median(torch.tensor(weights)))) + 1e-9
+               for u in unvouched.weights)
+    assert float(torch.nn.functional.cosine_similarity(unvouched.value, expected, dim=0)) > 0.95
+
+
+def test_vouched_caps_follow_the_records_speeds_within_the_rules_bounds():
+    rule = AggregationRule(weight_cap=2.0, max_weight_cap=8.0)
+    assert vouched_caps([100.0, 100.0, 400.0, None], rule) == [VOUCH_SLACK, VOUCH_SLACK, 4 * VOUCH_SLACK, None]
+    assert vouched_caps([1.0, 1.0, 1e9], rule) == [VOUCH_SLACK, VOUCH_SLACK, 8.0]  # a steady liar: no more than 8
+    assert vouched_caps([100.0, None, None], rule) == [None] * 3  # one known speed: nothing to compare with
+    assert vouched_caps([0.0, 0.0, 50.0], rule) == [None] * 3
+    # a vouched cap below the rule's own does not lower them
+    out = aggregate([torch.ones(3), torch.ones(3), 2 * torch.ones(3)], [1.0, 1.0, 2.0], rule, [0.5, 0.5, None])
+    assert out.weights == [1.0, 1.0, 2.0] and out.lengths == [1.0, 1.0, 1.25 / 2]
+    with pytest.raises(ValueError):
+        AggregationRule(weight_cap=4.0, max_weight_cap=2.0)
+    with pytest.raises(ValueError):
+        AggregationRule(length_cap=0.5)
 
 
 @settings(max_examples=40, deadline=None)
@@ -110,22 +151,29 @@ def test_the_result_does_not_depend_on_the_order_of_the_parts(seed, n, d, perm_s
     assert torch.equal(a, aggregate(parts, weights, CLIPPED).value)
 
 
-def test_a_majority_on_one_point_is_the_answer_and_weights_are_capped_by_the_lower_median():
+def test_a_majority_on_one_point_is_the_answer_and_weights_and_lengths_are_capped_by_the_lower_median():
     same = torch.ones(5)
     out = aggregate([same, same.clone(), torch.full((5,), 1e6)], [1.0, 1.0, 1e9], CLIPPED)
-    assert torch.equal(out.value, same) and out.radius == 0.0
+    assert out.radius == 0.0 and out.weights == [1.0, 1.0, 2.0]
+    # the third part points the same way: it counts with weight 2 and 1.25 times the median length, no more
+    assert torch.allclose(out.value, same * (1 + 1 + 2 * 1.25) / (1 + 1 + 2))
+    assert out.lengths[2] == pytest.approx(1.25e-6) and out.offending(2) and not out.offending(0)
     assert capped_weights([1.0, 2.0, 1e9], 4.0) == [1.0, 2.0, 8.0]
     assert capped_weights([1.0, 1e9], 4.0) == [1.0, 4.0]  # two peers: the larger counts 4x the smaller at most
+    assert capped_weights([1.0, 1.0, 1e9, 1e9], [2.0, 2.0, 2.0, 8.0]) == [1.0, 1.0, 2.0, 8.0]  # one cap each
     assert float(lower_median(torch.tensor([3.0, 1.0, 2.0, 100.0]))) == 2.0
+    zeros = aggregate([torch.zeros(3), torch.zeros(3), torch.ones(3)], [1.0, 1.0, 1.0], CLIPPED)
+    assert torch.equal(zeros.value, torch.zeros(3))  # at least half the parts are zero
 
 
-def test_two_contributors_cannot_be_told_apart_only_the_weight_cap_applies():
+def test_two_contributors_cannot_be_told_apart_only_the_caps_apply():
     """Documented limit: with two parts each is 'the median', so the attacker's direction survives (bounded in
-    weight); the member checks and the digest check are the defence there (peer/net/allreduce.py)."""
+    weight and length); the member checks and the digest check are the defence there (peer/net/allreduce.py)."""
     h, a = torch.ones(4), torch.full((4,), -100.0)
+    cap = CLIPPED.weight_cap
     out = aggregate([h, a], [1.0, 1e6], CLIPPED)
-    assert out.weights == [1.0, CLIPPED.weight_cap]
-    assert torch.allclose(out.value, (h + CLIPPED.weight_cap * a) / (1 + CLIPPED.weight_cap))
+    assert out.weights == [1.0, cap]
+    assert torch.allclose(out.value, (h + cap * (CLIPPED.length_cap * -h)) / (1 + cap))
 
 
 def test_invalid_rules_and_inputs_are_refused():

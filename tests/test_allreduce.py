@@ -133,7 +133,9 @@ def test_a_member_that_scales_its_part_and_lies_about_its_weight_is_bounded_and_
             attacker = str(results[0].flagged[0][0]) if results[0].flagged else "none"
             for i in range(3):  # each honest reducer limited the attacker's part of its own span
                 assert [p for p, _ in results[i].flagged] == [attacker]
-                assert "capped" in results[i].flagged[0][1] and "clipped" in results[i].flagged[0][1]
+                # (its part points the honest way, x1000: its length is what the rule cuts, besides its weight)
+                assert "weight 1e+06 capped" in results[i].flagged[0][1]
+                assert "length capped" in results[i].flagged[0][1]
 
 
 def test_a_repeat_offender_is_excluded_then_refused_and_skipped():

@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from peer.net.allreduce import PLAUSIBLE, implausible
+from peer.net.span_checks import PLAUSIBLE, implausible
 from peer.net.exclusion import MAX_TRACKED, Exclusions, Offence
 
 

@@ -7,7 +7,7 @@ from hivemind.utils import ValueWithExpiration, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from helpers import dht_nodes
-from peer.net.progress import LiveView, make_validators, progress_key
+from peer.net.progress import LiveView, SpeedLedger, make_validators, progress_key
 from peer.net.records import ProgressRecord
 
 TTL = 10.0
@@ -68,6 +68,26 @@ def test_a_withdrawn_record_drops_its_peer_at_once_but_not_a_restarted_one():
 
 
 @pytest.mark.timeout(120)
+def test_a_speed_is_vouched_for_after_a_window_of_records_and_is_their_lowest_claim():
+    """The robust rule's caps (aggregate.vouched_caps) trust a claimed speed only once the peer has claimed it
+    for a whole window, and only its lowest claim in it: a newcomer or one fast record buys nothing."""
+    def claim(pid: str, tps: float) -> ProgressRecord:
+        return ProgressRecord(peer_id=pid, step=0, round=0, tokens_per_second=tps, client_mode=False, time=0.0)
+
+    ledger = SpeedLedger(window=60.0)
+    for t in range(0, 61, 5):  # A claims 100 tokens/s steadily, with one spike; B arrives at t = 30
+        a = claim(A, 1000.0 if t == 40 else 100.0)
+        ledger.observe({A: a} if t < 30 else {A: a, B: claim(B, 500.0)}, float(t))
+        if t < 60:
+            assert ledger.vouched(A, float(t)) is None
+    assert ledger.vouched(A, 60.0) == 100.0  # the spike does not count
+    assert ledger.vouched(B, 60.0) is None  # heard from for 30 s only
+    ledger.observe({B: claim(B, 500.0)}, 65.0)  # A is gone: forgotten, a newcomer when it comes back
+    assert ledger.vouched(A, 65.0) is None
+    ledger.observe({A: claim(A, 100.0), B: claim(B, 500.0)}, 100.0)
+    assert ledger.vouched(A, 100.0) is None and ledger.vouched(B, 100.0) == 500.0
+
+
 def test_signed_records_through_a_real_dht(tmp_path):
     """Two DHT nodes on loopback: each stores its record, both read both; a forged record (another peer's
     key, or not a ProgressRecord) is refused; a withdrawal drops the peer from the other's view."""

@@ -20,14 +20,17 @@ import pytest
 import torch
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import Matchmaking
+from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
+from hivemind.utils.crypto import RSAPrivateKey
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers import dht_nodes
 from peer.net.allreduce import AllReduceServicer, SpanReduction
+from peer.net.auth import PassChecker, revocation_key
 from peer.net.group import PROTOCOL_VERSION, GroupPlan
 from peer.net.limits import StreamGuard
 from peer.net.matchmaking import JoinServicer
@@ -261,6 +264,30 @@ def test_rpc_join_group_answers_any_request(leader, requests, hang):
     assert guard.open_total == 0
 
 
+def test_rpc_join_group_refuses_a_peer_without_a_pass_in_an_authenticated_run(leader):
+    """The join handler's entry point of an authenticated run (the reduce and download handlers': in
+    tests/test_auth.py, over real daemons): a well-formed join request from a peer whose pass we do not hold is
+    refused before hivemind's matchmaking sees it, and counted."""
+    runner, mm = leader
+    admitted = {str(MEMBER)}
+    guard = StreamGuard(per_peer=4, total=16, admitted=admitted.__contains__)
+    servicer = JoinServicer(mm, guard=guard, request_timeout=0.2, stream_timeout=2.0)
+    request = averaging_pb2.JoinRequest(schema_hash=b"S" * 32, expiration=time.time() + 60, client_mode=False)
+
+    async def ask(who: PeerID) -> list:
+        async def replies():
+            return [r async for r in servicer.rpc_join_group(_stream([request]), _context(who))]
+        try:
+            return await asyncio.wait_for(asyncio.ensure_future(replies()), timeout=HANDLER_DEADLINE)
+        except asyncio.TimeoutError:  # an accepted follower waits for its group: not a refusal
+            return ["waited"]
+
+    assert runner.run(ask(STRANGER)) == [averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)]
+    assert guard.unadmitted == 1
+    runner.run(ask(MEMBER))
+    assert guard.unadmitted == 1  # the admitted member went on to hivemind's matchmaking
+
+
 # ---- DHT record validator -----------------------------------------------------------------------------------
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70) | st.floats() | st.text(max_size=40),
@@ -271,7 +298,23 @@ record_fields = st.fixed_dictionaries({}, optional={
     "step": st.integers(-(1 << 70), 1 << 70), "round": st.integers(-(1 << 70), 1 << 70),
     "rounds": st.lists(st.integers(-(1 << 70), 1 << 70), max_size=5),
     "digests": st.lists(st.text(max_size=70), max_size=5), "seeking": json_values,
-    "tokens_per_second": st.floats(), "client_mode": json_values, "time": st.floats()})
+    "tokens_per_second": st.floats(), "client_mode": json_values, "time": st.floats(),
+    "pass_line": st.one_of(st.text(max_size=80), st.just("swarmloco-pass:" + "A" * 5000))})
+MSGPACK_NONE = b"\xc0"
+
+
+def _pack(value) -> bytes:
+    """msgpack bytes of ``value`` as a DHT record's value is stored (ints beyond 64 bits: a reserved byte)."""
+    try:
+        return DHTProtocol.serializer.dumps(value)
+    except (OverflowError, TypeError, ValueError):
+        return b"\xc1"
+
+
+# packed values: records from the strategies above, and revocation lists
+packed = st.one_of(record_fields, st.fixed_dictionaries({"revoked": st.lists(st.text(max_size=50), max_size=3),
+                                                         "issued": st.floats(), "signature": st.binary(max_size=400)})
+                   ).map(_pack)
 
 
 @settings(max_examples=1000, deadline=None)
@@ -285,16 +328,27 @@ def test_record_parsing_accepts_only_well_formed_records(value):
     assert math.isfinite(rec.time) and math.isfinite(rec.tokens_per_second)
 
 
+AUTHORITY_PUB = RSAPrivateKey().get_public_key().to_bytes()
+
+
 @settings(max_examples=500, deadline=None)
-@given(key=st.binary(max_size=64), subkey=st.binary(max_size=600), value=st.binary(max_size=600),
-       expiration=st.floats(allow_nan=True, allow_infinity=True), use_run_key=st.booleans())
-def test_record_validators_never_raise(key, subkey, value, expiration, use_run_key):
+@given(key=st.binary(max_size=64), subkey=st.binary(max_size=600), value=st.one_of(st.binary(max_size=600), packed),
+       expiration=st.floats(allow_nan=True, allow_infinity=True), which=st.sampled_from(["any", "progress", "revoked"]),
+       authenticated=st.booleans())
+def test_record_validators_never_raise(key, subkey, value, expiration, which, authenticated):
     """hivemind calls each validator on every record a peer stores or reads: arbitrary bytes are refused
-    (False), never an exception."""
-    validators, _ = make_validators("fuzzrun")
-    if use_run_key:
-        from hivemind.dht.routing import DHTID
-        key = DHTID.generate(source=progress_key("fuzzrun")).to_bytes()
+    (False), never an exception; in an authenticated run too (records must carry a pass, revocation lists the
+    authority's signature)."""
+    from hivemind.dht.routing import DHTID
+
+    checker = PassChecker(AUTHORITY_PUB) if authenticated else None
+    validators, _ = make_validators("fuzzrun", checker=checker)
+    if which != "any":
+        source = progress_key("fuzzrun") if which == "progress" else revocation_key(AUTHORITY_PUB)
+        key = DHTID.generate(source=source).to_bytes()
     record = DHTRecord(key=key, subkey=subkey, value=value, expiration_time=expiration)
     for validator in validators:
         assert validator.validate(record) in (True, False)
+    if authenticated and which == "progress" and value not in (MSGPACK_NONE,):
+        assert not validators[0].validate(record)  # no valid pass can come out of these bytes
+

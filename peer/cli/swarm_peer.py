@@ -1,7 +1,8 @@
 """``swarm-peer``: the peer daemon's command line.
 
-``swarm-peer run [--config FILE] [flags]`` trains in the swarm. Every config field has a flag and
-an ``SWARM_*`` env-var twin (see peer/config.py); invalid input exits with status 2 and one line.
+``swarm-peer run [--config FILE] [flags]`` trains in the swarm; ``swarm-peer pass-request [...]`` prints the line
+a volunteer sends the operator of an authenticated run. Every config field has a flag and an ``SWARM_*`` env-var
+twin (see peer/config.py); invalid input exits with status 2 and one line.
 """
 
 from __future__ import annotations
@@ -14,18 +15,14 @@ from peer.config import (SECTIONS, ConfigError, build_config, default_of, env_na
                          iter_settings, unknown_env)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="swarm-peer", description="swarmloco peer daemon: trains a shared model "
-                                     "with Streaming DiLoCo in a hivemind DHT swarm.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="join the swarm and train", description="Join the swarm and train. Flags "
-                         "override the --config TOML file, which overrides defaults; every flag has an env twin.")
-    run.add_argument("--config", help="TOML config file (sections: " + ", ".join(SECTIONS) + ")")
+def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """``--config`` and one flag per config field (with its env twin and default in the help)."""
+    parser.add_argument("--config", help="TOML config file (sections: " + ", ".join(SECTIONS) + ")")
     fields = {(s, f.name): f for s, f in iter_settings()}
     for section, key, typ in iter_fields():
         group_title = f"[{section}]"
-        groups = {g.title: g for g in run._action_groups}
-        group = groups.get(group_title) or run.add_argument_group(group_title)
+        groups = {g.title: g for g in parser._action_groups}
+        group = groups.get(group_title) or parser.add_argument_group(group_title)
         f = fields[(section, key)]
         default = default_of(SECTIONS[section], key)
         local = "; this peer's own choice, not in the run hash" if f.metadata["local"] else ""
@@ -40,6 +37,19 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             group.add_argument(flag_name(section, key), dest=dest, type=str, default=None,
                                metavar=getattr(typ, "__name__", "VALUE").upper(), help=help_text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="swarm-peer", description="swarmloco peer daemon: trains a shared model "
+                                     "with Streaming DiLoCo in a hivemind DHT swarm.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_config_flags(sub.add_parser("run", help="join the swarm and train", description="Join the swarm and train. "
+                                     "Flags override the --config TOML file, which overrides defaults; every flag "
+                                     "has an env twin."))
+    _add_config_flags(sub.add_parser("pass-request", help="print the line to send a run's operator for a pass",
+                                     description="Authenticated runs: print this peer's pass request (its peer id "
+                                     "and identity key; the identity is created if missing). Send the line to the "
+                                     "run's operator and save the pass they return as swarm.pass_path."))
     return parser
 
 
@@ -62,8 +72,9 @@ def parse_overrides(ns: argparse.Namespace) -> dict[tuple[str, str], object]:
 
 
 # Exit status: 0 a clean stop (max_steps, SIGINT/SIGTERM); 2 a setup to fix (config, run dir, device, model,
-# data: one line, before joining); 3 no initial peer answered within swarm.join_timeout (one line naming each
-# address); 1 a failure during training (with its traceback).
+# data, pass: one line, before joining; or the authority revoked our pass while training); 3 no initial peer
+# answered within swarm.join_timeout (one line naming each address); 1 a failure during training (with its
+# traceback).
 EXIT_SETUP, EXIT_JOIN = 2, 3
 
 
@@ -75,7 +86,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for warning in unknown_env(dict(os.environ)):
         print(f"swarm-peer: warning: {warning}", file=sys.stderr)
     try:
-        cfg = build_config(ns.config, parse_overrides(ns))
+        overrides = parse_overrides(ns)
+        if ns.command == "pass-request":  # only the identity matters here, not where the swarm is
+            overrides.setdefault(("swarm", "new_swarm"), True)
+        cfg = build_config(ns.config, overrides)
     except ConfigError as e:
         print(f"swarm-peer: error: {e}", file=sys.stderr)
         return EXIT_SETUP
@@ -91,7 +105,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except JoinError as e:
             print(f"swarm-peer: error: {e}", file=sys.stderr)
             return EXIT_JOIN
+    if ns.command == "pass-request":
+        return _pass_request(cfg)
     return EXIT_SETUP
+
+
+def _pass_request(cfg) -> int:
+    from peer.errors import SetupError
+    from peer.run.preflight import pass_request_line
+
+    try:
+        line = pass_request_line(cfg)
+    except SetupError as e:
+        print(f"swarm-peer: error: {e}", file=sys.stderr)
+        return EXIT_SETUP
+    print(line)
+    print(f"(send the line above to the run's operator; save the pass they return as {cfg.pass_path}, "
+          f"or point swarm.pass_path at it)", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":

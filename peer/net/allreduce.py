@@ -13,9 +13,9 @@ Protocol (messages in protos/allreduce.proto, RPC ``AllReduceServicer.rpc_reduce
    contributors. Every part it clipped or whose weight it capped is logged with the sender's id.
 4. Every member (the reducer included) decodes those bytes: all members hold bit-identical
    averages. A span whose reducer failed comes back as ``None``: it is not applied, and logged.
-   So does a span whose result fails the member's checks: metadata, decoding, finiteness, and
-   scale (:func:`implausible`: a result whose values are far larger than both our own outer
-   gradient's and the group's results', the gross lie of a reducer that scales its average).
+   So does a span whose result fails the member's checks: metadata, decoding, finiteness, size and
+   direction (:mod:`peer.net.span_checks`: a result far larger than our own outer gradient and the
+   round's others, or one that does not lean toward the part we sent it).
 
 Offences (a part that does not decode or has an invalid header, a part the robust rule cut hard, a
 result that fails the checks) go to the peer's :class:`~peer.net.exclusion.Exclusions`; an excluded
@@ -34,7 +34,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Optional, Sequence
+from typing import AsyncIterator, Optional
 
 import torch
 from hivemind.p2p import P2P, P2PContext, ServicerBase
@@ -42,7 +42,8 @@ from hivemind.p2p import P2P, P2PContext, ServicerBase
 from peer.net.exclusion import Exclusions, Offence
 from peer.net.group import GroupPlan, valid_weight
 from peer.net.limits import StreamGuard, first_message
-from peer.outer.aggregate import HEAVY_CLIP, OFFENCE_CLIP, aggregate
+from peer.net.span_checks import disagreeing, implausible
+from peer.outer.aggregate import aggregate
 from peer.outer.codec import Codec, CodecError
 from peer.outer.rounds import Span
 from peer.proto import allreduce_pb2 as pb
@@ -50,10 +51,6 @@ from peer.proto import codec_pb2
 from peer.util import next_by, short_id, time_left
 
 log = logging.getLogger(__name__)
-# A member refuses a span result whose RMS exceeds PLAUSIBLE x both references of implausible(). A false alarm
-# needs an honest span 10x the RMS of our whole outer gradient and of the median span of the round.
-PLAUSIBLE = 10.0
-
 Status = pb.ReduceResponse.Status
 
 
@@ -130,19 +127,16 @@ class SpanReduction:
     def _combine(self) -> torch.Tensor:
         """The parts combined by the plan's rule, in member order (deterministic); reports what it clipped."""
         order = self.contributors
-        out = aggregate([self.parts[i][1] for i in order], [self.parts[i][0] for i in order], self.plan.rule)
+        out = aggregate([self.parts[i][1] for i in order], [self.parts[i][0] for i in order], self.plan.rule,
+                        [self.plan.caps[i] for i in order] if self.plan.caps else None)
         self.total_weight = out.total_weight
-        for i, declared, used, kept in zip(order, (self.parts[i][0] for i in order), out.weights, out.kept):
-            why = []
-            if used < declared:
-                why.append(f"declared weight {declared:.4g} capped to {used:.4g}")
-            if kept < HEAVY_CLIP:
-                why.append(f"part clipped to {kept:.1%} of its distance from the group's center")
+        for k, i in enumerate(order):
+            why = out.limited(k, self.parts[i][0])
             if why:
                 peer = str(self.plan.peer_ids[i])
                 self.flagged.append((peer, "; ".join(why)))
-                if kept < OFFENCE_CLIP and i != self.plan.my_index:
-                    self.exclusions.report(peer, Offence.CLIPPED, f"{self.plan.label}: kept {kept:.1%}")
+                if out.offending(k) and i != self.plan.my_index:
+                    self.exclusions.report(peer, Offence.CLIPPED, f"{self.plan.label}: {'; '.join(why)}")
                 log.warning("%s: contribution of peer %s limited by the %s rule: %s", self.plan.label, short_id(peer),
                             self.plan.rule.kind, "; ".join(why))
         return out.value
@@ -222,9 +216,9 @@ class AllReduceServicer(ServicerBase):
 
     async def rpc_reduce(self, requests: AsyncIterator[pb.ReduceRequest],
                          context: P2PContext) -> AsyncIterator[pb.ReduceResponse]:
-        with self.guard.admit(str(context.remote_id), self.stream_timeout) as admitted:
-            if not admitted:
-                yield pb.ReduceResponse(status=Status.REJECTED, error="too many open streams from this peer")
+        with self.guard.admit(str(context.remote_id), self.stream_timeout) as refusal:
+            if refusal:
+                yield pb.ReduceResponse(status=Status.REJECTED, error=refusal)
                 return
             async for response in self._reduce(requests, context):
                 yield response
@@ -354,23 +348,6 @@ class SpanResult:
     offence: bool = False  # the reducer answered, and what it sent is wrong (not the network)
 
 
-def _rms(t: torch.Tensor) -> float:
-    return float(torch.linalg.vector_norm(t)) / math.sqrt(max(1, t.numel()))
-
-
-def implausible(result: torch.Tensor, ours: torch.Tensor, round_results: Sequence[torch.Tensor]) -> Optional[str]:
-    """Why a span's ``result`` cannot be an honest combination of the group's parts, or None: its RMS exceeds
-    PLAUSIBLE x the RMS of our whole outer gradient ``ours`` and PLAUSIBLE x the lower median RMS of the
-    round's span results ``round_results`` (this one included: with fewer than half the reducers lying, the
-    median is an honest one). Two references, so that a small gradient of ours (few steps since the last
-    round) is no false alarm."""
-    scales = sorted(_rms(r) for r in round_results) or [0.0]
-    limit = PLAUSIBLE * max(_rms(ours), scales[(len(scales) - 1) // 2])
-    if _rms(result) > limit:
-        return f"implausible average: RMS {_rms(result):.3g}, more than {PLAUSIBLE:g}x ours and the round's median"
-    return None
-
-
 def _span_from_responses(plan: GroupPlan, j: int, responses: list[pb.ReduceResponse]) -> SpanResult:
     """Decodes and checks a reducer's averaged span (metadata, coverage, codec, finiteness)."""
     start, end = plan.spans[j]
@@ -393,6 +370,20 @@ def _span_from_responses(plan: GroupPlan, j: int, responses: list[pb.ReduceRespo
     if filled != end - start:  # (the stream ended early: the network's)
         return SpanResult(None, why=f"average covers {filled} of {end - start} elements")
     return SpanResult(out, contributors, "", total)
+
+
+def _check_spans(plan: GroupPlan, results: dict[int, SpanResult], delta: torch.Tensor) -> None:
+    """Replaces, in ``results``, every remote span result that fails our checks (:mod:`peer.net.span_checks`:
+    size, then direction) by a missing one marked as the reducer's offence."""
+    arrived = {j: r.average for j, r in results.items() if r.average is not None}
+    for j, average in arrived.items():
+        why = implausible(average, delta, list(arrived.values())) if j != plan.my_index else None
+        if why:
+            results[j] = SpanResult(None, why=why, offence=True)
+    sane = {j: r.average for j, r in results.items() if r.average is not None}
+    ours = {j: delta[plan.spans[j][0]:plan.spans[j][1]] for j in sane}
+    for j, why in disagreeing(sane, ours, plan.my_index if plan.my_index in sane else None).items():
+        results[j] = SpanResult(None, why=why, offence=True)
 
 
 async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, delta: torch.Tensor,
@@ -428,16 +419,12 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
                 results[j] = _span_from_responses(plan, j, await task)
             except Exception as e:  # a dead reducer, or one that broke the stream: this span is missing
                 results[j] = SpanResult(None, why=f"{type(e).__name__}: {e}")
-        arrived = [r.average for r in results.values() if r.average is not None]
+        _check_spans(plan, results, delta)
         spans, contributors, total_weight = [], [], 0.0
         for j, (start, end) in enumerate(plan.spans):
             if end == start:
                 continue
             got = results.get(j, SpanResult(None, why="its reducer is excluded by this peer"))
-            if got.average is not None and j != plan.my_index:
-                why = implausible(got.average, delta, arrived)
-                if why:
-                    got = SpanResult(None, why=why, offence=True)
             total_weight = max(total_weight, got.total_weight)
             if got.average is None:
                 log.warning("%s: span %d [%d, %d) from reducer %s is missing and NOT applied: %s", plan.label,

@@ -60,10 +60,15 @@ class GroupPlan:
     codec: Codec
     label: str  # "fragment 0 round 7", for logs
     rule: AggregationRule = field(default_factory=AggregationRule)  # how reducers combine parts (run config)
+    # per member, the cap its speed earns as our records vouch for it (aggregate.vouched_caps; None: the rule's
+    # own); () for none. Local to this peer's view: only the span we reduce uses it, and every member decodes
+    # that one result.
+    caps: tuple[Optional[float], ...] = ()
 
     @classmethod
     def from_group(cls, group: GroupInfo, me: PeerID, codec: Codec, numel: int, label: str,
-                   rule: Optional[AggregationRule] = None) -> "GroupPlan":
+                   rule: Optional[AggregationRule] = None, caps: Sequence[Optional[float]] = ()
+                   ) -> "GroupPlan":
         """Parses and checks every member's MemberInfo. Raises GroupError when they disagree."""
         if not 1 <= len(group.peer_ids) <= MAX_GROUP_SIZE or len(group.gathered) != len(group.peer_ids):
             raise GroupError(f"malformed group of {len(group.peer_ids)} peers")
@@ -83,4 +88,4 @@ class GroupPlan:
             infos.append(info)
         spans = member_spans(numel, [i.client_mode for i in infos], codec.block_size)
         return cls(group.group_id, tuple(group.peer_ids), infos, group.peer_ids.index(me), numel, spans,
-                   codec, label, rule or AggregationRule())
+                   codec, label, rule or AggregationRule(), tuple(caps))

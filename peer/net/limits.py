@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
-from typing import AsyncIterator, Iterator, TypeVar
+from typing import AsyncIterator, Callable, Iterator, Optional, TypeVar
 
 from hivemind.p2p import P2P
 
@@ -80,32 +80,45 @@ class StreamGuard:
     handlers of a peer, so the bound is per remote peer across protocols.
     """
 
-    def __init__(self, *, per_peer: int, total: int):
+    def __init__(self, *, per_peer: int, total: int, admitted: Callable[[str], bool] = lambda peer: True):
+        """``admitted``: whether a remote peer may use our handlers at all (authenticated runs: it holds a
+        valid pass, ``auth.Admission``)."""
         self.per_peer, self.total = per_peer, total
+        self.admitted = admitted
         self.open: Counter[str] = Counter()
         self.refused = 0  # streams refused since start (for logs and tests)
+        self.unadmitted = 0  # ... of which from peers without a valid pass
 
     @property
     def open_total(self) -> int:
         return sum(self.open.values())
 
     @contextlib.contextmanager
-    def admit(self, peer: str, timeout: float) -> Iterator[bool]:
-        """Yields whether a stream from ``peer`` may proceed. If it may, it is counted until the block exits,
-        and the task running the block is cancelled after ``timeout`` seconds. Must be entered inside the
-        task that serves the stream (hivemind runs each handler in its own task)."""
+    def admit(self, peer: str, timeout: float) -> Iterator[Optional[str]]:
+        """Yields None if a stream from ``peer`` may proceed, else why it is refused (one line for the peer).
+        If it may, it is counted until the block exits, and the task running the block is cancelled after
+        ``timeout`` seconds. Must be entered inside the task that serves the stream (hivemind runs each handler
+        in its own task)."""
+        if not self.admitted(peer):
+            self.refused += 1
+            self.unadmitted += 1
+            if self.unadmitted in (1, 10, 100) or self.unadmitted % 1000 == 0:
+                log.warning("refused a stream from %s: it holds no valid pass for this run; %d refused so far",
+                            peer[-8:], self.unadmitted)
+            yield "this run admits only peers with a valid pass"
+            return
         if self.open[peer] >= self.per_peer or self.open_total >= self.total:
             self.refused += 1
             if self.refused in (1, 10, 100) or self.refused % 1000 == 0:
                 log.warning("refused a stream from %s: %d open from it, %d in all (limits %d, %d); %d refused so far",
                             peer[-8:], self.open[peer], self.open_total, self.per_peer, self.total, self.refused)
-            yield False
+            yield "too many open streams from this peer"
             return
         task = asyncio.current_task()
         watchdog = asyncio.get_running_loop().call_later(timeout, task.cancel) if task is not None else None
         self.open[peer] += 1
         try:
-            yield True
+            yield None
         finally:
             if watchdog is not None:
                 watchdog.cancel()

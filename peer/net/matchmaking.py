@@ -56,8 +56,8 @@ class JoinServicer(ServicerBase):
     async def rpc_join_group(self, requests: AsyncIterator[averaging_pb2.JoinRequest],
                              context: P2PContext) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
         refuse = averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
-        with self.guard.admit(str(context.remote_id), self.stream_timeout) as admitted:
-            if not admitted or self.excluded(str(context.remote_id)):
+        with self.guard.admit(str(context.remote_id), self.stream_timeout) as refusal:
+            if refusal or self.excluded(str(context.remote_id)):
                 await drain(requests)
                 yield refuse
                 return

@@ -5,13 +5,13 @@ so only it can overwrite its record (hivemind's RSASignatureValidator), and the 
 :class:`ProgressRecord` (hivemind's SchemaValidator): a malformed record from another peer is
 rejected by every DHT node that validates. A record expires after ``progress_ttl`` seconds, so a
 crashed peer stops counting as live on its own. :class:`LiveView` merges what a peer reads into its view
-of who is live.
+of who is live; :class:`SpeedLedger` remembers the speeds they claim (the robust rule's caps).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Optional
+from typing import Callable, Mapping, Optional
 
 import pydantic
 from hivemind.dht.crypto import RSASignatureValidator
@@ -20,6 +20,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils.crypto import RSAPrivateKey
 
+from peer.net.auth import PassChecker, RevocationValidator, record_admitted
 from peer.net.records import ProgressRecord
 
 _OWNER = re.compile(b".*" + RSASignatureValidator.PUBLIC_KEY_REGEX + b".*", re.DOTALL)
@@ -33,8 +34,10 @@ class ProgressValidator(RecordValidatorBase):
     rejects, so this is the same rule written for pydantic 2. Other keys are not our business.
     """
 
-    def __init__(self, run_key: str):
+    def __init__(self, run_key: str, checker: Optional[PassChecker] = None):
+        """``checker``: in an authenticated run, a record must also carry its owner's valid pass."""
         self._key_id = DHTID.generate(source=progress_key(run_key)).to_bytes()
+        self.checker = checker
 
     def validate(self, record: DHTRecord) -> bool:
         if record.key != self._key_id:
@@ -44,20 +47,28 @@ class ProgressValidator(RecordValidatorBase):
             value = DHTProtocol.serializer.loads(record.value)
             if not isinstance(subkey, bytes) or not _OWNER.fullmatch(subkey):
                 return False
-            return value is None or ProgressRecord.from_wire(value) is not None
+            if value is None:  # a withdrawal (the signature validator checks it is the owner's)
+                return True
+            rec = ProgressRecord.from_wire(value)
+            return self.checker is None or record_admitted(self.checker, subkey, rec.pass_line, rec.peer_id)
         except (ValueError, TypeError, pydantic.ValidationError, Exception):
             return False
 
 
-def make_validators(run_key: str, private_key: Optional[RSAPrivateKey] = None
-                    ) -> tuple[list[RecordValidatorBase], bytes]:
+def make_validators(run_key: str, private_key: Optional[RSAPrivateKey] = None,
+                    checker: Optional[PassChecker] = None) -> tuple[list[RecordValidatorBase], bytes]:
     """Record validators for the DHT and the subkey under which this process signs its record.
 
-    ``private_key`` signs our record (default: this process's key; two DHT nodes in one process need two).
+    ``private_key`` signs our record (default: this process's key; two DHT nodes in one process need two; in
+    an authenticated run, the identity's key, which our pass names). ``checker``: the run's pass checker in an
+    authenticated run (records must carry their owner's pass; revocation lists must be the authority's).
     Must be created before the DHT process is started (validators are handed to it).
     """
     signer = RSASignatureValidator(private_key)
-    return [ProgressValidator(run_key), signer], signer.local_public_key
+    validators: list[RecordValidatorBase] = [ProgressValidator(run_key, checker), signer]
+    if checker is not None:
+        validators.append(RevocationValidator(checker))
+    return validators, signer.local_public_key
 
 
 def progress_key(run_key: str) -> str:
@@ -83,10 +94,12 @@ class LiveView:
         # peer id -> (subkey of its record, the record, our local monotonic time when it arrived)
         self._peers: dict[str, tuple[bytes, ProgressRecord, float]] = {}
 
-    def merge(self, found, *, dht_now: float, local_now: float) -> None:
+    def merge(self, found, *, dht_now: float, local_now: float,
+              accept: Optional[Callable[[bytes, ProgressRecord], bool]] = None) -> None:
         """Adds the records of a ``dht.get(progress_key, latest=True)`` result (None: nothing found).
 
-        ``dht_now`` is the DHT clock (``get_dht_time()``), ``local_now`` our monotonic clock.
+        ``dht_now`` is the DHT clock (``get_dht_time()``), ``local_now`` our monotonic clock; ``accept``
+        (subkey, record) -> whether the record may be acted on (authenticated runs: its pass; default all).
         """
         if found is None or not isinstance(found.value, dict):
             return
@@ -101,6 +114,8 @@ class LiveView:
                 rec = ProgressRecord.from_wire(entry.value)
             except ValueError:  # (pydantic.ValidationError is one)
                 continue
+            if accept is not None and not (isinstance(subkey, bytes) and accept(subkey, rec)):
+                continue
             known = peers.get(rec.peer_id)
             if known is None or rec.time > known[1].time:
                 peers[rec.peer_id] = (subkey, rec, local_now)
@@ -109,3 +124,38 @@ class LiveView:
     def live(self, local_now: float) -> dict[str, ProgressRecord]:
         """Records of the peers whose newest record arrived within ``ttl`` of ``local_now``."""
         return {pid: rec for pid, (_, rec, arrived) in self._peers.items() if arrived + self.ttl >= local_now}
+
+
+VOUCH_WINDOW = 60.0  # seconds of records a peer's speed is judged on (the robust rule's caps, aggregate.vouched_caps)
+MAX_RATES = 256  # rates remembered per peer (one per heartbeat read: a minute at the fastest progress_period)
+
+
+class SpeedLedger:
+    """What the progress records vouch for about each peer's speed (tokens/s): the lowest rate its records
+    claimed over the last ``window`` seconds, once we have heard from it for that long.
+
+    A record is self-declared: this only makes a claim cost time. A newcomer (or a sybil's fresh id) is
+    unvouched for ``window`` seconds, and one fast record among slower ones does not count. What a peer that
+    lies steadily gains is bounded by the rule's ``max_weight_cap``. Used from one thread (the heartbeat's).
+    """
+
+    def __init__(self, window: float = VOUCH_WINDOW):
+        self.window = window
+        self._seen: dict[str, tuple[float, list[tuple[float, float]]]] = {}  # peer -> (first heard, [(at, rate)])
+
+    def observe(self, records: Mapping[str, ProgressRecord], now: float) -> None:
+        """Adds the rates of ``records`` (the live ones; ``now``: local monotonic time). A peer missing from
+        them is forgotten: when it comes back it is a newcomer again."""
+        seen = {}
+        for pid, rec in records.items():
+            first, rates = self._seen.get(pid, (now, []))
+            rates = [(t, r) for t, r in rates if t + self.window >= now][-(MAX_RATES - 1):]
+            seen[pid] = (first, [*rates, (now, rec.tokens_per_second)])
+        self._seen = seen
+
+    def vouched(self, peer: str, now: float) -> Optional[float]:
+        """The speed ``peer``'s records vouch for at ``now``, or None (unknown, or heard from for less than
+        ``window``)."""
+        first, rates = self._seen.get(peer, (now, []))
+        recent = [r for t, r in rates if t + self.window >= now]
+        return min(recent) if now - first >= self.window and recent else None

@@ -18,6 +18,7 @@ Count = Annotated[StrictInt, Field(ge=0, le=1 << 40)]
 # "12D3..."; the state donors and the phase rules act on it) and hex digests, or the whole record is refused.
 PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{32,128}")
 DIGEST = re.compile(r"[0-9a-f]{1,64}")
+MAX_PASS_CHARS = 4096  # a pass line: ~400 bytes of key, ~350 of signature, in base64
 MAX_PAST = 64  # entries of a record's ``past`` (a few rounds per fragment; fewer when there are many fragments)
 
 
@@ -42,6 +43,8 @@ class ProgressRecord(BaseModel):
     averaging: list[Annotated[list[Count], Field(min_length=2, max_length=2)]] = Field(default_factory=list,
                                                                                        max_length=64)
     tokens_per_second: Annotated[StrictFloat, Field(ge=0.0, allow_inf_nan=False)]
+    # authenticated runs: this peer's pass (peer/net/auth.py, a "swarmloco-pass:..." line); "" in open runs
+    pass_line: Annotated[StrictStr, Field(max_length=MAX_PASS_CHARS)] = ""
     client_mode: StrictBool
     time: Annotated[StrictFloat, Field(allow_inf_nan=False)]  # DHT time when written
 

@@ -75,10 +75,10 @@ class StateServicer(ServicerBase):
 
     async def rpc_download(self, requests: AsyncIterator[pb.StateRequest],
                            context: P2PContext) -> AsyncIterator[pb.StateChunk]:
-        with self.guard.admit(str(context.remote_id), self.stream_timeout) as admitted:
-            if not admitted:
+        with self.guard.admit(str(context.remote_id), self.stream_timeout) as refusal:
+            if refusal:
                 await drain(requests)
-                yield pb.StateChunk(error="too many open streams from this peer")
+                yield pb.StateChunk(error=refusal)
                 return
             try:
                 request = await single_request(requests, self.request_timeout)

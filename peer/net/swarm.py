@@ -24,8 +24,9 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
 from peer.net.allreduce import AllReduceServicer, run_allreduce
+from peer.net.auth import Admission, RunAccess, RunAuthorizer, encode_pass, revocation_key, verify_revocations
 from peer.net.group import PROTOCOL_VERSION, GroupError, GroupPlan
-from peer.outer.aggregate import AggregationRule
+from peer.outer.aggregate import AggregationRule, vouched_caps
 from peer.outer.codec import codec_key, get_codec
 from peer.config import SwarmConfig
 from peer.net.dht import create_dht, peers_of, reconnect
@@ -34,7 +35,7 @@ from peer.net.limits import StreamGuard, cap_frame_size, frame_limit_for
 from peer.net.matchmaking import GaveUp, form_group, round_prefix
 from peer.outer.rounds import RoundOutcome, RoundStatus
 from peer.net.consensus import laggards, nobody_coming, swarm_is_past
-from peer.net.progress import LiveView, make_validators, progress_key
+from peer.net.progress import LiveView, SpeedLedger, make_validators, progress_key
 from peer.net.records import MAX_PAST, ProgressRecord
 from peer.net.state_transfer import DownloadError, Snapshot, StateServicer, download
 from peer.proto import allreduce_pb2 as pb
@@ -78,8 +79,9 @@ class Swarm:
     """
 
     def __init__(self, cfg: SwarmConfig, *, run_key: str, codec, identity_path: str,
-                 rule: Optional[AggregationRule] = None):
-        """``rule``: how our spans are combined when we reduce (the run's; by default the robust rule)."""
+                 rule: Optional[AggregationRule] = None, access: Optional[RunAccess] = None):
+        """``rule``: how our spans are combined when we reduce (the run's; by default the robust rule).
+        ``access``: our pass in an authenticated run (None: an open run, anyone may take part)."""
         self.cfg = cfg
         self.codec = get_codec(codec)  # a name or a configured codec instance
         self.rule = rule or AggregationRule()
@@ -90,7 +92,12 @@ class Swarm:
         self._dht: Optional[DHT] = None  # set by start(), cleared by shutdown()
         self._p2p: Optional[P2P] = None
         self.exclusions = Exclusions(threshold=cfg.exclude_after)  # peers we no longer work with (and why)
-        self.guard = StreamGuard(per_peer=cfg.max_streams_per_peer, total=cfg.max_streams)  # all our handlers
+        self.access = access
+        self.admission = Admission(access.checker if access else None)  # who may take part (authenticated runs)
+        if access is not None:
+            self.admission.learn(access.token)
+        self.guard = StreamGuard(per_peer=cfg.max_streams_per_peer, total=cfg.max_streams,  # all our handlers
+                                 admitted=self.admission.admitted)
         self.servicer = AllReduceServicer(registration_timeout=cfg.request_timeout, part_timeout=cfg.part_timeout,
                                           stream_timeout=cfg.allreduce_timeout + cfg.part_timeout
                                           + 2 * cfg.request_timeout, guard=self.guard, exclusions=self.exclusions)
@@ -100,6 +107,7 @@ class Swarm:
         self._subkey = b""
         self._progress = (0, 0, 0.0)  # (step, round of fragment 0, tokens/s), published by the heartbeat
         self._view = LiveView(cfg.progress_ttl)  # everyone's records, merged by the heartbeat
+        self._speeds = SpeedLedger()  # the speeds their records vouch for (the robust rule's caps)
         self._first_read = threading.Event()  # set once the heartbeat's first read of the records ended
         self._known: dict[str, float] = {}  # peer id -> when we last saw it live (pinged when we are alone)
         self._partners: dict[str, float] = {}  # peer id -> when we last were in a group with it (vouched_peers)
@@ -112,13 +120,17 @@ class Swarm:
     def start(self, stop: Optional[threading.Event] = None) -> None:
         """Starts the DHT and the networking thread. Raises :class:`~peer.dht_node.JoinError` if no initial peer
         answered within ``join_timeout`` (retried with backoff; ``stop`` ends the retries)."""
-        validators, self._subkey = make_validators(self.run_key)
+        access = self.access
+        validators, self._subkey = make_validators(self.run_key, access.key if access else None,
+                                                   access.checker if access else None)
         cap_frame_size(frame_limit_for(self.cfg.chunk_bytes))  # before the DHT forks: its streams are bounded too
+        auth = {} if access is None else {"authorizer": RunAuthorizer(access.key, access.token, access.checker)}
         self._dht = create_dht(initial_peers=self.cfg.initial_peers, host_maddrs=self.cfg.host_maddrs,
                               announce_maddrs=self.cfg.announce_maddrs, identity_path=self.identity_path,
                               client_mode=self.cfg.client_mode, nat_port_map=self.cfg.nat_port_map,
                               record_validators=validators, startup_timeout=self.cfg.startup_timeout,
-                              wait_timeout=self.cfg.dht_timeout, join_timeout=self.cfg.join_timeout, stop=stop)
+                              wait_timeout=self.cfg.dht_timeout, join_timeout=self.cfg.join_timeout, stop=stop,
+                              **auth)
         self._initial_peers = peers_of(self.cfg.initial_peers)  # checked by create_dht
         self._thread.start()
         self._p2p = self._call(self.dht.replicate_p2p(), self.cfg.startup_timeout)
@@ -205,19 +217,21 @@ class Swarm:
                              averaging=averaging,
                              client_mode=self.cfg.client_mode, time=get_dht_time(),
                              rounds=[s.round for s in snaps if s], digests=[s.digest for s in snaps if s],
-                             past=self._past_entries())
+                             past=self._past_entries(), pass_line=encode_pass(self.access.token) if self.access else "")
         store = self.dht.store(progress_key(self.run_key), rec.model_dump(), get_dht_time() + self.cfg.progress_ttl,
                                subkey=self._subkey, return_future=True)
         fetch = self.dht.get(progress_key(self.run_key), latest=True, return_future=True)
         results: tuple[Any, ...] = await asyncio.gather(asyncio.wait_for(store, self.cfg.progress_ttl),
                                                   asyncio.wait_for(fetch, self.cfg.progress_ttl),
-                                                  return_exceptions=True)
-        stored, found = results
+                                                  self._read_revocations(), return_exceptions=True)
+        stored, found, _ = results
         for what, result in (("store", stored), ("get", found)):
             if isinstance(result, BaseException):
                 log.debug("peer %s: progress %s failed: %s", short_id(self.peer_id), what, type(result).__name__)
         if not isinstance(found, BaseException):
-            self._view.merge(found, dht_now=get_dht_time(), local_now=time.monotonic())
+            self._view.merge(found, dht_now=get_dht_time(), local_now=time.monotonic(),
+                             accept=None if self.admission.open else self.admission.accept_record)
+            self._speeds.observe(self._view.live(time.monotonic()), time.monotonic())
         self._first_read.set()
         others = [pid for pid in self.live_peers() if pid != self.peer_id]
         log.debug("peer %s: progress beat took %.1f s, %d others live", short_id(self.peer_id), time.monotonic() - t0,
@@ -251,11 +265,37 @@ class Swarm:
         catch-up of a peer that just joined: until then :meth:`live_peers` is empty."""
         return self._first_read.wait(timeout)
 
+    async def _read_revocations(self) -> None:
+        """Authenticated runs: reads the authority's revocation lists (published by its bootstrap nodes) and
+        stops admitting the peers they name. Bounded by ``progress_ttl``; a failed read changes nothing."""
+        if self.access is None:
+            return
+        found = await asyncio.wait_for(self.dht.get(revocation_key(self.access.checker.authority_bytes), latest=True,
+                                                    return_future=True), self.cfg.progress_ttl)
+        if found is None or not isinstance(found.value, dict):
+            return
+        for entry in found.value.values():
+            ids = verify_revocations(self.access.checker, getattr(entry, "value", None))
+            for pid in sorted(self.admission.revoke(ids or ())):
+                log.warning("peer %s: the run authority revoked peer %s's pass: no longer admitted",
+                            short_id(self.peer_id), short_id(pid))
+
+    @property
+    def revoked(self) -> bool:
+        """Whether the run's authority revoked our own pass (then no peer of the run works with us)."""
+        return self.access is not None and self.peer_id in self.admission.revoked
+
+    def refused(self, peer: object) -> bool:
+        """Whether we work with ``peer`` in no group: we excluded it, or it holds no valid pass (authenticated
+        runs)."""
+        return str(peer) in self.exclusions or not self.admission.admitted(str(peer))
+
     def live_peers(self) -> dict[str, ProgressRecord]:
         """Progress records of the peers of this run heard from within ``progress_ttl`` (see
         :class:`~peer.progress.LiveView`), without the peers we excluded (:mod:`peer.net.exclusion`: they count
         for no group, no state download and no vote); never blocks: the training thread calls it at every launch."""
-        return {pid: rec for pid, rec in self._view.live(time.monotonic()).items() if pid not in self.exclusions}
+        return {pid: rec for pid, rec in self._view.live(time.monotonic()).items()
+                if pid not in self.exclusions and self.admission.admitted(pid)}
 
     def vouched_peers(self) -> dict[str, ProgressRecord]:
         """The live records the consensus rules may act on (the swarm's state to adopt, whether a round is late,
@@ -303,6 +343,9 @@ class Swarm:
         (donor ids come from other peers' records: one that does not parse is skipped)."""
         ids = []
         for d in donors:
+            if not self.admission.admitted(d):
+                log.warning("fragment %d: skipping state donor %s: no valid pass for this run", fragment, d[-8:])
+                continue
             try:
                 ids.append(PeerID.from_base58(d))
             except Exception:  # (base58 and multihash errors of several kinds)
@@ -376,17 +419,22 @@ class Swarm:
                 request_timeout=self.cfg.request_timeout, client_mode=self.cfg.client_mode,
                 timeout=self.cfg.matchmaking_timeout, poll=min(1.0, self.cfg.progress_period),
                 give_up=give_up, keep_waiting=keep_waiting, patience=patience,
-                excluded=self.exclusions.__contains__, guard=self.guard)
+                excluded=self.refused, guard=self.guard)
             if group is None:
                 waited = time.monotonic() - t0
                 out.status, out.error = RoundStatus.NO_GROUP, f"no other peer came to this round within {waited:.0f} s"
                 return out
             out.group_size = len(group.peer_ids)
+            strangers = [str(p) for p in group.peer_ids if not self.admission.admitted(str(p))]
+            if strangers:  # (a leader with a pass that admitted a peer without one)
+                raise GroupError(f"the group includes peer(s) without a valid pass: {[short_id(p) for p in strangers]}")
             self._met({str(pid) for pid in group.peer_ids} - {self.peer_id})
             self._activity[(fragment, round_)] = RoundActivity(fragment, round_, RoundStage.ALLREDUCE,
                                                      time.monotonic() + self.cfg.allreduce_timeout)
             log.debug("%s: group of %d assembled, all-reduce starting", label, out.group_size)
-            plan = GroupPlan.from_group(group, self.p2p.peer_id, self.codec, delta.numel(), label, self.rule)
+            now = time.monotonic()
+            caps = vouched_caps([self._speeds.vouched(str(p), now) for p in group.peer_ids], self.rule)
+            plan = GroupPlan.from_group(group, self.p2p.peer_id, self.codec, delta.numel(), label, self.rule, caps)
             result = await run_allreduce(self.p2p, self.servicer, plan, delta, weight,
                                          part_timeout=self.cfg.part_timeout,
                                          allreduce_timeout=self.cfg.allreduce_timeout,

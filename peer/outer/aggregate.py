@@ -2,25 +2,39 @@
 robust rule that bounds what any one contributor can do to the result (volunteer swarms, the default).
 
 The robust rule is BTARD's CenteredClip (Gorbunov et al. 2021, arXiv 2106.11257, the per-span rule of its
-ButterflyClip; hivemind's ``CenteredClipAccumulator`` is the same idea), made deterministic and started from
-a robust center:
+ButterflyClip; hivemind's ``CenteredClipAccumulator`` is the same idea), made deterministic, started from a
+robust center, and applied to the parts' *directions* so that honest peers of unequal speed are not clipped:
 
-1. weights: each declared weight (tokens) is capped at ``weight_cap`` times the *lower median* of the
-   group's weights, so a peer that lies about its tokens gets at most ``weight_cap`` honest shares;
-2. center ``v0``: the coordinate-wise median of the parts (with one arbitrary part among ``n >= 3``, every
-   coordinate of it stays within the honest parts' range);
-3. radius ``tau = clip_factor x`` the median of the parts' distances to ``v0`` (the upper one for even
-   ``n``: fewer than half the parts cannot inflate it past ``clip_factor`` times the farthest honest part);
-4. ``iterations`` times: ``v <- v + sum_i w_i clip(x_i - v, tau) / sum_i w_i``, ``clip(u, tau) = u *
-   min(1, tau / |u|)``.
+1. caps: contributor ``k``'s declared weight (tokens) counts at most ``weight_cap`` (2) times the group's
+   lower median, and its part's length (norm) at most ``length_cap`` (1.25) times the lower median length;
+   both caps rise to the peer's speed relative to the group where its progress records vouch for it
+   (:func:`vouched_caps`, at most ``max_weight_cap``): a fast GPU on the clock schedule trains more tokens
+   *and* more steps per round, so its part is legitimately heavier and longer. Unvouched, the weight cap is
+   the looser one because honest peers' batch sizes differ (tokens, not length), while on the steps
+   schedule their lengths agree (the same H steps);
+2. each part ``d_i`` is rescaled to the lower median length ``M``: ``u_i = d_i / r_i`` with
+   ``r_i = |d_i| / M`` its (capped) length ratio; it enters with strength ``a_i = w_i r_i``, so that
+   ``a_i u_i = w_i d_i`` while nothing is capped;
+3. center ``v0``: the coordinate-wise median of the ``u_i`` (with one arbitrary part among ``n >= 3``, every
+   coordinate of it stays within the honest ``u_i``'s range); radius ``tau = clip_factor x`` the median of
+   the ``u_i``'s distances to ``v0`` (the upper one for even ``n``);
+4. ``iterations`` times: ``v <- v + sum_i a_i clip(u_i - v, tau) / sum_i a_i``, ``clip(u, tau) = u *
+   min(1, tau / |u|)``; the result is ``v * sum_i a_i / sum_i w_i``.
 
-Bound (tested in tests/test_aggregate.py): with ``v0``, ``tau`` and the weights fixed, the map of step 4
-is non-expansive in the other parts' terms, so replacing contributor ``k``'s part by *anything* moves the
-result by at most ``2 * iterations * tau * w_k / W`` (:func:`influence_bound`). Honest parts within ``tau``
-of every iterate leave the plain weighted mean unchanged: where no part is clipped the rule *is* the mean
-(after the cap). Two contributors cannot be told apart (each is "the median"): then only the weight cap
-applies; members check what comes back, and the digest check catches a reducer that sends different
-averages to different members.
+Where nothing is capped or clipped, that is ``sum_i w_i d_i / sum_i w_i``: the plain token-weighted mean,
+for peers of any speed. Rescaling makes the distances measure disagreement in direction: a part twice as
+long because its peer trained twice the steps is no outlier (clipping the raw parts cost a lone 2x peer 63%
+of its share and a 4x peer 91%, bench/heterogeneity.py).
+
+Bound (tested in tests/test_aggregate.py): with ``v0``, ``tau`` and the strengths fixed, the map of step 4 is
+non-expansive in the other parts' terms, so replacing contributor ``k``'s part by *anything* moves the result
+by at most ``2 * iterations * tau * a_k / sum_i w_i`` (:func:`influence_bound`), ``a_k`` at most
+``weight_cap x length_cap`` (2.5) median shares unvouched. Scaling a part changes only its length ratio
+(capped): the direction is what is clipped. What the caps still allow: a peer that points the honest way
+with the longest and heaviest part it may send lengthens the round's step, to ``(n - 1 + 2.5) / (n - 1 + 2)``
+of the honest one unvouched (1.1x in a group of 4).
+Two contributors cannot be told apart (each is "the median"): then only the caps apply; members check what
+comes back, and the digest check catches a reducer that sends different averages to different members.
 
 Pure torch, deterministic for a given order of parts (the reducer passes them in member order, and every
 member decodes the same encoded result). Memory: the parts of one span, ``n x span`` fp32 (one fragment
@@ -32,25 +46,25 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from peer.config import OuterConfig
 
 
-HEAVY_CLIP = 0.5  # a part of which the rule kept less than this fraction of its deviation is reported (logged)
-# ... and less than this fraction counts as an offence (peer/net/exclusion.py): a part 10 radii from the center.
-# Lower than HEAVY_CLIP because honest parts differ in size too (a slower peer's outer gradient is shorter):
-# being reported now and then is harmless, being excluded is not.
+HEAVY_CLIP = 0.5  # a part of which the rule kept less than this fraction of its deviation or length is reported
+# ... and less than this fraction counts as an offence (peer/net/exclusion.py): a part 10 radii from the center,
+# or 10 caps longer than the group's median part. Lower than HEAVY_CLIP because honest parts differ too (a
+# faster peer's outer gradient is longer): being reported now and then is harmless, being excluded is not.
 OFFENCE_CLIP = 0.1
-NORM_GUARD = 1e3  # parts are shortened to this many lower-median norms before anything else (see aggregate)
 MAX_WEIGHT = 1e12  # the largest declared weight (tokens in one round) the protocol accepts
+VOUCH_SLACK = 1.25  # a vouched peer's cap: this x its measured speed over the group's (round lengths vary)
 
 
 class Aggregator(enum.StrEnum):
     MEAN = "mean"  # plain token-weighted mean: every contributor is trusted
-    CLIPPED = "clipped"  # weight cap + CenteredClip around the coordinate-wise median (module docstring)
+    CLIPPED = "clipped"  # caps + CenteredClip of the directions around the coordinate-wise median (docstring)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,18 +76,23 @@ class AggregationRule:
     clip_factor: float = 1.0  # tau = clip_factor x the (upper) median of the parts' distances to the center; 1.0:
     # bench/attacks.py, 4 honest + 1 attacker: a x10 part +1.4% honest loss (excluded) vs +3.8% with 1.5, and no
     # cost without an attacker (the parts beyond the median distance are pulled in a little)
-    weight_cap: float = 2.0  # a declared weight counts at most weight_cap x the lower median of the weights
+    weight_cap: float = 2.0  # a peer's weight counts at most weight_cap x the group's lower median
+    length_cap: float = 1.25  # its part's length at most length_cap x the lower median length (parts of the same
+    # steps differ by their noise only)
+    max_weight_cap: float = 8.0  # both caps rise up to this where progress records vouch for its speed
     iterations: int = 1  # CenteredClip steps: one already gives the plain mean when nothing is clipped, and the
     # bound grows with each (tests/test_allreduce.py: a x1000 part moves the result 0.17 of its norm with 1
     # step and a cap of 2, 0.68 with 3 steps, a cap of 4 and clip_factor 2)
 
     def __post_init__(self) -> None:
-        if self.clip_factor < 1 or self.weight_cap < 1 or not 1 <= self.iterations <= 20:
+        if (self.clip_factor < 1 or self.weight_cap < 1 or self.length_cap < 1
+                or self.max_weight_cap < max(self.weight_cap, self.length_cap) or not 1 <= self.iterations <= 20):
             raise ValueError(f"invalid aggregation rule {self}")
 
     @classmethod
     def from_config(cls, outer: OuterConfig) -> "AggregationRule":
         return cls(kind=Aggregator(outer.aggregator), clip_factor=outer.clip_factor, weight_cap=outer.weight_cap,
+                   length_cap=outer.length_cap, max_weight_cap=outer.max_weight_cap,
                    iterations=outer.clip_iterations)
 
 
@@ -84,11 +103,29 @@ class Aggregate:
     value: torch.Tensor
     weights: list[float]  # the weights used (declared, capped)
     kept: list[float] = field(default_factory=list)  # per part, the fraction of its deviation kept in the last step
-    radius: float = math.inf  # tau (inf for the plain mean)
+    radius: float = math.inf  # tau, in the rescaled parts' units (inf for the plain mean)
+    lengths: list[float] = field(default_factory=list)  # per part, the fraction of its length kept by its cap
+    strengths: list[float] = field(default_factory=list)  # per part, a_i = weight used x capped length ratio
 
     @property
     def total_weight(self) -> float:
         return sum(self.weights)
+
+    def limited(self, i: int, declared: float) -> list[str]:
+        """What the rule did to part ``i`` (declared with weight ``declared``) worth reporting; empty if nothing."""
+        why = []
+        if self.weights[i] < declared:
+            why.append(f"declared weight {declared:.4g} capped to {self.weights[i]:.4g}")
+        if self.lengths and self.lengths[i] < HEAVY_CLIP:
+            why.append(f"part length capped to {self.lengths[i]:.1%} of itself")
+        if self.kept[i] < HEAVY_CLIP:
+            why.append(f"part clipped to {self.kept[i]:.1%} of its distance from the group's center")
+        return why
+
+    def offending(self, i: int) -> bool:
+        """Part ``i`` was far off the group (an offence, peer/net/exclusion.py): its direction 10 radii from the
+        center, or its length 10 caps beyond the group's median."""
+        return self.kept[i] < OFFENCE_CLIP or bool(self.lengths) and self.lengths[i] < OFFENCE_CLIP
 
 
 def lower_median(values: torch.Tensor) -> torch.Tensor:
@@ -97,20 +134,23 @@ def lower_median(values: torch.Tensor) -> torch.Tensor:
     return values.sort().values[(values.numel() - 1) // 2]
 
 
-def capped_weights(weights: Sequence[float], cap: float) -> list[float]:
-    """Each weight capped at ``cap`` times the lower median of all."""
-    w = torch.tensor(weights, dtype=torch.float64)
-    limit = cap * float(lower_median(w))
-    return [min(x, limit) for x in weights]
+def capped_weights(values: Sequence[float], caps: float | Sequence[float]) -> list[float]:
+    """Each value capped at its cap (one for all, or one per value) times the lower median of all."""
+    caps = [caps] * len(values) if isinstance(caps, (int, float)) else list(caps)
+    base = float(lower_median(torch.tensor(values, dtype=torch.float64)))
+    return [min(x, c * base) for x, c in zip(values, caps)]
 
 
-def norm_guard(parts: torch.Tensor) -> torch.Tensor:
-    """``parts`` (n, d) with those longer than NORM_GUARD x the lower median norm shortened to it. A numeric guard,
-    not the robust rule: no difference in :func:`aggregate` can then overflow fp32 (a finite part of 1e38s would
-    turn into inf - inf)."""
-    norms = torch.stack([torch.linalg.vector_norm(p, dtype=torch.float64) for p in parts])
-    limit = NORM_GUARD * float(lower_median(norms))
-    return parts * torch.where(norms > limit, limit / norms.clamp_min(1e-300), 1.0).to(torch.float32)[:, None]
+def vouched_caps(rates: Sequence[Optional[float]], rule: AggregationRule) -> list[Optional[float]]:
+    """Per member, the cap its speed earns (step 1 of the rule) as its progress records vouch for it (tokens/s;
+    None where they do not, e.g. a newcomer): ``VOUCH_SLACK`` x its speed over the lower median of the known
+    speeds, at most ``max_weight_cap``; None (the rule's own caps) without a vouched speed, or when fewer than
+    two members' are known (nothing to compare with)."""
+    known = torch.tensor([r for r in rates if r is not None and r > 0], dtype=torch.float64)
+    if known.numel() < 2:
+        return [None] * len(rates)
+    base = float(lower_median(known))
+    return [None if r is None or r <= 0 else min(rule.max_weight_cap, VOUCH_SLACK * r / base) for r in rates]
 
 
 def coordinate_median(parts: torch.Tensor) -> torch.Tensor:
@@ -136,29 +176,51 @@ def centered_clip(parts: torch.Tensor, weights: torch.Tensor, center: torch.Tens
     return v, kept
 
 
-def influence_bound(rule: AggregationRule, radius: float, weight: float, total_weight: float) -> float:
-    """How far one contributor of weight ``weight`` (out of ``total_weight``) can move the clipped result, for
-    a fixed center and radius, whatever its part: ``2 * iterations * radius * weight / total_weight``."""
-    return 2 * rule.iterations * radius * weight / total_weight
+def rescale(parts: torch.Tensor, caps: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Step 2: ``parts`` (n, d) rescaled to the lower median length ``M`` (zero parts stay zero), their length
+    ratios ``|d_i| / M`` capped at ``caps``, and the fraction of each length its cap kept. ``M`` must be > 0.
+    Norms in fp64: a finite part of 1e38s has a finite norm there."""
+    norms = torch.stack([torch.linalg.vector_norm(p, dtype=torch.float64) for p in parts])
+    m = float(lower_median(norms))
+    ratio = norms / m
+    capped = torch.minimum(ratio, torch.tensor(caps, dtype=torch.float64))
+    to_median = torch.where(norms > 0, m / norms.clamp_min(1e-300), 0.0)
+    return parts * to_median.to(torch.float32)[:, None], capped, torch.where(ratio > 0, capped / ratio, 1.0)
 
 
-def aggregate(parts: Sequence[torch.Tensor], weights: Sequence[float], rule: AggregationRule) -> Aggregate:
+def influence_bound(rule: AggregationRule, radius: float, strength: float, total_weight: float) -> float:
+    """How far one contributor of strength ``strength`` (``a_k``; total weight used ``total_weight``) can move
+    the clipped result, for a fixed center, radius and strengths, whatever its part:
+    ``2 * iterations * radius * strength / total_weight``."""
+    return 2 * rule.iterations * radius * strength / total_weight
+
+
+def aggregate(parts: Sequence[torch.Tensor], weights: Sequence[float], rule: AggregationRule,
+              caps: Optional[Sequence[Optional[float]]] = None) -> Aggregate:
     """Combines ``parts`` (1-D fp32 tensors of one length, finite) declared with ``weights`` (finite, > 0)
-    by ``rule``. Deterministic for a given order."""
-    if not parts or len(parts) != len(weights):
+    by ``rule``; ``caps``: per part, the cap its vouched speed earns (:func:`vouched_caps`; None: the rule's
+    ``weight_cap`` and ``length_cap``). Deterministic for a given order."""
+    if not parts or len(parts) != len(weights) or (caps is not None and len(caps) != len(parts)):
         raise ValueError(f"{len(parts)} parts with {len(weights)} weights")
+    n = len(parts)
     stacked = torch.stack([p.to(torch.float32) for p in parts])
     if rule.kind is Aggregator.MEAN:
         w = torch.tensor(weights, dtype=torch.float64)
         value = ((w / w.sum()).to(torch.float32) @ stacked)
-        return Aggregate(value, list(weights), [1.0] * len(parts))
-    used = capped_weights(weights, rule.weight_cap)
-    w = torch.tensor(used, dtype=torch.float64)
-    stacked = norm_guard(stacked)
-    center = coordinate_median(stacked)
-    dist = torch.linalg.vector_norm(stacked - center, dim=1).sort().values
+        return Aggregate(value, list(weights), [1.0] * n, lengths=[1.0] * n, strengths=list(weights))
+    earned = list(caps) if caps is not None else [None] * n
+    used = capped_weights(weights, [max(rule.weight_cap, c or 0.0) for c in earned])
+    norms = torch.stack([torch.linalg.vector_norm(p, dtype=torch.float64) for p in stacked])
+    if float(lower_median(norms)) == 0.0:  # at least half the parts are zero: so is the answer
+        return Aggregate(torch.zeros_like(stacked[0]), used, [1.0] * n, 0.0, [1.0] * n, [0.0] * n)
+    directions, ratios, lengths = rescale(stacked, [max(rule.length_cap, c or 0.0) for c in earned])
+    strength = torch.tensor(used, dtype=torch.float64) * ratios
+    center = coordinate_median(directions)
+    dist = torch.linalg.vector_norm(directions - center, dim=1).sort().values
     radius = rule.clip_factor * float(dist[dist.numel() // 2])
-    if radius == 0.0:  # at least half the parts sit on the center: it is the answer
-        return Aggregate(center, used, [1.0] * len(parts), 0.0)
-    value, kept = centered_clip(stacked, w, center, radius, rule.iterations)
-    return Aggregate(value, used, kept.tolist(), radius)
+    if radius == 0.0:  # at least half the directions sit on the center: it is the answer
+        value, kept = center, torch.ones(n)
+    else:
+        value, kept = centered_clip(directions, strength, center, radius, rule.iterations)
+    value = value * float(strength.sum() / sum(used))
+    return Aggregate(value, used, kept.tolist(), radius, lengths.tolist(), strength.tolist())

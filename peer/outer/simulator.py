@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
-from peer.outer.aggregate import OFFENCE_CLIP, AggregationRule, aggregate
+from peer.outer.aggregate import AggregationRule, aggregate
 from peer.outer.codec import Codec, get_codec
 from peer.outer.rounds import RoundOutcome, RoundStatus, Span
 from peer.outer.engine import StreamingEngine
@@ -103,8 +103,8 @@ class FakeTransport:
             order = sorted(kept)
             if self.rule is not None:
                 combined = aggregate([kept[i][0] for i in order], [kept[i][1] for i in order], self.rule)
-                for i, share in zip(order, combined.kept):
-                    if share < OFFENCE_CLIP:
+                for k, i in enumerate(order):
+                    if combined.offending(k):
                         self._offence(i, key)
                 value, total = combined.value, combined.total_weight
             else:

@@ -1,5 +1,5 @@
 """Checks made before a peer joins the swarm, so that whatever a user can fix is reported in one line
-before any other peer waits for this one: the device, the model's contract, the data.
+before any other peer waits for this one: the device, the model's contract, the data, our pass.
 
 Each raises :class:`~peer.errors.SetupError` (one line, exit status 2).
 """
@@ -7,7 +7,7 @@ Each raises :class:`~peer.errors.SetupError` (one line, exit status 2).
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -15,6 +15,9 @@ from peer.config import PeerConfig
 from peer.errors import SetupError
 from peer.local.data import make_source
 from peer.local.model import build_model
+
+if TYPE_CHECKING:
+    from peer.net.auth import RunAccess
 
 # The smallest batch that shows a model's output shape (a forward on the meta device costs nothing).
 _PROBE_BATCH, _PROBE_LEN = 2, 8
@@ -90,3 +93,29 @@ def open_data(cfg: PeerConfig, shard: int):
     except (ValueError, OSError) as e:
         raise SetupError(f"data: {e}") from None
     return source
+
+
+def load_access(cfg: PeerConfig) -> Optional["RunAccess"]:
+    """Our pass in an authenticated run (``swarm.authority`` set), checked against the run's authority and our
+    identity; None in an open run. Must be called after the identity exists."""
+    if not cfg.swarm.authority:
+        return None
+    from peer.net.auth import RunAccess
+
+    try:
+        return RunAccess.load(cfg.swarm.authority, cfg.pass_path, cfg.identity_path)
+    except ValueError as e:
+        raise SetupError(str(e)) from None
+
+
+def pass_request_line(cfg: PeerConfig) -> str:
+    """The line a volunteer sends the operator of an authenticated run (``swarm-peer pass-request``): its peer id
+    and identity key; the identity is created if missing."""
+    from peer.net.auth import identity_key, pass_request
+    from peer.net.dht import ensure_identity
+
+    try:
+        ensure_identity(cfg.identity_path)
+    except (ValueError, OSError) as e:
+        raise SetupError(f"--identity-path: {e}") from None
+    return pass_request(identity_key(cfg.identity_path))

@@ -42,6 +42,7 @@ from peer.outer.schedule import ClockSchedule, StepsSchedule
 from peer.net.consensus import plan_catch_up, step_after_catch_up
 from peer.net.state_transfer import DownloadError, Snapshot
 from peer.net.transport import SwarmTransport
+from peer.net.auth import fingerprint
 from peer.outer.aggregate import AggregationRule
 from peer.outer.engine import AutoTau, OuterSettings, StreamingEngine
 from peer.run.status import StatusLine, describe
@@ -81,6 +82,9 @@ class StopFlag:
         self.event.set()
 
 
+EXIT_REVOKED = 2  # the authority revoked our pass: a setup to fix (a new pass), like a pass that is missing
+
+
 class Trainer:
     """Runs one peer until ``max_steps`` or a stop signal. Create, then call :meth:`run` once."""
 
@@ -92,9 +96,8 @@ class Trainer:
         # Created here (nothing starts before run()); its DHT process forks, so run() starts it before any CUDA.
         codec = make_codec(cfg.outer.codec, stochastic_rounding=True) if cfg.outer.stochastic_rounding \
             else cfg.outer.codec
-        self.swarm = Swarm(cfg.swarm, run_key=cfg.run_hash(), codec=codec, identity_path=str(cfg.identity_path),
-                           rule=AggregationRule.from_config(cfg.outer))
-        self.swarm.exclusions.on_exclude = lambda peer, why: self.events.emit("peer_excluded", peer=peer, reason=why)
+        self.codec = codec
+        self.swarm: Swarm  # created in _run, once the identity (and, in an authenticated run, our pass) is checked
         self.bytes_up = self.bytes_down = 0
         self.rounds_done = 0
         self.rounds_ok = self.rounds_total = 0
@@ -153,6 +156,16 @@ class Trainer:
         preflight.check_device(cfg.inner.device)
         preflight.check_model(cfg)
         source = preflight.open_data(cfg, cfg.data.shard if cfg.data.shard >= 0 else shard_of(peer_id))
+        access = preflight.load_access(cfg)
+        if access is None:
+            log.info("open run: any peer may join and contribute (set swarm.authority to admit only peers with a "
+                     "pass); contributions are bounded by the %s rule", cfg.outer.aggregator)
+        else:
+            log.info("authenticated run: only peers with a pass from authority %s take part; our pass is valid "
+                     "until %s", fingerprint(access.checker.authority_bytes), access.token.expiration_time)
+        self.swarm = Swarm(cfg.swarm, run_key=run_hash, codec=self.codec, identity_path=str(cfg.identity_path),
+                           rule=AggregationRule.from_config(cfg.outer), access=access)
+        self.swarm.exclusions.on_exclude = lambda peer, why: self.events.emit("peer_excluded", peer=peer, reason=why)
         try:  # the DHT forks a process: start it before anything can initialize CUDA
             try:
                 self.swarm.start(stop=self.stop.event)
@@ -235,6 +248,8 @@ class Trainer:
         tok_s, compute_seconds = 0.0, 0.0
         last_ckpt_time, last_ckpt_rounds = time.monotonic(), self.rounds_done
         while not self.stop.event.is_set() and (cfg.run.max_steps == 0 or step < cfg.run.max_steps):
+            if self.swarm.revoked:
+                break
             step = self._realign(engine, step)
             t_step = time.monotonic()
             batch = source.next_batch(cfg.data.batch_size, cfg.model.seq_len)
@@ -280,9 +295,13 @@ class Trainer:
         engine.abandon()
         self._checkpoint(step, **parts)
         reason = "stop signal" if self.stop.event.is_set() else f"max_steps={cfg.run.max_steps}"
+        if self.swarm.revoked and not self.stop.event.is_set():
+            reason = "pass revoked"
+            log.error("the run authority revoked this peer's pass: no peer of the run works with it any more; "
+                      "ask the operator for a new pass (swarm.pass_path). Progress is kept in the checkpoint")
         log.info("stopping after step %d (%s); %d rounds applied", step, reason, self.rounds_done)
         self.events.emit("stop", step=step, reason=reason, rounds=self.rounds_done, tokens=tokens_total)
-        return 0
+        return EXIT_REVOKED if reason == "pass revoked" else 0
 
     # ---- phase -------------------------------------------------------------------------------
     def _realign(self, engine: StreamingEngine, step: int) -> int:
