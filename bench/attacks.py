@@ -15,8 +15,8 @@ non-finite parts are refused, and with ``clipped`` a replica with 3 offences (re
 cut to less than a tenth) is excluded, as the swarm's peers do (peer/net/exclusion.py). The whole vector is one
 span here (the swarm cuts it into one span per reducer).
 
-Not here (need the swarm's processes): a lying reducer, a member that breaks every round, forged progress
-records and a forged state donor; tests/test_allreduce.py and tests/test_exclusion.py cover those defences.
+Not here (they need the swarm's processes): a lying reducer, a member that breaks every round, forged
+progress records and a forged state donor: bench/swarm_attacks.py runs them in loopback swarms.
 
 Prints one table (and writes ``--out``, JSON): per attack and rule, the honest replicas' final eval CE, its
 change against the clean run with the same rule, and the round at which the attackers were excluded.

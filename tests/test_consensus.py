@@ -65,6 +65,7 @@ def test_in_step_with():
     assert in_step_with(rec("a", 0, rounds=(3, 2)), [3, 3])  # one round late: same phase
     assert not in_step_with(rec("a", 0, rounds=(1, 3)), [3, 3])  # trained alone: it will move back itself
     assert not in_step_with(rec("a", 0, rounds=(3,)), [3, 3])
+    assert in_step_with(rec("a", 0, rounds=(4, 3)), [3, 3]) and not in_step_with(rec("a", 0, rounds=(5, 3)), [3, 3])
 
 
 def test_realign_moves_up_to_just_before_the_round_the_lead_is_at():
@@ -83,6 +84,13 @@ def test_realign_moves_up_to_just_before_the_round_the_lead_is_at():
     unmeasured = dict(kw, step_seconds=None)  # right after a restart: a whole H behind is enough
     assert realign(records, "me", my_step=12, **unmeasured).step == 89
     assert realign(view(rec("me", 12)), "me", my_step=12, **kw) is None
+    # issue 13: one record claiming to be far ahead (in steps, or in rounds too) sets no phase among others
+    honest = [rec("h1", 95, time=100.0), rec("h2", 93, time=100.0)]
+    for forged in (rec("liar", 10**6), rec("liar", 10**6, rounds=(1003, 1003)), rec("liar", 200)):
+        assert realign(view(rec("me", 12), *honest, forged), "me", my_step=12, **kw).step == 89, forged
+    assert realign(view(rec("me", 12), rec("liar", 10**6, rounds=(1003, 1003))), "me", my_step=12, **kw) is None
+    # alone with one other peer that trained on alone while we were away (its step past its rounds): followed
+    assert realign(view(rec("me", 12), rec("other", 400)), "me", my_step=12, **kw).step == 399
 
 
 def state(pid, rounds, digests):
@@ -187,3 +195,15 @@ def test_after_a_download_the_step_moves_up_to_the_donors_and_back_only_after_ru
     assert step_after_catch_up(60, [80, 90], records, "me", H) == 90  # behind the donors: up to them
     assert step_after_catch_up(100, [90], records, "me", H) == 100  # a bit ahead: never back (re-launching)
     assert step_after_catch_up(400, [90], records, "me", H) == 90  # ran ahead alone (> H past everyone): back
+
+
+def test_drift_is_found_at_our_latest_round_the_records_cover():
+    """Rounds faster than records: no other record has reached our round 12 yet. The check compares at our round
+    11 (their current one), where our state already went off (a catch-up that landed a round late), and plans
+    the download; with our round 11 right, nothing is planned; without our history nothing can be judged."""
+    others = {p: state(p, [11], ["good11"]) for p in ("x", "y")}
+    plans = plan_catch_up(others, "me", [12], ["ours12"], joining=False, my_past=[{10: "a", 11: "bad11"}])
+    assert [(c.fragment, c.round, c.digest, sorted(c.donors)) for c in plans] == [(0, 11, "good11", ["x", "y"])]
+    assert "at round 11" in plans[0].reason
+    assert plan_catch_up(others, "me", [12], ["ours12"], joining=False, my_past=[{11: "good11"}]) == []
+    assert plan_catch_up(others, "me", [12], ["ours12"], joining=False) == []

@@ -22,6 +22,20 @@ def test_a_peer_is_excluded_at_the_threshold_once_and_says_why():
     assert "other" not in ledger and ledger.excluded() == {"bad": told[0][1]}
 
 
+def test_a_reducer_silent_in_rounds_in_a_row_is_excluded_one_silence_is_forgiven():
+    """A reducer that holds its members to the deadline every round (never-finishing streams) is excluded after
+    threshold rounds in a row; one that answers in between (a laptop that slept mid-round once) is not."""
+    told = []
+    ledger = Exclusions(threshold=3, on_exclude=lambda peer, why: told.append(peer))
+    for r in range(5):
+        assert not ledger.silent("sleepy", f"round {r}")
+        assert not ledger.silent("sleepy", f"round {r}b")
+        ledger.answered("sleepy")
+    assert not ledger.silent("hang", "round 1") and not ledger.silent("hang", "round 2")
+    assert ledger.silent("hang", "round 3") and "hang" in ledger and told == ["hang"]
+    assert "sleepy" not in ledger and "3 rounds in a row" in ledger.excluded()["hang"]
+
+
 def test_offences_of_many_forged_ids_cost_bounded_memory():
     ledger = Exclusions(threshold=2)
     for i in range(MAX_TRACKED + 100):

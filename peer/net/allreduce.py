@@ -346,6 +346,7 @@ class SpanResult:
     why: str = ""
     total_weight: float = 0.0
     offence: bool = False  # the reducer answered, and what it sent is wrong (not the network)
+    timed_out: bool = False  # nothing complete came before the round's deadline
 
 
 def _span_from_responses(plan: GroupPlan, j: int, responses: list[pb.ReduceResponse]) -> SpanResult:
@@ -370,6 +371,17 @@ def _span_from_responses(plan: GroupPlan, j: int, responses: list[pb.ReduceRespo
     if filled != end - start:  # (the stream ended early: the network's)
         return SpanResult(None, why=f"average covers {filled} of {end - start} elements")
     return SpanResult(out, contributors, "", total)
+
+
+def _note_silence(plan: GroupPlan, j: int, got: SpanResult, results: dict[int, SpanResult],
+                  exclusions: Exclusions) -> None:
+    """Tells the ledger whether remote reducer ``j`` answered, or timed out while another remote reducer's span
+    arrived (then the network is not simply ours): ``Exclusions.silent``."""
+    peer = str(plan.peer_ids[j])
+    if got.average is not None:
+        exclusions.answered(peer)
+    elif got.timed_out and any(r.average is not None for k, r in results.items() if k not in (j, plan.my_index)):
+        exclusions.silent(peer, f"{plan.label}: {got.why}")
 
 
 def _check_spans(plan: GroupPlan, results: dict[int, SpanResult], delta: torch.Tensor) -> None:
@@ -418,7 +430,8 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
             try:
                 results[j] = _span_from_responses(plan, j, await task)
             except Exception as e:  # a dead reducer, or one that broke the stream: this span is missing
-                results[j] = SpanResult(None, why=f"{type(e).__name__}: {e}")
+                results[j] = SpanResult(None, why=f"{type(e).__name__}: {e}",
+                                        timed_out=isinstance(e, (asyncio.TimeoutError, TimeoutError)))
         _check_spans(plan, results, delta)
         spans, contributors, total_weight = [], [], 0.0
         for j, (start, end) in enumerate(plan.spans):
@@ -431,6 +444,8 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
                             j, start, end, short_id(plan.peer_ids[j]), got.why)
             if got.offence:
                 servicer.exclusions.report(str(plan.peer_ids[j]), Offence.BAD_AVERAGE, f"{plan.label}: {got.why}")
+            elif j != plan.my_index:
+                _note_silence(plan, j, got, results, servicer.exclusions)
             spans.append(Span(start, end, got.average))
             contributors.append(got.contributors)
         # Our average must reach every member still reading it before we return: the caller may

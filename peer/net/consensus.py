@@ -73,8 +73,18 @@ def nobody_coming(records: Mapping[str, ProgressRecord], me: str, *, launch_step
 def in_step_with(rec: ProgressRecord, my_rounds: Sequence[int]) -> bool:
     """Whether ``rec``'s peer can set the phase for us: its state is at most one round behind ours in every
     fragment (a peer that advertises a round a moment late is still in the same phase; one that is two or
-    more behind trained alone and will download the swarm's state and move back)."""
-    return len(rec.rounds) == len(my_rounds) and all(r >= m - 1 for r, m in zip(rec.rounds, my_rounds))
+    more behind trained alone and will download the swarm's state and move back), and at most one ahead
+    (further ahead, we are the one behind: the catch-up downloads the swarm's state, by the majority's word,
+    not by one record's)."""
+    return len(rec.rounds) == len(my_rounds) and all(m - 1 <= r <= m + 1 for r, m in zip(rec.rounds, my_rounds))
+
+
+def plausible_lead(rec: ProgressRecord, H: int, num_fragments: int) -> bool:
+    """Whether ``rec``'s step fits its rounds: not past the launch of fragment 0's round after next (one failed
+    round in between). A step far ahead of its rounds is either a peer that trained alone (a 2-peer swarm
+    while the other was away) or a forged record (issue 13: it would move every peer's step, and with it the
+    learning-rate schedule, to the end of the run): :func:`realign` follows it only with the others' support."""
+    return bool(rec.rounds) and rec.step <= sync_step(0, rec.rounds[0] + 2, num_fragments, H)
 
 
 @dataclass(frozen=True)
@@ -106,15 +116,24 @@ def realign(records: Mapping[str, ProgressRecord], me: str, *, my_step: int, my_
             ) -> Optional[Realignment]:
     """Where to move our step counter (steps schedule) so that we launch the swarm's current round, or None.
 
-    The lead is the live peer in step with us (:func:`in_step_with`) that is furthest ahead (at its
+    The lead is the live peer in step with us (:func:`in_step_with`; one whose step runs past its rounds only
+    with the others' support, :func:`plausible_lead`) that is furthest ahead (at its
     :func:`projected_step`, DHT time ``now``). We move up when we are at least ``min_lag_seconds`` behind it
     at our own ``step_seconds`` (a shorter lag is covered by the lead's patience), or a whole ``H`` steps
     behind (also while our step time is not measured yet). The new step is just before the latest sync step
     the lead has reached, so that sync is our next launch: never past it (we would skip the round the lead
     is looking for a group for), never back.
     """
-    leads = [(projected_step(rec, now=now, step_seconds=step_seconds, H=H, num_fragments=num_fragments), rec.peer_id)
-             for pid, rec in records.items() if pid != me and in_step_with(rec, my_rounds)]
+    candidates = [(projected_step(rec, now=now, step_seconds=step_seconds, H=H, num_fragments=num_fragments),
+                   rec.peer_id, rec) for pid, rec in records.items() if pid != me and in_step_with(rec, my_rounds)]
+    if not candidates:
+        return None
+    # A lead whose step runs past its rounds needs support: at most H past the lower median of the candidates
+    # (one forged record among honest ones cannot pull the swarm), unless it is the only one to follow.
+    ordered = sorted(c[0] for c in candidates)
+    median = ordered[(len(ordered) - 1) // 2]
+    leads = [(s, pid) for s, pid, rec in candidates
+             if len(candidates) == 1 or plausible_lead(rec, H, num_fragments) or s <= median + H]
     if not leads:
         return None
     lead_step, lead = max(leads)
@@ -221,7 +240,8 @@ def swarm_is_past(records: Mapping[str, ProgressRecord], me: str, fragment: int,
 
 def plan_catch_up(records: Mapping[str, ProgressRecord], me: str, my_rounds: Sequence[int],
                   my_digests: Sequence[str], *, joining: bool,
-                  expected: Optional[Sequence[int]] = None, suspect: Sequence[int] = ()) -> list[CatchUp]:
+                  expected: Optional[Sequence[int]] = None, suspect: Sequence[int] = (),
+                  my_past: Sequence[Mapping[int, str]] = ()) -> list[CatchUp]:
     """Which fragments to download, from the other peers' progress records (pure; see below).
 
     Rounds here are *applied* rounds (a peer that trained alone does not advance). For each fragment,
@@ -234,6 +254,11 @@ def plan_catch_up(records: Mapping[str, ProgressRecord], me: str, my_rounds: Seq
     more, or it is the smaller of a tie once no other peer's record is behind our round (two survivors of a broken round
     converge on one state; a record not yet updated cannot turn a tie against the majority), or any other
     digest for a fragment in ``suspect`` (our own last round of it was partial: we are the likely odd one out).
+
+    ``my_past``: per fragment, our own digests of earlier rounds ({round: digest}). When rounds come faster than
+    records, no other record has reached our current round yet; the comparison is then made at our latest
+    earlier round that other records cover (a state that went off stays off: every later round applies the
+    same averages to it).
     """
     plans = []
     for p, (mine_r, mine_d) in enumerate(zip(my_rounds, my_digests)):
@@ -242,11 +267,12 @@ def plan_catch_up(records: Mapping[str, ProgressRecord], me: str, my_rounds: Seq
             continue
         best, digest, donors = state
         others = _others(records, me, p)
-        at_mine = {pid: d for pid, rec in records.items() if pid != me and (d := digest_at(rec, p, mine_r))}
+        check_r, check_d, at_mine = _latest_covered(records, me, p, {**(my_past[p] if p < len(my_past) else {}),
+                                                                     mine_r: mine_d})
         same_round = list(at_mine.values())
         if best > mine_r and (joining or best >= mine_r + 2 or (expected is not None and best > expected[p])):
             plans.append(CatchUp(p, best, digest, donors, f"behind: round {mine_r}, swarm at {best}"))
-        elif same_round and mine_d not in same_round:
+        elif same_round and check_d not in same_round:
             # We disagree with everyone at our round. The most common digest there wins over ours when more
             # peers hold it than ours (us counted); a tie goes to the smallest, so two survivors of a broken
             # round converge on one state, but only once every other peer's record has reached our round:
@@ -257,8 +283,8 @@ def plan_catch_up(records: Mapping[str, ProgressRecord], me: str, my_rounds: Seq
             # ``suspect``: fragments whose state we know to be off since a partial round of ours (a span we did
             # not apply): there any other digest at our round wins a tie. (Two suspects holding each other's
             # digest swap once; neither is suspect after adopting, so the next check converges them.)
-            settled = all(r >= mine_r for _, r, _ in others)
-            if counts[winner] > 1 or p in suspect or (settled and winner < mine_d):
+            settled = all(r >= check_r for _, r, _ in others)
+            if counts[winner] > 1 or p in suspect or (settled and winner < check_d):
                 # Download what the winner's holders hold now: our round, or a later one they have applied since.
                 newest: dict[tuple[int, str], list[str]] = {}
                 for pid, r, d in others:
@@ -266,8 +292,20 @@ def plan_catch_up(records: Mapping[str, ProgressRecord], me: str, my_rounds: Seq
                         newest.setdefault((r, d), []).append(pid)
                 (round_, digest), holders = max(newest.items(), key=lambda kv: (len(kv[1]), kv[0][0]))
                 plans.append(CatchUp(p, round_, digest, holders,
-                                     f"digest {mine_d[:12]} disagrees with the swarm's at round {mine_r}"))
+                                     f"digest {check_d[:12]} disagrees with the swarm's at round {check_r}"))
     return plans
+
+
+def _latest_covered(records: Mapping[str, ProgressRecord], me: str, fragment: int,
+                    history: Mapping[int, str]) -> tuple[int, str, dict[str, str]]:
+    """Our latest round in ``history`` ({round: our digest}) at which other records tell their digest, with
+    ours and theirs ({peer: digest}); our latest round and no digests if no record covers any."""
+    for round_, mine in sorted(history.items(), reverse=True):
+        theirs = {pid: d for pid, rec in records.items() if pid != me and (d := digest_at(rec, fragment, round_))}
+        if theirs:
+            return round_, mine, theirs
+    latest = max(history)
+    return latest, history[latest], {}
 
 
 def step_after_catch_up(step: int, donor_steps: Sequence[int], records: Mapping[str, ProgressRecord], me: str,

@@ -31,7 +31,7 @@ MAX_TRACKED = 4096  # peers with offences remembered (oldest first out); bounds 
 class Offence(enum.StrEnum):
     BAD_PART = "bad_part"  # a part that does not decode, or a header with a wrong span or an invalid weight
     CLIPPED = "clipped"  # a part the robust rule cut to less than OFFENCE_CLIP of its distance from the center
-    BAD_AVERAGE = "bad_average"  # a reducer's result that failed our checks (metadata, decoding, plausibility)
+    BAD_AVERAGE = "bad_average"  # a reducer's result that failed our checks (metadata, decoding, size, direction)
 
 
 @dataclass
@@ -43,6 +43,7 @@ class Exclusions:
     on_exclude: Optional[Callable[[str, str], None]] = None
     _offences: dict[str, list[str]] = field(default_factory=dict)
     _excluded: dict[str, str] = field(default_factory=dict)
+    _silent: dict[str, int] = field(default_factory=dict)  # reducer -> rounds in a row its span timed out
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def report(self, peer: str, offence: Offence, detail: str) -> bool:
@@ -63,6 +64,32 @@ class Exclusions:
         if self.on_exclude is not None:
             self.on_exclude(peer, why)
         return True
+
+    def silent(self, peer: str, detail: str) -> bool:
+        """A reducer whose span never came within the round's deadline while other reducers' did. Once is no
+        offence (a laptop that sleeps mid-round, a link that stalls); ``threshold`` rounds in a row excludes it,
+        as a reducer that holds its members' streams to the deadline every round would otherwise cost every
+        round. True if that excluded it."""
+        with self._lock:
+            if peer in self._excluded:
+                return False
+            count = self._silent.pop(peer, 0) + 1
+            self._silent[peer] = count
+            while len(self._silent) > MAX_TRACKED:
+                self._silent.pop(next(iter(self._silent)))
+            if count < self.threshold:
+                return False
+            why = f"its span timed out in {count} rounds in a row while the others arrived (last: {detail})"
+            self._excluded[peer] = why
+        log.warning("excluding peer %s for the rest of the run (%s)", short_id(peer), why)
+        if self.on_exclude is not None:
+            self.on_exclude(peer, why)
+        return True
+
+    def answered(self, peer: str) -> None:
+        """A reducer whose span arrived: its run of silent rounds is over."""
+        with self._lock:
+            self._silent.pop(peer, None)
 
     def __contains__(self, peer: object) -> bool:
         return str(peer) in self._excluded

@@ -281,9 +281,16 @@ class Swarm:
                             short_id(self.peer_id), short_id(pid))
 
     @property
-    def revoked(self) -> bool:
-        """Whether the run's authority revoked our own pass (then no peer of the run works with us)."""
-        return self.access is not None and self.peer_id in self.admission.revoked
+    def pass_ended(self) -> Optional[str]:
+        """Authenticated runs: why our own pass no longer admits us (the authority revoked it, or it expired),
+        or None. Then no peer of the run works with us."""
+        if self.access is None:
+            return None
+        if self.peer_id in self.admission.revoked:
+            return "the run authority revoked this peer's pass"
+        if not self.access.checker.valid(self.access.token):
+            return f"this peer's pass expired at {self.access.token.expiration_time}"
+        return None
 
     def refused(self, peer: object) -> bool:
         """Whether we work with ``peer`` in no group: we excluded it, or it holds no valid pass (authenticated
@@ -303,10 +310,11 @@ class Swarm:
         any of them is live; otherwise every live record (a peer that has met no one yet, e.g. a joiner).
 
         A record is self-declared: one peer can publish records under many made-up ids (sybils), each claiming
-        a "majority" state or a round far ahead. Only peers that took part in our rounds count, so such a
-        majority cannot be manufactured without joining rounds (and being clipped and excluded there). A
-        joiner has no such anchor: in an open run it trusts the records it finds; an authenticated run (issue
-        13, open) is the answer there."""
+        a "majority" state or a round far ahead. Only peers that took part in our rounds count, so such claims
+        cannot be manufactured without joining rounds (and being clipped and excluded there). A joiner has no
+        such anchor: in an open run it trusts the records it finds; in an authenticated run every record
+        carries a pass. (Who we wait for in matchmaking stays every live peer: a newcomer has met no one, and
+        a group that never waits for it would never let it in.)"""
         live = self.live_peers()
         now = time.monotonic()
         vouched = {pid: rec for pid, rec in live.items()
@@ -331,12 +339,20 @@ class Swarm:
         per_fragment = min(PAST_ROUNDS - 1, MAX_PAST // max(1, len(past)))
         return [(p, r, d) for p, rounds in sorted(past.items()) for r, d in list(rounds.items())[-1 - per_fragment:-1]]
 
-    def publish_snapshot(self, snap: Snapshot) -> None:
+    def publish_snapshot(self, snap: Snapshot, *, adopted: bool = False) -> None:
         """Serves ``snap`` to joiners and advertises its (round, digest) with the next heartbeat (and, for
-        PAST_ROUNDS rounds after, in the record's ``past``). May be called from any thread."""
+        PAST_ROUNDS rounds after, in the record's ``past``). ``adopted``: a state downloaded from the swarm,
+        which replaces our earlier rounds' digests (they were of a state we left). May be called from any
+        thread."""
         self.state_servicer.publish(snap)
-        past = {**self._past.get(snap.fragment, {}), snap.round: snap.digest}
-        self._past[snap.fragment] = dict(sorted(past.items())[-PAST_ROUNDS:])
+        past = {**({} if adopted else self._past.get(snap.fragment, {})), snap.round: snap.digest}
+        self._past = {**self._past, snap.fragment: dict(sorted(past.items())[-PAST_ROUNDS:])}
+
+    def recent_digests(self, num_fragments: int) -> list[dict[int, str]]:
+        """Per fragment, our digests of its last PAST_ROUNDS published rounds ({round: digest}; the drift check
+        compares at the latest one other records cover: consensus.plan_catch_up)."""
+        past = self._past
+        return [dict(past.get(p, {})) for p in range(num_fragments)]
 
     def download_state(self, fragment: int, donors: list[str], *, round_: int, numel: int, digest: str) -> Snapshot:
         """Blocking: the fragment's state from the first donor that delivers ``digest``; DownloadError if none

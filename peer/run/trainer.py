@@ -82,7 +82,7 @@ class StopFlag:
         self.event.set()
 
 
-EXIT_REVOKED = 2  # the authority revoked our pass: a setup to fix (a new pass), like a pass that is missing
+EXIT_PASS_ENDED = 2  # our pass was revoked or expired: a setup to fix (a new pass), like a pass that is missing
 
 
 class Trainer:
@@ -248,7 +248,7 @@ class Trainer:
         tok_s, compute_seconds = 0.0, 0.0
         last_ckpt_time, last_ckpt_rounds = time.monotonic(), self.rounds_done
         while not self.stop.event.is_set() and (cfg.run.max_steps == 0 or step < cfg.run.max_steps):
-            if self.swarm.revoked:
+            if self.swarm.pass_ended:
                 break
             step = self._realign(engine, step)
             t_step = time.monotonic()
@@ -295,13 +295,14 @@ class Trainer:
         engine.abandon()
         self._checkpoint(step, **parts)
         reason = "stop signal" if self.stop.event.is_set() else f"max_steps={cfg.run.max_steps}"
-        if self.swarm.revoked and not self.stop.event.is_set():
-            reason = "pass revoked"
-            log.error("the run authority revoked this peer's pass: no peer of the run works with it any more; "
-                      "ask the operator for a new pass (swarm.pass_path). Progress is kept in the checkpoint")
+        ended = self.swarm.pass_ended if not self.stop.event.is_set() else None
+        if ended:
+            reason = "pass ended"
+            log.error("%s: no peer of the run works with it any more; ask the operator for a new pass "
+                      "(swarm.pass_path). Progress is kept in the checkpoint", ended)
         log.info("stopping after step %d (%s); %d rounds applied", step, reason, self.rounds_done)
         self.events.emit("stop", step=step, reason=reason, rounds=self.rounds_done, tokens=tokens_total)
-        return EXIT_REVOKED if reason == "pass revoked" else 0
+        return EXIT_PASS_ENDED if ended else 0
 
     # ---- phase -------------------------------------------------------------------------------
     def _realign(self, engine: StreamingEngine, step: int) -> int:
@@ -342,9 +343,9 @@ class Trainer:
         return self._realigned[1].behind_steps
 
     # ---- state ---------------------------------------------------------------------------------
-    def _publish_snapshot(self, frag: Fragment, st: FragmentState, step: int) -> None:
+    def _publish_snapshot(self, frag: Fragment, st: FragmentState, step: int, *, adopted: bool = False) -> None:
         self.swarm.publish_snapshot(Snapshot(frag.index, st.last_applied, step, st.G.clone(), st.v.clone(),
-                                             st.digest()))
+                                             st.digest()), adopted=adopted)
 
     def _catch_up(self, engine: StreamingEngine, step: int, *, joining: bool, late: bool = False) -> int:
         """Downloads the fragments where the swarm's majority state is ahead of or differs from ours
@@ -356,7 +357,8 @@ class Trainer:
         plans = plan_catch_up(records, self.swarm.peer_id, [st.last_applied for st in engine.states],
                               [st.digest() for st in engine.states], joining=joining,
                               expected=[engine.expected_round(p) for p in range(len(engine.states))] if late else None,
-                              suspect=sorted(self._suspect))
+                              suspect=sorted(self._suspect),
+                              my_past=self.swarm.recent_digests(len(engine.states)))
         donor_steps = []
         for plan in plans:
             frag, t0 = engine.fragments[plan.fragment], time.monotonic()
@@ -371,7 +373,7 @@ class Trainer:
             engine.adopt(plan.fragment, snap.G, snap.v, snap.round)
             self._suspect.discard(plan.fragment)
             donor_steps.append(snap.step)
-            self._publish_snapshot(frag, engine.states[plan.fragment], snap.step)
+            self._publish_snapshot(frag, engine.states[plan.fragment], snap.step, adopted=True)
             log.info("fragment %d: caught up to round %d (digest %s) in %.1fs; %s", plan.fragment, snap.round,
                      snap.digest[:12], time.monotonic() - t0, plan.reason)
             self.events.emit("catch_up", fragment=plan.fragment, round=snap.round, digest=snap.digest,

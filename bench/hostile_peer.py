@@ -1,0 +1,150 @@
+"""A hostile peer for bench/swarm_attacks.py: the real peer with one behaviour changed, as an attacker would
+change their own copy of the client.
+
+    python bench/hostile_peer.py ATTACK run [swarm-peer run flags...]
+
+ATTACK is one of:
+
+- ``lying_reducer``: as a reducer, returns the negation of the honest aggregate of its span (same size, so
+  only the members' direction check can tell);
+- ``round_breaker``: sends every reducer a part scaled by 1e30 and never answers as a reducer (its span's
+  members wait until allreduce_timeout);
+- ``sybil_majority``: publishes a state of its own (its G negated, with the matching digest) and six more
+  progress records under made-up peer ids claiming that same state: a "majority" of 7 against 4;
+- ``far_ahead``: publishes the same forged state and a record claiming to be 1,000 rounds and 10^6 steps ahead;
+- ``forged_donor``: advertises the swarm's digest but serves a negated G to whoever downloads from it.
+
+Every forged thing is logged on this process's console ("HOSTILE: ..."), so a bench can count it. Not part
+of the product: it imports it and patches it in this process only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+log = logging.getLogger("hostile")
+SYBILS = 6
+
+
+def lying_reducer() -> None:
+    from peer.net import allreduce
+
+    honest = allreduce.SpanReduction._combine
+
+    def lie(self):
+        log.warning("HOSTILE: negating the average of %s", self.plan.label)
+        return -honest(self)
+
+    allreduce.SpanReduction._combine = lie
+
+
+def round_breaker() -> None:
+    from peer.net import allreduce
+
+    send = allreduce._remote_span
+
+    async def huge_part(p2p, plan, j, values, *args, **kwargs):
+        log.warning("HOSTILE: sending a x1e30 part to reducer %d of %s", j, plan.label)
+        return await send(p2p, plan, j, values * 1e30, *args, **kwargs)
+
+    async def never(self):
+        log.warning("HOSTILE: never answering as the reducer of %s", self.plan.label)
+        await asyncio.sleep(3600)
+
+    allreduce._remote_span = huge_part
+    allreduce.SpanReduction._finalize = never
+
+
+def _forge_published_state() -> None:
+    """What this peer publishes (and serves) is its state with G negated, under that state's own digest."""
+    from peer.net import state_transfer
+    from peer.outer.state import digest_of
+
+    publish = state_transfer.StateServicer.publish
+
+    def forged(self, snap):
+        G = -snap.G
+        log.warning("HOSTILE: publishing a forged state of fragment %d round %d", snap.fragment, snap.round)
+        publish(self, dataclasses.replace(snap, G=G, digest=digest_of(G)))
+
+    state_transfer.StateServicer.publish = forged
+
+
+def _rewrite_records(rewrite) -> None:
+    """Every progress record this peer stores goes through ``rewrite(record) -> [(subkey suffix, record)]``."""
+    import hivemind
+
+    store = hivemind.DHT.store
+
+    def patched(self, key, value, expiration_time, subkey=None, return_future=False, **kwargs):
+        if isinstance(key, str) and key.endswith("_progress") and isinstance(value, dict) and subkey is not None:
+            extra = rewrite(value)
+            for suffix, record in extra[1:]:
+                store(self, key, record, expiration_time, subkey=subkey + suffix, return_future=True)
+            value = extra[0][1]
+        return store(self, key, value, expiration_time, subkey=subkey, return_future=return_future, **kwargs)
+
+    hivemind.DHT.store = patched
+
+
+def sybil_majority() -> None:
+    from hivemind.p2p import PeerID
+
+    _forge_published_state()
+    ids = [PeerID(b"\x12\x20" + os.urandom(32)).to_base58() for _ in range(SYBILS)]
+    log.warning("HOSTILE: %d sybil records: %s", SYBILS, ", ".join(i[-8:] for i in ids))
+    _rewrite_records(lambda rec: [(b"", rec)] + [(f"sybil{i}".encode(), {**rec, "peer_id": pid})
+                                                 for i, pid in enumerate(ids)])
+
+
+def far_ahead() -> None:
+    _forge_published_state()
+
+    def ahead(rec):
+        return [(b"", {**rec, "step": rec["step"] + 10**6, "round": rec["round"] + 1000,
+                       "rounds": [r + 1000 for r in rec["rounds"]], "seeking": [], "past": []})]
+
+    _rewrite_records(ahead)
+
+
+def forged_donor() -> None:
+    from peer.net import state_transfer
+
+    serve = state_transfer.StateServicer._serve
+
+    async def forged(self, request):
+        log.warning("HOSTILE: serving a forged state of fragment %d", request.fragment)
+        async for chunk in serve(self, request):
+            if chunk.g:
+                g = torch.frombuffer(bytearray(chunk.g), dtype=torch.float32)
+                chunk.g = (-g).numpy().astype("<f4").tobytes()
+            yield chunk
+
+    state_transfer.StateServicer._serve = forged
+
+
+ATTACKS = {f.__name__: f for f in (lying_reducer, round_breaker, sybil_majority, far_ahead, forged_donor)}
+
+
+def main() -> int:
+    if len(sys.argv) < 3 or sys.argv[1] not in ATTACKS:
+        print(f"usage: hostile_peer.py {{{','.join(ATTACKS)}}} run [flags]", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ATTACKS[sys.argv[1]]()
+    from peer.cli.swarm_peer import main as peer_main
+
+    return peer_main(sys.argv[2:])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

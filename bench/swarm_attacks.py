@@ -1,0 +1,147 @@
+"""Attacks that need the swarm's processes (issue 13): loopback swarms of honest peers and one hostile peer
+(bench/hostile_peer.py), against a clean swarm in the same invocation.
+
+    .venv/bin/python bench/swarm_attacks.py                    # 4 honest + 1 attacker, every attack: ~12 min
+    .venv/bin/python bench/swarm_attacks.py --attacks lying_reducer,forged_donor
+
+Each run: a bootstrap node, ``--honest`` peers and one more (honest in the clean run, absent in ``absent``,
+hostile otherwise) on
+127.0.0.1 with the settings of tests/test_swarm.py (tiny preset, seq 32 x batch 4, H = 20, 2 fragments) for
+``--steps`` steps. In ``forged_donor`` the last honest peer is killed (SIGKILL) after two rounds and
+restarted from its checkpoint, so it downloads the swarm's state while the attacker is among the donors.
+
+Prints one table (and writes ``--out``, JSON): per attack, the honest peers' final training CE (mean over
+their last 40 steps) and its change against the clean run, the honest peers' rounds that ended
+ok, how many honest peers excluded the attacker and at which of their rounds the first did, how many
+honest peers caught up from a forged state (a ``catch_up`` event whose digest no honest peer ever held),
+and how many forged things the attacker did (its ``HOSTILE:`` lines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+
+from helpers import Proc, events, wait_for  # noqa: E402
+from test_swarm import FAST, start_bootstrap, wait_exit  # noqa: E402
+
+# "absent": the extra peer never starts: what an attacker excluded at once would cost (its data is lost)
+ATTACKS = ["clean", "absent", "lying_reducer", "round_breaker", "sybil_majority", "far_ahead", "forged_donor"]
+
+
+EXTRA: list[str] = []  # flags for every peer of every run (--aggregator)
+
+
+def start(procs: list, out: Path, name: str, initial: list[str], steps: int, n: int, attack: str | None) -> Proc:
+    run_dir = out / name
+    entry = ["-m", "peer"] if attack is None else [str(REPO / "bench" / "hostile_peer.py"), attack]
+    proc = Proc.start([sys.executable, *entry, "run", "--config", str(REPO / "configs/demo.toml"),
+                       "--initial-peers", *initial, "--run-dir", str(run_dir), "--log-json",
+                       str(run_dir / "events.jsonl"), "--max-steps", str(steps), "--min-peers", str(n), *FAST,
+                       "--log-every", "2", *EXTRA],
+                      log_path=out / f"{name}.log", cwd=REPO)
+    procs.append(proc)
+    return proc
+
+
+LAST_STEPS = 40  # the final CE: the mean training CE over a peer's last 40 steps (logged every 2)
+
+
+def final_ce(out: Path, name: str) -> float:
+    steps = events(out, name, "step")[-LAST_STEPS // 2:]
+    return sum(e["ce"] for e in steps) / max(1, len(steps))
+
+
+def one_run(attack: str, honest: int, steps: int, out: Path) -> dict:
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    procs: list = []
+    names = [f"h{i}" for i in range(honest)]
+    try:
+        initial = start_bootstrap(procs, out)
+        size = honest if attack == "absent" else honest + 1
+        peers = {n: start(procs, out, n, initial, steps, size, None) for n in names}
+        bad = None if attack == "absent" else \
+            start(procs, out, "x", initial, steps, size, None if attack == "clean" else attack)
+        if attack == "forged_donor":  # a peer that restarts downloads the swarm's state, the attacker a donor
+            victim = names[-1]
+            wait_for(lambda: len([e for e in events(out, victim, "round") if e["status"] == "ok"]) >= 2, 300,
+                     f"two rounds of {victim}")
+            peers[victim].kill_group(signal.SIGKILL)
+            peers[victim] = start(procs, out, victim, initial, steps, size, None)
+        for n in names:
+            wait_exit(peers[n], 900)
+        bad_id = events(out, "x", "start")[0]["peer_id"] if bad is not None and events(out, "x", "start") else ""
+        if bad is not None and bad.returncode is None:
+            wait_exit(bad, 120)
+    finally:
+        for proc in procs:
+            if proc.returncode is None or proc.session_pids():
+                proc.kill_group(signal.SIGKILL)
+    honest_digests = {e["digest"] for n in names for e in events(out, n, "round") if e.get("digest")}
+    excluded_at = {n: e["time"] for n in names for e in events(out, n, "peer_excluded") if e["peer"] == bad_id}
+    first_exclusion = min((sum(1 for r in events(out, n, "round") if r["time"] <= t) for n, t in excluded_at.items()),
+                          default=None)
+    forged_catch_ups = sum(1 for n in names for e in events(out, n, "catch_up")
+                           if e["digest"] not in honest_digests)
+    return {
+        "attack": attack,
+        "honest_ce": sum(final_ce(out, n) for n in names) / len(names),
+        "ok_rounds": sum(1 for n in names for e in events(out, n, "round") if e["status"] == "ok"),
+        "rounds": sum(1 for n in names for e in events(out, n, "round")),
+        "excluded_by": len(excluded_at),
+        "first_exclusion_round": first_exclusion,
+        "forged_catch_ups": forged_catch_ups,
+        "hostile_lines": sum("HOSTILE:" in line for line in (out / "x.log").read_text(errors="replace").splitlines())
+        if bad is not None else 0,
+        "catch_ups": sum(len(events(out, n, "catch_up")) for n in names),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--attacks", default=",".join(ATTACKS))
+    ap.add_argument("--honest", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--aggregator", default="clipped", help="the run's rule: clipped (default) or mean")
+    ap.add_argument("--out-dir", default="runs/bench_swarm_attacks")
+    ap.add_argument("--out", default=None, help="JSON results (default OUT_DIR/results.json)")
+    args = ap.parse_args()
+    EXTRA.extend(["--outer-aggregator", args.aggregator])
+    attacks = [a for a in args.attacks.split(",") if a]
+    if "clean" not in attacks:
+        attacks.insert(0, "clean")
+    print(f"{len(attacks)} runs: {args.honest} honest + 1 peer (honest in 'clean'), {args.steps} steps, "
+          f"aggregator {args.aggregator}, "
+          f"{platform.node()}, {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
+    rows = []
+    for attack in attacks:
+        t0 = time.monotonic()
+        rows.append(one_run(attack, args.honest, args.steps, Path(args.out_dir) / attack))
+        print(f"  {attack:<15} honest CE {rows[-1]['honest_ce']:.4f} ({time.monotonic() - t0:.0f} s)", flush=True)
+    clean = rows[0]["honest_ce"]
+    print("\n| attack | honest final CE | vs clean | honest rounds ok | attacker excluded by | first at round "
+          "| catch-ups (from a forged state) | forged actions |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['attack']} | {r['honest_ce']:.4f} | {100 * (r['honest_ce'] / clean - 1):+.2f}% | "
+              f"{r['ok_rounds']}/{r['rounds']} | {r['excluded_by']}/{args.honest} | "
+              f"{r['first_exclusion_round'] if r['first_exclusion_round'] is not None else '-'} | "
+              f"{r['catch_ups']} ({r['forged_catch_ups']}) | {r['hostile_lines']} |")
+    out = Path(args.out or Path(args.out_dir) / "results.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
