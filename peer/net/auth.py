@@ -340,6 +340,11 @@ class RunAccess:
     token: AccessToken
     key: RSAPrivateKey
 
+    @property
+    def expires_at(self) -> float:
+        """When our pass expires (unix seconds)."""
+        return datetime.fromisoformat(self.token.expiration_time).timestamp()
+
     @classmethod
     def load(cls, authority: str, pass_path: str | Path, identity_path: str | Path) -> "RunAccess":
         """Reads and checks our pass for the run of ``authority`` (must be called after the identity exists).

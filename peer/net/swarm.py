@@ -96,6 +96,7 @@ class Swarm:
         self.admission = Admission(access.checker if access else None)  # who may take part (authenticated runs)
         if access is not None:
             self.admission.learn(access.token)
+        self._pass_expires = access.expires_at if access is not None else float("inf")  # (checked every step)
         self.guard = StreamGuard(per_peer=cfg.max_streams_per_peer, total=cfg.max_streams,  # all our handlers
                                  admitted=self.admission.admitted)
         self.servicer = AllReduceServicer(registration_timeout=cfg.request_timeout, part_timeout=cfg.part_timeout,
@@ -288,7 +289,7 @@ class Swarm:
             return None
         if self.peer_id in self.admission.revoked:
             return "the run authority revoked this peer's pass"
-        if not self.access.checker.valid(self.access.token):
+        if time.time() >= self._pass_expires:
             return f"this peer's pass expired at {self.access.token.expiration_time}"
         return None
 
