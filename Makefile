@@ -5,14 +5,14 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test protos clean
+.PHONY: install demo test bench-gpu protos clean
 
 install: $(STAMP)
 
 # torch==2.13.0 is pinned so pip takes the local CPU wheel instead of pulling CUDA packages.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev,hf]'
 	touch $(STAMP)
 
 demo: install
@@ -23,6 +23,11 @@ test: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q tests
+
+# Everything that needs a GPU in one run (step overhead vs a plain loop, MFU, VRAM, host RAM, codec, CUDA
+# tests); on a machine without CUDA it says so. The CPU comparison: bench/gpu.py --device cpu (docs/benchmarks.md).
+bench-gpu: install
+	$(BIN)/python bench/gpu.py
 
 # Regenerate peer/proto/*_pb2.py from protos/*.proto (a test fails when they are stale).
 protos: install

@@ -81,8 +81,11 @@ def one_run(attack: str, honest: int, steps: int, out: Path) -> dict:
         for n in names:
             wait_exit(peers[n], 900)
         bad_id = events(out, "x", "start")[0]["peer_id"] if bad is not None and events(out, "x", "start") else ""
-        if bad is not None and bad.returncode is None:
-            wait_exit(bad, 120)
+        if bad is not None and bad.returncode is None:  # an attacker whose own rounds hang may never finish
+            try:
+                wait_exit(bad, 120)
+            except TimeoutError:
+                print(f"  ({attack}: the attacker had not finished 120 s after the honest peers; killed)")
     finally:
         for proc in procs:
             if proc.returncode is None or proc.session_pids():

@@ -68,6 +68,13 @@ class ModelConfig:
             "peer/local/model.py).")
     factory: str = setting("", help="Optional user model as ``module:factory`` returning ``(model, blocks)``; "
             "overrides preset.")
+    hf_config: str = setting("", local=True, help="Optional Hugging Face causal LM: path of a local ``config.json`` "
+            "(or its directory); built from the config with fresh weights, never downloaded; overrides preset; needs "
+            "the ``hf`` extra. The path is per peer; the run hash covers the file's content.")
+    hf_blocks: str = setting("", help="With hf_config: dotted path of the model's block list (e.g. "
+            "``model.layers``) when it is not one of model.layers, transformer.h, gpt_neox.layers.")
+    activation_checkpointing: bool = setting(False, local=True, help="Recompute each block's activations in the "
+            "backward pass instead of storing them: less VRAM, ~1.3x the compute")
     seq_len: int = setting(128, help="Tokens per training sequence.")
     init_seed: int = setting(0, help="Seed of the initial weights; every peer of a run starts from the same "
             "``theta_0``.")
@@ -75,27 +82,40 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _check(bool(self.preset), "model.preset", "a preset name", self.preset)
         _check(self.factory == "" or ":" in self.factory, "model.factory", "'module:callable'", self.factory)
+        if self.hf_config and self.factory:
+            raise ConfigError("model.hf_config and model.factory are exclusive: set one of them")
+        _check(not self.hf_blocks or bool(self.hf_config), "model.hf_blocks", "empty unless model.hf_config is set",
+               self.hf_blocks)
         _check(self.seq_len >= 2, "model.seq_len", ">= 2", self.seq_len)
 
 
 @dataclass(kw_only=True)
 class DataConfig:
     source: str = setting("synthetic", local=True, help="synthetic (seeded Markov corpus, known entropy floor), text "
-            "(byte-level files), bin (uint16 shards).")
-    paths: list[str] = setting(factory=list, local=True, help="Input files for text/bin sources.")
+            "(byte-level files), bin (uint16 shards), tokens (the output of swarm-peer prepare-data; the run hash "
+            "covers its manifest).")
+    paths: list[str] = setting(factory=list, local=True, help="Input files for text/bin sources; for tokens, one "
+            "path: the prepared directory (or its manifest.json).")
     vocab_size: int = setting(256, help="Vocabulary size (256 for byte-level text).")
     batch_size: int = setting(8, local=True, help="Sequences per inner step on this peer (peers may differ: "
             "contributions are weighted by tokens).")
+    micro_batch: int = setting(0, local=True, help="Gradient accumulation: sequences per forward/backward pass "
+            "(batch_size / micro_batch passes per inner step, the same update; 0 = the whole batch at once). Lower "
+            "it when the batch does not fit in GPU memory.")
     seed: int = setting(1234, help="Seed of the synthetic corpus (the same for every peer of a run: they learn one "
             "distribution).")
     shard: int = setting(-1, local=True, help="This peer's data shard; -1 derives it from the peer id, so every peer "
             "reads its own stream.")
 
     def __post_init__(self) -> None:
-        _check(self.source in ("synthetic", "text", "bin"), "data.source", "one of synthetic, text, bin", self.source)
-        _check(self.source == "synthetic" or bool(self.paths), "data.paths", "non-empty for text/bin", self.paths)
+        _check(self.source in ("synthetic", "text", "bin", "tokens"), "data.source",
+               "one of synthetic, text, bin, tokens", self.source)
+        _check(self.source == "synthetic" or bool(self.paths), "data.paths", "non-empty for text/bin/tokens",
+               self.paths)
         _check(2 <= self.vocab_size <= 1 << 20, "data.vocab_size", "in [2, 1048576]", self.vocab_size)
         _check(self.batch_size >= 1, "data.batch_size", ">= 1", self.batch_size)
+        _check(0 <= self.micro_batch <= self.batch_size, "data.micro_batch", "in [0, data.batch_size]",
+               self.micro_batch)
         _check(self.shard >= -1, "data.shard", ">= -1", self.shard)
 
 
@@ -335,14 +355,41 @@ class PeerConfig:
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def from_dict(cls, values: dict[str, dict[str, Any]]) -> "PeerConfig":
+        """The config :meth:`to_dict` returned (e.g. the one a checkpoint stores), validated again. Keys this
+        version does not know are dropped and missing ones take their defaults, so a run dir written by
+        another version still describes its run."""
+        sections = {}
+        for name, section_cls in SECTIONS.items():
+            known = {f.name for f in dataclasses.fields(section_cls)}
+            sections[name] = section_cls(**{k: v for k, v in values.get(name, {}).items() if k in known})
+        return cls(**sections)
+
     def run_hash(self) -> str:
         """Hex digest (16 chars) of every setting that must agree across the peers of one run (the fields not
         marked ``local``)."""
         local = {(section, f.name) for section, f in iter_settings() if f.metadata["local"]}
         shared = {sec: {k: v for k, v in vals.items() if (sec, k) not in local}
                   for sec, vals in self.to_dict().items()}
+        if files := self.content_files():  # (absent otherwise: runs without such files keep their hash)
+            shared["content"] = {name: content_digest(path) for name, path in files.items()}
         blob = json.dumps(shared, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+    def content_files(self) -> dict[str, Path]:
+        """Files whose *content* every peer of a run must share, by the setting that names them: the Hugging Face
+        model config (``model.hf_config``) and the prepared data's manifest (``data.source = "tokens"``). Their
+        paths are local (each peer keeps its copy where it likes); :meth:`run_hash` covers their content."""
+        out: dict[str, Path] = {}
+        hf_config = getattr(self.model, "hf_config", "")
+        if hf_config:
+            path = Path(hf_config)
+            out["model.hf_config"] = path / "config.json" if path.is_dir() else path
+        if self.data.source == "tokens" and self.data.paths:
+            path = Path(self.data.paths[0])
+            out["data.manifest"] = path / "manifest.json" if path.is_dir() else path
+        return out
 
     @property
     def identity_path(self) -> Path:
@@ -351,6 +398,20 @@ class PeerConfig:
     @property
     def pass_path(self) -> Path:
         return Path(self.swarm.pass_path or Path(self.run.run_dir) / "pass.txt")
+
+
+def content_digest(path: Path) -> str:
+    """sha256 of a JSON file's canonical form (key order and whitespace do not matter), or of its bytes when it is
+    not JSON; a file that cannot be read raises :class:`ConfigError` naming it."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
+    try:
+        data = json.dumps(json.loads(data), sort_keys=True, separators=(",", ":")).encode()
+    except ValueError:
+        pass
+    return hashlib.sha256(data).hexdigest()
 
 
 def unknown_env(environ: dict[str, str]) -> list[str]:

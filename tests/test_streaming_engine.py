@@ -104,18 +104,23 @@ def test_auto_tau_hides_the_measured_round_time_within_bounds():
     assert fast() == 2
 
 
-def test_checkpointed_state_holds_the_eager_terms_only_when_they_are_used():
-    """Eager off (tau < H): E and u stay zero and are not saved (a checkpoint was 8 fp32 model copies, now
-    6: weights, AdamW's two moments, G, v, S). tau = H keeps E (the divergence from G); eager keeps both."""
+def test_outer_state_holds_the_eager_terms_only_when_they_are_used():
+    """Host memory and checkpoints: eager off (tau < H) allocates and saves G and v only (two fp32 model
+    copies; S is derived: G, or G + E with tau = H). tau = H keeps E (the divergence from G); eager keeps E (its
+    jump), and with tau = H also u (the eager machine's momentum)."""
     never = lambda f, r, d: None  # noqa: E731
-    cases = {(0, False): {"G", "v", "S"}, (1, True): {"G", "v", "S", "E", "u"}, (2, False): {"G", "v", "S", "E"}}
+    cases = {(0, False): {"G", "v"}, (1, True): {"G", "v", "E"}, (2, False): {"G", "v", "E"},
+             (2, True): {"G", "v", "E", "u"}}
     for (tau, eager), terms in cases.items():
         _, eng, _ = one_param_engine(OuterSettings(H=2, tau=tau, eager=eager), never)
         saved = eng.state_dict()["fragments"][0]
         assert {k for k, v in saved.items() if isinstance(v, torch.Tensor)} == terms, (tau, eager)
+        st = eng.states[0]
+        allocated = {k for k in ("G", "v", "E", "u") if getattr(st, k) is not None}
+        assert allocated == terms, (tau, eager)
     # A checkpoint without them loads with zeros, also into a peer that now turns eager on.
     _, plain, _ = one_param_engine(OuterSettings(H=2), never, value=3.0)
-    _, eager, _ = one_param_engine(OuterSettings(H=2, tau=1, eager=True), never)
+    _, eager, _ = one_param_engine(OuterSettings(H=2, tau=2, eager=True), never)
     eager.states[0].E += 5.0
     eager.load_state_dict(plain.state_dict())
     torch.testing.assert_close(eager.states[0].G, torch.full((8,), 3.0))

@@ -92,7 +92,7 @@ def compare_outer_state(run: EngineRun, ref, what: str) -> None:
     received averages only (the shared machine of docs/algorithm.md section 5)."""
     for m, eng in enumerate(run.engines):
         for p, (st, names) in enumerate(zip(eng.states, run.fragment_names)):
-            close(st.S, flat(ref.outer[m], names), f"{what}: replica {m}'s S_{p} vs theta_m^(t-H)")
+            close(st.sync_point(), flat(ref.outer[m], names), f"{what}: replica {m}'s S_{p} vs theta_m^(t-H)")
             close(st.G + st.E, flat(ref.outer[m], names), f"{what}: replica {m}'s G_{p} + E_{p} vs theta_m^(t-H)")
             close(st.G, flat(ref.shared, names), f"{what}: replica {m}'s G_{p} vs theta_0 + received averages")
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from helpers import Proc, events, wait_for
+from test_export import assert_exports_agree_and_load_plainly
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[1]
@@ -90,6 +91,8 @@ def test_three_peers_agree_on_every_round_and_learn(procs, tmp_path):
     # the bootstrap node leaves cleanly too
     assert procs[0].terminate(timeout=30) == 0
     assert not procs[0].session_pids()
+    # what they trained together goes home: every peer exports the same model, which loads without swarmloco
+    assert_exports_agree_and_load_plainly(tmp_path, names)
 
 
 def test_sigkill_during_a_round_survivors_skip_or_finish_and_keep_training(procs, tmp_path):

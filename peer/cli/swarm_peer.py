@@ -1,8 +1,10 @@
 """``swarm-peer``: the peer daemon's command line.
 
 ``swarm-peer run [--config FILE] [flags]`` trains in the swarm; ``swarm-peer pass-request [...]`` prints the line
-a volunteer sends the operator of an authenticated run. Every config field has a flag and an ``SWARM_*`` env-var
-twin (see peer/config.py); invalid input exits with status 2 and one line.
+a volunteer sends the operator of an authenticated run; ``swarm-peer prepare-data INPUT... --out DIR`` tokenizes
+text into the shards of ``data.source = "tokens"`` (peer/cli/prepare_data.py); ``swarm-peer export`` and
+``swarm-peer sample`` take a run dir's model home or try it out (peer/cli/take_home.py). Every config field has a
+flag and an ``SWARM_*`` env-var twin (see peer/config.py); invalid input exits with status 2 and one line.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
+from peer.cli import prepare_data, take_home
 from peer.config import (SECTIONS, ConfigError, build_config, default_of, env_name, flag_name, iter_fields,
                          iter_settings, unknown_env)
 
@@ -50,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="Authenticated runs: print this peer's pass request (its peer id "
                                      "and identity key; the identity is created if missing). Send the line to the "
                                      "run's operator and save the pass they return as swarm.pass_path."))
+    prepare_data.add_parser(sub)
+    take_home.add_parsers(sub)
     return parser
 
 
@@ -83,6 +88,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     parser = build_parser()
     ns = parser.parse_args(argv)
+    if ns.command == "prepare-data":  # no config: it only reads and writes files
+        return prepare_data.run(ns)
+    if ns.command in take_home.COMMANDS:  # the run dir's checkpoint holds the config
+        return take_home.run(ns)
     for warning in unknown_env(dict(os.environ)):
         print(f"swarm-peer: warning: {warning}", file=sys.stderr)
     try:
@@ -99,7 +108,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         try:
             return Trainer(cfg).run()
-        except SetupError as e:
+        except (SetupError, ConfigError) as e:  # ConfigError: a file the run hash covers cannot be read
             print(f"swarm-peer: error: {e}", file=sys.stderr)
             return EXIT_SETUP
         except JoinError as e:

@@ -84,6 +84,11 @@ class InnerLoop:
     ``lr_at(step_count, ...)``. The model must already be on ``device``. Raises
     ``FloatingPointError`` (parameters untouched) when the loss or gradient norm is not
     finite. ``step_count`` counts completed steps.
+
+    Gradient accumulation: with ``micro_batch`` > 0 the batch is cut into chunks of at most
+    ``micro_batch`` sequences, each forward/backward on its own, the loss of each scaled by its
+    share of the batch; the update is the one the whole batch gives (up to float summation
+    order) while activations are held for one chunk at a time.
     """
 
     def __init__(
@@ -99,10 +104,14 @@ class InnerLoop:
         grad_clip: float,
         z_loss: float,
         device: torch.device,
+        micro_batch: int = 0,
     ) -> None:
         lr_at(0, lr=lr, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio)  # validate
         if grad_clip < 0:
             raise ValueError(f"grad_clip must be >= 0 (0 disables), got {grad_clip}")
+        if micro_batch < 0:
+            raise ValueError(f"micro_batch must be >= 0 (0: the whole batch at once), got {micro_batch}")
+        self.micro_batch = micro_batch
         self.model = model
         self.device = torch.device(device)
         self.lr, self.warmup_steps, self.total_steps = lr, warmup_steps, total_steps
@@ -135,18 +144,27 @@ class InnerLoop:
         if batch.dim() != 2 or batch.shape[1] < 2:
             raise ValueError(f"batch must be [B, T+1] with T >= 1, got shape {tuple(batch.shape)}")
         batch = batch.to(self.device, non_blocking=True)
-        inputs, targets = batch[:, :-1], batch[:, 1:]
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        with self._autocast():
-            logits = self.model(inputs)
-        loss, ce = lm_loss(logits, targets, self.z_loss)  # float32, outside autocast
-        loss_value = loss.item()
+        rows = batch.shape[0]
+        size = self.micro_batch or rows
+        loss_sum = torch.zeros((), device=self.device)
+        ce_sum = torch.zeros((), device=self.device)
+        for chunk in batch.split(size):
+            with self._autocast():
+                logits = self.model(chunk[:, :-1])
+            loss, ce = lm_loss(logits, chunk[:, 1:], self.z_loss)  # float32, outside autocast
+            share = chunk.shape[0] / rows  # the chunks' mean losses, weighted by rows, give the batch's mean
+            (loss * share).backward()
+            del logits  # (frees this chunk's activations before the next forward)
+            loss_sum += loss.detach() * share
+            ce_sum += ce.detach() * share
+        loss_value = loss_sum.item()
         if not math.isfinite(loss_value):
+            self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(
                 f"inner step {self.step_count}: loss is {loss_value}; lower the lr or check the data/model"
             )
-        loss.backward()
         grads = [p.grad for p in self.params if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm(grads)
         grad_norm_value = grad_norm.item()
@@ -161,7 +179,7 @@ class InnerLoop:
         self.optimizer.step()
         self.step_count += 1
         return StepStats(
-            loss=loss_value, ce=ce.item(), lr=lr, grad_norm=grad_norm_value, tokens=targets.numel()
+            loss=loss_value, ce=ce_sum.item(), lr=lr, grad_norm=grad_norm_value, tokens=rows * (batch.shape[1] - 1)
         )
 
     def state_dict(self) -> dict:

@@ -15,7 +15,8 @@ module provides that model in plain torch:
 ``build_model`` returns the model *and* the ordered list of its transformer blocks;
 the streaming-fragment code partitions those blocks into fragments and puts every
 remaining parameter (here: ``tok_emb.weight`` and ``final_norm.weight``) into exactly
-one fragment. A user model can be plugged in through ``factory="pkg.mod:fn"``.
+one fragment. A user model can be plugged in through ``factory="pkg.mod:fn"``, a Hugging Face causal LM
+through ``hf_config="path/to/config.json"`` (``peer/local/hf_model.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 __all__ = [
     "ModelShape",
@@ -186,6 +188,8 @@ class Transformer(nn.Module):
       seeds it): linear/embedding weights ~ N(0, 0.02), residual output projections
       scaled by 1/sqrt(2 * n_layers) (GPT-2) so the residual stream stays O(1) with depth.
     - The RoPE tables are non-persistent buffers: not parameters, not in state_dict.
+    - ``activation_checkpointing`` (off by default): in training mode each block's activations are
+      recomputed in the backward pass instead of stored; same values and gradients, less memory.
     """
 
     def __init__(self, shape: ModelShape, vocab_size: int, max_seq_len: int) -> None:
@@ -201,6 +205,7 @@ class Transformer(nn.Module):
         cos, sin = _rope_tables(max_seq_len, shape.head_dim)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.activation_checkpointing = False
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -221,8 +226,10 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence length {t} exceeds max_seq_len={self.max_seq_len}")
         cos, sin = typing.cast(Tensor, self.rope_cos)[:t], typing.cast(Tensor, self.rope_sin)[:t]
         x = self.tok_emb(tokens)
+        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.blocks:
-            x = block(x, cos, sin)
+            # non-reentrant: works with autocast and inputs that need no grad, and keeps the RNG state
+            x = checkpoint(block, x, cos, sin, use_reentrant=False) if recompute else block(x, cos, sin)
         return F.linear(self.final_norm(x), self.tok_emb.weight)
 
 
@@ -259,24 +266,50 @@ def _load_factory(factory: str):
     return fn
 
 
+def _checkpoint_blocks(blocks: list[nn.Module]) -> None:
+    """Activation checkpointing for a factory's blocks: each block's ``forward`` recomputes its activations in
+    the backward pass (non-reentrant) while the block is training and gradients are on."""
+    for block in blocks:
+        def forward(*args, _inner=block.forward, _block=block, **kwargs):
+            if _block.training and torch.is_grad_enabled():
+                return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+            return _inner(*args, **kwargs)
+
+        block.forward = forward
+
+
 def build_model(
-    preset: str, vocab_size: int, max_seq_len: int, factory: str | None = None
+    preset: str, vocab_size: int, max_seq_len: int, factory: str | None = None, *, hf_config: str = "",
+    hf_blocks: str = "", activation_checkpointing: bool = False,
 ) -> tuple[nn.Module, list[nn.Module]]:
     """Build a model and return ``(model, blocks)``, blocks in depth order.
 
-    With ``factory=None`` the model is ``Transformer(PRESETS[preset], ...)``. With
+    With ``factory=None`` and no ``hf_config`` the model is ``Transformer(PRESETS[preset], ...)``. With
     ``factory="pkg.mod:fn"`` the preset is ignored and ``fn(vocab_size=..., max_seq_len=...)``
     must return ``(model, blocks)``: ``blocks`` a non-empty sequence of distinct
     submodules of ``model``. Parameters outside the blocks are allowed (they go to one
-    fragment). Raises ``ValueError`` with a one-line message for an unknown preset, a
-    malformed or unimportable factory, or a factory whose result breaks the contract.
+    fragment). With ``hf_config`` (a Hugging Face ``config.json`` or its directory) the preset is
+    ignored and the model is that causal LM, its blocks found by ``hf_blocks`` or by name (see
+    ``peer/local/hf_model.py``; needs the ``hf`` extra). Raises ``ValueError`` with a one-line message
+    for an unknown preset, a malformed or unimportable factory, a factory whose result breaks the
+    contract, or an HF config that cannot be used (unreadable, vocabulary or length mismatch).
+    ``activation_checkpointing`` recomputes each block's activations in the backward pass (training
+    mode only): less memory, about a third more compute, the same values and gradients.
     Weights are initialised from the global torch RNG; build under ``torch.device("meta")``
     to count parameters without allocating memory.
     """
+    if hf_config:
+        if factory:
+            raise ValueError("model.hf_config and model.factory are exclusive: set one of them")
+        from peer.local.hf_model import build_hf_model  # lazy: transformers is the optional `hf` extra
+
+        return build_hf_model(hf_config, vocab_size, max_seq_len, hf_blocks=hf_blocks,
+                              activation_checkpointing=activation_checkpointing)
     if factory is None:
         if preset not in PRESETS:
             raise ValueError(f"unknown model preset {preset!r}; choose one of {', '.join(PRESETS)}")
         model = Transformer(PRESETS[preset], vocab_size, max_seq_len)
+        model.activation_checkpointing = activation_checkpointing
         return model, list(model.blocks)
 
     fn = _load_factory(factory)
@@ -297,6 +330,8 @@ def build_model(
         if id(block) in seen:
             raise ValueError(f"model factory {factory!r}: blocks[{i}] is listed twice")
         seen.add(id(block))
+    if activation_checkpointing:
+        _checkpoint_blocks(blocks)
     return model, blocks
 
 

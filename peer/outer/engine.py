@@ -109,7 +109,7 @@ class Pending:
     weight: float
     handle: Handle
     tau: int  # this round's overlap (fixed at launch; ``tau = auto`` may change between rounds)
-    theta_at_launch: torch.Tensor  # after the eager jump (for the replay merge)
+    theta_at_launch: Optional[torch.Tensor]  # after the eager jump; kept for the replay merge only
     jump: Optional[torch.Tensor]  # the eager jump applied at launch (undone where nothing arrives)
 
 
@@ -127,13 +127,14 @@ class StreamingEngine:
         self.cfg = settings
         self.transport = transport
         self.opt = NesterovSGD(lr=settings.lr, momentum=settings.momentum)
-        self.states = [FragmentState.from_params(f.flat()) for f in fragments]
         self.pending: list[list[Pending]] = [[] for _ in fragments]
         self.last_share: list[Optional[float]] = [None] * len(fragments)  # our w/W in the last aggregate
         self.group_size_hint = group_size_hint
         self.stop = stop or threading.Event()
         self.on_outcome = on_outcome
         self.schedule = schedule or StepsSchedule(settings.H, len(fragments))
+        self.states = [FragmentState.from_params(f.flat(), self._eager_terms(), E_in_sync_point=self.one_outer_step)
+                       for f in fragments]
         self.tau_fn = tau_fn  # tau = auto: asked at each launch (kept in [0, H - 1])
         self.blocked_seconds = 0.0  # time spent waiting for aggregates (compute utilization)
         self.waiting = False  # blocked in apply_due right now
@@ -197,7 +198,8 @@ class StreamingEngine:
                 jump = merged - theta
                 frag.assign(merged)
                 theta = merged
-            self.pending[p].append(Pending(r, step, delta, weight, handle, tau, theta, jump))
+            theta_at_launch = theta if self.cfg.merge == "replay" else None
+            self.pending[p].append(Pending(r, step, delta, weight, handle, tau, theta_at_launch, jump))
 
     def _not_launched(self, p: int, r: int, weight: float, handle: Handle, step: int) -> bool:
         """Reports at once a round the transport decided not to launch (alone, or the swarm is past it): nothing
@@ -241,8 +243,7 @@ class StreamingEngine:
         for p, queue in enumerate(self.pending):
             if len(queue) == 1 and queue[0].round == 1 and queue[0].launch_step == step:
                 st, theta = self.states[p], self.fragments[p].flat()
-                st.E = theta - st.G
-                st.S = theta.clone()
+                st.E = theta - st.G  # the phase starts from theta = G + E (sync_point)
 
     def _wait(self, pend: Pending, p: int) -> RoundOutcome:
         t0 = time.monotonic()
@@ -274,7 +275,8 @@ class StreamingEngine:
         if pend.jump is not None:  # nothing arrived there: undo our eager jump, keep the progress
             missing = ~applied
             theta[missing] -= pend.jump[missing]
-            st.E[missing] = 0
+            if st.E is not None:
+                st.E[missing] = 0
         frag.assign(theta)
         if bool(applied.any()):
             st.applied_rounds.append(pend.round)
@@ -290,11 +292,9 @@ class StreamingEngine:
             self.opt.step_(st.G[sl], st.v[sl], average)
         if arrived:
             self._record_share(p, prev, outcome)
-        if self.cfg.eager:
+        if self.cfg.eager and st.E is not None and st.u is not None:
             self.opt.step_(st.E, st.u, self._share(p) * (fresh.delta - prev.delta))
-        local_view = st.G + st.E
-        frag.assign(self._merged(frag.flat(), local_view))
-        st.S = local_view.clone()
+        frag.assign(self._merged(frag.flat(), st.sync_point()))  # the next phase starts there
         if arrived:
             st.applied_rounds.append(prev.round)
 
@@ -311,7 +311,8 @@ class StreamingEngine:
         st, frag = self.states[p], self.fragments[p]
         if jump is not None:
             frag.assign(frag.flat() - jump)
-            st.E.zero_()
+            if st.E is not None:
+                st.E.zero_()
         st.tokens_since_sync += int(weight)
 
     def adopt(self, p: int, G: torch.Tensor, v: torch.Tensor, round_: int) -> None:
@@ -322,23 +323,24 @@ class StreamingEngine:
             pend.handle.cancel()
         self.pending[p].clear()
         st = self.states[p]
-        st.G, st.v, st.S = G.clone(), v.clone(), G.clone()
-        st.E.zero_()
-        st.u.zero_()
+        st.G, st.v = G.clone(), v.clone()
+        st.reset_eager()
         st.round, st.tokens_since_sync = round_, 0
         st.applied_rounds = [round_]
         self.fragments[p].assign(G)
 
     def _eager_terms(self) -> tuple[str, ...]:
         """The per-peer terms this peer's settings use: E holds the eager jump (eager on) or the divergence
-        from G (tau = H); u is the eager machine's momentum. Otherwise both stay zero and are not saved."""
-        return (("E",) if self.cfg.eager or self.one_outer_step else ()) + (("u",) if self.cfg.eager else ())
+        from G (tau = H); u is the momentum of the eager one-outer-step machine (eager on, tau = H). Otherwise
+        neither is allocated nor saved."""
+        return ((("E",) if self.cfg.eager or self.one_outer_step else ())
+                + (("u",) if self.cfg.eager and self.one_outer_step else ()))
 
     def state_dict(self) -> dict:
         """Outer state for a checkpoint (tensors and plain values only). Rounds in flight are saved
         as what is needed to forget them on load: their aggregates cannot be waited for after a restart.
-        The eager terms E and u are saved only when this peer's settings use them (else they are zero)."""
-        terms = ("G", "v", "S") + self._eager_terms()
+        The eager terms E and u are saved only when this peer's settings use them; S is derived."""
+        terms = ("G", "v") + self._eager_terms()
         return {
             "fragments": [dict({k: getattr(st, k) for k in terms}, round=st.round,
                                tokens_since_sync=st.tokens_since_sync, applied_rounds=st.applied_rounds[-64:])
@@ -356,9 +358,10 @@ class StreamingEngine:
         for st, saved in zip(self.states, state["fragments"]):
             if saved["G"].shape != st.G.shape:
                 raise ValueError(f"checkpoint fragment of {saved['G'].numel()} elements, model has {st.G.numel()}")
-            st.G, st.v, st.S = (saved[k].clone() for k in ("G", "v", "S"))
+            st.G, st.v = saved["G"].clone(), saved["v"].clone()  # (an older checkpoint's S equals G or G + E)
             # absent when the saving peer did not use them (zero); a peer that does starts them from zero
-            st.E, st.u = (saved[k].clone() if k in saved else torch.zeros_like(st.G) for k in ("E", "u"))
+            st.E, st.u = ((saved[k].clone() if k in saved else torch.zeros_like(st.G)) if k in self._eager_terms()
+                          else None for k in ("E", "u"))
             st.round, st.tokens_since_sync = saved["round"], saved["tokens_since_sync"]
             st.applied_rounds = list(saved["applied_rounds"])
         self.last_share = list(state["last_share"])

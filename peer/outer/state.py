@@ -1,9 +1,14 @@
 """Outer optimizer and per-fragment outer state (pure torch, no networking).
 
 For fragment p a peer holds, in fp32 on the CPU: ``G`` (shared outer parameters, changed only by
-swarm aggregates), ``v`` (shared Nesterov momentum) and ``S`` (start point of the current inner
-phase); ``G`` and ``v`` are bit-identical on every peer that applied the same rounds. Per peer, the eager
-terms ``E, u`` and, with error feedback, the codec's residual (:class:`ErrorFeedback`).
+swarm aggregates) and ``v`` (shared Nesterov momentum), bit-identical on every peer that applied the same
+rounds. Per peer and only where its settings use them: the eager terms ``E`` (eager updates, or ``tau = H``)
+and ``u`` (eager updates) and, with error feedback, the codec's residual (:class:`ErrorFeedback`).
+
+Host memory: with eager updates off that is two fp32 copies of the model (``G``, ``v``), three with them on
+(``E``) and four with ``u``. The start point ``S`` of the current inner phase (the spec's ``theta_sync``) is not
+stored: it equals ``G`` in the streaming engine (every applied span sets both, nothing else moves either)
+and ``G + E`` in the one-outer-step machine (``tau = H``); :meth:`FragmentState.sync_point` derives it.
 
 A round's aggregate may arrive incomplete (a reducer died): it is a list of spans, each either the
 decoded average or ``None``. Every elementwise update below touches only the spans that arrived, so
@@ -46,22 +51,27 @@ class NesterovSGD:
 
 @dataclass
 class FragmentState:
-    """Outer state of one fragment. Must be created from the same theta_0 on every peer."""
+    """Outer state of one fragment. Must be created from the same theta_0 on every peer.
+
+    ``E`` is allocated when ``eager_terms`` names it, ``u`` likewise (see the module docstring);
+    ``E_in_sync_point`` says the inner phase starts from ``G + E`` (``tau = H``) instead of ``G``."""
 
     G: torch.Tensor
     v: torch.Tensor
-    S: torch.Tensor
-    E: torch.Tensor  # eager term (zero when eager updates are off)
-    u: torch.Tensor  # eager momentum (tau = H mode)
+    E: Optional[torch.Tensor] = None  # eager jump (eager updates) or divergence from G (tau = H)
+    u: Optional[torch.Tensor] = None  # eager momentum (eager updates with tau = H)
+    E_in_sync_point: bool = False
     round: int = 0
     tokens_since_sync: int = 0
     applied_rounds: list[int] = field(default_factory=list)
 
     @classmethod
-    def from_params(cls, flat: torch.Tensor) -> "FragmentState":
+    def from_params(cls, flat: torch.Tensor, eager_terms: Sequence[str] = (),
+                    E_in_sync_point: bool = False) -> "FragmentState":
         flat = flat.detach().to("cpu", torch.float32)
-        return cls(G=flat.clone(), v=torch.zeros_like(flat), S=flat.clone(), E=torch.zeros_like(flat),
-                   u=torch.zeros_like(flat))
+        return cls(G=flat.clone(), v=torch.zeros_like(flat),
+                   E=torch.zeros_like(flat) if "E" in eager_terms else None,
+                   u=torch.zeros_like(flat) if "u" in eager_terms else None, E_in_sync_point=E_in_sync_point)
 
     @property
     def last_applied(self) -> int:
@@ -69,9 +79,21 @@ class FragmentState:
         the round number under which this state is advertised and served."""
         return self.applied_rounds[-1] if self.applied_rounds else 0
 
+    def sync_point(self) -> torch.Tensor:
+        """``S``: where this peer's current inner phase started from (``G``, or ``G + E`` with tau = H)."""
+        if self.E_in_sync_point and self.E is not None:
+            return self.G + self.E
+        return self.G
+
     def outer_gradient(self, theta: torch.Tensor) -> torch.Tensor:
         """``Delta = S - theta``: how far this peer moved since its last sync of this fragment."""
-        return self.S - theta
+        return self.sync_point() - theta
+
+    def reset_eager(self) -> None:
+        """Zeroes the eager terms (after an adoption, or when nothing of an eager jump is left)."""
+        for term in (self.E, self.u):
+            if term is not None:
+                term.zero_()
 
     def digest(self) -> str:
         """Hex hash of the shared outer parameters G (equal on all peers after the same rounds)."""
@@ -90,8 +112,9 @@ def apply_round(state: FragmentState, theta: torch.Tensor, spans: Sequence[Span]
 
     Per arrived span: ``G, v <- Nesterov(G, v, avg)``; ``E <- 0``; ``theta <- alpha*theta + (1-alpha)*G``
     (Streaming DiLoCo Alg. 2 line 12) or, with ``replay_from`` (theta at launch), ``theta <- G +
-    (theta - replay_from)`` (keeps the local steps made since launch); ``S <- G``. Missing spans
-    change nothing. Must be called with ``theta`` = this fragment's current flat fp32 parameters.
+    (theta - replay_from)`` (keeps the local steps made since launch); the next phase starts from the new
+    ``G`` (``S = G``, derived). Missing spans change nothing. Must be called with ``theta`` = this
+    fragment's current flat fp32 parameters.
     Returns the new theta and a bool mask of the elements that received an aggregate.
     """
     theta = theta.clone()
@@ -103,12 +126,12 @@ def apply_round(state: FragmentState, theta: torch.Tensor, spans: Sequence[Span]
         if span.average.shape != (span.end - span.start,):
             raise ValueError(f"span [{span.start}, {span.end}) got an average of shape {tuple(span.average.shape)}")
         opt.step_(state.G[sl], state.v[sl], span.average)
-        state.E[sl] = 0
+        if state.E is not None:
+            state.E[sl] = 0
         if replay_from is not None:
             theta[sl] = state.G[sl] + (theta[sl] - replay_from[sl])
         else:
             theta[sl] = alpha * theta[sl] + (1.0 - alpha) * state.G[sl]
-        state.S[sl] = state.G[sl]
         applied[sl] = True
     return theta, applied
 

@@ -57,11 +57,14 @@ def check_model(cfg: PeerConfig) -> None:
     A factory whose model cannot run on the meta device (an op without a meta kernel) is only built here;
     its forward is then checked by the first training step.
     """
-    where = f"model.factory {cfg.model.factory!r}" if cfg.model.factory else f"model.preset {cfg.model.preset!r}"
+    where = (f"model.hf_config {cfg.model.hf_config!r}" if cfg.model.hf_config else
+             f"model.factory {cfg.model.factory!r}" if cfg.model.factory else f"model.preset {cfg.model.preset!r}")
     try:
-        with torch.device("meta"):
+        with torch.device("meta"):  # an HF model too: from_config allocates nothing on meta
             model, _ = build_model(cfg.model.preset, cfg.data.vocab_size, cfg.model.seq_len,
-                                   cfg.model.factory or None)
+                                   cfg.model.factory or None, hf_config=cfg.model.hf_config,
+                                   hf_blocks=cfg.model.hf_blocks,
+                                   activation_checkpointing=cfg.model.activation_checkpointing)
     except ValueError as e:
         raise SetupError(str(e)) from None
     except Exception as e:  # the user's factory raised while building
@@ -83,7 +86,9 @@ def check_model(cfg: PeerConfig) -> None:
 
 def open_data(cfg: PeerConfig, shard: int):
     """This peer's data source, checked: files readable, at least one sequence long, ids within the vocabulary
-    (in the first window; every window is checked again as it is read)."""
+    (in the first window; every window is checked again as it is read). Prepared data (``tokens``) is checked
+    against its manifest too: its version, its vocabulary against ``data.vocab_size``, every shard's size and
+    sha256 (a full read of the shards; see ``TokenShardSource``)."""
     try:
         source = make_source(cfg.data.source, paths=cfg.data.paths, vocab_size=cfg.data.vocab_size,
                              seed=cfg.data.seed, shard_index=shard)

@@ -145,21 +145,24 @@ class Trainer:
         setup_logging(cfg.run.log_level, self.run_dir / "peer.log", label)
         self.events = EventLog(cfg.run.log_json)
         self.stop.install()
+        # Before joining the swarm: everything the user can fix is reported here, in one line. (The data first:
+        # the run hash reads its manifest.)
+        preflight.check_device(cfg.inner.device)
+        preflight.check_model(cfg)
+        source = preflight.open_data(cfg, cfg.data.shard if cfg.data.shard >= 0 else shard_of(peer_id))
         run_hash = cfg.run_hash()
         log.info("resolved config (run hash %s): %s", run_hash, cfg.to_dict())
-        # Before joining the swarm: everything the user can fix is reported here, in one line.
         self._found_checkpoint = checkpoint.load_latest(self.run_dir / "checkpoints")
         if self._found_checkpoint is not None and self._found_checkpoint[1].get("run_hash") != run_hash:
             raise SetupError(
                 f"--run-dir {self.run_dir} holds a checkpoint of another run (run hash "
                 f"{self._found_checkpoint[1].get('run_hash')}, this config's is {run_hash}): use another --run-dir")
-        preflight.check_device(cfg.inner.device)
-        preflight.check_model(cfg)
-        source = preflight.open_data(cfg, cfg.data.shard if cfg.data.shard >= 0 else shard_of(peer_id))
         access = preflight.load_access(cfg)
         if access is None:
+            bound = ("contributions are bounded by the clipped rule" if cfg.outer.aggregator == "clipped" else
+                     "WARNING: outer.aggregator = mean trusts every contribution (use clipped in an open run)")
             log.info("open run: any peer may join and contribute (set swarm.authority to admit only peers with a "
-                     "pass); contributions are bounded by the %s rule", cfg.outer.aggregator)
+                     "pass); %s", bound)
         else:
             log.info("authenticated run: only peers with a pass from authority %s take part; our pass is valid "
                      "until %s", fingerprint(access.checker.authority_bytes), access.token.expiration_time)
@@ -190,13 +193,17 @@ class Trainer:
         device = pick_device(cfg.inner.device)
         torch.manual_seed(cfg.model.init_seed)  # identical theta_0 on every peer of the run
         model, blocks = build_model(cfg.model.preset, cfg.data.vocab_size, cfg.model.seq_len,
-                                     cfg.model.factory or None)
+                                     cfg.model.factory or None, hf_config=cfg.model.hf_config,
+                                     hf_blocks=cfg.model.hf_blocks,
+                                     activation_checkpointing=cfg.model.activation_checkpointing)
         model.to(device)
         inner = InnerLoop(model, lr=cfg.inner.lr, weight_decay=cfg.inner.weight_decay,
                           betas=(cfg.inner.beta1, cfg.inner.beta2), warmup_steps=cfg.inner.warmup_steps,
                           total_steps=cfg.inner.total_steps, min_lr_ratio=cfg.inner.min_lr_ratio,
-                          grad_clip=cfg.inner.grad_clip, z_loss=cfg.inner.z_loss, device=device)
-        log.info("model %s: %s parameters on %s; data %s shard %d", cfg.model.factory or cfg.model.preset,
+                          grad_clip=cfg.inner.grad_clip, z_loss=cfg.inner.z_loss, device=device,
+                          micro_batch=cfg.data.micro_batch)
+        log.info("model %s: %s parameters on %s; data %s shard %d",
+                 cfg.model.hf_config or cfg.model.factory or cfg.model.preset,
                  f"{count_parameters(model):,}", device, cfg.data.source, source.shard_index)
         return model, blocks, inner
 

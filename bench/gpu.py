@@ -1,0 +1,262 @@
+"""Everything that needs a GPU, in one run (``make bench-gpu``); ``--device cpu`` runs the same comparison here.
+
+    .venv/bin/python bench/gpu.py                          # CUDA: 100M, 200M, 500M, 1B; codec; CUDA tests
+    .venv/bin/python bench/gpu.py --device cpu --presets tiny,small --steps 120   # the CPU comparison
+
+1. **Step overhead.** A plain PyTorch loop (autocast bf16 on CUDA, fused AdamW on CUDA, grad clip; no host
+   synchronization) against the peer's step: :class:`peer.local.inner.InnerLoop` plus the
+   :class:`peer.outer.engine.StreamingEngine` launching and applying every fragment's rounds (the full method:
+   fragments of 3 blocks, FP4 e3m0, overlap ``--tau``, eager updates) through an echo transport whose rounds run
+   the wire codec's encode and decode on a worker thread, as the swarm's event loop does (the network itself is
+   not in it: bench/utilization.py measures links). Same model, batch, precision and device; the two loops
+   alternate in ``--blocks`` blocks of ``--steps`` steps, so drift in clocks or thermals hits both. Prints the
+   mean wall time per step of each over all blocks (syncs included), the overhead ratio (goal: peer <= 1.02 x
+   plain), tokens/s and, on CUDA, the model FLOPs utilization (6 N tokens/s + attention, against the device's
+   dense bf16 peak where known).
+2. **Memory.** Per preset, in a child process of its own: peak VRAM (``torch.cuda.max_memory_allocated``) and the
+   peak host RSS (VmHWM) of the peer loop; beside them, what the model, AdamW and the outer state take by
+   their sizes.
+3. **Codec.** bench/codec.py on the device: FP4 e3m0 encode and decode throughput against the device's copy
+   bandwidth (goal >= 50%).
+4. **CUDA tests.** ``pytest -q -rs tests -k cuda`` (skipped without a device).
+
+Writes ``--out`` (JSON) beside the printed tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from peer.local.data import MarkovSource  # noqa: E402
+from peer.local.inner import InnerLoop, lr_at, split_decay_params  # noqa: E402
+from peer.local.model import PRESETS, build_model, count_parameters, lm_loss  # noqa: E402
+from peer.outer.codec import roundtrip  # noqa: E402
+from peer.outer.engine import OuterSettings, StreamingEngine  # noqa: E402
+from peer.outer.fragments import partition  # noqa: E402
+from peer.outer.rounds import RoundOutcome, RoundStatus, Span  # noqa: E402
+
+# Dense bf16 peak (FLOP/s) by device name, for MFU; unknown devices print tokens/s only.
+PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12, "3090": 71e12}
+INNER = dict(lr=3e-4, weight_decay=0.1, betas=(0.9, 0.95), warmup_steps=10, total_steps=10_000, min_lr_ratio=0.1,
+             grad_clip=1.0, z_loss=1e-4)
+
+
+class EchoTransport:
+    """Every round comes back as a complete group of two identical peers would return it: our Delta through the
+    wire codec (encode, then decode of the same bytes), computed on a worker thread."""
+
+    def __init__(self, codec: str):
+        self.codec = codec
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="echo-allreduce")
+
+    def _round(self, fragment: int, round_: int, delta: torch.Tensor, weight: float) -> RoundOutcome:
+        average = roundtrip(delta, self.codec)
+        return RoundOutcome(fragment, round_, RoundStatus.OK, group_size=2, spans=[Span(0, delta.numel(), average)],
+                            total_weight=2 * weight)
+
+    def launch(self, *, fragment, round_, delta, weight, step, expected_round):
+        return self.pool.submit(self._round, fragment, round_, delta.clone(), weight)
+
+
+def flops_per_token(model, n_layers: int, d_model: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6 N (weights, forward + backward) + 12 L d T (attention scores and values)."""
+    return 6 * count_parameters(model) + 12 * n_layers * d_model * seq_len
+
+
+def plain_step_fn(model, device: torch.device, clip: float):
+    """A plain PyTorch training step of the same model: what a peer's step is compared with."""
+    decay, no_decay = split_decay_params(model)
+    fused = {"fused": True} if device.type == "cuda" else {}
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": INNER["weight_decay"]},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=INNER["lr"], betas=INNER["betas"], **fused)
+    params = decay + no_decay
+    step_count = [0]
+
+    def step(batch: torch.Tensor) -> None:
+        batch = batch.to(device, non_blocking=True)
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logits = model(batch[:, :-1])
+        loss, _ = lm_loss(logits, batch[:, 1:], INNER["z_loss"])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, clip)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step_count[0], lr=INNER["lr"], warmup_steps=INNER["warmup_steps"],
+                                total_steps=INNER["total_steps"], min_lr_ratio=INNER["min_lr_ratio"])
+        opt.step()
+        step_count[0] += 1
+    return step
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def vm_hwm_bytes() -> int:
+    """Peak resident set size of this process (VmHWM), in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def one_preset(args) -> dict:
+    """Runs section 1 and the memory measures of section 2 for ``args.one`` (in a child process)."""
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    model, blocks = build_model(args.one, args.vocab, args.seq_len,
+                                activation_checkpointing=args.activation_checkpointing)
+    model.to(device)
+    shape = PRESETS[args.one]
+    n = count_parameters(model)
+    source = MarkovSource(args.vocab, seed=1)
+    batches = [source.next_batch(args.batch, args.seq_len) for _ in range(8)]
+    plain = plain_step_fn(model, device, INNER["grad_clip"])
+    inner = InnerLoop(model, device=device, micro_batch=args.micro_batch, **INNER)
+    fragments = partition(model, blocks, 3, "strided")
+    settings = OuterSettings(H=args.sync_every, tau=args.tau, eager=True)
+    engine = StreamingEngine(fragments, settings, EchoTransport("e3m0"))
+    peer_step = [0]
+
+    def peer(batch):
+        inner.step(batch)
+        peer_step[0] += 1
+        engine.launch_due(peer_step[0])
+        engine.apply_due(peer_step[0])
+
+    for fn in (plain, peer):  # warm-up: allocator, kernels, autotuning
+        for i in range(3):
+            fn(batches[i % len(batches)])
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times: dict[str, list[float]] = {"plain": [], "peer": []}
+    steps = 0
+    for _ in range(args.blocks):
+        for name, fn in (("plain", plain), ("peer", peer)):
+            sync(device)
+            t0 = time.perf_counter()
+            for i in range(args.steps):
+                fn(batches[i % len(batches)])
+            sync(device)
+            times[name].append((time.perf_counter() - t0) / args.steps)
+        steps += args.steps
+    rounds = sum(len(st.applied_rounds) for st in engine.states)
+    per_step = {k: sum(v) / len(v) for k, v in times.items()}
+    tokens = args.batch * args.seq_len
+    fpt = flops_per_token(model, shape.n_layers, shape.d_model, args.seq_len)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    peak = next((v for k, v in PEAK_BF16.items() if k in name), None) if device.type == "cuda" else None
+    tflops = {k: fpt * tokens / t / 1e12 for k, t in per_step.items()}
+    outer_copies = sum(1 for t in ("G", "v", "E", "u") if getattr(engine.states[0], t) is not None)
+    return {
+        "preset": args.one, "params": n, "batch": args.batch, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
+        "device": name, "steps_per_loop": steps, "rounds_applied": rounds,
+        "plain_s_per_step": per_step["plain"], "peer_s_per_step": per_step["peer"],
+        "overhead": per_step["peer"] / per_step["plain"], "blocks": times,
+        "tokens_per_s": {k: tokens / t for k, t in per_step.items()}, "tflops": tflops,
+        "mfu": {k: v * 1e12 / peak for k, v in tflops.items()} if peak else None,
+        "peak_vram_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        "host_peak_rss_bytes": vm_hwm_bytes(),
+        "bytes_by_size": {"model_fp32": 4 * n, "adamw": 8 * n, "outer_state": 4 * n * outer_copies,
+                          "outer_copies": outer_copies},
+    }
+
+
+def codec_section(device: str) -> str:
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "codec.py"), "--device", device, "--codecs", "e3m0"],
+                          capture_output=True, text=True, timeout=600)
+    return done.stdout + done.stderr[-2000:]
+
+
+def cuda_tests() -> str:
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "tests", "-k", "cuda"], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    return "\n".join(done.stdout.strip().splitlines()[-6:])
+
+
+def gib(x) -> str:
+    """Bytes as GiB, or MiB below one GiB (the CPU presets)."""
+    if x is None:
+        return "—"
+    return f"{x / 2**30:.2f} GiB" if x >= 2**30 else f"{x / 2**20:.0f} MiB"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--presets", default="100M,200M,500M,1B")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--micro-batch", type=int, default=0)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--steps", type=int, default=50, help="steps per block of each loop")
+    ap.add_argument("--blocks", type=int, default=3)
+    ap.add_argument("--sync-every", type=int, default=50, help="H")
+    ap.add_argument("--tau", type=int, default=5)
+    ap.add_argument("--activation-checkpointing", action="store_true")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: codec, tests")
+    ap.add_argument("--out", default="runs/bench_gpu.json")
+    ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # internal: one preset in this process
+    args = ap.parse_args(argv)
+    if args.one:
+        print(json.dumps(one_preset(args)))
+        return 0
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("bench/gpu.py: no CUDA device here; use --device cpu for the CPU comparison", file=sys.stderr)
+        return 2
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    print(f"bench/gpu.py {stamp} device {args.device}: batch {args.batch} x seq {args.seq_len}, vocab {args.vocab}, "
+          f"H {args.sync_every}, tau {args.tau}, eager, e3m0, {args.blocks} blocks x {args.steps} steps per loop")
+    results = []
+    for preset in args.presets.split(","):
+        child = [sys.executable, __file__, "--one", preset, *[a for a in sys.argv[1:] if a != "--one"]]
+        done = subprocess.run(child, capture_output=True, text=True, timeout=3600)
+        if done.returncode != 0:
+            print(f"{preset}: failed: {done.stderr.strip().splitlines()[-1:]}")
+            results.append({"preset": preset, "error": done.stderr[-3000:]})
+            continue
+        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    print("\n| preset | params | plain s/step | peer s/step | peer / plain | rounds | tokens/s (peer) "
+          "| MFU plain / peer | peak VRAM | host peak RSS | model + AdamW + outer state (by size) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['preset']} | failed | | | | | | | | | |")
+            continue
+        mfu = "—" if not r["mfu"] else f"{r['mfu']['plain']:.1%} / {r['mfu']['peer']:.1%}"
+        size = r["bytes_by_size"]
+        print(f"| {r['preset']} | {r['params'] / 1e6:.1f}M | {r['plain_s_per_step']:.4f} | {r['peer_s_per_step']:.4f} "
+              f"| {r['overhead']:.3f} | {r['rounds_applied']} | {r['tokens_per_s']['peer']:.0f} | {mfu} "
+              f"| {gib(r['peak_vram_bytes'])} | {gib(r['host_peak_rss_bytes'])} "
+              f"| {gib(size['model_fp32'])} + {gib(size['adamw'])} + {gib(size['outer_state'])} "
+              f"({size['outer_copies']} copies) |")
+    skip = set(filter(None, args.skip.split(",")))
+    extra = {}
+    if "codec" not in skip:
+        extra["codec"] = codec_section(args.device.split(":")[0])
+        print("\ncodec (bench/codec.py):\n" + extra["codec"])
+    if "tests" not in skip:
+        extra["cuda_tests"] = cuda_tests()
+        print("CUDA tests (pytest -k cuda):\n" + extra["cuda_tests"])
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"date": stamp, "args": vars(args), "results": results, **extra}, indent=1))
+    return 0 if all("error" not in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
