@@ -47,6 +47,7 @@ from peer.outer.codec import roundtrip  # noqa: E402
 from peer.outer.engine import OuterSettings, StreamingEngine  # noqa: E402
 from peer.outer.fragments import partition  # noqa: E402
 from peer.outer.rounds import RoundOutcome, RoundStatus, Span  # noqa: E402
+from peer.util import host_peak_bytes  # noqa: E402
 
 # Dense bf16 peak (FLOP/s) by device name, for MFU; unknown devices print tokens/s only.
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12, "3090": 71e12}
@@ -106,14 +107,6 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def vm_hwm_bytes() -> int:
-    """Peak resident set size of this process (VmHWM), in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 def one_preset(args) -> dict:
     """Runs section 1 and the memory measures of section 2 for ``args.one`` (in a child process)."""
     device = torch.device(args.device)
@@ -171,7 +164,7 @@ def one_preset(args) -> dict:
         "tokens_per_s": {k: tokens / t for k, t in per_step.items()}, "tflops": tflops,
         "mfu": {k: v * 1e12 / peak for k, v in tflops.items()} if peak else None,
         "peak_vram_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-        "host_peak_rss_bytes": vm_hwm_bytes(),
+        "host_peak_rss_bytes": host_peak_bytes(),
         "bytes_by_size": {"model_fp32": 4 * n, "adamw": 8 * n, "outer_state": 4 * n * outer_copies,
                           "outer_copies": outer_copies},
     }

@@ -32,10 +32,12 @@ sets them; none of them is a swarm-peer config key, and nothing here changes a c
 ``/proc`` (or ``--pid``), re-reads its command line, environment and working directory with the same parsers
 the commands use, and checks:
 
-- peer: the newest of ``RUN_DIR/peer.log``, the ``--log-json`` file and ``RUN_DIR/checkpoints`` was modified
-  at most ``--max-age`` seconds ago (``SWARMLOCO_HEALTH_MAX_AGE``, default 300). A training peer writes a
-  status line every ``status_interval`` seconds and an event every ``log_every`` steps; a hung one writes
-  nothing. ``--run-dir`` checks a directory directly, without looking for a process.
+- peer: asks the peer through its local control API (``RUN_DIR/control.json``, peer/control/): it must answer
+  within 8 s and, while training, have made an inner step within ``--max-age`` seconds
+  (``SWARMLOCO_HEALTH_MAX_AGE``, default 300); a paused or starting peer is healthy. A peer that serves no control
+  API (``run.control = false``) is judged by its files instead: the newest of ``RUN_DIR/peer.log``, the
+  ``--log-json`` file and ``RUN_DIR/checkpoints`` was modified at most ``--max-age`` seconds ago.
+  ``--run-dir`` checks a directory directly, without looking for a process.
 - bootstrap: the process runs, its identity file exists (and the bootstrap FILE, if configured), and its
   listening TCP port accepts a connection.
 
@@ -327,9 +329,28 @@ def _max_age(opt: Optional[float], env: dict[str, str]) -> float:
     return float(raw) if raw else DEFAULT_MAX_AGE
 
 
+def check_control(run_dir: Path, max_age: float) -> tuple[bool, str]:
+    """Healthy when the peer answers its control API and, while training, made a step within max_age seconds."""
+    from peer.control.client import ControlClient, ControlError
+    from peer.proto import control_pb2 as pb
+
+    try:
+        with ControlClient(run_dir, timeout=8.0) as client:
+            s = client.status()
+    except ControlError as e:
+        return False, str(e)
+    state = pb.PeerState.Name(s.state).lower()
+    if s.state == pb.TRAINING and s.idle_seconds > max_age:
+        return False, f"training, but no step for {s.idle_seconds:.0f}s (> {max_age:g}s): the peer looks stuck"
+    return True, f"{state}, step {s.step}, {s.live_peers} live peer(s)"
+
+
 def check_run_dir(run_dir: Path, log_json: Optional[Path], max_age: float,
                   now: Optional[float] = None) -> tuple[bool, str]:
-    """Healthy when the peer's newest output (peer.log, events, checkpoints) is at most max_age seconds old."""
+    """Through the control API when the peer serves one; otherwise healthy when its newest output (peer.log,
+    events, checkpoints) is at most max_age seconds old."""
+    if (run_dir / "control.json").is_file():
+        return check_control(run_dir, max_age)
     now = time.time() if now is None else now
     candidates = [run_dir / "peer.log", run_dir / "checkpoints"] + ([log_json] if log_json else [])
     mtimes = {}

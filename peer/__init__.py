@@ -9,9 +9,13 @@ The folders are the layers; each may import only the ones listed (``tests/test_l
 - ``net/``    networking on hivemind: the DHT, progress records, the consensus policy read from them (pure),
               matchmaking, our all-reduce, state transfer, the swarm that owns them, the engine's transport.
               Imports: outer, config, util, proto.
+- ``control/`` the owner's controls: the local control API (gRPC: status, pause, resume, finish, limits, events)
+              and the pure pieces it shares with the loop (requests, limits, the event feed).  Imports: config,
+              util, proto.
 - ``run/``    one peer's run, the composition: the trainer (the one place that composes), checkpoints,
-              events, the status line, the run dir lock, checks before joining.  Imports: everything below.
-- ``cli/``    the command line: ``swarm-peer`` and ``make demo``.  Imports: config, run.
+              events, the status line, the run dir lock, checks before joining, the owner's link.  Imports:
+              everything below.
+- ``cli/``    the command line: ``swarm-peer`` and ``make demo``.  Imports: config, run, control.
 - ``config.py`` typed settings (TOML + ``SWARM_*`` env + flags; the run hash), ``util.py`` small helpers:
   every layer may import them. ``proto/``: generated protobuf modules (``make protos``).
 """

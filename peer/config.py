@@ -323,6 +323,12 @@ class RunConfig:
     checkpoint_rounds: int = setting(0, local=True, help="Also checkpoint after every N applied rounds of fragment 0 "
             "(0 disables).")
     checkpoint_keep: int = setting(3, local=True, help="Checkpoints kept (the newest ones).")
+    control: bool = setting(True, local=True, help="Serve the local control API (RUN_DIR/control.sock, owner only) "
+            "for swarm-peer status|pause|resume|finish|limits and the Docker health check.")
+    metrics_port: int = setting(0, local=True, help="Serve Prometheus metrics on this port (0 = off; the figures "
+            "of swarm-peer status, README 'Metrics').")
+    metrics_host: str = setting("127.0.0.1", local=True, help="Address the metrics endpoint listens on (0.0.0.0 "
+            "opens it to the network).")
 
     def __post_init__(self) -> None:
         _check(bool(self.run_dir), "run.run_dir", "a directory path", self.run_dir)
@@ -332,13 +338,53 @@ class RunConfig:
         _check(self.checkpoint_minutes >= 0, "run.checkpoint_minutes", ">= 0", self.checkpoint_minutes)
         _check(self.checkpoint_rounds >= 0, "run.checkpoint_rounds", ">= 0", self.checkpoint_rounds)
         _check(self.checkpoint_keep >= 1, "run.checkpoint_keep", ">= 1", self.checkpoint_keep)
+        _check(0 <= self.metrics_port <= 65535, "run.metrics_port", "a TCP port in 0..65535 (0 = off)",
+               self.metrics_port)
         _check(self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "run.log_level",
                "DEBUG, INFO, WARNING or ERROR", self.log_level)
 
 
+@dataclass(kw_only=True)
+class LimitsConfig:
+    """A volunteer's resource limits (peer/control/limits.py); ``swarm-peer limits`` changes them at run time. The
+    CPU threads are ``inner.threads``."""
+
+    duty_cycle: int = setting(100, local=True, help="Percent of wall time spent training (1..100): after each step "
+            "the peer rests so that it trains this share of the time, like BOINC's CPU-time limit.")
+    active_hours: str = setting("", local=True, help="Daily window HH:MM-HH:MM in local time (may wrap midnight) "
+            "in which the peer trains; outside it the peer pauses and stays in the swarm's view. Empty = always.")
+
+    def __post_init__(self) -> None:
+        _check(1 <= self.duty_cycle <= 100, "limits.duty_cycle", "a percent in 1..100", self.duty_cycle)
+        try:
+            parse_active_hours(self.active_hours)
+        except ValueError as e:
+            raise ConfigError(f"limits.active_hours: {e}") from None
+
+
+_WINDOW = r"([01]\d|2[0-3]):([0-5]\d)-([01]\d|2[0-3]):([0-5]\d)"
+
+
+def parse_active_hours(text: str) -> Optional[tuple[int, int]]:
+    """``"HH:MM-HH:MM"`` (local time; the window may wrap midnight) as (start, end) minutes of the day, or None
+    for ``""`` (always active). Raises ValueError naming the expected form."""
+    import re
+
+    if not text:
+        return None
+    m = re.fullmatch(_WINDOW, text.strip())
+    if not m:
+        raise ValueError(f"active hours must be HH:MM-HH:MM in 24-hour local time, e.g. 18:00-08:00 (got {text!r})")
+    h0, m0, h1, m1 = (int(g) for g in m.groups())
+    start, end = 60 * h0 + m0, 60 * h1 + m1
+    if start == end:
+        raise ValueError(f"active hours {text!r} are an empty window (use \"\" for always)")
+    return start, end
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "inner": InnerConfig, "outer": OuterConfig,
-    "swarm": SwarmConfig, "run": RunConfig,
+    "swarm": SwarmConfig, "run": RunConfig, "limits": LimitsConfig,
 }
 BARE_SECTIONS = ("run", "swarm")  # their flags carry no section prefix
 
@@ -351,6 +397,7 @@ class PeerConfig:
     outer: OuterConfig = field(default_factory=OuterConfig)
     swarm: SwarmConfig = field(default_factory=SwarmConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -372,6 +419,7 @@ class PeerConfig:
         local = {(section, f.name) for section, f in iter_settings() if f.metadata["local"]}
         shared = {sec: {k: v for k, v in vals.items() if (sec, k) not in local}
                   for sec, vals in self.to_dict().items()}
+        shared = {sec: vals for sec, vals in shared.items() if vals}  # (a section of local choices only: no trace)
         if files := self.content_files():  # (absent otherwise: runs without such files keep their hash)
             shared["content"] = {name: content_digest(path) for name, path in files.items()}
         blob = json.dumps(shared, sort_keys=True, separators=(",", ":")).encode()

@@ -23,3 +23,15 @@ async def next_by(stream: AsyncIterator[T], deadline: float) -> T:
 def short_id(peer_id: object) -> str:
     """The last 8 characters of a peer id: how log lines name a peer."""
     return str(peer_id)[-8:]
+
+
+def host_peak_bytes() -> int:
+    """Peak resident set size of this process (Linux VmHWM), in bytes; 0 where /proc does not tell."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

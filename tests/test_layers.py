@@ -12,13 +12,15 @@ ALLOWED = {
     "local": SHARED,
     "outer": SHARED,
     "net": SHARED | {"outer"},
-    "run": SHARED | {"local", "outer", "net"},
-    "cli": SHARED | {"run"},
+    "control": SHARED,
+    "run": SHARED | {"local", "outer", "net", "control"},
+    "cli": SHARED | {"run", "control"},
 }
 # Files allowed one more layer: `swarm-peer prepare-data` is a local job (text -> token shards), no run.
 EXTRA = {"cli/prepare_data.py": {"local"}}
 # Modules that are pure policy or pure math: no hivemind, no sockets, no asyncio.
-PURE = ["outer", "local", "net/consensus.py", "net/records.py"]
+PURE = ["outer", "local", "net/consensus.py", "net/records.py", "control/controls.py", "control/limits.py",
+        "control/feed.py"]
 NETWORKING = ("hivemind", "socket", "asyncio", "grpc")
 
 

@@ -3,7 +3,9 @@
 ``swarm-peer run [--config FILE] [flags]`` trains in the swarm; ``swarm-peer pass-request [...]`` prints the line
 a volunteer sends the operator of an authenticated run; ``swarm-peer prepare-data INPUT... --out DIR`` tokenizes
 text into the shards of ``data.source = "tokens"`` (peer/cli/prepare_data.py); ``swarm-peer export`` and
-``swarm-peer sample`` take a run dir's model home or try it out (peer/cli/take_home.py). Every config field has a
+``swarm-peer sample`` take a run dir's model home or try it out (peer/cli/take_home.py); ``swarm-peer status | pause |
+resume | finish | limits | top --run-dir R`` control a running peer (peer/cli/control.py); ``swarm-peer doctor``
+checks a machine before it joins (peer/cli/doctor.py). Every config field has a
 flag and an ``SWARM_*`` env-var twin (see peer/config.py); invalid input exits with status 2 and one line.
 """
 
@@ -13,7 +15,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from peer.cli import prepare_data, take_home
+from peer.cli import control, doctor, prepare_data, take_home
 from peer.config import (SECTIONS, ConfigError, build_config, default_of, env_name, flag_name, iter_fields,
                          iter_settings, unknown_env)
 
@@ -53,8 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="Authenticated runs: print this peer's pass request (its peer id "
                                      "and identity key; the identity is created if missing). Send the line to the "
                                      "run's operator and save the pass they return as swarm.pass_path."))
+    check = sub.add_parser("doctor", help="check this machine, the config and the swarm before joining",
+                           description="Check this machine (versions, device, memory, disk, run dir), the model and "
+                           "data, the initial peers, the clock against the swarm's and who trains the run. Takes the "
+                           "same config and flags as run.")
+    _add_config_flags(check)
+    doctor.add_arguments(check)
     prepare_data.add_parser(sub)
     take_home.add_parsers(sub)
+    control.add_parsers(sub)
     return parser
 
 
@@ -92,6 +101,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return prepare_data.run(ns)
     if ns.command in take_home.COMMANDS:  # the run dir's checkpoint holds the config
         return take_home.run(ns)
+    if ns.command in control.COMMANDS:  # the running peer holds the config
+        return control.run(ns)
     for warning in unknown_env(dict(os.environ)):
         print(f"swarm-peer: warning: {warning}", file=sys.stderr)
     try:
@@ -116,6 +127,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return EXIT_JOIN
     if ns.command == "pass-request":
         return _pass_request(cfg)
+    if ns.command == "doctor":
+        return doctor.run(cfg, ns)
     return EXIT_SETUP
 
 

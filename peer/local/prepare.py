@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from peer.errors import SetupError
-from peer.local.data import MANIFEST_NAME, MANIFEST_VERSION, TOKEN_DTYPES, read_manifest
+from peer.local.manifest import MANIFEST_NAME, MANIFEST_VERSION, TOKEN_DTYPES, read_manifest
 
 __all__ = ["PrepareError", "PreparedTokenizer", "prepare", "load_tokenizer", "token_dtype", "DEFAULT_SHARD_TOKENS",
            "DEFAULT_VOCAB_SIZE", "EOD_TOKEN"]

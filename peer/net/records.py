@@ -46,6 +46,9 @@ class ProgressRecord(BaseModel):
     # authenticated runs: this peer's pass (peer/net/auth.py, a "swarmloco-pass:..." line); "" in open runs
     pass_line: Annotated[StrictStr, Field(max_length=MAX_PASS_CHARS)] = ""
     client_mode: StrictBool
+    # paused by its owner (swarm-peer pause, or outside its active hours): in the swarm's view (the monitor, the
+    # status's paused count) but in no group, no vote and no wait: every rule acts on live, unpaused records
+    paused: StrictBool = False
     time: Annotated[StrictFloat, Field(allow_inf_nan=False)]  # DHT time when written
 
     @classmethod

@@ -71,6 +71,12 @@ class RoundActivity:
     waiting_for: tuple[str, ...] = ()
 
 
+def swarm_key(run_id: str, run_hash: str, codec: str) -> str:
+    """The prefix of every DHT key of a run (progress records, matchmaking, state): run id, run hash and the wire
+    codec's name and version, so peers of different runs or codecs never meet."""
+    return f"{run_id}_{run_hash}_{codec_key(codec)}"
+
+
 class Swarm:
     """Owns the DHT, the ``swarm-net`` event loop thread, the P2P replica and the servicers.
 
@@ -85,7 +91,7 @@ class Swarm:
         self.cfg = cfg
         self.codec = get_codec(codec)  # a name or a configured codec instance
         self.rule = rule or AggregationRule()
-        self.run_key = f"{cfg.run_id}_{run_key}_{codec_key(self.codec.name)}"
+        self.run_key = swarm_key(cfg.run_id, run_key, self.codec.name)
         self.identity_path = identity_path
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="swarm-net", daemon=True)
@@ -107,6 +113,7 @@ class Swarm:
                                             stream_timeout=cfg.state_timeout + cfg.request_timeout)
         self._subkey = b""
         self._progress = (0, 0, 0.0)  # (step, round of fragment 0, tokens/s), published by the heartbeat
+        self.paused = False  # published by the heartbeat: the trainer sets it while its owner pauses it
         self._view = LiveView(cfg.progress_ttl)  # everyone's records, merged by the heartbeat
         self._speeds = SpeedLedger()  # the speeds their records vouch for (the robust rule's caps)
         self._first_read = threading.Event()  # set once the heartbeat's first read of the records ended
@@ -215,7 +222,7 @@ class Swarm:
         seeking = [[a.fragment, a.round] for a in activity if a.stage is not RoundStage.ALLREDUCE]
         averaging = [[a.fragment, a.round] for a in activity if a.stage is RoundStage.ALLREDUCE]
         rec = ProgressRecord(peer_id=self.peer_id, step=step, round=round_, tokens_per_second=tps, seeking=seeking,
-                             averaging=averaging,
+                             averaging=averaging, paused=self.paused,
                              client_mode=self.cfg.client_mode, time=get_dht_time(),
                              rounds=[s.round for s in snaps if s], digests=[s.digest for s in snaps if s],
                              past=self._past_entries(), pass_line=encode_pass(self.access.token) if self.access else "")
@@ -301,9 +308,15 @@ class Swarm:
     def live_peers(self) -> dict[str, ProgressRecord]:
         """Progress records of the peers of this run heard from within ``progress_ttl`` (see
         :class:`~peer.progress.LiveView`), without the peers we excluded (:mod:`peer.net.exclusion`: they count
-        for no group, no state download and no vote); never blocks: the training thread calls it at every launch."""
+        for no group, no state download and no vote) and those paused by their owners; never blocks: the
+        training thread calls it at every launch."""
         return {pid: rec for pid, rec in self._view.live(time.monotonic()).items()
-                if pid not in self.exclusions and self.admission.admitted(pid)}
+                if pid not in self.exclusions and self.admission.admitted(pid) and not rec.paused}
+
+    def paused_peers(self) -> list[str]:
+        """Ids of the peers of this run whose live records say they are paused (not in :meth:`live_peers`)."""
+        return sorted(pid for pid, rec in self._view.live(time.monotonic()).items()
+                      if rec.paused and pid != self.peer_id and self.admission.admitted(pid))
 
     def vouched_peers(self) -> dict[str, ProgressRecord]:
         """The live records the consensus rules may act on (the swarm's state to adopt, whether a round is late,

@@ -225,17 +225,34 @@ class StreamingEngine:
                     break  # tau = H: applied at the next event only (it has the fresh Delta)
                 if self.one_outer_step and len(queue) < 2:
                     break
-                pend = queue.pop(0)
-                outcome = self._wait(pend, p)
-                outcome.launch_step = pend.launch_step
-                if self.one_outer_step:
-                    self._apply_one_outer_step(p, pend, queue[0], outcome)
-                else:
-                    self._apply_streaming(p, pend, outcome)
-                self.states[p].round = pend.round
-                self.on_outcome(self.fragments[p], self.states[p], outcome, step)
+                self._apply_next(p, step)
         if self.one_outer_step:
             self._first_events(step)
+
+    def drain(self, step: int) -> None:
+        """Applies every round in flight now instead of at its ``launch + tau`` (before a pause or a finish: the
+        rounds complete, and nothing of our progress is left in flight); each waits up to ``wait_timeout`` for its
+        aggregate, as in :meth:`apply_due`. With ``tau = H`` a round is applied with the next round's Delta, which
+        does not exist yet: those are abandoned (their progress is carried). Must be called between steps."""
+        if self.one_outer_step:
+            self.abandon()
+            return
+        for p, queue in enumerate(self.pending):
+            while queue:
+                self._apply_next(p, step)
+
+    def _apply_next(self, p: int, step: int) -> None:
+        """Waits for fragment ``p``'s oldest round in flight and applies it (reported to ``on_outcome``)."""
+        queue = self.pending[p]
+        pend = queue.pop(0)
+        outcome = self._wait(pend, p)
+        outcome.launch_step = pend.launch_step
+        if self.one_outer_step:
+            self._apply_one_outer_step(p, pend, queue[0], outcome)
+        else:
+            self._apply_streaming(p, pend, outcome)
+        self.states[p].round = pend.round
+        self.on_outcome(self.fragments[p], self.states[p], outcome, step)
 
     def _first_events(self, step: int) -> None:
         # Alg. 3 applies nothing at its first sync (t = H): the replica keeps its local weights as the

@@ -14,7 +14,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 log = logging.getLogger(__name__)
 
@@ -28,9 +28,12 @@ class EventLog:
     the full disk stays a line of its own that readers skip.
     """
 
-    def __init__(self, path: Optional[str]):
+    def __init__(self, path: Optional[str], feed: Optional[Callable[[str], None]] = None):
+        """``path``: the file (None: no file); ``feed``: also given every event's JSON (the control API's
+        WatchEvents)."""
         self._fd: Optional[int] = None
         self.path = path
+        self.feed = feed
         self.dropped = 0  # events lost to write errors since the last successful write
         self._cut = False  # the last write may have ended mid-line
         if path:
@@ -38,9 +41,14 @@ class EventLog:
             self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def emit(self, event: str, **fields: Any) -> None:
+        if self._fd is None and self.feed is None:
+            return
+        text = json.dumps({"event": event, "time": time.time(), **fields})
+        if self.feed is not None:
+            self.feed(text)
         if self._fd is None:
             return
-        line = ("\n" if self._cut else "") + json.dumps({"event": event, "time": time.time(), **fields}) + "\n"
+        line = ("\n" if self._cut else "") + text + "\n"
         data = line.encode()
         try:
             while data:

@@ -50,9 +50,10 @@ def _describe(out: Any) -> str:
     return f"a {type(out).__name__}"
 
 
-def check_model(cfg: PeerConfig) -> None:
+def check_model(cfg: PeerConfig) -> int:
     """The model builds and its forward returns logits ``[batch, seq, vocab_size]`` for int64 tokens
-    ``[batch, seq]``: built and run on the meta device (shapes only: no memory, no compute, no RNG).
+    ``[batch, seq]``: built and run on the meta device (shapes only: no memory, no compute, no RNG). Returns its
+    number of parameters.
 
     A factory whose model cannot run on the meta device (an op without a meta kernel) is only built here;
     its forward is then checked by the first training step.
@@ -69,19 +70,21 @@ def check_model(cfg: PeerConfig) -> None:
         raise SetupError(str(e)) from None
     except Exception as e:  # the user's factory raised while building
         raise SetupError(f"{where}: building the model failed: {type(e).__name__}: {e}") from None
+    params = sum(p.numel() for p in model.parameters())
     length = min(_PROBE_LEN, cfg.model.seq_len)
     tokens = torch.zeros((_PROBE_BATCH, length), dtype=torch.long, device="meta")
     try:
         with torch.no_grad():
             out = model(tokens)
     except NotImplementedError:
-        return  # an op without a meta kernel: the first real step checks it
+        return params  # an op without a meta kernel: the first real step checks it
     except Exception as e:
         raise SetupError(f"{where}: forward(tokens [batch, seq]) failed: {type(e).__name__}: {e}") from None
     want = [_PROBE_BATCH, length, cfg.data.vocab_size]
     if not isinstance(out, torch.Tensor) or list(out.shape) != want:
         raise SetupError(f"{where}: forward(tokens [batch, seq]) must return logits [batch, seq, vocab_size] = "
                          f"{want}, got {_describe(out)} (see README: bring your own model)")
+    return params
 
 
 def open_data(cfg: PeerConfig, shard: int):

@@ -31,7 +31,9 @@ from peer.outer.codec import get_codec, make_codec
 from peer.config import PeerConfig
 from peer.errors import JoinError, SetupError
 from peer.net.dht import check_maddrs, ensure_identity
+from peer.control.controls import PeerState
 from peer.run.events import EventLog, setup_logging
+from peer.run.owner import REST_SLICE_S, OwnerLink
 from peer.outer.fragments import Fragment, partition
 from peer.local.inner import InnerLoop
 from peer.local.model import build_model, count_parameters
@@ -68,10 +70,12 @@ def shard_of(peer_id: str) -> int:
 
 
 class StopFlag:
-    """Set by SIGINT/SIGTERM; the loop checks it between steps and while waiting for a round."""
+    """Set by SIGINT/SIGTERM; the loop checks it between steps and while waiting for a round. ``wake`` is set too
+    (a paused or resting loop waits on it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, wake: Optional[threading.Event] = None) -> None:
         self.event = threading.Event()
+        self.wake = wake
 
     def install(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -80,6 +84,8 @@ class StopFlag:
     def _handle(self, signum, _frame) -> None:
         log.info("received %s: finishing the current step and leaving the swarm", signal.Signals(signum).name)
         self.event.set()
+        if self.wake is not None:
+            self.wake.set()
 
 
 EXIT_PASS_ENDED = 2  # our pass was revoked or expired: a setup to fix (a new pass), like a pass that is missing
@@ -92,6 +98,10 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = Path(cfg.run.run_dir)
         self.stop = StopFlag()
+        self.owner = OwnerLink(cfg, self.stop.event)  # the control API, the limits (started in _run)
+        self.stop.wake = self.owner.controls.wake
+        self.owner.figures = self._figures
+        self.run_hash = ""
         self.events = EventLog(None)  # opened in run(), once the run dir is ours
         # Created here (nothing starts before run()); its DHT process forks, so run() starts it before any CUDA.
         codec = make_codec(cfg.outer.codec, stochastic_rounding=True) if cfg.outer.stochastic_rounding \
@@ -113,6 +123,8 @@ class Trainer:
         self._floor: Optional[float] = None
         self.step_seconds: Optional[float] = None  # moving average of our inner step time (realignment)
         self._checkpoint_failures = 0  # in a row (a full disk): the first is a warning, the others DEBUG
+        self._device = cfg.inner.device
+        self._last_step_at = time.monotonic()  # the last inner step (or the start of training): idle_seconds
 
     def run(self) -> int:
         """Trains; returns the process exit code (0 on max_steps or a stop signal).
@@ -143,14 +155,23 @@ class Trainer:
             raise SetupError(str(e)) from None
         label = f"peer {short_id(peer_id)}"
         setup_logging(cfg.run.log_level, self.run_dir / "peer.log", label)
-        self.events = EventLog(cfg.run.log_json)
+        self.events = EventLog(cfg.run.log_json, feed=self.owner.feed.publish)
         self.stop.install()
+        self.peer_id = peer_id
+        self.owner.start(self.run_dir)
+        try:
+            return self._setup_and_train(peer_id, label)
+        finally:
+            self.owner.stop()
+
+    def _setup_and_train(self, peer_id: str, label: str) -> int:
+        cfg = self.cfg
         # Before joining the swarm: everything the user can fix is reported here, in one line. (The data first:
         # the run hash reads its manifest.)
         preflight.check_device(cfg.inner.device)
         preflight.check_model(cfg)
         source = preflight.open_data(cfg, cfg.data.shard if cfg.data.shard >= 0 else shard_of(peer_id))
-        run_hash = cfg.run_hash()
+        run_hash = self.run_hash = cfg.run_hash()
         log.info("resolved config (run hash %s): %s", run_hash, cfg.to_dict())
         self._found_checkpoint = checkpoint.load_latest(self.run_dir / "checkpoints")
         if self._found_checkpoint is not None and self._found_checkpoint[1].get("run_hash") != run_hash:
@@ -244,24 +265,35 @@ class Trainer:
         self._floor = getattr(source, "entropy_floor", None)
         self.status = StatusLine(cfg.run.status_interval, label)
         parts = dict(model=model, inner=inner, source=source, engine=engine)
+        self._device = str(next(model.parameters()).device)
         step = self._resume(**parts)
         for frag, st in zip(fragments, engine.states):
             self._publish_snapshot(frag, st, step)
+        self.owner.controls.enter(PeerState.STARTING, "waiting for peers")
         self._wait_for_peers()
+        self.owner.controls.enter(PeerState.STARTING, "catching up with the swarm")
         step = self._catch_up(engine, step, joining=True)
+        controls = self.owner.controls
+        controls.enter(PeerState.TRAINING)
+        self._last_step_at = time.monotonic()
         last_drift_check = time.monotonic()
         t_start = time.monotonic()
         tokens_total, window_tokens, window_t0 = 0, 0, time.monotonic()
         tok_s, compute_seconds = 0.0, 0.0
         last_ckpt_time, last_ckpt_rounds = time.monotonic(), self.rounds_done
         while not self.stop.event.is_set() and (cfg.run.max_steps == 0 or step < cfg.run.max_steps):
-            if self.swarm.pass_ended:
+            if self.swarm.pass_ended or controls.finish_requested:
                 break
+            if (why := controls.pause_reason()) is not None:
+                step = self._pause(step, why, parts)
+                continue
+            self.owner.apply_threads()
             step = self._realign(engine, step)
             t_step = time.monotonic()
             batch = source.next_batch(cfg.data.batch_size, cfg.model.seq_len)
             stats = inner.step(batch)
-            step_seconds = time.monotonic() - t_step
+            self._last_step_at = time.monotonic()
+            step_seconds = self._last_step_at - t_step
             compute_seconds += step_seconds
             self.step_seconds = step_seconds if self.step_seconds is None else \
                 0.7 * self.step_seconds + 0.3 * step_seconds
@@ -299,9 +331,17 @@ class Trainer:
                     last_ckpt_rounds = self.rounds_done
             if self.status.due():
                 self._show_status()
-        engine.abandon()
+            self.owner.rest(step_seconds, self._show_status)
+        if controls.finish_requested and not self.stop.event.is_set():
+            controls.enter(PeerState.FINISHING, "completing the rounds in flight")
+            log.info("finishing (asked by the owner): completing the rounds in flight, then a checkpoint")
+            engine.drain(step)
+        else:
+            engine.abandon()
         self._checkpoint(step, **parts)
         reason = "stop signal" if self.stop.event.is_set() else f"max_steps={cfg.run.max_steps}"
+        if controls.finish_requested and not self.stop.event.is_set():
+            reason = "finish requested"
         ended = self.swarm.pass_ended if not self.stop.event.is_set() else None
         if ended:
             reason = "pass ended"
@@ -310,6 +350,55 @@ class Trainer:
         log.info("stopping after step %d (%s); %d rounds applied", step, reason, self.rounds_done)
         self.events.emit("stop", step=step, reason=reason, rounds=self.rounds_done, tokens=tokens_total)
         return EXIT_PASS_ENDED if ended else 0
+
+    # ---- the owner's controls ------------------------------------------------------------------
+    def _pause(self, step: int, why: str, parts: dict) -> int:
+        """Pauses until the owner resumes (or the active hours begin), a stop or a finish; returns the step to
+        go on from. Must be called between steps. The rounds in flight complete first and a checkpoint is
+        written (a paused laptop may be closed); while paused our record says so, and no peer waits for us. On
+        resuming we meet the swarm's state (catch-up) and, on the steps schedule, its phase (the realignment at
+        the next step)."""
+        engine, controls = parts["engine"], self.owner.controls
+        controls.enter(PeerState.PAUSED, f"{why}; completing the rounds in flight")
+        engine.drain(step)
+        self._checkpoint(step, **parts)
+        self.swarm.paused = True
+        controls.enter(PeerState.PAUSED, why)
+        log.info("paused after step %d (%s): rounds in flight applied, checkpoint written; the swarm sees this peer "
+                 "as paused", step, why)
+        self.events.emit("pause", step=step, reason=why)
+        t0 = time.monotonic()
+        while not self.stop.event.is_set() and not controls.finish_requested and \
+                (now_why := controls.pause_reason()) is not None:
+            if now_why != why:
+                why = now_why
+                controls.enter(PeerState.PAUSED, why)
+            self._show_status(f"paused: {why}")
+            if controls.wake.wait(REST_SLICE_S):
+                controls.wake.clear()
+        self.swarm.paused = False
+        paused_s = time.monotonic() - t0
+        self.events.emit("pause_end", step=step, seconds=paused_s)
+        if self.stop.event.is_set() or controls.finish_requested:
+            return step
+        log.info("resuming after %.0f s paused: meeting the swarm's state and phase", paused_s)
+        controls.enter(PeerState.STARTING, "catching up with the swarm after a pause")
+        step = self._catch_up(engine, step, joining=True)
+        controls.enter(PeerState.TRAINING)
+        self._last_step_at = time.monotonic()
+        return step
+
+    def _figures(self) -> dict:
+        """The trainer's live figures for the control API's status (read from another thread: plain values)."""
+        engine, swarm = self.engine, getattr(self, "swarm", None)
+        tau = self.auto_tau() if self.auto_tau else self.cfg.outer.tau
+        return dict(peer_id=getattr(self, "peer_id", ""), run_hash=self.run_hash, step=self._step, loss=self._loss,
+                    tokens_per_second=self._tok_s, live_peers=swarm.live_count() if swarm else 1,
+                    paused_peers=len(swarm.paused_peers()) if swarm else 0,
+                    next_sync=engine.schedule.describe_next(self._step) if engine else "-",
+                    bytes_up=self.bytes_up, bytes_down=self.bytes_down, tau=int(tau), device=self._device,
+                    idle_seconds=time.monotonic() - self._last_step_at,
+                    excluded_peers=sorted(swarm.exclusions.excluded()) if swarm else [])
 
     # ---- phase -------------------------------------------------------------------------------
     def _realign(self, engine: StreamingEngine, step: int) -> int:
@@ -351,8 +440,10 @@ class Trainer:
 
     # ---- state ---------------------------------------------------------------------------------
     def _publish_snapshot(self, frag: Fragment, st: FragmentState, step: int, *, adopted: bool = False) -> None:
-        self.swarm.publish_snapshot(Snapshot(frag.index, st.last_applied, step, st.G.clone(), st.v.clone(),
-                                             st.digest()), adopted=adopted)
+        digest = st.digest()
+        self.swarm.publish_snapshot(Snapshot(frag.index, st.last_applied, step, st.G.clone(), st.v.clone(), digest),
+                                    adopted=adopted)
+        self.owner.note_fragment(frag.index, st.last_applied, digest, frag.numel)
 
     def _catch_up(self, engine: StreamingEngine, step: int, *, joining: bool, late: bool = False) -> int:
         """Downloads the fragments where the swarm's majority state is ahead of or differs from ours
@@ -454,6 +545,7 @@ class Trainer:
         if outcome.status == RoundStatus.PARTIAL:  # a span we did not apply: our state of it is likely the odd one
             self._suspect.add(frag.index)
         self._publish_snapshot(frag, st, step)
+        self.owner.count_round(str(outcome.status))
         if self.auto_tau is not None and outcome.status in (RoundStatus.OK, RoundStatus.PARTIAL):
             self.auto_tau.observe_round(outcome.seconds)
         self.bytes_up += outcome.bytes_sent

@@ -1,0 +1,72 @@
+"""A volunteer's resource limits (pure: no networking, no torch): what share of the time the peer trains,
+with how many CPU threads, and in which daily window. Set in the config (``[limits]``, ``inner.threads``)
+and changed at run time through the control API (``swarm-peer limits``).
+
+The duty cycle works as BOINC's "use at most N% of CPU time": after an inner step of ``t`` seconds the peer
+rests ``t * (100 / N - 1)`` seconds, so over any stretch of steps it trains N% of the wall time. It rests
+between steps only, never inside a round: the swarm's rounds and heartbeat go on while it rests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+from peer.config import parse_active_hours
+
+MAX_THREADS = 4096
+
+
+def in_window(window: Optional[tuple[int, int]], now: datetime.datetime) -> bool:
+    """Whether local time ``now`` falls in ``window`` (start inclusive, end exclusive; None = always)."""
+    if window is None:
+        return True
+    start, end = window
+    minute = now.hour * 60 + now.minute
+    return start <= minute < end if start < end else (minute >= start or minute < end)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Limits:
+    """The limits in force. Validated on creation (ValueError naming the limit)."""
+
+    duty_cycle: int = 100  # percent of wall time spent training, 1..100
+    threads: int = 0  # CPU threads of the inner step (0 = torch's default)
+    active_hours: str = ""  # "HH:MM-HH:MM" local time, "" = always
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.duty_cycle <= 100:
+            raise ValueError(f"duty cycle must be a percent in 1..100 (got {self.duty_cycle})")
+        if not 0 <= self.threads <= MAX_THREADS:
+            raise ValueError(f"threads must be in 0..{MAX_THREADS} (got {self.threads})")
+        parse_active_hours(self.active_hours)
+
+    def rest_after(self, step_seconds: float) -> float:
+        """Seconds to rest after an inner step of ``step_seconds`` to keep the duty cycle."""
+        return max(0.0, step_seconds) * (100.0 / self.duty_cycle - 1.0)
+
+    def active(self, now: Optional[datetime.datetime] = None) -> bool:
+        """Whether local time ``now`` (default: the current one) is inside the active hours."""
+        return in_window(parse_active_hours(self.active_hours), now or datetime.datetime.now())
+
+
+class LimitsBox:
+    """The limits shared between the control API's threads (which replace them) and the training loop (which
+    reads them at every step). Replacing is atomic: readers see the old limits or the new, never a mix."""
+
+    def __init__(self, limits: Limits):
+        self._limits = limits
+        self._lock = threading.Lock()
+
+    def get(self) -> Limits:
+        return self._limits
+
+    def update(self, **changes) -> Limits:
+        """Replaces the named fields (None = keep); raises ValueError (nothing changed) on an invalid value."""
+        with self._lock:
+            new = dataclasses.replace(self._limits, **{k: v for k, v in changes.items() if v is not None})
+            self._limits = new
+        return new

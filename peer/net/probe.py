@@ -1,0 +1,74 @@
+"""A look at a run's swarm from outside it (``swarm-peer doctor``): a throw-away DHT client joins through the
+initial peers, pings each (their DHT time against ours: the clock skew) and reads the run's progress records
+(who trains it). It publishes nothing and leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from hivemind.dht.node import DHTNode
+from hivemind.p2p import PeerID
+from hivemind.proto import dht_pb2
+from hivemind.utils import get_dht_time
+from hivemind.utils.multiaddr import Multiaddr
+
+from peer.config import PeerConfig
+from peer.net.dht import create_dht, shutdown_dht
+from peer.net.progress import make_validators, progress_key
+from peer.net.records import ProgressRecord
+from peer.net.swarm import swarm_key
+
+
+@dataclasses.dataclass
+class Probe:
+    clocks: list[tuple[str, float, float]]  # (peer id, its clock minus ours in s, round-trip time in s)
+    live_peers: int  # peers with a record of this run written within progress_ttl
+    steps: list[int]  # their steps (sorted)
+
+
+async def _ping_all(_dht, node: DHTNode, peers: list[str], timeout: float) -> list[tuple[str, float, float]]:
+    """Runs in the DHT process: one ping per peer; skew = their time at the midpoint of the round trip."""
+    out = []
+    for text in peers:
+        peer_id = PeerID.from_base58(text)
+        t0 = get_dht_time()
+        try:
+            response = await node.protocol.get_stub(peer_id).rpc_ping(
+                dht_pb2.PingRequest(peer=node.protocol.node_info, validate=False), timeout=timeout)
+        except Exception:
+            continue
+        t1 = get_dht_time()
+        if response.dht_time:
+            out.append((text, response.dht_time - (t0 + t1) / 2, t1 - t0))
+    return out
+
+
+def probe_swarm(cfg: PeerConfig, *, timeout: float) -> Probe:
+    """Joins as a client for a moment. Raises what :func:`~peer.net.dht.create_dht` raises when no initial peer
+    answers."""
+    sw = cfg.swarm
+    run_key = swarm_key(sw.run_id, cfg.run_hash(), cfg.outer.codec)
+    # the records are signed: the signature validator strips the signatures (and the schema validator checks them)
+    validators, _ = make_validators(run_key)
+    dht = create_dht(initial_peers=sw.initial_peers, host_maddrs=["/ip4/0.0.0.0/tcp/0"], announce_maddrs=[],
+                     identity_path=None, client_mode=True, startup_timeout=sw.startup_timeout,
+                     wait_timeout=min(timeout, sw.dht_timeout), record_validators=validators)
+    try:
+        peers = sorted({str(Multiaddr(m).value_for_protocol("p2p")) for m in sw.initial_peers})
+        ping = functools.partial(_ping_all, peers=peers, timeout=timeout)  # (pickled to the DHT process)
+        clocks = dht.run_coroutine(ping, return_future=True).result(timeout * (len(peers) + 1))
+        found = dht.get(progress_key(run_key), latest=True, return_future=True).result(2 * timeout)
+        now, steps = get_dht_time(), []
+        value = found.value if found is not None and isinstance(found.value, dict) else {}
+        for entry in value.values():
+            try:
+                rec = ProgressRecord.from_wire(entry.value)
+            except (ValueError, TypeError):
+                continue
+            if rec.time + sw.progress_ttl >= now and not rec.paused:
+                steps.append(rec.step)
+        return Probe(clocks=clocks, live_peers=len(steps), steps=sorted(steps))
+    finally:
+        shutdown_dht(dht)

@@ -1,0 +1,211 @@
+"""``swarm-peer doctor``: what a volunteer checks before joining, as a checklist with a fix for each problem.
+
+Each check is a :class:`Check` (passed, what was found, how to fix it). Local checks first (versions, the device
+and its memory, the run dir and its disk, the model and the data), then the network: each initial peer dialed
+alone, then a throw-away DHT node that pings them (clock skew, from their DHT time) and reads this run's progress
+records (who is training it). Reachability from outside is judged from the addresses this peer would announce;
+a dial-back by another peer is not done (docs/architecture.md, "The owner's controls").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import ipaddress
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from peer.config import PeerConfig
+from peer.errors import SetupError
+from peer.run import preflight
+from peer.run.run_dir import RunDirLock
+
+CLOCK_TOLERANCE_S = 3.0  # hivemind refuses a DHT peer whose time differs by more (MAX_DHT_TIME_DISCREPANCY_SECONDS)
+# bytes per parameter of one checkpoint: fp32 weights, AdamW's two moments, the outer G and v (E, u when used)
+CHECKPOINT_BYTES_PER_PARAM = 4 * (1 + 2 + 2)
+
+
+class Verdict(enum.StrEnum):
+    OK = "ok"
+    WARN = "warn"  # works, but worth knowing (not a failure)
+    FAIL = "fail"
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    name: str
+    verdict: Verdict
+    found: str
+    fix: str = ""
+
+
+def run_checks(cfg: PeerConfig, *, network: bool = True, timeout: float = 10.0,
+               on_check: Callable[[Check], None] = lambda c: None) -> list[Check]:
+    """Every check, in order; ``on_check`` sees each as it ends (the CLI prints it at once)."""
+    checks: list[Check] = []
+
+    def add(check: Check) -> None:
+        checks.append(check)
+        on_check(check)
+
+    add(_versions())
+    add(_device(cfg))
+    model_check, params = _model(cfg)
+    add(model_check)
+    add(_data(cfg))
+    add(_run_dir(cfg))
+    add(_disk(cfg, params))
+    add(_reachable_from_outside(cfg))
+    if network:
+        for check in _network(cfg, timeout):
+            add(check)
+    return checks
+
+
+# ---- local ----------------------------------------------------------------------------------------------------
+def _versions() -> Check:
+    import hivemind
+
+    cuda = torch.version.cuda or "none (CPU build)"
+    return Check("versions", Verdict.OK, f"torch {torch.__version__} (CUDA {cuda}), hivemind {hivemind.__version__}")
+
+
+def _device(cfg: PeerConfig) -> Check:
+    name = cfg.inner.device
+    try:
+        preflight.check_device(name)
+    except SetupError as e:
+        return Check("device", Verdict.FAIL, str(e), "use --inner-device cpu, or install the driver / CUDA torch")
+    if name == "cpu" or not torch.cuda.is_available():
+        hint = "" if name == "cpu" else "no CUDA device: auto trains on the CPU"
+        return Check("device", Verdict.OK if name == "cpu" else Verdict.WARN, f"CPU: {os.cpu_count()} cores, "
+                     f"inner.threads {cfg.inner.threads or 'default'}", hint)
+    index = int(name.partition(":")[2] or 0) if name.startswith("cuda") else 0
+    free, total = torch.cuda.mem_get_info(index)
+    return Check("device", Verdict.OK, f"{torch.cuda.get_device_name(index)}: {free / 2**30:.1f} GiB free of "
+                 f"{total / 2**30:.1f} GiB")
+
+
+def _model(cfg: PeerConfig) -> tuple[Check, Optional[int]]:
+    try:
+        params = preflight.check_model(cfg)
+    except SetupError as e:
+        return Check("model", Verdict.FAIL, str(e), "fix the model setting named above"), None
+    return Check("model", Verdict.OK, f"{params:,} parameters; forward returns logits"), params
+
+
+def _data(cfg: PeerConfig) -> Check:
+    try:
+        source = preflight.open_data(cfg, max(0, cfg.data.shard))
+    except SetupError as e:
+        return Check("data", Verdict.FAIL, str(e), "fix data.paths / data.vocab_size, or run swarm-peer prepare-data")
+    return Check("data", Verdict.OK, f"{cfg.data.source}: readable, ids within the vocabulary of "
+                 f"{cfg.data.vocab_size} (shard {source.shard_index})")
+
+
+def _run_dir(cfg: PeerConfig) -> Check:
+    run_dir = Path(cfg.run.run_dir)
+    lock = RunDirLock(run_dir)
+    try:
+        lock.acquire()
+    except RuntimeError as e:
+        return Check("run dir", Verdict.FAIL, str(e), "stop that peer (swarm-peer finish) or use another --run-dir")
+    except OSError as e:
+        return Check("run dir", Verdict.FAIL, f"{run_dir}: {e.strerror or e}", "use a writable --run-dir")
+    lock.release()
+    return Check("run dir", Verdict.OK, f"{run_dir.resolve()} is writable and not in use")
+
+
+def _disk(cfg: PeerConfig, params: Optional[int]) -> Check:
+    where = Path(cfg.run.run_dir)
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if params is None:
+        return Check("disk", Verdict.WARN, f"{free / 2**30:.1f} GiB free (model size unknown)")
+    # keep + 1: the newest ones are kept, and a new one is written before the oldest is deleted
+    need = (cfg.run.checkpoint_keep + 1) * CHECKPOINT_BYTES_PER_PARAM * params
+    verdict = Verdict.OK if free >= need else Verdict.FAIL
+    return Check("disk", verdict, f"{free / 2**30:.2f} GiB free, {cfg.run.checkpoint_keep + 1} checkpoints need about "
+                 f"{need / 2**30:.2f} GiB", "" if verdict is Verdict.OK else
+                 "free some space, or lower run.checkpoint_keep, or use a --run-dir on a larger disk")
+
+
+def _reachable_from_outside(cfg: PeerConfig) -> Check:
+    sw = cfg.swarm
+    if sw.client_mode:
+        return Check("reachability", Verdict.OK, "client mode: this peer dials out only (it reduces no span)")
+    announced = [m for m in sw.announce_maddrs] or [m for m in sw.host_maddrs if not re.search(r"/ip4/0\.0\.0\.0/", m)]
+    ips = [ipaddress.ip_address(m.split("/")[2]) for m in announced if re.match(r"^/ip[46]/", m)]
+    public = [ip for ip in ips if ip.is_global]
+    fixed_port = any(re.search(r"/tcp/[1-9]\d*", m) for m in sw.host_maddrs)
+    if public and fixed_port:
+        return Check("reachability", Verdict.OK, f"announces {', '.join(map(str, public))} on a fixed port (not "
+                     f"dialed back: make sure the port is forwarded to this machine)")
+    if ips and all(ip.is_loopback for ip in ips):
+        return Check("reachability", Verdict.WARN, "listens on loopback only: only peers on this machine can dial it",
+                     "for a swarm beyond this machine: --host-maddrs /ip4/0.0.0.0/tcp/PORT")
+    return Check("reachability", Verdict.WARN, "no public address announced: peers behind other NATs may not dial "
+                 "this one", "forward a port and pass --host-maddrs /ip4/0.0.0.0/tcp/PORT --announce-maddrs "
+                 "/ip4/PUBLIC_IP/tcp/PORT, or run with --client-mode")
+
+
+# ---- network --------------------------------------------------------------------------------------------------
+def _network(cfg: PeerConfig, timeout: float) -> list[Check]:
+    sw = cfg.swarm
+    if not sw.initial_peers:
+        return [Check("bootstrap", Verdict.OK if sw.new_swarm else Verdict.FAIL,
+                      "new swarm: no initial peers" if sw.new_swarm else "no initial peers given",
+                      "" if sw.new_swarm else "pass --initial-peers (the line swarm-bootstrap prints)")]
+    from peer.net.reachability import diagnose_initial_peers
+
+    out = []
+    answers = diagnose_initial_peers(sw.initial_peers, ["/ip4/0.0.0.0/tcp/0"], timeout=timeout)
+    for line in answers:
+        address, _, why = line.partition(": ")
+        ok = why.startswith("answers")
+        out.append(Check("bootstrap", Verdict.OK if ok else Verdict.FAIL, f"{address}: answers" if ok else line,
+                         "" if ok else
+                         "check the address (swarm-bootstrap prints it), that the node runs and its port is open"))
+    if not any(c.verdict is Verdict.OK for c in out):
+        return out
+    return out + _swarm_view(cfg, timeout)
+
+
+def _swarm_view(cfg: PeerConfig, timeout: float) -> list[Check]:
+    """Clock skew against the initial peers and this run's live peers, from a throw-away DHT client."""
+    from peer.net.probe import probe_swarm
+
+    try:
+        probe = probe_swarm(cfg, timeout=timeout)
+    except Exception as e:  # the DHT did not come up: the bootstrap checks above say why, if they can
+        return [Check("swarm", Verdict.FAIL, f"could not join the DHT: {type(e).__name__}: {e}",
+                      "see the bootstrap checks above")]
+    checks = []
+    for peer, skew, rtt in probe.clocks:
+        ok = abs(skew) <= CLOCK_TOLERANCE_S
+        checks.append(Check("clock", Verdict.OK if ok else Verdict.FAIL, f"{skew:+.2f} s against {peer[-8:]} "
+                            f"(+-{rtt / 2:.2f} s)", "" if ok else
+                            "synchronize this machine's clock (enable NTP: timedatectl set-ntp true)"))
+    if not probe.clocks:
+        checks.append(Check("clock", Verdict.WARN, "no initial peer answered a ping: clock not compared"))
+    live = probe.live_peers
+    checks.append(Check("swarm", Verdict.OK if live else Verdict.WARN,
+                        f"{live} peer(s) of this run (hash {cfg.run_hash()}) live" +
+                        (f", at steps {probe.steps}" if probe.steps else ""),
+                        "" if live else "nobody trains this run yet (or another config: compare the run hash)"))
+    return checks
+
+
+def summary(checks: list[Check]) -> tuple[int, str]:
+    """Exit status (0 when nothing failed) and one closing line."""
+    failed = [c for c in checks if c.verdict is Verdict.FAIL]
+    warned = [c for c in checks if c.verdict is Verdict.WARN]
+    if failed:
+        return 1, f"{len(failed)} check(s) failed: {', '.join(c.name for c in failed)}"
+    return 0, "ready to join" + (f" ({len(warned)} warning(s))" if warned else "")

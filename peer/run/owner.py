@@ -1,0 +1,113 @@
+"""The trainer's side of its owner's controls: the control API server (peer/control/) fed with the trainer's
+figures, and the limits applied between inner steps (threads, the duty cycle's rest).
+
+What to do about a pause or a finish is decided in the training loop (peer/run/trainer.py); this module only
+serves the requests and the figures, and rests.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from peer.config import PeerConfig
+from peer.control.controls import Controls
+from peer.control.feed import EventFeed
+from peer.control.limits import Limits
+from peer.control.metrics import MetricsEndpoint
+from peer.control.server import ControlServer
+from peer.util import host_peak_bytes
+
+log = logging.getLogger(__name__)
+REST_SLICE_S = 1.0  # a rest is cut in slices this long: a stop, pause or finish request ends it within one
+
+
+class OwnerLink:
+    """Created by the trainer with its config; :meth:`start` once the run dir is locked, :meth:`stop` at exit.
+
+    ``figures`` (set by the trainer) returns the live figures of the status reply; the rest is kept here:
+    rounds by status (:meth:`count_round`), the fragments' last published round and digest
+    (:meth:`note_fragment`)."""
+
+    def __init__(self, cfg: PeerConfig, stop_event):
+        self.cfg = cfg
+        self.stop_event = stop_event
+        self.controls = Controls(Limits(duty_cycle=cfg.limits.duty_cycle, threads=cfg.inner.threads,
+                                        active_hours=cfg.limits.active_hours))
+        self.feed = EventFeed()
+        self.figures: Callable[[], dict[str, Any]] = dict
+        self.rounds_by_status: collections.Counter[str] = collections.Counter()
+        self.fragments: dict[int, dict[str, Any]] = {}  # index -> FragmentStatus fields (replaced whole)
+        self.started = time.monotonic()
+        self._default_threads = torch.get_num_threads()
+        self._threads_in_force = cfg.inner.threads
+        self.server: Optional[ControlServer] = None
+        self.metrics: Optional[MetricsEndpoint] = None
+
+    def start(self, run_dir: Path) -> None:
+        """Serves the control API (``run.control``) and the metrics (``run.metrics_port``); a peer whose endpoint
+        cannot be bound trains on without it (a warning says so)."""
+        run = self.cfg.run
+        if run.control:
+            server = ControlServer(run_dir, self.controls, self.status, self.feed)
+            try:
+                server.start()
+                self.server = server
+            except OSError as e:
+                log.warning("control API not available (%s): swarm-peer status|pause|finish will not reach this "
+                            "peer", e)
+        if run.metrics_port:
+            metrics = MetricsEndpoint(self.status, self.controls)
+            try:
+                metrics.start(run.metrics_host, run.metrics_port)
+                self.metrics = metrics
+            except OSError as e:
+                log.warning("metrics endpoint %s:%d not available (%s)", run.metrics_host, run.metrics_port, e)
+
+    def stop(self) -> None:
+        for endpoint in (self.server, self.metrics):
+            if endpoint is not None:
+                endpoint.stop()
+        self.server = self.metrics = None
+        self.feed.close()
+
+    # ---- figures ------------------------------------------------------------------------------------
+    def count_round(self, status: str) -> None:
+        self.rounds_by_status[status] += 1
+
+    def note_fragment(self, index: int, round_: int, digest: str, numel: int) -> None:
+        self.fragments = {**self.fragments, index: dict(index=index, round=round_, digest=digest, numel=numel)}
+
+    def status(self) -> dict[str, Any]:
+        """The StatusReply's fields (called from the control API's threads: reads snapshots only)."""
+        device_peak = torch.cuda.max_memory_allocated() if torch.cuda.is_initialized() else 0
+        return dict(self.figures(), fragments=[f for _, f in sorted(self.fragments.items())],
+                    rounds_by_status=dict(self.rounds_by_status), host_peak_bytes=host_peak_bytes(),
+                    device_peak_bytes=device_peak, uptime_seconds=time.monotonic() - self.started)
+
+    # ---- limits between steps -------------------------------------------------------------------------
+    def apply_threads(self) -> None:
+        """Applies a changed thread limit (the training thread, between steps)."""
+        threads = self.controls.limits.get().threads
+        if threads != self._threads_in_force:
+            torch.set_num_threads(threads or self._default_threads)
+            log.info("inner step threads: %s", threads or f"torch's default ({self._default_threads})")
+            self._threads_in_force = threads
+
+    def rest(self, step_seconds: float, show: Callable[[str], None]) -> None:
+        """Rests after an inner step of ``step_seconds`` as the duty cycle asks; ends early on a stop, pause or
+        finish request or a changed limit (the next step rests by the new one)."""
+        limits = self.controls.limits.get()
+        end = time.monotonic() + limits.rest_after(step_seconds)
+        while (left := end - time.monotonic()) > 0 and not self.stop_event.is_set():
+            show(f"resting: duty cycle {limits.duty_cycle}%")
+            if self.controls.wake.wait(min(left, REST_SLICE_S)):
+                self.controls.wake.clear()
+                if self.controls.finish_requested or self.controls.pause_reason() or \
+                        self.controls.limits.get() != limits:
+                    return

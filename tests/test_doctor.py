@@ -1,0 +1,35 @@
+"""``swarm-peer doctor`` names each problem with a fix and exits 1: an initial peer that does not answer, data that
+cannot be read. (A good setup against a live swarm: tests/test_control_swarm.py.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from test_swarm import REPO
+
+
+def doctor(*args: str) -> tuple[int, dict]:
+    done = subprocess.run([sys.executable, "-m", "peer", "doctor", "--config", str(REPO / "configs/demo.toml"),
+                           "--json", "--timeout", "5", *args], cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert done.stdout, done.stderr
+    return done.returncode, json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def check(report: dict, name: str) -> dict:
+    return next(c for c in report["checks"] if c["name"] == name)
+
+
+def test_doctor_names_an_unreachable_initial_peer_and_unreadable_data(tmp_path):
+    nobody = "/ip4/127.0.0.1/tcp/9/p2p/QmXcxL1H3jpwBUwA1jbMhq4tBW9tfpUoP4ntmBtRKaPnBR"  # (port 9: discard, closed)
+    code, report = doctor("--initial-peers", nobody, "--run-dir", str(tmp_path / "a"))
+    boot = check(report, "bootstrap")
+    assert code == 1 and not report["ok"] and boot["verdict"] == "fail" and nobody in boot["found"], report
+    assert boot["fix"] and "swarm" not in {c["name"] for c in report["checks"]}  # no DHT without a bootstrap
+
+    code, report = doctor("--no-network", "--new-swarm", "--data-source", "text",
+                          "--data-paths", str(tmp_path / "missing.txt"), "--run-dir", str(tmp_path / "b"))
+    data = check(report, "data")
+    assert code == 1 and data["verdict"] == "fail" and "missing.txt" in data["found"] and data["fix"], report
+    assert check(report, "model")["verdict"] == "ok" and "bootstrap" not in {c["name"] for c in report["checks"]}
