@@ -22,7 +22,7 @@ demo: install
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 # Everything that needs a GPU in one run (step overhead vs a plain loop, MFU, VRAM, host RAM, codec, CUDA
 # tests); on a machine without CUDA it says so. The CPU comparison: bench/gpu.py --device cpu (docs/benchmarks.md).

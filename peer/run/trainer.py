@@ -158,7 +158,6 @@ class Trainer:
         self.events = EventLog(cfg.run.log_json, feed=self.owner.feed.publish)
         self.stop.install()
         self.peer_id = peer_id
-        self.owner.start(self.run_dir)
         try:
             return self._setup_and_train(peer_id, label)
         finally:
@@ -199,6 +198,8 @@ class Trainer:
                 log.info("stopped before joining the swarm")  # Ctrl-C while the initial peers were retried
                 return 0
             log.info("joined the swarm as %s; listening on %s", peer_id, " ".join(self.swarm.visible_maddrs()))
+            # After the DHT process forked: gRPC's threads must not exist at a fork.
+            self.owner.start(self.run_dir)
             self.events.emit("start", peer_id=peer_id, run_hash=run_hash, maddrs=self.swarm.visible_maddrs(),
                              config=cfg.to_dict())
             return self._train(label, source)
