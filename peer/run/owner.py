@@ -7,7 +7,6 @@ serves the requests and the figures, and rests.
 
 from __future__ import annotations
 
-import collections
 import logging
 import time
 from pathlib import Path
@@ -28,7 +27,8 @@ REST_SLICE_S = 1.0  # a rest is cut in slices this long: a stop, pause or finish
 
 
 class OwnerLink:
-    """Created by the trainer with its config; :meth:`start` once the run dir is locked, :meth:`stop` at exit.
+    """Created by the trainer with its config; :meth:`start` once the run dir is locked and the DHT process has
+    forked, :meth:`stop` at exit.
 
     ``figures`` (set by the trainer) returns the live figures of the status reply; the rest is kept here:
     rounds by status (:meth:`count_round`), the fragments' last published round and digest
@@ -41,7 +41,7 @@ class OwnerLink:
                                         active_hours=cfg.limits.active_hours))
         self.feed = EventFeed()
         self.figures: Callable[[], dict[str, Any]] = dict
-        self.rounds_by_status: collections.Counter[str] = collections.Counter()
+        self.rounds_by_status: dict[str, int] = {}  # (replaced whole: the control API's threads read it)
         self.fragments: dict[int, dict[str, Any]] = {}  # index -> FragmentStatus fields (replaced whole)
         self.started = time.monotonic()
         self._default_threads = torch.get_num_threads()
@@ -78,7 +78,7 @@ class OwnerLink:
 
     # ---- figures ------------------------------------------------------------------------------------
     def count_round(self, status: str) -> None:
-        self.rounds_by_status[status] += 1
+        self.rounds_by_status = {**self.rounds_by_status, status: self.rounds_by_status.get(status, 0) + 1}
 
     def note_fragment(self, index: int, round_: int, digest: str, numel: int) -> None:
         self.fragments = {**self.fragments, index: dict(index=index, round=round_, digest=digest, numel=numel)}
