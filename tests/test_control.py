@@ -258,3 +258,27 @@ def test_top_dashboard_shows_the_peer_and_its_keys_control_it(served, tmp_path_f
 
     shot = asyncio.run(drive())
     assert Path(shot).read_text().startswith("<svg")
+
+
+def test_the_duty_cycle_rests_after_a_step_and_a_request_ends_the_rest():
+    """OwnerLink.rest: at 50% a step of 0.3 s is followed by 0.3 s of rest; at 1% a rest of 99 s ends as soon as
+    the owner pauses (or a stop signal comes), not when it is over."""
+    import time
+
+    from peer.config import PeerConfig
+    from peer.run.owner import OwnerLink
+
+    stop = threading.Event()
+    link = OwnerLink(PeerConfig(), stop)
+    link.controls.set_limits(duty_cycle=50)
+    shown: list[str] = []
+    t0 = time.monotonic()
+    link.rest(0.3, shown.append)
+    assert time.monotonic() - t0 >= 0.3 and shown and shown[0] == "resting: duty cycle 50%"
+    link.controls.set_limits(duty_cycle=1)
+    link.controls.wake.clear()
+    resting = threading.Thread(target=link.rest, args=(1.0, lambda s: None))
+    resting.start()
+    link.controls.pause()
+    resting.join(10)
+    assert not resting.is_alive(), "a pause request did not end the rest"
