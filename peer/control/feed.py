@@ -1,8 +1,8 @@
 """The peer's events as a feed that control clients follow (``WatchEvents``, ``swarm-peer top``): a bounded ring
 of the latest JSON events; followers read from it at their own pace (pure: no networking).
 
-A follower that falls behind by more than the ring holds skips what it missed (it is told how many); the
-training loop never waits for a follower.
+A follower that falls behind by more than the ring holds skips what it missed (the feed is a view, not a record:
+the JSON event log keeps every event); the training loop never waits for a follower.
 """
 
 from __future__ import annotations

@@ -49,7 +49,10 @@ class Limits:
         return max(0.0, step_seconds) * (100.0 / self.duty_cycle - 1.0)
 
     def active(self, now: Optional[datetime.datetime] = None) -> bool:
-        """Whether local time ``now`` (default: the current one) is inside the active hours."""
+        """Whether local time ``now`` (default: the current one) is inside the active hours. (Asked at every step:
+        without a window it costs nothing.)"""
+        if not self.active_hours:
+            return True
         return in_window(parse_active_hours(self.active_hours), now or datetime.datetime.now())
 
 

@@ -140,7 +140,7 @@ def _reachable_from_outside(cfg: PeerConfig) -> Check:
     sw = cfg.swarm
     if sw.client_mode:
         return Check("reachability", Verdict.OK, "client mode: this peer dials out only (it reduces no span)")
-    announced = [m for m in sw.announce_maddrs] or [m for m in sw.host_maddrs if not re.search(r"/ip4/0\.0\.0\.0/", m)]
+    announced = list(sw.announce_maddrs) or [m for m in sw.host_maddrs if not re.search(r"/ip4/0\.0\.0\.0/", m)]
     ips = [ipaddress.ip_address(m.split("/")[2]) for m in announced if re.match(r"^/ip[46]/", m)]
     public = [ip for ip in ips if ip.is_global]
     fixed_port = any(re.search(r"/tcp/[1-9]\d*", m) for m in sw.host_maddrs)
