@@ -21,6 +21,7 @@ class PeerState(enum.StrEnum):
 
     STARTING = "starting"  # joining, resuming, waiting for peers, catching up
     TRAINING = "training"
+    PAUSING = "pausing"  # completing the rounds in flight and writing a checkpoint; PAUSED follows
     PAUSED = "paused"  # by the owner, or outside the active hours
     FINISHING = "finishing"  # completing the rounds in flight, then a checkpoint and exit 0
 

@@ -39,8 +39,8 @@ MAX_WATCHERS = 2
 MAX_MESSAGE_BYTES = 64 * 1024  # requests are a few bytes; a status reply a few KB
 WORKERS = 4
 
-STATES = {PeerState.STARTING: pb.STARTING, PeerState.TRAINING: pb.TRAINING, PeerState.PAUSED: pb.PAUSED,
-          PeerState.FINISHING: pb.FINISHING}
+STATES = {PeerState.STARTING: pb.STARTING, PeerState.TRAINING: pb.TRAINING, PeerState.PAUSING: pb.PAUSING,
+          PeerState.PAUSED: pb.PAUSED, PeerState.FINISHING: pb.FINISHING}
 
 
 def limits_message(limits: Limits) -> pb.Limits:

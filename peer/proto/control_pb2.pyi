@@ -14,11 +14,13 @@ class PeerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRAINING: _ClassVar[PeerState]
     PAUSED: _ClassVar[PeerState]
     FINISHING: _ClassVar[PeerState]
+    PAUSING: _ClassVar[PeerState]
 PEER_STATE_UNSPECIFIED: PeerState
 STARTING: PeerState
 TRAINING: PeerState
 PAUSED: PeerState
 FINISHING: PeerState
+PAUSING: PeerState
 
 class StatusRequest(_message.Message):
     __slots__ = ()

@@ -360,14 +360,14 @@ class Trainer:
         resuming we meet the swarm's state (catch-up) and, on the steps schedule, its phase (the realignment at
         the next step)."""
         engine, controls = parts["engine"], self.owner.controls
-        controls.enter(PeerState.PAUSED, f"{why}; completing the rounds in flight")
+        controls.enter(PeerState.PAUSING, f"{why}; completing the rounds in flight")
         engine.drain(step)
         self._checkpoint(step, **parts)
         self.swarm.paused = True
-        controls.enter(PeerState.PAUSED, why)
         log.info("paused after step %d (%s): rounds in flight applied, checkpoint written; the swarm sees this peer "
                  "as paused", step, why)
         self.events.emit("pause", step=step, reason=why)
+        controls.enter(PeerState.PAUSED, why)  # last: `swarm-peer pause --wait` returns on it
         t0 = time.monotonic()
         while not self.stop.event.is_set() and not controls.finish_requested and \
                 (now_why := controls.pause_reason()) is not None:
