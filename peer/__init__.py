@@ -15,7 +15,9 @@ The folders are the layers; each may import only the ones listed (``tests/test_l
 - ``run/``    one peer's run, the composition: the trainer (the one place that composes), checkpoints,
               events, the status line, the run dir lock, checks before joining, the owner's link.  Imports:
               everything below.
-- ``cli/``    the command line: ``swarm-peer`` and ``make demo``.  Imports: config, run, control.
+- ``monitor/`` the operator's view of a run's swarm: what the progress records say (pure), served as a web page
+              and a JSON API by a DHT client.  Imports: net, config, util.
+- ``cli/``    the command line: ``swarm-peer`` and ``make demo``.  Imports: config, run, control, monitor.
 - ``config.py`` typed settings (TOML + ``SWARM_*`` env + flags; the run hash), ``util.py`` small helpers:
   every layer may import them. ``proto/``: generated protobuf modules (``make protos``).
 """

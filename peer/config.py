@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import tomllib
 import typing
@@ -353,13 +354,30 @@ class LimitsConfig:
             "the peer rests so that it trains this share of the time, like BOINC's CPU-time limit.")
     active_hours: str = setting("", local=True, help="Daily window HH:MM-HH:MM in local time (may wrap midnight) "
             "in which the peer trains; outside it the peer pauses and stays in the swarm's view. Empty = always.")
+    upload_mbps: float = setting(0.0, local=True, help="Cap on what the peer uploads in its all-reduce and "
+            "state-transfer streams, in Mbit/s (0 = no cap). A capped peer's rounds take longer: keep "
+            "swarm.allreduce_timeout above what one fragment's share takes at the cap (the peer warns).")
+    download_mbps: float = setting(0.0, local=True, help="The same for downloads, in Mbit/s (0 = no cap).")
 
     def __post_init__(self) -> None:
         _check(1 <= self.duty_cycle <= 100, "limits.duty_cycle", "a percent in 1..100", self.duty_cycle)
+        for name in ("upload_mbps", "download_mbps"):
+            _check(valid_mbps(getattr(self, name)), f"limits.{name}",
+                   f"0 (no cap) or Mbit/s in {MIN_MBPS:g}..{MAX_MBPS:g}", getattr(self, name))
         try:
             parse_active_hours(self.active_hours)
         except ValueError as e:
             raise ConfigError(f"limits.active_hours: {e}") from None
+
+
+MAX_MBPS = 1e6  # a terabit link: anything above is a typo
+MIN_MBPS = 0.1  # below this no round of any model completes; senders never pace a stream slower (net/bandwidth)
+MBIT = 1_000_000 / 8  # bytes per second in one Mbit/s (links are sold in Mbit/s)
+
+
+def valid_mbps(value: float) -> bool:
+    """Whether ``value`` is a bandwidth cap in Mbit/s (0 = no cap)."""
+    return value == 0 or (math.isfinite(value) and MIN_MBPS <= value <= MAX_MBPS)
 
 
 _WINDOW = r"([01]\d|2[0-3]):([0-5]\d)-([01]\d|2[0-3]):([0-5]\d)"

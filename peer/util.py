@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from importlib import metadata
 from typing import AsyncIterator, TypeVar
+
+try:
+    VERSION = metadata.version("swarmloco")  # published in the progress records (the monitor's peer list)
+except metadata.PackageNotFoundError:  # a source tree that was never installed
+    VERSION = "unknown"
 
 T = TypeVar("T")
 

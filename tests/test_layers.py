@@ -14,13 +14,14 @@ ALLOWED = {
     "net": SHARED | {"outer"},
     "control": SHARED,
     "run": SHARED | {"local", "outer", "net", "control"},
-    "cli": SHARED | {"run", "control"},
+    "monitor": SHARED | {"net"},
+    "cli": SHARED | {"run", "control", "monitor"},
 }
 # Files allowed one more layer: `swarm-peer prepare-data` is a local job (text -> token shards), no run.
 EXTRA = {"cli/prepare_data.py": {"local"}}
 # Modules that are pure policy or pure math: no hivemind, no sockets, no asyncio.
 PURE = ["outer", "local", "net/consensus.py", "net/records.py", "control/controls.py", "control/limits.py",
-        "control/feed.py"]
+        "control/feed.py", "monitor/view.py"]
 NETWORKING = ("hivemind", "socket", "asyncio", "grpc")
 
 

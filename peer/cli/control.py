@@ -40,6 +40,8 @@ def add_parsers(sub) -> None:
             p.add_argument("--duty-cycle", type=int, help="percent of wall time spent training (1..100)")
             p.add_argument("--threads", type=int, help="CPU threads of the inner step (0 = torch's default)")
             p.add_argument("--active-hours", help="daily window HH:MM-HH:MM in local time (\"\" = always)")
+            p.add_argument("--upload-mbps", type=float, help="cap on all-reduce and state uploads, Mbit/s (0 = none)")
+            p.add_argument("--download-mbps", type=float, help="the same for downloads, Mbit/s (0 = none)")
     p = sub.add_parser("top", help="live dashboard of a running peer", description="Live terminal dashboard of a "
                        "running peer (local control API). Keys: p pause, r resume, f finish, q quit.")
     p.add_argument("--run-dir", default=default_of(RunConfig, "run_dir"), help="the peer's run dir")
@@ -85,12 +87,24 @@ def describe_status(s: pb.StatusReply) -> str:
              f"  step {s.step}, loss {loss}, {s.tokens_per_second:.0f} tok/s on {s.device}, tau {s.tau}",
              f"  peers: {s.live_peers} live, {s.paused_peers} paused; next sync: {s.next_sync}",
              f"  rounds: {rounds}; up {s.bytes_up} B, down {s.bytes_down} B",
-             f"  limits: duty cycle {s.limits.duty_cycle}%, threads {s.limits.threads or 'default'}, active hours "
-             f"{s.limits.active_hours or 'always'}"]
+             f"  limits: {describe_limits(s.limits)}"]
     lines += [f"  fragment {f.index}: round {f.round}, digest {f.digest[:12]}" for f in s.fragments]
     if s.excluded_peers:
         lines.append(f"  excluded peers: {', '.join(s.excluded_peers)}")
     return "\n".join(lines)
+
+
+def describe_limits(lim: pb.Limits) -> str:
+    def cap(mbps: float) -> str:
+        return f"{mbps:g} Mbit/s" if mbps else "no cap"
+
+    return (f"duty cycle {lim.duty_cycle}%, threads {lim.threads or 'default'}, active hours "
+            f"{lim.active_hours or 'always'}, upload {cap(lim.upload_mbps)}, download {cap(lim.download_mbps)}")
+
+
+def _limit_changes(ns: argparse.Namespace) -> dict:
+    """The limits named on the command line (None: not given)."""
+    return {k: getattr(ns, k) for k in ("duty_cycle", "threads", "active_hours", "upload_mbps", "download_mbps")}
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -100,8 +114,7 @@ def run(ns: argparse.Namespace) -> int:
         return top.run(ns)
     if ns.command == "limits":
         try:  # checked here too, so a typo gets one line before anything is sent
-            Limits(**{k: v for k, v in (("duty_cycle", ns.duty_cycle), ("threads", ns.threads),
-                                         ("active_hours", ns.active_hours)) if v is not None})
+            Limits(**{k: v for k, v in _limit_changes(ns).items() if v is not None})
         except ValueError as e:
             print(f"swarm-peer: error: {e}", file=sys.stderr)
             return EXIT_USAGE
@@ -119,10 +132,8 @@ def _run(client: ControlClient, ns: argparse.Namespace) -> int:
         _print(reply, ns.json, describe_status(reply))
         return 0
     if ns.command == "limits":
-        reply = client.set_limits(duty_cycle=ns.duty_cycle, threads=ns.threads, active_hours=ns.active_hours)
-        lim = reply.limits
-        _print(reply, ns.json, f"limits: duty cycle {lim.duty_cycle}%, threads {lim.threads or 'default'}, "
-                               f"active hours {lim.active_hours or 'always'}")
+        reply = client.set_limits(**_limit_changes(ns))
+        _print(reply, ns.json, f"limits: {describe_limits(reply.limits)}")
         return 0
     reply = getattr(client, ns.command)()
     _print(reply, ns.json, reply.message)

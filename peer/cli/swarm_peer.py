@@ -5,7 +5,8 @@ a volunteer sends the operator of an authenticated run; ``swarm-peer prepare-dat
 text into the shards of ``data.source = "tokens"`` (peer/cli/prepare_data.py); ``swarm-peer export`` and
 ``swarm-peer sample`` take a run dir's model home or try it out (peer/cli/take_home.py); ``swarm-peer status | pause |
 resume | finish | limits | top --run-dir R`` control a running peer (peer/cli/control.py); ``swarm-peer doctor``
-checks a machine before it joins (peer/cli/doctor.py). Every config field has a
+checks a machine before it joins (peer/cli/doctor.py); ``swarm-peer monitor`` serves an operator's view of the
+run's swarm (peer/cli/monitor.py). Every config field has a
 flag and an ``SWARM_*`` env-var twin (see peer/config.py); invalid input exits with status 2 and one line.
 """
 
@@ -15,7 +16,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from peer.cli import control, doctor, prepare_data, take_home
+from peer.cli import control, doctor, monitor, prepare_data, take_home
 from peer.config import (SECTIONS, ConfigError, build_config, default_of, env_name, flag_name, iter_fields,
                          iter_settings, unknown_env)
 
@@ -61,6 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
                            "same config and flags as run.")
     _add_config_flags(check)
     doctor.add_arguments(check)
+    watch = sub.add_parser("monitor", help="serve a web page and JSON API of the run's swarm (operators)",
+                           description="The operator's view of a run: live peers (version, step, rounds, tokens/s, "
+                           "loss, reachability, paused), each fragment's latest round and whether digests agree, "
+                           "the swarm's tokens/s and loss, from the peers' signed records. Takes the same config "
+                           "and flags as run, to name the run.")
+    _add_config_flags(watch)
+    monitor.add_arguments(watch)
     prepare_data.add_parser(sub)
     take_home.add_parsers(sub)
     control.add_parsers(sub)
@@ -129,6 +137,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _pass_request(cfg)
     if ns.command == "doctor":
         return doctor.run(cfg, ns)
+    if ns.command == "monitor":
+        return monitor.run(cfg, ns)
     return EXIT_SETUP
 
 

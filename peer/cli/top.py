@@ -15,6 +15,7 @@ from textual.app import App, ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import DataTable, Footer, Header, Sparkline, Static
 
+from peer.cli.control import describe_limits
 from peer.control.client import ControlClient, ControlError
 from peer.proto import control_pb2 as pb
 from peer.run.events import fmt_bytes
@@ -87,14 +88,12 @@ class TopApp(App):
         self.query_one("#speed-label", Static).update(f"tokens/s {s.tokens_per_second:,.0f}")
         self.query_one("#speed", Sparkline).data = list(self.speeds)
         rounds = ", ".join(f"{k} {v}" for k, v in sorted(s.rounds_by_status.items())) or "none yet"
-        lim = s.limits
         self.query_one("#figures", Static).update(
             f"peers {s.live_peers} live, {s.paused_peers} paused   next sync {s.next_sync}\n"
             f"rounds: {rounds}\n"
             f"up {fmt_bytes(s.bytes_up)}  down {fmt_bytes(s.bytes_down)}   host peak {fmt_bytes(s.host_peak_bytes)}"
             f"   excluded {len(s.excluded_peers)}\n"
-            f"limits: duty cycle {lim.duty_cycle}%, threads {lim.threads or 'default'}, active hours "
-            f"{lim.active_hours or 'always'}")
+            f"limits: {describe_limits(s.limits)}")
         table = self.query_one("#fragments", DataTable)
         table.clear()
         for f in s.fragments:

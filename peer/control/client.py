@@ -91,9 +91,9 @@ class ControlClient:
     def finish(self) -> pb.ControlReply:
         return self._call("Finish", pb.FinishRequest())
 
-    def set_limits(self, *, duty_cycle: Optional[int] = None, threads: Optional[int] = None,
-                   active_hours: Optional[str] = None) -> pb.LimitsReply:
-        request = pb.SetLimitsRequest(duty_cycle=duty_cycle, threads=threads, active_hours=active_hours)
+    def set_limits(self, **changes) -> pb.LimitsReply:
+        """Changes the given limits (the fields of ``SetLimitsRequest``; None keeps one)."""
+        request = pb.SetLimitsRequest(**{k: v for k, v in changes.items() if v is not None})
         return self._call("SetLimits", request)
 
     def watch(self, backlog: int = 0) -> Iterator[dict]:

@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass
 from typing import Optional
 
-from peer.config import parse_active_hours
+from peer.config import MAX_MBPS, MBIT, MIN_MBPS, parse_active_hours, valid_mbps
 
 MAX_THREADS = 4096
 
@@ -36,6 +36,8 @@ class Limits:
     duty_cycle: int = 100  # percent of wall time spent training, 1..100
     threads: int = 0  # CPU threads of the inner step (0 = torch's default)
     active_hours: str = ""  # "HH:MM-HH:MM" local time, "" = always
+    upload_mbps: float = 0.0  # cap on our all-reduce and state-transfer uploads, Mbit/s (0 = none)
+    download_mbps: float = 0.0  # ... and downloads
 
     def __post_init__(self) -> None:
         if not 1 <= self.duty_cycle <= 100:
@@ -43,6 +45,14 @@ class Limits:
         if not 0 <= self.threads <= MAX_THREADS:
             raise ValueError(f"threads must be in 0..{MAX_THREADS} (got {self.threads})")
         parse_active_hours(self.active_hours)
+        for name in ("upload_mbps", "download_mbps"):
+            if not valid_mbps(getattr(self, name)):
+                raise ValueError(f"{name.replace('_mbps', '')} cap must be 0 (none) or {MIN_MBPS:g}..{MAX_MBPS:g} "
+                                 f"Mbit/s (got {getattr(self, name)})")
+
+    def byte_rates(self) -> tuple[float, float]:
+        """The (upload, download) caps in bytes per second, 0 for none."""
+        return self.upload_mbps * MBIT, self.download_mbps * MBIT
 
     def rest_after(self, step_seconds: float) -> float:
         """Seconds to rest after an inner step of ``step_seconds`` to keep the duty cycle."""

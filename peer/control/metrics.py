@@ -70,6 +70,11 @@ class StatusCollector(Collector):
         limits = self.controls.limits.get()
         yield GaugeMetricFamily("swarmloco_duty_cycle_ratio", "Share of wall time the peer may train (0..1).",
                                 value=limits.duty_cycle / 100.0)
+        caps = GaugeMetricFamily("swarmloco_bandwidth_cap_bytes_per_second", "The owner's cap on the all-reduce and "
+                                 "state-transfer streams (0 = none).", labels=["direction"])
+        for direction, rate in zip(("upload", "download"), limits.byte_rates()):
+            caps.add_metric([direction], rate)
+        yield caps
 
 
 class MetricsEndpoint:

@@ -11,6 +11,7 @@ read a status snapshot and set intents on :class:`~peer.control.controls.Control
 
 from __future__ import annotations
 
+import dataclasses
 import concurrent.futures
 import hmac
 import json
@@ -44,7 +45,7 @@ STATES = {PeerState.STARTING: pb.STARTING, PeerState.TRAINING: pb.TRAINING, Peer
 
 
 def limits_message(limits: Limits) -> pb.Limits:
-    return pb.Limits(duty_cycle=limits.duty_cycle, threads=limits.threads, active_hours=limits.active_hours)
+    return pb.Limits(**{f.name: getattr(limits, f.name) for f in dataclasses.fields(limits)})
 
 
 class _Servicer(pb_grpc.PeerControlServicer):
@@ -75,7 +76,7 @@ class _Servicer(pb_grpc.PeerControlServicer):
 
     def SetLimits(self, request, context):
         changes = {k: getattr(request, k) if request.HasField(k) else None
-                   for k in ("duty_cycle", "threads", "active_hours")}
+                   for k in pb.SetLimitsRequest.DESCRIPTOR.fields_by_name}
         try:
             limits = self.controls.set_limits(**changes)
         except ValueError as e:

@@ -39,6 +39,7 @@ from typing import AsyncIterator, Optional
 import torch
 from hivemind.p2p import P2P, P2PContext, ServicerBase
 
+from peer.net.bandwidth import Bandwidth, Pacer, stream_pacer
 from peer.net.exclusion import Exclusions, Offence
 from peer.net.group import GroupPlan, valid_weight
 from peer.net.limits import StreamGuard, first_message
@@ -184,10 +185,13 @@ class AllReduceServicer(ServicerBase):
     """
 
     def __init__(self, *, registration_timeout: float, part_timeout: float, stream_timeout: float,
-                 guard: StreamGuard, max_pending: int = 64, exclusions: Optional[Exclusions] = None):
+                 guard: StreamGuard, max_pending: int = 64, exclusions: Optional[Exclusions] = None,
+                 bandwidth: Optional[Bandwidth] = None):
         """``stream_timeout``: the longest a member's stream may stay open (its part, our average, the close);
-        ``guard``: this peer's bound on streams per remote peer (shared by all its handlers)."""
+        ``guard``: this peer's bound on streams per remote peer (shared by all its handlers); ``bandwidth``: the
+        owner's upload and download caps (shared with the rounds of this peer and its state transfer)."""
         self.exclusions = exclusions or Exclusions()  # shared with the rounds of this peer (run_allreduce)
+        self.bandwidth = bandwidth or Bandwidth()
         self.guard = guard
         self.stream_timeout = stream_timeout
         self._groups: dict[bytes, SpanReduction] = {}
@@ -257,13 +261,19 @@ class AllReduceServicer(ServicerBase):
                 part[filled:filled + values.numel()] = values
                 filled += values.numel()
                 red.traffic.received += msg.ByteSize()
+                await self.bandwidth.download.take(msg.ByteSize())
                 if filled == red.length:
                     break
                 msg = await next_by(requests, red.deadline)
             if not red.add(sender, header.weight, part):
                 log.info("%s: part from %s arrived after averaging; it is not included", plan.label,
                          short_id(context.remote_id))
+            # paced by our upload cap and by the member's declared download cap, shared by the reducers sending to it
+            to_member = stream_pacer(plan.infos[sender].download_bytes_per_second,
+                                     sum(end > start for k, (start, end) in enumerate(plan.spans) if k != sender))
             for response in await asyncio.shield(red.result):
+                await self.bandwidth.upload.take(response.ByteSize())
+                await to_member.take(response.ByteSize())
                 yield response
             # Hold the stream open until the member closes its side: it does so only after reading
             # the whole average. Closing first can drop our last message in the daemons (seen ~1/50).
@@ -292,8 +302,10 @@ async def _own_span(red: SpanReduction, values: torch.Tensor, weight: float) -> 
 
 async def _remote_span(p2p: P2P, plan: GroupPlan, j: int, values: torch.Tensor, weight: float,
                        chunk_elems: int, deadline: float, connect_timeout: float,
-                       traffic: Traffic) -> list[pb.ReduceResponse]:
-    """Streams our part of span j to reducer j and returns its response messages."""
+                       traffic: Traffic, bandwidth: Bandwidth) -> list[pb.ReduceResponse]:
+    """Streams our part of span j to reducer j and returns its response messages. The part is paced by our upload
+    cap and by reducer j's declared download cap, shared by the members that send it parts."""
+    to_reducer: Pacer = stream_pacer(plan.infos[j].download_bytes_per_second, len(plan.peer_ids) - 1)
     pieces = encode_pieces(plan.codec, values, chunk_elems)
     span_length = plan.spans[j][1] - plan.spans[j][0]
     got_all = asyncio.Event()
@@ -304,6 +316,8 @@ async def _remote_span(p2p: P2P, plan: GroupPlan, j: int, values: torch.Tensor, 
             if k == 0:
                 msg.group_id, msg.span_index, msg.weight = plan.group_id, j, weight
             traffic.sent += msg.ByteSize()
+            await bandwidth.upload.take(msg.ByteSize())
+            await to_reducer.take(msg.ByteSize())
             yield msg
         # End our side only once the whole average is in (see AllReduceServicer.rpc_reduce).
         with contextlib.suppress(asyncio.TimeoutError):
@@ -318,6 +332,7 @@ async def _remote_span(p2p: P2P, plan: GroupPlan, j: int, values: torch.Tensor, 
         while received < span_length:
             msg = await next_by(stream, deadline)
             traffic.received += msg.ByteSize()
+            await bandwidth.download.take(msg.ByteSize())
             responses.append(msg)
             if msg.status != Status.OK:
                 break
@@ -424,7 +439,8 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
                 continue  # an excluded reducer: its span is missing (below), our part is not sent
             else:
                 tasks.append((j, asyncio.ensure_future(
-                    _remote_span(p2p, plan, j, values, weight, chunk_elems, deadline, connect_timeout, traffic))))
+                    _remote_span(p2p, plan, j, values, weight, chunk_elems, deadline, connect_timeout, traffic,
+                                 servicer.bandwidth))))
         results: dict[int, SpanResult] = {}
         for j, task in tasks:
             try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Optional
 
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import PeerID
@@ -15,6 +16,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
 from peer.config import PeerConfig
+from peer.net.auth import PassChecker, record_admitted
 from peer.net.dht import create_dht, shutdown_dht
 from peer.net.progress import make_validators, progress_key
 from peer.net.records import ProgressRecord
@@ -59,16 +61,27 @@ def probe_swarm(cfg: PeerConfig, *, timeout: float) -> Probe:
         peers = sorted({str(Multiaddr(m).value_for_protocol("p2p")) for m in sw.initial_peers})
         ping = functools.partial(_ping_all, peers=peers, timeout=timeout)  # (pickled to the DHT process)
         clocks = dht.run_coroutine(ping, return_future=True).result(timeout * (len(peers) + 1))
-        found = dht.get(progress_key(run_key), latest=True, return_future=True).result(2 * timeout)
-        now, steps = get_dht_time(), []
-        value = found.value if found is not None and isinstance(found.value, dict) else {}
-        for entry in value.values():
-            try:
-                rec = ProgressRecord.from_wire(entry.value)
-            except (ValueError, TypeError):
-                continue
-            if rec.time + sw.progress_ttl >= now and not rec.paused:
-                steps.append(rec.step)
+        now = get_dht_time()
+        steps = [rec.step for rec in read_records(dht, run_key, timeout=2 * timeout)
+                 if rec.time + sw.progress_ttl >= now and not rec.paused]
         return Probe(clocks=clocks, live_peers=len(steps), steps=sorted(steps))
     finally:
         shutdown_dht(dht)
+
+
+def read_records(dht, run_key: str, *, timeout: float, checker: Optional[PassChecker] = None) -> list[ProgressRecord]:
+    """The run's progress records in the DHT (signed: ``dht`` must have been created with
+    :func:`~peer.net.progress.make_validators`' validators), each checked (``ProgressRecord.from_wire``); in an
+    authenticated run (``checker``) only those that carry a valid pass of their signer. Raises TimeoutError when
+    the DHT does not answer within ``timeout`` s."""
+    found = dht.get(progress_key(run_key), latest=True, return_future=True).result(timeout)
+    value = found.value if found is not None and isinstance(found.value, dict) else {}
+    records = []
+    for subkey, entry in value.items():
+        try:
+            rec = ProgressRecord.from_wire(entry.value)
+        except (ValueError, TypeError):
+            continue
+        if checker is None or record_admitted(checker, subkey, rec.pass_line, rec.peer_id):
+            records.append(rec)
+    return records

@@ -7,7 +7,7 @@ Every value is checked strictly: records come from other peers.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Optional
 
 from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
@@ -49,6 +49,9 @@ class ProgressRecord(BaseModel):
     # paused by its owner (swarm-peer pause, or outside its active hours): in the swarm's view (the monitor, the
     # status's paused count) but in no group, no vote and no wait: every rule acts on live, unpaused records
     paused: StrictBool = False
+    # the loss of its last inner step (the monitor's loss chart); None before the first step
+    loss: Optional[Annotated[StrictFloat, Field(ge=0.0, le=1e6, allow_inf_nan=False)]] = None
+    version: Annotated[StrictStr, Field(max_length=32)] = ""  # its swarmloco version (the monitor's peer list)
     time: Annotated[StrictFloat, Field(allow_inf_nan=False)]  # DHT time when written
 
     @classmethod

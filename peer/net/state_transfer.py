@@ -13,12 +13,13 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Optional, Sequence
 
 import numpy as np
 import torch
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 
+from peer.net.bandwidth import Pacer, stream_pacer
 from peer.net.limits import StreamGuard, drain, single_request
 from peer.outer.state import digest_of
 from peer.proto import state_pb2 as pb
@@ -52,10 +53,13 @@ class StateServicer(ServicerBase):
     round advertised). :meth:`publish` may be called from any thread (item assignments of new
     objects); the handler reads one snapshot object per request."""
 
-    def __init__(self, chunk_elems: int, *, guard: StreamGuard, request_timeout: float, stream_timeout: float):
+    def __init__(self, chunk_elems: int, *, guard: StreamGuard, request_timeout: float, stream_timeout: float,
+                 upload: Optional[Pacer] = None):
         """``request_timeout``: for the request to arrive once the stream is open; ``stream_timeout``: the
-        longest one download may hold its stream; ``guard``: this peer's bound on streams per remote peer."""
+        longest one download may hold its stream; ``guard``: this peer's bound on streams per remote peer;
+        ``upload``: the owner's upload cap (shared with the all-reduce)."""
         self.chunk_elems = chunk_elems
+        self.upload = upload or Pacer(lambda: 0.0)
         self.guard = guard
         self.request_timeout, self.stream_timeout = request_timeout, stream_timeout
         self.snapshots: dict[int, Snapshot] = {}  # the newest, per fragment
@@ -95,20 +99,23 @@ class StateServicer(ServicerBase):
                                                                  f"round {request.round}")
             return
         numel = snap.G.numel()
+        to_requester = stream_pacer(request.max_bytes_per_second, 1)  # its declared download cap
         for offset in range(0, numel, self.chunk_elems):
             end = min(numel, offset + self.chunk_elems)
             msg = pb.StateChunk(fragment=snap.fragment, offset=offset, g=_f32(snap.G[offset:end]),
                                 v=_f32(snap.v[offset:end]))
             if offset == 0:
                 msg.round, msg.digest, msg.numel, msg.step = snap.round, snap.digest, numel, snap.step
+            await self.upload.take(msg.ByteSize())
+            await to_requester.take(msg.ByteSize())
             yield msg
 
 
 async def _download_from(p2p: P2P, donor: PeerID, fragment: int, round_: int, numel: int, digest: str,
-                         deadline: float, max_chunk_elems: int) -> Snapshot:
+                         deadline: float, max_chunk_elems: int, pacer: Pacer) -> Snapshot:
     stub = StateServicer.get_stub(p2p, donor)
-    stream = await asyncio.wait_for(stub.rpc_download(pb.StateRequest(fragment=fragment, round=round_)),
-                                    timeout=time_left(deadline))
+    request = pb.StateRequest(fragment=fragment, round=round_, max_bytes_per_second=pacer.rate())
+    stream = await asyncio.wait_for(stub.rpc_download(request), timeout=time_left(deadline))
     G, v = torch.empty(numel), torch.empty(numel)
     filled, header = 0, None
     try:
@@ -128,6 +135,7 @@ async def _download_from(p2p: P2P, donor: PeerID, fragment: int, round_: int, nu
             G[filled:filled + n] = torch.from_numpy(np.frombuffer(msg.g, dtype="<f4").astype(np.float32))
             v[filled:filled + n] = torch.from_numpy(np.frombuffer(msg.v, dtype="<f4").astype(np.float32))
             filled += n
+            await pacer.take(msg.ByteSize())
     finally:
         await stream.aclose()
     if not (bool(torch.isfinite(G).all()) and bool(torch.isfinite(v).all())):
@@ -140,13 +148,15 @@ async def _download_from(p2p: P2P, donor: PeerID, fragment: int, round_: int, nu
 
 
 async def download(p2p: P2P, donors: Sequence[PeerID], fragment: int, *, round_: int, numel: int, digest: str,
-                   timeout_per_donor: float, max_chunk_elems: int) -> Snapshot:
-    """Downloads round ``round_`` of fragment ``fragment`` from the first donor that delivers a verified state."""
+                   timeout_per_donor: float, max_chunk_elems: int, pacer: Optional[Pacer] = None) -> Snapshot:
+    """Downloads round ``round_`` of fragment ``fragment`` from the first donor that delivers a verified state;
+    ``pacer``: the owner's download cap."""
+    pacer = pacer or Pacer(lambda: 0.0)
     errors = []
     for donor in donors:
         try:
             return await _download_from(p2p, donor, fragment, round_, numel, digest,
-                                        time.monotonic() + timeout_per_donor, max_chunk_elems)
+                                        time.monotonic() + timeout_per_donor, max_chunk_elems, pacer)
         except Exception as e:  # a dead, slow or lying donor: try the next one
             log.warning("state download of fragment %d from %s failed: %s: %s", fragment, short_id(donor),
                         type(e).__name__, e)

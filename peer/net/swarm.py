@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures
 import enum
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from hivemind.utils import get_dht_time
 
 from peer.net.allreduce import AllReduceServicer, run_allreduce
 from peer.net.auth import Admission, RunAccess, RunAuthorizer, encode_pass, revocation_key, verify_revocations
+from peer.net.bandwidth import Bandwidth
 from peer.net.group import PROTOCOL_VERSION, GroupError, GroupPlan
 from peer.outer.aggregate import AggregationRule, vouched_caps
 from peer.outer.codec import codec_key, get_codec
@@ -39,7 +41,7 @@ from peer.net.progress import LiveView, SpeedLedger, make_validators, progress_k
 from peer.net.records import MAX_PAST, ProgressRecord
 from peer.net.state_transfer import DownloadError, Snapshot, StateServicer, download
 from peer.proto import allreduce_pb2 as pb
-from peer.util import short_id
+from peer.util import VERSION, short_id
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +87,12 @@ class Swarm:
     """
 
     def __init__(self, cfg: SwarmConfig, *, run_key: str, codec, identity_path: str,
-                 rule: Optional[AggregationRule] = None, access: Optional[RunAccess] = None):
+                 rule: Optional[AggregationRule] = None, access: Optional[RunAccess] = None,
+                 bandwidth: Optional[Bandwidth] = None):
         """``rule``: how our spans are combined when we reduce (the run's; by default the robust rule).
-        ``access``: our pass in an authenticated run (None: an open run, anyone may take part)."""
+        ``access``: our pass in an authenticated run (None: an open run, anyone may take part).
+        ``bandwidth``: the owner's caps on our all-reduce and state-transfer streams (None: uncapped)."""
+        self.bandwidth = bandwidth or Bandwidth()
         self.cfg = cfg
         self.codec = get_codec(codec)  # a name or a configured codec instance
         self.rule = rule or AggregationRule()
@@ -107,12 +112,15 @@ class Swarm:
                                  admitted=self.admission.admitted)
         self.servicer = AllReduceServicer(registration_timeout=cfg.request_timeout, part_timeout=cfg.part_timeout,
                                           stream_timeout=cfg.allreduce_timeout + cfg.part_timeout
-                                          + 2 * cfg.request_timeout, guard=self.guard, exclusions=self.exclusions)
+                                          + 2 * cfg.request_timeout, guard=self.guard, exclusions=self.exclusions,
+                                          bandwidth=self.bandwidth)
         self.state_servicer = StateServicer(max(1, cfg.chunk_bytes // 8), guard=self.guard,
                                             request_timeout=cfg.request_timeout,
-                                            stream_timeout=cfg.state_timeout + cfg.request_timeout)
+                                            stream_timeout=cfg.state_timeout + cfg.request_timeout,
+                                            upload=self.bandwidth.upload)
         self._subkey = b""
-        self._progress = (0, 0, 0.0)  # (step, round of fragment 0, tokens/s), published by the heartbeat
+        # (step, round of fragment 0, tokens/s, last loss), published by the heartbeat
+        self._progress: tuple[int, int, float, Optional[float]] = (0, 0, 0.0, None)
         self.paused = False  # published by the heartbeat: the trainer sets it while its owner pauses it
         self._view = LiveView(cfg.progress_ttl)  # everyone's records, merged by the heartbeat
         self._speeds = SpeedLedger()  # the speeds their records vouch for (the robust rule's caps)
@@ -192,9 +200,12 @@ class Swarm:
         return [str(m) for m in self.dht.get_visible_maddrs()]
 
     # ---- progress records ------------------------------------------------------------------
-    def update_progress(self, step: int, round_: int, tokens_per_second: float) -> None:
-        """Sets what the next heartbeat publishes (cheap; call from the training loop)."""
-        self._progress = (step, round_, float(tokens_per_second))
+    def update_progress(self, step: int, round_: int, tokens_per_second: float,
+                        loss: Optional[float] = None) -> None:
+        """Sets what the next heartbeat publishes (cheap; call from the training loop). A loss that is not a finite
+        non-negative number is not published."""
+        published = float(loss) if loss is not None and math.isfinite(loss) and 0 <= loss <= 1e6 else None
+        self._progress = (step, round_, float(tokens_per_second), published)
 
     async def _heartbeat(self) -> None:
         """Publishes our signed progress record and reads the others' every ``progress_period`` s until
@@ -216,13 +227,13 @@ class Swarm:
     async def _beat(self) -> None:
         """One store of our record and one read of everyone's, side by side, each bounded by ``progress_ttl``."""
         t0 = time.monotonic()
-        step, round_, tps = self._progress
+        step, round_, tps, loss = self._progress
         snaps = [self.state_servicer.snapshots.get(p) for p in range(len(self.state_servicer.snapshots))]
         activity = self.activity()
         seeking = [[a.fragment, a.round] for a in activity if a.stage is not RoundStage.ALLREDUCE]
         averaging = [[a.fragment, a.round] for a in activity if a.stage is RoundStage.ALLREDUCE]
         rec = ProgressRecord(peer_id=self.peer_id, step=step, round=round_, tokens_per_second=tps, seeking=seeking,
-                             averaging=averaging, paused=self.paused,
+                             averaging=averaging, paused=self.paused, loss=loss, version=VERSION,
                              client_mode=self.cfg.client_mode, time=get_dht_time(),
                              rounds=[s.round for s in snaps if s], digests=[s.digest for s in snaps if s],
                              past=self._past_entries(), pass_line=encode_pass(self.access.token) if self.access else "")
@@ -383,7 +394,8 @@ class Swarm:
         if not ids:
             raise DownloadError("no valid donor")
         coro = download(self.p2p, ids, fragment, round_=round_, numel=numel, digest=digest,
-                        timeout_per_donor=self.cfg.state_timeout, max_chunk_elems=max(1, self.cfg.chunk_bytes // 4))
+                        timeout_per_donor=self.cfg.state_timeout, max_chunk_elems=max(1, self.cfg.chunk_bytes // 4),
+                        pacer=self.bandwidth.download)
         try:
             return self._call(coro, self.cfg.state_timeout * len(ids) + 5)
         except concurrent.futures.TimeoutError:
@@ -441,7 +453,8 @@ class Swarm:
         log.debug("%s: looking for a group (weight %.0f, target %d)", label, weight, target_group_size)
         try:
             info = pb.MemberInfo(protocol_version=PROTOCOL_VERSION, weight=weight, inner_step=inner_step,
-                                 client_mode=self.cfg.client_mode, numel=delta.numel())
+                                 client_mode=self.cfg.client_mode, numel=delta.numel(),
+                                 download_bytes_per_second=self.bandwidth.download.rate())
             group = await form_group(
                 self.p2p, self.dht, prefix=round_prefix(self.run_key, fragment, round_),
                 gather=info.SerializeToString(), target_group_size=target_group_size,

@@ -39,14 +39,18 @@ class FragmentStatus(_message.Message):
     def __init__(self, index: _Optional[int] = ..., round: _Optional[int] = ..., digest: _Optional[str] = ..., numel: _Optional[int] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("duty_cycle", "threads", "active_hours")
+    __slots__ = ("duty_cycle", "threads", "active_hours", "upload_mbps", "download_mbps")
     DUTY_CYCLE_FIELD_NUMBER: _ClassVar[int]
     THREADS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_HOURS_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_MBPS_FIELD_NUMBER: _ClassVar[int]
+    DOWNLOAD_MBPS_FIELD_NUMBER: _ClassVar[int]
     duty_cycle: int
     threads: int
     active_hours: str
-    def __init__(self, duty_cycle: _Optional[int] = ..., threads: _Optional[int] = ..., active_hours: _Optional[str] = ...) -> None: ...
+    upload_mbps: float
+    download_mbps: float
+    def __init__(self, duty_cycle: _Optional[int] = ..., threads: _Optional[int] = ..., active_hours: _Optional[str] = ..., upload_mbps: _Optional[float] = ..., download_mbps: _Optional[float] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("peer_id", "state", "detail", "step", "loss", "tokens_per_second", "live_peers", "paused_peers", "fragments", "next_sync", "bytes_up", "bytes_down", "rounds_by_status", "tau", "device", "host_peak_bytes", "device_peak_bytes", "excluded_peers", "limits", "run_hash", "uptime_seconds", "idle_seconds")
@@ -124,14 +128,18 @@ class ControlReply(_message.Message):
     def __init__(self, state: _Optional[_Union[PeerState, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class SetLimitsRequest(_message.Message):
-    __slots__ = ("duty_cycle", "threads", "active_hours")
+    __slots__ = ("duty_cycle", "threads", "active_hours", "upload_mbps", "download_mbps")
     DUTY_CYCLE_FIELD_NUMBER: _ClassVar[int]
     THREADS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_HOURS_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_MBPS_FIELD_NUMBER: _ClassVar[int]
+    DOWNLOAD_MBPS_FIELD_NUMBER: _ClassVar[int]
     duty_cycle: int
     threads: int
     active_hours: str
-    def __init__(self, duty_cycle: _Optional[int] = ..., threads: _Optional[int] = ..., active_hours: _Optional[str] = ...) -> None: ...
+    upload_mbps: float
+    download_mbps: float
+    def __init__(self, duty_cycle: _Optional[int] = ..., threads: _Optional[int] = ..., active_hours: _Optional[str] = ..., upload_mbps: _Optional[float] = ..., download_mbps: _Optional[float] = ...) -> None: ...
 
 class LimitsReply(_message.Message):
     __slots__ = ("limits",)

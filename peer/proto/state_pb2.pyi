@@ -5,12 +5,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StateRequest(_message.Message):
-    __slots__ = ("fragment", "round")
+    __slots__ = ("fragment", "round", "max_bytes_per_second")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     round: int
-    def __init__(self, fragment: _Optional[int] = ..., round: _Optional[int] = ...) -> None: ...
+    max_bytes_per_second: float
+    def __init__(self, fragment: _Optional[int] = ..., round: _Optional[int] = ..., max_bytes_per_second: _Optional[float] = ...) -> None: ...
 
 class StateChunk(_message.Message):
     __slots__ = ("fragment", "round", "digest", "numel", "step", "offset", "g", "v", "error")

@@ -20,6 +20,8 @@ from peer.control.feed import EventFeed
 from peer.control.limits import Limits
 from peer.control.metrics import MetricsEndpoint
 from peer.control.server import ControlServer
+from peer.net.bandwidth import cap_warnings
+from peer.outer.codec import Codec
 from peer.util import host_peak_bytes
 
 log = logging.getLogger(__name__)
@@ -38,7 +40,8 @@ class OwnerLink:
         self.cfg = cfg
         self.stop_event = stop_event
         self.controls = Controls(Limits(duty_cycle=cfg.limits.duty_cycle, threads=cfg.inner.threads,
-                                        active_hours=cfg.limits.active_hours))
+                                        active_hours=cfg.limits.active_hours, upload_mbps=cfg.limits.upload_mbps,
+                                        download_mbps=cfg.limits.download_mbps))
         self.feed = EventFeed()
         self.figures: Callable[[], dict[str, Any]] = dict
         self.rounds_by_status: dict[str, int] = {}  # (replaced whole: the control API's threads read it)
@@ -46,6 +49,8 @@ class OwnerLink:
         self.started = time.monotonic()
         self._default_threads = torch.get_num_threads()
         self._threads_in_force = cfg.inner.threads
+        self._traffic: list[tuple[str, float, float, str]] = []  # what the caps are checked against: note_traffic
+        self._caps_checked = (0.0, 0.0)  # the bandwidth caps last checked against the deadlines
         self.server: Optional[ControlServer] = None
         self.metrics: Optional[MetricsEndpoint] = None
 
@@ -91,13 +96,31 @@ class OwnerLink:
                     device_peak_bytes=device_peak, uptime_seconds=time.monotonic() - self.started)
 
     # ---- limits between steps -------------------------------------------------------------------------
-    def apply_threads(self) -> None:
-        """Applies a changed thread limit (the training thread, between steps)."""
-        threads = self.controls.limits.get().threads
-        if threads != self._threads_in_force:
-            torch.set_num_threads(threads or self._default_threads)
-            log.info("inner step threads: %s", threads or f"torch's default ({self._default_threads})")
-            self._threads_in_force = threads
+    def note_traffic(self, largest_numel: int, codec: Codec) -> None:
+        """What the largest fragment moves, for the bandwidth caps' check: in each direction its all-reduce moves
+        up to two encoded copies (parts out and averages back, ``2 (M-1)/M`` of it; the parts, sent side by side,
+        up to one copy, each due within part_timeout), a state transfer its ``G`` and ``v`` in fp32. Must be
+        called once the fragments are known, before :meth:`apply_limits`."""
+        sample, sw = 4096, self.cfg.swarm
+        encoded = largest_numel * codec.encode_flat(torch.zeros(sample)).ByteSize() / sample
+        self._traffic = [("all-reduce", 2 * encoded, sw.allreduce_timeout, "allreduce_timeout"),
+                         ("parts", encoded, sw.part_timeout, "part_timeout"),
+                         ("state transfer", 8 * largest_numel, sw.state_timeout, "state_timeout")]
+
+    def apply_limits(self) -> None:
+        """Applies changed limits (the training thread, between steps): the thread count here; the bandwidth caps
+        are read by the pacers at every message (peer/net/bandwidth.py), and checked here against the rounds'
+        deadlines whenever they change."""
+        limits = self.controls.limits.get()
+        if limits.threads != self._threads_in_force:
+            torch.set_num_threads(limits.threads or self._default_threads)
+            log.info("inner step threads: %s", limits.threads or f"torch's default ({self._default_threads})")
+            self._threads_in_force = limits.threads
+        caps = limits.byte_rates()
+        if caps != self._caps_checked:
+            self._caps_checked = caps
+            for line in cap_warnings(caps, self._traffic):
+                log.warning(line)
 
     def rest(self, step_seconds: float, show: Callable[[str], None]) -> None:
         """Rests after an inner step of ``step_seconds`` as the duty cycle asks; ends early on a stop, pause or

@@ -49,6 +49,7 @@ from peer.outer.aggregate import AggregationRule
 from peer.outer.engine import AutoTau, OuterSettings, StreamingEngine
 from peer.run.status import StatusLine, describe
 from peer.net.swarm import Swarm
+from peer.net.bandwidth import Bandwidth
 from peer.util import short_id
 
 log = logging.getLogger(__name__)
@@ -187,7 +188,8 @@ class Trainer:
             log.info("authenticated run: only peers with a pass from authority %s take part; our pass is valid "
                      "until %s", fingerprint(access.checker.authority_bytes), access.token.expiration_time)
         self.swarm = Swarm(cfg.swarm, run_key=run_hash, codec=self.codec, identity_path=str(cfg.identity_path),
-                           rule=AggregationRule.from_config(cfg.outer), access=access)
+                           rule=AggregationRule.from_config(cfg.outer), access=access,
+                           bandwidth=Bandwidth(lambda: self.owner.controls.limits.get().byte_rates()))
         self.swarm.exclusions.on_exclude = lambda peer, why: self.events.emit("peer_excluded", peer=peer, reason=why)
         try:  # the DHT forks a process: start it before anything can initialize CUDA
             try:
@@ -253,6 +255,7 @@ class Trainer:
                  len(fragments), [f.numel for f in fragments], cfg.outer.fragment_pattern,
                  cfg.outer.fragment_blocks, cfg.outer.codec, cfg.outer.tau, cfg.outer.eager, cfg.outer.merge)
         self.auto_tau = AutoTau(cfg.outer.tau_max) if cfg.outer.tau == "auto" else None
+        self.owner.note_traffic(max(f.numel for f in fragments), self.swarm.codec)
         settings = OuterSettings.from_config(cfg.outer)
         schedule = self._schedule(len(fragments))
         transport = SwarmTransport(self.swarm, min_group_size=cfg.swarm.min_group_size,
@@ -288,7 +291,7 @@ class Trainer:
             if (why := controls.pause_reason()) is not None:
                 step = self._pause(step, why, parts)
                 continue
-            self.owner.apply_threads()
+            self.owner.apply_limits()
             step = self._realign(engine, step)
             t_step = time.monotonic()
             batch = source.next_batch(cfg.data.batch_size, cfg.model.seq_len)
@@ -314,7 +317,7 @@ class Trainer:
                                  tokens_per_second=tok_s, elapsed=now - t_start, floor=self._floor,
                                  compute_seconds=compute_seconds, blocked_seconds=engine.blocked_seconds,
                                  tau=self.auto_tau() if self.auto_tau else cfg.outer.tau)
-            self.swarm.update_progress(step, engine.states[0].round, tok_s)
+            self.swarm.update_progress(step, engine.states[0].round, tok_s, stats.ce)
             engine.launch_due(step)
             engine.apply_due(step)
             if self.found_late or (cfg.swarm.drift_check_period and

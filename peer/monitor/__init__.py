@@ -1,0 +1,1 @@
+"""The operator's monitor of a run's swarm (``swarm-peer monitor``)."""
