@@ -185,8 +185,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
 
     dht = None
+    dial_back = None
     try:
         from peer.net import dht as dht_node  # imports hivemind (and through it torch) lazily
+        from peer.net.dial_back import DialBackService
 
         logging.getLogger("hivemind").setLevel(max(logging.getLevelName(args.log_level), logging.INFO))
         if args.nat_port_map:
@@ -245,6 +247,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.info(f"visible multiaddrs: {' '.join(maddrs) or '(none)'}")
         if args.initial_peers:
             logger.info(f"joined through {len(args.initial_peers)} initial peer address(es)")
+        dial_back = DialBackService()  # answers `swarm-peer doctor`'s "can others dial me?"
+        try:
+            dial_back.start(dht)
+        except Exception as e:  # (the node works without it; the doctor then judges from the addresses)
+            logger.warning(f"dial-back service not available: {type(e).__name__}: {e}")
         print("--initial-peers " + " ".join(maddrs), flush=True)
 
         if run_authority is not None:
@@ -266,6 +273,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     finally:
         running = True  # a second signal during shutdown must not interrupt it
+        if dial_back is not None:
+            dial_back.stop()
         if dht is not None:
             dht_node.shutdown_dht(dht)
             logger.info("DHT node shut down")

@@ -358,12 +358,17 @@ class LimitsConfig:
             "state-transfer streams, in Mbit/s (0 = no cap). A capped peer's rounds take longer: keep "
             "swarm.allreduce_timeout above what one fragment's share takes at the cap (the peer warns).")
     download_mbps: float = setting(0.0, local=True, help="The same for downloads, in Mbit/s (0 = no cap).")
+    vram_gb: float = setting(0.0, local=True, help="Cap on the GPU memory the peer's training may take, in GiB "
+            "(0 = no cap), set at start (torch's per-process memory fraction): a step that needs more fails with "
+            "an out-of-memory error instead of taking the rest of the card. No effect on the CPU.")
 
     def __post_init__(self) -> None:
         _check(1 <= self.duty_cycle <= 100, "limits.duty_cycle", "a percent in 1..100", self.duty_cycle)
         for name in ("upload_mbps", "download_mbps"):
             _check(valid_mbps(getattr(self, name)), f"limits.{name}",
                    f"0 (no cap) or Mbit/s in {MIN_MBPS:g}..{MAX_MBPS:g}", getattr(self, name))
+        _check(math.isfinite(self.vram_gb) and 0 <= self.vram_gb <= 1e5, "limits.vram_gb", "GiB in 0..1e5 (0 = no cap)",
+               self.vram_gb)
         try:
             parse_active_hours(self.active_hours)
         except ValueError as e:

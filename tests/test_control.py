@@ -17,7 +17,7 @@ from peer.config import ConfigError, LimitsConfig
 from peer.control.client import ControlClient, ControlError
 from peer.control.controls import Controls, PeerState
 from peer.control.feed import EventFeed
-from peer.control.limits import Limits, in_window
+from peer.control.limits import Limits, in_window, vram_fraction
 from peer.control.server import ENDPOINT_FILE, SOCKET_FILE, ControlServer, MAX_SOCKET_PATH
 from peer.proto import control_pb2 as pb
 from peer.proto import control_pb2_grpc as pb_grpc
@@ -282,3 +282,28 @@ def test_the_duty_cycle_rests_after_a_step_and_a_request_ends_the_rest():
     link.controls.pause()
     resting.join(10)
     assert not resting.is_alive(), "a pause request did not end the rest"
+
+
+def test_the_vram_cap_is_a_share_of_the_device_and_binds_only_below_it():
+    assert vram_fraction(6 * 2 ** 30, 24 * 2 ** 30) == 0.25
+    assert vram_fraction(0, 24 * 2 ** 30) is None and vram_fraction(32 * 2 ** 30, 24 * 2 ** 30) is None
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="limits.vram_gb"):
+            LimitsConfig(vram_gb=bad)
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="no CUDA device")
+def test_a_cuda_vram_cap_refuses_an_allocation_above_it():
+    """What ``limits.vram_gb`` sets at start (Trainer._cap_vram): the caching allocator refuses past the share."""
+    import torch
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(vram_fraction(2 ** 30, total), 0)
+    try:
+        small = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # 256 MiB: inside the 1 GiB cap
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(2 << 30, dtype=torch.uint8, device="cuda")  # 2 GiB: past it
+        del small
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+        torch.cuda.empty_cache()

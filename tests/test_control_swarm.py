@@ -102,6 +102,7 @@ def _controls_with_the_monitor_watching(swarm: LoopbackSwarm, procs, tmp_path, s
     assert doc.returncode == 0 and report["ok"], doc.stdout + doc.stderr
     found = {c["name"]: c["found"] for c in report["checks"]}
     assert found["swarm"].startswith("2 peer(s) of this run") and " s against " in found["clock"], found
+    assert "an initial peer dialed this machine back at /ip4/127.0.0.1/tcp/" in found["reachability"], found
 
     # (the upload cap stays on: the swarm keeps completing rounds with it after the resume)
     limited = cli("limits", "--run-dir", str(p2), "--duty-cycle", "50", "--threads", "1", "--upload-mbps", "40",

@@ -59,15 +59,15 @@ def test_unreachable_initial_peers_are_retried_then_named_one_by_one(procs, tmp_
 
 
 def test_dial_failures_in_the_users_words():
-    from peer.net.reachability import _dial_failure
+    from peer.net.reachability import dial_failure
 
     head = "Connect failed. msg=failed to dial: failed to dial QmA: all dials failed\n  * [/ip4/10.0.0.1/tcp/5] "
-    assert _dial_failure(head + "failed to negotiate security protocol: peer id mismatch: expected QmA, but remote "
+    assert dial_failure(head + "failed to negotiate security protocol: peer id mismatch: expected QmA, but remote "
                          "key matches 12D3KooWB") == "the node there has peer id 12D3KooWB, not QmA (copy the /p2p/ " \
                                                      "part again)"
-    assert _dial_failure(head + "dial tcp4 10.0.0.1:5: connect: connection refused").startswith("connection refused")
-    assert _dial_failure(head + "dial tcp4 10.0.0.1:5: i/o timeout").startswith("no answer")
-    assert _dial_failure(head + "something new") == "something new"
+    assert dial_failure(head + "dial tcp4 10.0.0.1:5: connect: connection refused").startswith("connection refused")
+    assert dial_failure(head + "dial tcp4 10.0.0.1:5: i/o timeout").startswith("no answer")
+    assert dial_failure(head + "something new") == "something new"
 
 
 def test_bootstrap_with_unreachable_initial_peers_exits_3_naming_them(tmp_path):

@@ -20,6 +20,14 @@ from peer.config import MAX_MBPS, MBIT, MIN_MBPS, parse_active_hours, valid_mbps
 MAX_THREADS = 4096
 
 
+def vram_fraction(cap_bytes: float, total_bytes: int) -> Optional[float]:
+    """The share of a device of ``total_bytes`` that a cap of ``cap_bytes`` allows (torch's per-process memory
+    fraction), or None when the cap does not bind (none set, or at least the whole device)."""
+    if cap_bytes <= 0 or total_bytes <= 0 or cap_bytes >= total_bytes:
+        return None
+    return cap_bytes / total_bytes
+
+
 def in_window(window: Optional[tuple[int, int]], now: datetime.datetime) -> bool:
     """Whether local time ``now`` falls in ``window`` (start inclusive, end exclusive; None = always)."""
     if window is None:

@@ -5,12 +5,14 @@ initial peers, pings each (their DHT time against ours: the clock skew) and read
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
+import logging
 from typing import Optional
 
 from hivemind.dht.node import DHTNode
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2P, PeerID
 from hivemind.proto import dht_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
@@ -18,9 +20,13 @@ from hivemind.utils.multiaddr import Multiaddr
 from peer.config import PeerConfig
 from peer.net.auth import PassChecker, record_admitted
 from peer.net.dht import create_dht, shutdown_dht
+from peer.net.dial_back import MAX_ADDRESSES, ask_dial_back
 from peer.net.progress import make_validators, progress_key
 from peer.net.records import ProgressRecord
 from peer.net.swarm import swarm_key
+from peer.proto import reachability_pb2
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -67,6 +73,35 @@ def probe_swarm(cfg: PeerConfig, *, timeout: float) -> Probe:
         return Probe(clocks=clocks, live_peers=len(steps), steps=sorted(steps))
     finally:
         shutdown_dht(dht)
+
+
+def ask_to_be_dialed(cfg: PeerConfig, *, timeout: float) -> Optional[reachability_pb2.DialBackReply]:
+    """Listens where the peer would (``swarm.host_maddrs``, announcing ``swarm.announce_maddrs``) and asks the
+    initial peers, one after another, to dial it back (peer/net/dial_back.py). None when none of them answered
+    (an older node, or all busy). Raises OSError-like errors of the daemon when it cannot listen there."""
+    sw = cfg.swarm
+
+    async def run() -> Optional[reachability_pb2.DialBackReply]:
+        p2p = await P2P.create(host_maddrs=sw.host_maddrs, announce_maddrs=sw.announce_maddrs or None,
+                               nat_port_map=False)
+        try:
+            mine = [str(m).split("/p2p/")[0] for m in (sw.announce_maddrs or await p2p.get_visible_maddrs())]
+            for text in sw.initial_peers:
+                maddr = Multiaddr(text)
+                node = PeerID.from_base58(maddr.value_for_protocol("p2p"))
+                try:
+                    await asyncio.wait_for(p2p._client.connect(node, [maddr.decapsulate(f"/p2p/{node}")]), timeout)
+                    reply = await ask_dial_back(p2p, node, mine, timeout=MAX_ADDRESSES * timeout + 30)
+                except Exception as e:  # (a node without the service, or gone): the next one
+                    log.debug("dial-back from %s: %s: %s", text, type(e).__name__, e)
+                    continue
+                if not reply.error.startswith("busy"):
+                    return reply
+            return None
+        finally:
+            await p2p.shutdown()
+
+    return asyncio.run(run())
 
 
 def read_records(dht, run_key: str, *, timeout: float, checker: Optional[PassChecker] = None) -> list[ProgressRecord]:

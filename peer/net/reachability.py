@@ -31,7 +31,7 @@ def diagnose_initial_peers(initial_peers: Sequence[str], host_maddrs: Sequence[s
         except asyncio.TimeoutError:
             return f"{text}: no answer within {timeout:g} s (host down, or a firewall drops the packets)"
         except Exception as e:
-            return f"{text}: {_dial_failure(str(e))}"
+            return f"{text}: {dial_failure(str(e))}"
         finally:
             await p2p.shutdown()
 
@@ -44,7 +44,7 @@ def diagnose_initial_peers(initial_peers: Sequence[str], host_maddrs: Sequence[s
         return [f"{text}: unreachable ({type(e).__name__} while probing)" for text in initial_peers]
 
 
-def _dial_failure(message: str) -> str:
+def dial_failure(message: str) -> str:
     """The reason in a libp2p "all dials failed" message, in the user's words."""
     if m := re.search(r"peer id mismatch: expected (\S+), but remote key matches (\S+)", message):
         return f"the node there has peer id {m.group(2)}, not {m.group(1)} (copy the /p2p/ part again)"

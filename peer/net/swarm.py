@@ -27,6 +27,7 @@ from hivemind.utils import get_dht_time
 from peer.net.allreduce import AllReduceServicer, run_allreduce
 from peer.net.auth import Admission, RunAccess, RunAuthorizer, encode_pass, revocation_key, verify_revocations
 from peer.net.bandwidth import Bandwidth
+from peer.net.dial_back import DialBackServicer
 from peer.net.group import PROTOCOL_VERSION, GroupError, GroupPlan
 from peer.outer.aggregate import AggregationRule, vouched_caps
 from peer.outer.codec import codec_key, get_codec
@@ -118,6 +119,9 @@ class Swarm:
                                             request_timeout=cfg.request_timeout,
                                             stream_timeout=cfg.state_timeout + cfg.request_timeout,
                                             upload=self.bandwidth.upload)
+        # answers `swarm-peer doctor`'s "can others dial me?" (bounded: peer/net/dial_back.py)
+        self.dial_back = DialBackServicer(guard=self.guard, timeout=cfg.request_timeout,
+                                          request_timeout=cfg.request_timeout)
         self._subkey = b""
         # (step, round of fragment 0, tokens/s, last loss), published by the heartbeat
         self._progress: tuple[int, int, float, Optional[float]] = (0, 0, 0.0, None)
@@ -153,6 +157,7 @@ class Swarm:
         if not self.cfg.client_mode:
             self._call(self.servicer.add_p2p_handlers(self.p2p), self.cfg.startup_timeout)
             self._call(self.state_servicer.add_p2p_handlers(self.p2p), self.cfg.startup_timeout)
+            self._call(self.dial_back.add_p2p_handlers(self.p2p), self.cfg.startup_timeout)
         asyncio.run_coroutine_threadsafe(self._heartbeat(), self._loop)
 
     def shutdown(self) -> None:

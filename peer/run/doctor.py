@@ -60,8 +60,9 @@ def run_checks(cfg: PeerConfig, *, network: bool = True, timeout: float = 10.0,
     add(_data(cfg))
     add(_run_dir(cfg))
     add(_disk(cfg, params))
-    add(_reachable_from_outside(cfg))
-    if network:
+    if not network:
+        add(_reachable_from_outside(cfg))
+    else:
         for check in _network(cfg, timeout):
             add(check)
     return checks
@@ -173,8 +174,30 @@ def _network(cfg: PeerConfig, timeout: float) -> list[Check]:
                          "" if ok else
                          "check the address (swarm-bootstrap prints it), that the node runs and its port is open"))
     if not any(c.verdict is Verdict.OK for c in out):
-        return out
-    return out + _swarm_view(cfg, timeout)
+        return out + [_reachable_from_outside(cfg)]
+    return out + [_dialed_back(cfg, timeout)] + _swarm_view(cfg, timeout)
+
+
+def _dialed_back(cfg: PeerConfig, timeout: float) -> Check:
+    """Whether an initial peer can open a new connection to where this peer will listen (peer/net/dial_back.py);
+    judged from the addresses when none of them answers dial-back requests."""
+    from peer.net.probe import ask_to_be_dialed
+
+    if cfg.swarm.client_mode:
+        return _reachable_from_outside(cfg)
+    try:
+        reply = ask_to_be_dialed(cfg, timeout=timeout)
+    except Exception as e:  # the daemon could not listen there (a port in use: is a peer running?)
+        return Check("reachability", Verdict.FAIL, f"could not listen on {' '.join(cfg.swarm.host_maddrs)}: "
+                     f"{type(e).__name__}: {str(e)[:200]}", "free the port (stop the peer that uses it) or pick "
+                     "another in --host-maddrs")
+    if reply is None:
+        return _reachable_from_outside(cfg)
+    if reply.reachable:
+        return Check("reachability", Verdict.OK, f"an initial peer dialed this machine back at {reply.address}")
+    return Check("reachability", Verdict.FAIL, f"an initial peer could not dial this machine back: {reply.error}",
+                 "forward the port to this machine and pass --host-maddrs /ip4/0.0.0.0/tcp/PORT --announce-maddrs "
+                 "/ip4/PUBLIC_IP/tcp/PORT, or run with --client-mode (you still train; you reduce no span)")
 
 
 def _swarm_view(cfg: PeerConfig, timeout: float) -> list[Check]:

@@ -32,6 +32,7 @@ from peer.config import PeerConfig
 from peer.errors import JoinError, SetupError
 from peer.net.dht import check_maddrs, ensure_identity
 from peer.control.controls import PeerState
+from peer.control.limits import vram_fraction
 from peer.run.events import EventLog, setup_logging
 from peer.run.owner import REST_SLICE_S, OwnerLink
 from peer.outer.fragments import Fragment, partition
@@ -220,6 +221,7 @@ class Trainer:
                                      cfg.model.factory or None, hf_config=cfg.model.hf_config,
                                      hf_blocks=cfg.model.hf_blocks,
                                      activation_checkpointing=cfg.model.activation_checkpointing)
+        self._cap_vram(device)
         model.to(device)
         inner = InnerLoop(model, lr=cfg.inner.lr, weight_decay=cfg.inner.weight_decay,
                           betas=(cfg.inner.beta1, cfg.inner.beta2), warmup_steps=cfg.inner.warmup_steps,
@@ -230,6 +232,23 @@ class Trainer:
                  cfg.model.hf_config or cfg.model.factory or cfg.model.preset,
                  f"{count_parameters(model):,}", device, cfg.data.source, source.shard_index)
         return model, blocks, inner
+
+    def _cap_vram(self, device: torch.device) -> None:
+        """``limits.vram_gb``: caps this process's share of the GPU before anything is allocated on it."""
+        cap = self.cfg.limits.vram_gb * 2 ** 30
+        if not cap:
+            return
+        if device.type != "cuda":
+            log.info("limits.vram_gb = %g: no effect on %s", self.cfg.limits.vram_gb, device)
+            return
+        total = torch.cuda.get_device_properties(device).total_memory
+        fraction = vram_fraction(cap, total)
+        if fraction is None:
+            log.info("limits.vram_gb = %g: the device has %.1f GiB, the cap does not bind", self.cfg.limits.vram_gb,
+                     total / 2 ** 30)
+            return
+        torch.cuda.set_per_process_memory_fraction(fraction, device)
+        log.info("GPU memory capped at %.1f GiB of %.1f GiB (limits.vram_gb)", cap / 2 ** 30, total / 2 ** 30)
 
     def _wait_for_peers(self) -> None:
         """Blocks until ``min_peers`` peers of this run are visible, a stop signal, or start_timeout; in any case

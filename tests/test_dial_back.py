@@ -1,0 +1,81 @@
+"""Dial-back (peer/net/dial_back.py): which addresses a node agrees to dial, a real dial-back on loopback (reachable,
+nothing listening, a third party's address refused, busy), and `swarm-peer doctor` asking a real bootstrap node
+to dial back a port that does not listen (dialed back where it does: tests/test_control_swarm.py)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+from helpers import p2p_mesh, run_async
+from peer.net.dial_back import DialBackServicer, ask_dial_back, dialable, tcp_ip
+from peer.net.limits import StreamGuard
+from test_swarm import REPO, start_bootstrap
+
+
+def test_only_tcp_addresses_at_the_requesters_ip_are_dialed():
+    assert tcp_ip("/ip4/127.0.0.1/tcp/5") == "127.0.0.1" and tcp_ip("/ip6/::1/tcp/5") == "::1"
+    assert tcp_ip("/ip4/127.0.0.1/udp/5/quic") is None and tcp_ip("/ip4/nonsense/tcp/5") is None
+    assert tcp_ip("/dns4/example.org/tcp/5") is None and tcp_ip("") is None
+    seen = {"203.0.113.7"}
+    assert dialable(["/ip4/203.0.113.7/tcp/1", "/ip4/198.51.100.1/tcp/2"], seen) == ["/ip4/203.0.113.7/tcp/1"]
+    assert dialable(["/ip4/203.0.113.7/tcp/1/p2p/QmX"], seen) == []  # the requester's own id is dialed
+    assert dialable([f"/ip4/203.0.113.7/tcp/{p}" for p in range(1, 10)], seen) == \
+        [f"/ip4/203.0.113.7/tcp/{p}" for p in range(1, 5)]  # at most 4
+    assert dialable(["/ip4/203.0.113.7/tcp/1" + "/x" * 200], seen) == []
+
+
+def _closed_port() -> socket.socket:
+    """A socket bound to a port of 127.0.0.1 that does not listen: connections to it are refused, and no other
+    process can take the port while it is open (close it at the end)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    return s
+
+
+def test_a_node_dials_back_where_the_requester_listens_and_nowhere_else():
+    closed_port = _closed_port()
+
+    async def main():
+        node, requester = await p2p_mesh(2)
+        try:
+            servicer = DialBackServicer(guard=StreamGuard(per_peer=2, total=8), timeout=5, request_timeout=5,
+                                        per_minute=2)
+            await servicer.add_p2p_handlers(node)
+            mine = [str(m).split("/p2p/")[0] for m in await requester.get_visible_maddrs()]
+            replies = [await ask_dial_back(requester, node.peer_id, addrs, timeout=60) for addrs in
+                       (mine, [f"/ip4/127.0.0.1/tcp/{closed_port.getsockname()[1]}"],
+                        ["/ip4/198.51.100.1/tcp/4001"])]
+            # a third dial in a minute (the refused third-party address cost none): busy
+            replies.append(await ask_dial_back(requester, node.peer_id, mine, timeout=60))
+            return mine, replies
+        finally:
+            for p in (node, requester):
+                await p.shutdown()
+
+    try:
+        mine, (ok, closed, third_party, busy) = run_async(main())
+    finally:
+        closed_port.close()
+    assert ok.reachable and ok.address in mine, ok
+    assert not closed.reachable and "connection refused" in closed.error, closed
+    assert not third_party.reachable and "IP this request came from (127.0.0.1)" in third_party.error, third_party
+    assert not busy.reachable and busy.error.startswith("busy"), busy
+
+
+def test_doctor_says_when_the_bootstrap_node_cannot_dial_it_back(procs, tmp_path):
+    initial = start_bootstrap(procs, tmp_path)
+    base = [sys.executable, "-m", "peer", "doctor", "--config", str(REPO / "configs/demo.toml"), "--initial-peers",
+            *initial, "--json", "--timeout", "5"]
+    # (reachable: the doctor in tests/test_control_swarm.py is dialed back by the live swarm's bootstrap node)
+    # announcing a port nobody will listen on (a router that does not forward it): the doctor says so, with a fix
+    with _closed_port() as port:
+        closed = subprocess.run([*base, "--run-dir", str(tmp_path / "b"), "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+                                 "--announce-maddrs", f"/ip4/127.0.0.1/tcp/{port.getsockname()[1]}"],
+                                cwd=REPO, capture_output=True, text=True, timeout=180)
+    report = json.loads(closed.stdout.strip().splitlines()[-1])
+    check = {c["name"]: c for c in report["checks"]}["reachability"]
+    assert closed.returncode == 1 and not report["ok"] and check["verdict"] == "fail", closed.stdout
+    assert "could not dial this machine back" in check["found"] and "--client-mode" in check["fix"], check
