@@ -26,7 +26,7 @@ import torch
 from hivemind.utils import get_dht_time
 
 from peer.net import consensus
-from peer.run import checkpoint, preflight
+from peer.run import preflight
 from peer.outer.codec import get_codec, make_codec
 from peer.config import PeerConfig
 from peer.errors import JoinError, SetupError
@@ -34,6 +34,8 @@ from peer.net.dht import check_maddrs, ensure_identity
 from peer.control.controls import PeerState
 from peer.control.limits import vram_fraction
 from peer.run.events import EventLog, setup_logging
+from peer.run.ledger import RoundLedger
+from peer.run.resume import RunCheckpoints
 from peer.run.owner import REST_SLICE_S, OwnerLink
 from peer.outer.fragments import Fragment, partition
 from peer.local.inner import InnerLoop
@@ -110,21 +112,17 @@ class Trainer:
             else cfg.outer.codec
         self.codec = codec
         self.swarm: Swarm  # created in _run, once the identity (and, in an authenticated run, our pass) is checked
-        self.bytes_up = self.bytes_down = 0
-        self.rounds_done = 0
-        self.rounds_ok = self.rounds_total = 0
+        self.ledger = RoundLedger(self.events, aggregator=cfg.outer.aggregator)  # rounds counted and told
+        self.checkpoints = RunCheckpoints(cfg, self.run_dir, self.events)
         self.engine: Optional[StreamingEngine] = None  # set in _train
         self.found_late = False  # a round was late (launch_gate): catch up right after this step
         self._suspect: set[int] = set()  # fragments whose last partial round left our state off the swarm's
         self.auto_tau: Optional[AutoTau] = None
         self.status: Optional[StatusLine] = None
-        self._found_checkpoint: Optional[tuple[Path, dict]] = None
-        self._last_status: Optional[RoundStatus] = None  # the previous round's (its repeats are logged at DEBUG)
         self._realigned: Optional[tuple[float, consensus.Realignment]] = None  # when and how we last moved up
         self._step, self._loss, self._tok_s = 0, None, 0.0  # for the status line while blocked
         self._floor: Optional[float] = None
         self.step_seconds: Optional[float] = None  # moving average of our inner step time (realignment)
-        self._checkpoint_failures = 0  # in a row (a full disk): the first is a warning, the others DEBUG
         self._device = cfg.inner.device
         self._last_step_at = time.monotonic()  # the last inner step (or the start of training): idle_seconds
 
@@ -158,6 +156,7 @@ class Trainer:
         label = f"peer {short_id(peer_id)}"
         setup_logging(cfg.run.log_level, self.run_dir / "peer.log", label)
         self.events = EventLog(cfg.run.log_json, feed=self.owner.feed.publish)
+        self.ledger.events = self.checkpoints.events = self.events
         self.stop.install()
         self.peer_id = peer_id
         try:
@@ -174,11 +173,7 @@ class Trainer:
         source = preflight.open_data(cfg, cfg.data.shard if cfg.data.shard >= 0 else shard_of(peer_id))
         run_hash = self.run_hash = cfg.run_hash()
         log.info("resolved config (run hash %s): %s", run_hash, cfg.to_dict())
-        self._found_checkpoint = checkpoint.load_latest(self.run_dir / "checkpoints")
-        if self._found_checkpoint is not None and self._found_checkpoint[1].get("run_hash") != run_hash:
-            raise SetupError(
-                f"--run-dir {self.run_dir} holds a checkpoint of another run (run hash "
-                f"{self._found_checkpoint[1].get('run_hash')}, this config's is {run_hash}): use another --run-dir")
+        self.checkpoints.find(run_hash)
         access = preflight.load_access(cfg)
         if access is None:
             bound = ("contributions are bounded by the clipped rule" if cfg.outer.aggregator == "clipped" else
@@ -289,7 +284,7 @@ class Trainer:
         self.status = StatusLine(cfg.run.status_interval, label)
         parts = dict(model=model, inner=inner, source=source, engine=engine)
         self._device = str(next(model.parameters()).device)
-        step = self._resume(**parts)
+        step = self._step = self.checkpoints.restore(**parts)
         for frag, st in zip(fragments, engine.states):
             self._publish_snapshot(frag, st, step)
         self.owner.controls.enter(PeerState.STARTING, "waiting for peers")
@@ -303,7 +298,7 @@ class Trainer:
         t_start = time.monotonic()
         tokens_total, window_tokens, window_t0 = 0, 0, time.monotonic()
         tok_s, compute_seconds = 0.0, 0.0
-        last_ckpt_time, last_ckpt_rounds = time.monotonic(), self.rounds_done
+        last_ckpt_time, last_ckpt_rounds = time.monotonic(), self.ledger.done
         while not self.stop.event.is_set() and (cfg.run.max_steps == 0 or step < cfg.run.max_steps):
             if self.swarm.pass_ended or controls.finish_requested:
                 break
@@ -345,13 +340,13 @@ class Trainer:
                 self.found_late, last_drift_check = False, time.monotonic()
             every, minutes = cfg.run.checkpoint_rounds, cfg.run.checkpoint_minutes
             if (minutes and time.monotonic() - last_ckpt_time >= 60 * minutes) or \
-                    (every and engine.states[0].applied_rounds and self.rounds_done - last_ckpt_rounds >= every):
-                if self._checkpoint(step, **parts):
-                    last_ckpt_time, last_ckpt_rounds = time.monotonic(), self.rounds_done
+                    (every and engine.states[0].applied_rounds and self.ledger.done - last_ckpt_rounds >= every):
+                if self.checkpoints.save(step, **parts):
+                    last_ckpt_time, last_ckpt_rounds = time.monotonic(), self.ledger.done
                 else:  # not written (a full disk): try again in a while, not at every step
                     retry = min(CHECKPOINT_RETRY_S, 60 * minutes or CHECKPOINT_RETRY_S)
                     last_ckpt_time = time.monotonic() - 60 * minutes + retry
-                    last_ckpt_rounds = self.rounds_done
+                    last_ckpt_rounds = self.ledger.done
             if self.status.due():
                 self._show_status()
             self.owner.rest(step_seconds, self._show_status)
@@ -361,7 +356,7 @@ class Trainer:
             engine.drain(step)
         else:
             engine.abandon()
-        self._checkpoint(step, **parts)
+        self.checkpoints.save(step, **parts)
         reason = "stop signal" if self.stop.event.is_set() else f"max_steps={cfg.run.max_steps}"
         if controls.finish_requested and not self.stop.event.is_set():
             reason = "finish requested"
@@ -370,8 +365,8 @@ class Trainer:
             reason = "pass ended"
             log.error("%s: no peer of the run works with it any more; ask the operator for a new pass "
                       "(swarm.pass_path). Progress is kept in the checkpoint", ended)
-        log.info("stopping after step %d (%s); %d rounds applied", step, reason, self.rounds_done)
-        self.events.emit("stop", step=step, reason=reason, rounds=self.rounds_done, tokens=tokens_total)
+        log.info("stopping after step %d (%s); %d rounds applied", step, reason, self.ledger.done)
+        self.events.emit("stop", step=step, reason=reason, rounds=self.ledger.done, tokens=tokens_total)
         return EXIT_PASS_ENDED if ended else 0
 
     # ---- the owner's controls ------------------------------------------------------------------
@@ -384,7 +379,7 @@ class Trainer:
         engine, controls = parts["engine"], self.owner.controls
         controls.enter(PeerState.PAUSING, f"{why}; completing the rounds in flight")
         engine.drain(step)
-        self._checkpoint(step, **parts)
+        self.checkpoints.save(step, **parts)
         self.swarm.paused = True
         log.info("paused after step %d (%s): rounds in flight applied, checkpoint written; the swarm sees this peer "
                  "as paused", step, why)
@@ -419,7 +414,7 @@ class Trainer:
                     tokens_per_second=self._tok_s, live_peers=swarm.live_count() if swarm else 1,
                     paused_peers=len(swarm.paused_peers()) if swarm else 0,
                     next_sync=engine.schedule.describe_next(self._step) if engine else "-",
-                    bytes_up=self.bytes_up, bytes_down=self.bytes_down, tau=int(tau), device=self._device,
+                    bytes_up=self.ledger.bytes_up, bytes_down=self.ledger.bytes_down, tau=int(tau), device=self._device,
                     idle_seconds=time.monotonic() - self._last_step_at,
                     excluded_peers=sorted(swarm.exclusions.excluded()) if swarm else [])
 
@@ -448,9 +443,9 @@ class Trainer:
         if self.status is None or not self.status.due():
             return
         self.status.show(step=self._step, loss=self._loss, floor=self._floor, tok_s=self._tok_s,
-                         peers=self.swarm.live_count(), rounds=f"{self.rounds_ok}/{self.rounds_total}",
+                         peers=self.swarm.live_count(), rounds=f"{self.ledger.ok}/{self.ledger.total}",
                          next_sync=self.engine.schedule.describe_next(self._step) if self.engine else "-",
-                         up=self.bytes_up, down=self.bytes_down, doing=doing or describe(
+                         up=self.ledger.bytes_up, down=self.ledger.bytes_down, doing=doing or describe(
                              now=time.monotonic(), live=self.swarm.live_count(), need=self.cfg.swarm.min_group_size,
                              activity=self.swarm.activity(), blocked=bool(self.engine and self.engine.waiting),
                              moved_ahead=self._moved_ahead()))
@@ -503,53 +498,6 @@ class Trainer:
             step = step_after_catch_up(step, donor_steps, records, self.swarm.peer_id, self.cfg.outer.sync_every)
         return step
 
-    def _checkpoint(self, step: int, *, model, inner, source, engine) -> bool:
-        """Saves everything needed to resume (atomic; see peer/run/checkpoint.py), with the resolved config, so the
-        run dir alone describes the run. A write that fails (a full disk) is a warning, not the end of the
-        run: the previous checkpoint stays; returns whether this one was written."""
-        payload = {"format": 1, "run_hash": self.cfg.run_hash(), "config": self.cfg.to_dict(), "step": step,
-                   "model": model.state_dict(), "inner": inner.state_dict(), "data": source.state_dict(),
-                   "engine": engine.state_dict(), "torch_rng": torch.get_rng_state()}
-        try:
-            path = checkpoint.save(self.run_dir / "checkpoints", step, payload, keep=self.cfg.run.checkpoint_keep)
-        except OSError as e:
-            kept = checkpoint.newest(self.run_dir / "checkpoints")
-            (log.debug if self._checkpoint_failures else log.warning)(
-                "checkpoint at step %d not written (%s); keeping %s and training on; trying again later", step,
-                e.strerror or e, kept.name if kept else "no earlier checkpoint")
-            self._checkpoint_failures += 1
-            self.events.emit("checkpoint_failed", step=step, error=str(e))
-            return False
-        again = f" (written again after {self._checkpoint_failures} failed tries)" if self._checkpoint_failures else ""
-        self._checkpoint_failures = 0
-        log.info("checkpoint at step %d: %s%s", step, path, again)
-        return True
-
-    def _resume(self, *, model, inner, source, engine) -> int:
-        """Restores the newest good checkpoint of this run dir; returns the step to continue from."""
-        found, self._found_checkpoint = self._found_checkpoint, None  # read (and checked) in run()
-        if found is None:
-            return 0
-        path, state = found
-        try:
-            model.load_state_dict(state["model"])
-            inner.load_state_dict(state["inner"])
-            engine.load_state_dict(state["engine"])
-        except (RuntimeError, ValueError, KeyError) as e:
-            raise SetupError(f"--run-dir {self.run_dir}: {path.name} does not fit this model ({e}); "
-                                       f"use another --run-dir") from None
-        try:
-            source.load_state_dict(state["data"])
-        except ValueError as e:  # data.* are this peer's own choice and may change between runs
-            log.warning("the data changed since %s (%s): reading it from the start of this peer's shard",
-                        path.name, e)
-        torch.set_rng_state(state["torch_rng"])
-        log.info("resumed from %s at step %d (rounds %s)", path.name, state["step"],
-                 [st.round for st in engine.states])
-        self.events.emit("resume", step=state["step"], checkpoint=str(path))
-        self._step = int(state["step"])
-        return int(state["step"])
-
     def _schedule(self, num_fragments: int):
         cfg = self.cfg.outer
         if cfg.schedule == "clock":
@@ -557,12 +505,8 @@ class Trainer:
         return StepsSchedule(cfg.sync_every, num_fragments)
 
     def _report(self, label: str, frag: Fragment, st: FragmentState, outcome: RoundOutcome, step: int) -> None:
-        """Records one applied (or missed) round: a JSON ``round`` event, and at most one console line at INFO
-        (ok rounds and repeats of the previous status go to DEBUG; the status line counts them)."""
-        applied = sum(s.average is not None for s in outcome.spans)
-        self.rounds_done += applied > 0
-        self.rounds_total += 1
-        self.rounds_ok += outcome.status == RoundStatus.OK
+        """Acts on one applied (or missed) round (a late one: catch up; a partial one: our state is suspect), then
+        the ledger counts and tells it."""
         if outcome.status == RoundStatus.BEHIND:  # the swarm is past it: take its state right after this step
             self.found_late = True
         if outcome.status == RoundStatus.PARTIAL:  # a span we did not apply: our state of it is likely the odd one
@@ -571,29 +515,4 @@ class Trainer:
         self.owner.count_round(str(outcome.status))
         if self.auto_tau is not None and outcome.status in (RoundStatus.OK, RoundStatus.PARTIAL):
             self.auto_tau.observe_round(outcome.seconds)
-        self.bytes_up += outcome.bytes_sent
-        self.bytes_down += outcome.bytes_received
-        digest = st.digest()
-        missing = len(outcome.spans) - applied
-        msg = (f"{label} fragment {frag.index} round {outcome.round}: {outcome.status}, group {outcome.group_size}, "
-               f"{applied}/{len(outcome.spans)} spans applied, up {outcome.bytes_sent} B down "
-               f"{outcome.bytes_received} B in {outcome.seconds:.2f}s, digest {digest[:12]}")
-        msg += f" ({outcome.error})" if outcome.error else ""
-        if outcome.status in (RoundStatus.PARTIAL, RoundStatus.FAILED, RoundStatus.MISSED):
-            log.warning(msg)
-        elif outcome.status == RoundStatus.OK and self._last_status not in (None, RoundStatus.OK):
-            log.info("%s: averaging with the swarm again", msg)
-        elif outcome.status not in (RoundStatus.OK, self._last_status):  # a waiting state, said once
-            log.info("%s; repeats are logged at DEBUG, the status line says what the peer waits for", msg)
-        else:
-            log.debug(msg)
-        self._last_status = outcome.status
-        self.events.emit("round", fragment=frag.index, round=outcome.round, step=step, status=outcome.status,
-                         launch_step=outcome.launch_step, numel=frag.numel,
-                         group_size=outcome.group_size, bytes_sent=outcome.bytes_sent,
-                         bytes_received=outcome.bytes_received, seconds=outcome.seconds, digest=digest,
-                         spans_applied=applied, spans_missing=missing, total_weight=outcome.total_weight,
-                         contributors=outcome.contributors, error=outcome.error)
-        for peer, why in outcome.flagged:  # (the console line is the reducer's warning, in peer.net.allreduce)
-            self.events.emit("contribution_limited", fragment=frag.index, round=outcome.round, peer=peer, reason=why,
-                             aggregator=self.cfg.outer.aggregator)
+        self.ledger.record(label, frag.index, frag.numel, outcome, step, st.digest())
