@@ -59,10 +59,10 @@ def test_a_node_dials_back_where_the_requester_listens_and_nowhere_else():
         mine, (ok, closed, third_party, busy) = run_async(main())
     finally:
         closed_port.close()
-    assert ok.reachable and ok.address in mine, ok
-    assert not closed.reachable and "connection refused" in closed.error, closed
-    assert not third_party.reachable and "IP this request came from (127.0.0.1)" in third_party.error, third_party
-    assert not busy.reachable and busy.error.startswith("busy"), busy
+    assert ok.reachable and ok.dialed and ok.address in mine, ok
+    assert not closed.reachable and closed.dialed and "connection refused" in closed.error, closed
+    assert not third_party.dialed and "IP this request came from (127.0.0.1)" in third_party.error, third_party
+    assert not busy.dialed and busy.error.startswith("busy"), busy
 
 
 def test_doctor_says_when_the_bootstrap_node_cannot_dial_it_back(procs, tmp_path):
@@ -79,3 +79,20 @@ def test_doctor_says_when_the_bootstrap_node_cannot_dial_it_back(procs, tmp_path
     check = {c["name"]: c for c in report["checks"]}["reachability"]
     assert closed.returncode == 1 and not report["ok"] and check["verdict"] == "fail", closed.stdout
     assert "could not dial this machine back" in check["found"] and "--client-mode" in check["fix"], check
+
+
+def test_a_peer_of_an_authenticated_run_refuses_a_requester_without_a_pass_and_says_it_did_not_dial():
+    async def main():
+        node, requester = await p2p_mesh(2)
+        try:
+            servicer = DialBackServicer(guard=StreamGuard(per_peer=2, total=8, admitted=lambda peer: False),
+                                        timeout=5, request_timeout=5)
+            await servicer.add_p2p_handlers(node)
+            mine = [str(m).split("/p2p/")[0] for m in await requester.get_visible_maddrs()]
+            return await ask_dial_back(requester, node.peer_id, mine, timeout=60)
+        finally:
+            for p in (node, requester):
+                await p.shutdown()
+
+    reply = run_async(main())
+    assert not reply.dialed and not reply.reachable and "valid pass" in reply.error, reply

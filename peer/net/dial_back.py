@@ -106,12 +106,12 @@ async def dial_fresh(peer_id: PeerID, maddrs: Sequence[str], timeout: float) -> 
         for text in maddrs:
             try:
                 await asyncio.wait_for(probe._client.connect(peer_id, [Multiaddr(text)]), timeout)
-                return pb.DialBackReply(reachable=True, address=text)
+                return pb.DialBackReply(reachable=True, address=text, dialed=True)
             except asyncio.TimeoutError:
                 errors.append(f"{text}: no answer within {timeout:g} s")
             except Exception as e:
                 errors.append(f"{text}: {dial_failure(str(e))}")
-        return pb.DialBackReply(error="; ".join(errors)[:1000])
+        return pb.DialBackReply(error="; ".join(errors)[:1000], dialed=True)
     finally:
         await probe.shutdown()
 

@@ -77,8 +77,10 @@ def probe_swarm(cfg: PeerConfig, *, timeout: float) -> Probe:
 
 def ask_to_be_dialed(cfg: PeerConfig, *, timeout: float) -> Optional[reachability_pb2.DialBackReply]:
     """Listens where the peer would (``swarm.host_maddrs``, announcing ``swarm.announce_maddrs``) and asks the
-    initial peers, one after another, to dial it back (peer/net/dial_back.py). None when none of them answered
-    (an older node, or all busy). Raises OSError-like errors of the daemon when it cannot listen there."""
+    initial peers, one after another, to dial it back (peer/net/dial_back.py): the first reply of a node that
+    dialed, else the last reply of one that would not (busy, refused: an authenticated run's peers serve only
+    peers with a pass; no address at our IP), else None (no node serves dial-back). Raises what the daemon
+    raises when it cannot listen there."""
     sw = cfg.swarm
 
     async def run() -> Optional[reachability_pb2.DialBackReply]:
@@ -86,6 +88,7 @@ def ask_to_be_dialed(cfg: PeerConfig, *, timeout: float) -> Optional[reachabilit
                                nat_port_map=False)
         try:
             mine = [str(m).split("/p2p/")[0] for m in (sw.announce_maddrs or await p2p.get_visible_maddrs())]
+            last: Optional[reachability_pb2.DialBackReply] = None
             for text in sw.initial_peers:
                 maddr = Multiaddr(text)
                 node = PeerID.from_base58(maddr.value_for_protocol("p2p"))
@@ -95,9 +98,10 @@ def ask_to_be_dialed(cfg: PeerConfig, *, timeout: float) -> Optional[reachabilit
                 except Exception as e:  # (a node without the service, or gone): the next one
                     log.debug("dial-back from %s: %s: %s", text, type(e).__name__, e)
                     continue
-                if not reply.error.startswith("busy"):
+                if reply.dialed:
                     return reply
-            return None
+                last = reply
+            return last
         finally:
             await p2p.shutdown()
 

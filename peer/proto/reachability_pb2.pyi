@@ -13,11 +13,13 @@ class DialBackRequest(_message.Message):
     def __init__(self, maddrs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DialBackReply(_message.Message):
-    __slots__ = ("reachable", "address", "error")
+    __slots__ = ("reachable", "address", "error", "dialed")
     REACHABLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    DIALED_FIELD_NUMBER: _ClassVar[int]
     reachable: bool
     address: str
     error: str
-    def __init__(self, reachable: _Optional[bool] = ..., address: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+    dialed: bool
+    def __init__(self, reachable: _Optional[bool] = ..., address: _Optional[str] = ..., error: _Optional[str] = ..., dialed: _Optional[bool] = ...) -> None: ...

@@ -195,6 +195,10 @@ def _dialed_back(cfg: PeerConfig, timeout: float) -> Check:
         return _reachable_from_outside(cfg)
     if reply.reachable:
         return Check("reachability", Verdict.OK, f"an initial peer dialed this machine back at {reply.address}")
+    if not reply.dialed:  # no node would try: say why, and judge from the addresses
+        judged = _reachable_from_outside(cfg)
+        return Check("reachability", Verdict.WARN, f"no initial peer would dial this machine back ({reply.error}); "
+                     f"from the addresses: {judged.found}", judged.fix)
     return Check("reachability", Verdict.FAIL, f"an initial peer could not dial this machine back: {reply.error}",
                  "forward the port to this machine and pass --host-maddrs /ip4/0.0.0.0/tcp/PORT --announce-maddrs "
                  "/ip4/PUBLIC_IP/tcp/PORT, or run with --client-mode (you still train; you reduce no span)")
