@@ -20,10 +20,10 @@ from hivemind.utils import get_dht_time
 
 from peer.config import PeerConfig
 from peer.monitor.view import LossHistory, snapshot
-from peer.net.auth import RunAccess, RunAuthorizer
+from peer.net.auth import RunAccess
 from peer.net.dht import create_dht, shutdown_dht
 from peer.net.probe import read_records
-from peer.net.progress import make_validators
+from peer.net.progress import dht_security
 from peer.net.swarm import swarm_key
 
 log = logging.getLogger(__name__)
@@ -56,10 +56,8 @@ class Monitor:
     def start(self) -> None:
         """Joins the DHT as a client (raises what :func:`~peer.net.dht.create_dht` raises), then polls and serves.
         The DHT forks: it starts before any thread of ours."""
-        sw, access = self.cfg.swarm, self.access
-        validators, _ = make_validators(self.run_key, access.key if access else None,
-                                        access.checker if access else None)
-        auth = {} if access is None else {"authorizer": RunAuthorizer(access.key, access.token, access.checker)}
+        sw = self.cfg.swarm
+        validators, _, auth = dht_security(self.run_key, self.access)
         self._dht = create_dht(initial_peers=sw.initial_peers, host_maddrs=sw.host_maddrs, announce_maddrs=[],
                                identity_path=None, client_mode=True, record_validators=validators,
                                startup_timeout=sw.startup_timeout, wait_timeout=sw.dht_timeout,
@@ -78,6 +76,7 @@ class Monitor:
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()
+            self._http = None
         for t in self._threads:
             t.join(timeout=self.cfg.swarm.dht_timeout * 2 + self.period)
         self._threads = []

@@ -20,7 +20,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils.crypto import RSAPrivateKey
 
-from peer.net.auth import PassChecker, RevocationValidator, record_admitted
+from peer.net.auth import PassChecker, RevocationValidator, RunAccess, RunAuthorizer, record_admitted
 from peer.net.records import ProgressRecord
 
 _OWNER = re.compile(b".*" + RSASignatureValidator.PUBLIC_KEY_REGEX + b".*", re.DOTALL)
@@ -69,6 +69,15 @@ def make_validators(run_key: str, private_key: Optional[RSAPrivateKey] = None,
     if checker is not None:
         validators.append(RevocationValidator(checker))
     return validators, signer.local_public_key
+
+
+def dht_security(run_key: str, access: Optional[RunAccess]) -> tuple[list[RecordValidatorBase], bytes, dict]:
+    """What a DHT node of a run needs: the record validators, the subkey our record is signed under, and the
+    ``create_dht`` options (in an authenticated run, the authorizer that carries our pass; ``access`` None: an
+    open run). Must be called before the DHT process starts."""
+    validators, subkey = make_validators(run_key, access.key if access else None, access.checker if access else None)
+    auth = {} if access is None else {"authorizer": RunAuthorizer(access.key, access.token, access.checker)}
+    return validators, subkey, auth
 
 
 def progress_key(run_key: str) -> str:

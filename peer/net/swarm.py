@@ -25,7 +25,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
 from peer.net.allreduce import AllReduceServicer, run_allreduce
-from peer.net.auth import Admission, RunAccess, RunAuthorizer, encode_pass, revocation_key, verify_revocations
+from peer.net.auth import Admission, RunAccess, encode_pass, revocation_key, verify_revocations
 from peer.net.bandwidth import Bandwidth
 from peer.net.dial_back import DialBackServicer
 from peer.net.group import PROTOCOL_VERSION, GroupError, GroupPlan
@@ -38,7 +38,7 @@ from peer.net.limits import StreamGuard, cap_frame_size, frame_limit_for
 from peer.net.matchmaking import GaveUp, form_group, round_prefix
 from peer.outer.rounds import RoundOutcome, RoundStatus
 from peer.net.consensus import laggards, nobody_coming, swarm_is_past
-from peer.net.progress import LiveView, SpeedLedger, make_validators, progress_key
+from peer.net.progress import LiveView, SpeedLedger, dht_security, progress_key
 from peer.net.records import MAX_PAST, ProgressRecord
 from peer.net.state_transfer import DownloadError, Snapshot, StateServicer, download
 from peer.proto import allreduce_pb2 as pb
@@ -141,10 +141,8 @@ class Swarm:
         """Starts the DHT and the networking thread. Raises :class:`~peer.dht_node.JoinError` if no initial peer
         answered within ``join_timeout`` (retried with backoff; ``stop`` ends the retries)."""
         access = self.access
-        validators, self._subkey = make_validators(self.run_key, access.key if access else None,
-                                                   access.checker if access else None)
+        validators, self._subkey, auth = dht_security(self.run_key, access)
         cap_frame_size(frame_limit_for(self.cfg.chunk_bytes))  # before the DHT forks: its streams are bounded too
-        auth = {} if access is None else {"authorizer": RunAuthorizer(access.key, access.token, access.checker)}
         self._dht = create_dht(initial_peers=self.cfg.initial_peers, host_maddrs=self.cfg.host_maddrs,
                               announce_maddrs=self.cfg.announce_maddrs, identity_path=self.identity_path,
                               client_mode=self.cfg.client_mode, nat_port_map=self.cfg.nat_port_map,

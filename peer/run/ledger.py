@@ -10,7 +10,7 @@ from typing import Optional
 from peer.outer.rounds import RoundOutcome, RoundStatus
 from peer.run.events import EventLog
 
-log = logging.getLogger("peer.run.trainer")  # (the round lines have always come from the trainer's logger)
+log = logging.getLogger(__name__)
 
 
 class RoundLedger:

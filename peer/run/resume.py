@@ -15,7 +15,7 @@ from peer.errors import SetupError
 from peer.run import checkpoint
 from peer.run.events import EventLog
 
-log = logging.getLogger("peer.run.trainer")  # (the checkpoint lines have always come from the trainer's logger)
+log = logging.getLogger(__name__)
 
 
 class RunCheckpoints:
