@@ -51,10 +51,11 @@ def counters(lab: NetnsLab, host: int) -> tuple[int, int]:
     return int(stats["tx"]["bytes"]), int(stats["rx"]["bytes"])
 
 
-def busy_rate(samples: list[tuple[float, int]], threshold: float, bridge: int = 2) -> tuple[float, float]:
+def busy_rate(samples: list[tuple[float, int]], threshold: float, bridge: int = 2,
+              min_seconds: float = 1.0) -> tuple[float, float]:
     """(bytes/s, seconds) over the peer's busy stretches: runs of sampling intervals above ``threshold`` bytes/s,
     with idle gaps of fewer than ``bridge`` intervals bridged (paced messages leave the host in bursts, one message
-    at a time), each without its first and last busy interval (partial), at least 2 s long."""
+    at a time), each without its first and last busy interval (partial), at least ``min_seconds`` long."""
     intervals = [(t1 - t0, b1 - b0) for (t0, b0), (t1, b1) in zip(samples, samples[1:])]
     busy = [i for i, (dt, nb) in enumerate(intervals) if dt > 0 and nb / dt > threshold]
     stretches, start = [], 0
@@ -65,7 +66,7 @@ def busy_rate(samples: list[tuple[float, int]], threshold: float, bridge: int = 
     seconds = nbytes = 0.0
     for first, last in stretches:
         inner = intervals[first + 1:last]
-        if sum(dt for dt, _ in inner) >= 2.0:
+        if sum(dt for dt, _ in inner) >= min_seconds:
             seconds += sum(dt for dt, _ in inner)
             nbytes += sum(nb for _, nb in inner)
     return (nbytes / seconds if seconds else 0.0), seconds

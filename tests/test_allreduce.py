@@ -6,13 +6,16 @@ silently partial result; malformed metadata rejects the group.
 """
 
 import asyncio
+import time
 
 import pytest
 import torch
 from hivemind.averaging.group_info import GroupInfo
 
 from helpers import p2p_mesh, run_async
+from peer.config import MBIT
 from peer.net.allreduce import AllReduceServicer, run_allreduce
+from peer.net.bandwidth import BURST_S, Bandwidth
 from peer.net.limits import StreamGuard
 from peer.net.group import PROTOCOL_VERSION, GroupError, GroupPlan, member_spans
 from peer.outer.aggregate import AggregationRule, Aggregator
@@ -33,9 +36,10 @@ def test_member_spans_cover_exactly_and_skip_client_mode():
         member_spans(10, [True, True], align=1)
 
 
-def _group(peer_ids, weights, numel=NUMEL):
-    gathered = tuple(pb.MemberInfo(protocol_version=PROTOCOL_VERSION, weight=w, numel=numel).SerializeToString()
-                     for w in weights)
+def _group(peer_ids, weights, numel=NUMEL, caps=None):
+    caps = caps or [0.0] * len(weights)
+    gathered = tuple(pb.MemberInfo(protocol_version=PROTOCOL_VERSION, weight=w, numel=numel,
+                                   download_bytes_per_second=cap).SerializeToString() for w, cap in zip(weights, caps))
     return GroupInfo(b"g" * 20, tuple(peer_ids), gathered)
 
 
@@ -51,24 +55,34 @@ def test_group_plan_rejects_inconsistent_members():
         GroupPlan.from_group(bad, "a", codec, NUMEL, "t")
 
 
-async def _run(n_members, alive, weights, deltas, part_timeout=1.0, allreduce_timeout=4.0, rule=None):
+async def _run(n_members, alive, weights, deltas, part_timeout=1.0, allreduce_timeout=4.0, rule=None, caps=None,
+               numel=NUMEL, chunk_bytes=4096):
+    """One round of ``n_members`` on loopback; ``caps``: each member's download cap in bytes/s (0: none), declared
+    in its MemberInfo and enforced by its download pacer."""
+    caps = caps or [0.0] * n_members
     p2ps = await p2p_mesh(n_members)
     try:
         ids = [p.peer_id for p in p2ps]
-        group = _group(ids, weights)
+        group = _group(ids, weights, numel, caps)
         servicers = []
         for i, p in enumerate(p2ps):
             s = AllReduceServicer(registration_timeout=1.0, part_timeout=part_timeout, stream_timeout=30.0,
-                                  guard=StreamGuard(per_peer=16, total=64))
+                                  guard=StreamGuard(per_peer=16, total=64),
+                                  bandwidth=Bandwidth(lambda cap=caps[i]: (0.0, cap)))
             if i in alive:  # a dead member registers no handler and sends nothing
                 await s.add_p2p_handlers(p)
             servicers.append(s)
-        plans = [GroupPlan.from_group(group, ids[i], get_codec("fp32"), NUMEL, f"member {i}", rule)
+        plans = [GroupPlan.from_group(group, ids[i], get_codec("fp32"), numel, f"member {i}", rule)
                  for i in range(n_members)]
-        results = await asyncio.gather(*[
-            run_allreduce(p2ps[i], servicers[i], plans[i], deltas[i], weights[i], part_timeout=part_timeout,
-                          allreduce_timeout=allreduce_timeout, connect_timeout=1.0, chunk_bytes=4096)
-            for i in alive])
+
+        async def member(i):
+            t0 = time.monotonic()
+            result = await run_allreduce(p2ps[i], servicers[i], plans[i], deltas[i], weights[i],
+                                         part_timeout=part_timeout, allreduce_timeout=allreduce_timeout,
+                                         connect_timeout=1.0, chunk_bytes=chunk_bytes)
+            result.seconds = time.monotonic() - t0  # (for the tests of caps)
+            return result
+        results = await asyncio.gather(*[member(i) for i in alive])
         return dict(zip(alive, results)), plans[0].spans
     finally:
         for p in p2ps:
@@ -89,6 +103,26 @@ def test_all_members_get_identical_weighted_average():
         assert res.traffic.sent > 0 and res.traffic.received > 0
     a, b, c = (torch.cat([s.average for s in results[i].spans]) for i in range(3))
     assert torch.equal(a, b) and torch.equal(b, c)  # bit-identical, not just close
+
+
+def test_a_download_cap_holds_across_the_senders_by_credit_and_the_round_agrees():
+    """Member 2 of 3 declares a 8 Mbit/s download cap: the two parts of its span and the two averages it fetches
+    (1.6 MB in 64 KiB messages) come in no faster than the cap (a lower bound: a loaded machine only makes it
+    slower), with credit flowing both ways on its streams (peer/net/credit.py), while the uncapped members are
+    not held to it; every member gets the same bits."""
+    numel, cap = 400_000, 8 * MBIT
+    torch.manual_seed(5)
+    deltas = [torch.randn(numel) for _ in range(3)]
+    results, _ = run_async(_run(3, [0, 1, 2], [1.0, 1.0, 1.0], deltas, part_timeout=30.0, allreduce_timeout=60.0,
+                                rule=AggregationRule(kind=Aggregator.MEAN), caps=[0.0, 0.0, cap], numel=numel,
+                                chunk_bytes=64 * 1024))
+    got = [torch.cat([s.average for s in results[i].spans]) for i in range(3)]
+    assert all(results[i].complete for i in range(3))
+    assert torch.equal(got[0], got[1]) and torch.equal(got[1], got[2])
+    torch.testing.assert_close(got[0], sum(deltas) / 3)
+    capped = results[2].traffic.received
+    assert capped > 4 * 4 * numel / 3  # two parts in, two averages in (fp32)
+    assert results[2].seconds >= capped / cap - BURST_S, (results[2].seconds, capped / cap)
 
 
 def test_dead_reducer_span_is_missing_on_every_survivor():

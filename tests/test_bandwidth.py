@@ -2,6 +2,8 @@
 and a state transfer on loopback that a cap slows to its rate (a lower bound on the time: a loaded machine only
 makes it slower). The rate a capped peer keeps in a swarm over real links: bench/bandwidth.py."""
 
+import asyncio
+import math
 import time
 
 import pytest
@@ -11,6 +13,7 @@ from helpers import p2p_mesh, run_async
 from peer.config import ConfigError, MBIT, LimitsConfig
 from peer.control.limits import Limits
 from peer.net.bandwidth import BURST_S, MIN_RATE, Bandwidth, Pacer, cap_warnings, share
+from peer.net.credit import MIN_WINDOW, WINDOW_S, CreditError, SendWindow, window
 from peer.net.limits import StreamGuard
 from peer.net.state_transfer import Snapshot, StateServicer, download
 from peer.outer.state import digest_of
@@ -63,6 +66,35 @@ def test_a_receivers_declared_cap_is_shared_by_its_senders_and_bounded_below():
     assert share(12e6, 3) == 4e6 and share(12e6, 0) == 12e6
     assert share(0.0, 3) == 0.0 and share(float("nan"), 3) == 0.0 and share(-5.0, 1) == 0.0  # no cap
     assert share(1.0, 2) == MIN_RATE / 2  # a hostile 1 byte/s holds nobody that long
+
+
+def test_credit_windows_cover_a_tenth_of_a_second_of_the_cap_and_none_without_one():
+    assert window(0.0, 65536) == 0 and window(float("inf"), 65536) == 0 and window(-1.0, 100) == 0
+    assert window(1.0, 65536) == MIN_WINDOW  # a tiny cap: one message read, one on its way
+    assert window(100 * MBIT, 65536) == math.ceil(100 * MBIT * WINDOW_S / 65536)
+
+
+def test_a_sender_waits_for_credit_and_refuses_credit_no_honest_receiver_sends():
+    async def main():
+        credit = SendWindow(2)
+        deadline = time.monotonic() + 5
+        await credit.wait(deadline)
+        await credit.wait(deadline)  # two in flight: the window is full
+        third = asyncio.ensure_future(credit.wait(deadline))
+        await asyncio.wait([third], timeout=0.05)
+        assert not third.done()  # blocked until a credit comes
+        credit.grant(1)
+        await asyncio.wait_for(third, 5)
+        assert credit.sent == 3
+        for bad in (1, 0, 4):  # not counting up, or counting a message never sent
+            with pytest.raises(CreditError):
+                credit.grant(bad)
+        with pytest.raises(asyncio.TimeoutError):  # a receiver that never grants holds us to the deadline only
+            await credit.wait(time.monotonic() + 0.05)
+        free = SendWindow(0)
+        for _ in range(100):
+            await free.wait(time.monotonic())  # no credit: never waits
+    run_async(main())
 
 
 def test_limits_carry_the_caps_in_mbit_per_second_and_refuse_nonsense():

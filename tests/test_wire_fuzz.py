@@ -29,7 +29,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers import dht_nodes
-from peer.net.allreduce import AllReduceServicer, SpanReduction
+from peer.net.allreduce import AllReduceServicer
+from peer.net.reduction import SpanReduction
 from peer.net.auth import PassChecker, revocation_key
 from peer.net.group import PROTOCOL_VERSION, GroupPlan
 from peer.net.limits import StreamGuard

@@ -17,6 +17,9 @@ Protocol (messages in protos/allreduce.proto, RPC ``AllReduceServicer.rpc_reduce
    direction (:mod:`peer.net.span_checks`: a result far larger than our own outer gradient and the
    round's others, or one that does not lean toward the part we sent it).
 
+Bandwidth: every message is paced by its sender's upload cap; a member that declared a download cap grants credit
+on every stream that sends it data, so its cap holds across its senders (:mod:`peer.net.credit`).
+
 Offences (a part that does not decode or has an invalid header, a part the robust rule cut hard, a
 result that fails the checks) go to the peer's :class:`~peer.net.exclusion.Exclusions`; an excluded
 peer's parts are refused and a span it reduces is not requested.
@@ -34,132 +37,25 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Awaitable, Optional
 
 import torch
 from hivemind.p2p import P2P, P2PContext, ServicerBase
 
-from peer.net.bandwidth import Bandwidth, Pacer, stream_pacer
+from peer.net.bandwidth import Bandwidth
+from peer.net.credit import CreditError, SendWindow, window
 from peer.net.exclusion import Exclusions, Offence
 from peer.net.group import GroupPlan, valid_weight
 from peer.net.limits import StreamGuard, first_message
+from peer.net.reduction import SpanReduction, Traffic, decode_piece, encode_pieces
 from peer.net.span_checks import disagreeing, implausible
-from peer.outer.aggregate import aggregate
-from peer.outer.codec import Codec, CodecError
+from peer.outer.codec import CodecError
 from peer.outer.rounds import Span
 from peer.proto import allreduce_pb2 as pb
-from peer.proto import codec_pb2
 from peer.util import next_by, short_id, time_left
 
 log = logging.getLogger(__name__)
 Status = pb.ReduceResponse.Status
-
-
-@dataclass
-class Traffic:
-    """Protocol bytes this peer sent/received for one all-reduce (serialized message sizes)."""
-
-    sent: int = 0
-    received: int = 0
-
-
-def encode_pieces(codec: Codec, values: torch.Tensor, chunk_elems: int) -> list[tuple[int, codec_pb2.EncodedTensor]]:
-    """Cuts a flat vector into (offset, EncodedTensor) pieces of at most ``chunk_elems`` elements."""
-    step = max(codec.block_size, chunk_elems - chunk_elems % codec.block_size)
-    return [(off, codec.encode_flat(values[off:off + step])) for off in range(0, values.numel(), step)]
-
-
-def decode_piece(codec: Codec, piece, offset: int, filled: int, length: int) -> torch.Tensor:
-    """Decodes one streamed piece after checking it continues the span exactly where ``filled`` ends."""
-    if offset != filled or piece.numel == 0 or filled + piece.numel > length:
-        raise CodecError(f"piece [{offset}, {offset + piece.numel}) does not continue [0, {filled}) of {length}")
-    if piece.codec != codec.name or piece.codec_version != codec.version:
-        raise CodecError(f"piece uses codec {piece.codec} v{piece.codec_version}, group uses {codec.name}")
-    values = codec.decode_flat(piece)
-    if values.numel() != piece.numel or not bool(torch.isfinite(values).all()):
-        raise CodecError("piece decodes to the wrong size or to non-finite values")
-    return values
-
-
-class SpanReduction:
-    """Reducer-side state of one group: collects members' parts of our span, combines them once."""
-
-    def __init__(self, plan: GroupPlan, part_timeout: float, chunk_elems: int,
-                 exclusions: Optional[Exclusions] = None):
-        self.plan = plan
-        self.exclusions = exclusions or Exclusions()
-        # parts we wait for: an excluded member's part is refused, so waiting for it would cost part_timeout
-        self.expected = sum(peer not in self.exclusions for peer in plan.peer_ids)
-        start, end = plan.spans[plan.my_index]
-        self.length = end - start
-        self.parts: dict[int, tuple[float, torch.Tensor]] = {}  # member index -> (declared weight, part)
-        self.total_weight = 0.0
-        self.flagged: list[tuple[str, str]] = []  # (peer id, why) of parts clipped or capped by the rule
-        self.all_in = asyncio.Event()
-        self.deadline = time.monotonic() + part_timeout
-        self.chunk_elems = chunk_elems
-        self.traffic = Traffic()  # parts received here; the averages we send are counted in sent_bytes()
-        self.requesters: set[int] = set()
-        self.serving: set[int] = set()  # members whose rpc_reduce stream is still open
-        self.idle = asyncio.Event()  # set while no member stream is open
-        self.idle.set()
-        self.result = asyncio.ensure_future(self._finalize())
-
-    def sent_bytes(self) -> int:
-        """Bytes of the encoded average times the remote members that asked for it."""
-        if not self.result.done() or self.result.exception() is not None:
-            return 0
-        remote = self.requesters - {self.plan.my_index}
-        return len(remote) * sum(r.ByteSize() for r in self.result.result())
-
-    def add(self, index: int, weight: float, part: torch.Tensor) -> bool:
-        """Adds a member's complete, decoded part; False if it came too late or twice."""
-        if self.result.done() or index in self.parts:
-            return False
-        self.parts[index] = (weight, part)
-        if len(self.parts) >= self.expected:
-            self.all_in.set()
-        return True
-
-    @property
-    def contributors(self) -> list[int]:
-        return sorted(self.parts)
-
-    def _combine(self) -> torch.Tensor:
-        """The parts combined by the plan's rule, in member order (deterministic); reports what it clipped."""
-        order = self.contributors
-        out = aggregate([self.parts[i][1] for i in order], [self.parts[i][0] for i in order], self.plan.rule,
-                        [self.plan.caps[i] for i in order] if self.plan.caps else None)
-        self.total_weight = out.total_weight
-        for k, i in enumerate(order):
-            why = out.limited(k, self.parts[i][0])
-            if why:
-                peer = str(self.plan.peer_ids[i])
-                self.flagged.append((peer, "; ".join(why)))
-                if out.offending(k) and i != self.plan.my_index:
-                    self.exclusions.report(peer, Offence.CLIPPED, f"{self.plan.label}: {'; '.join(why)}")
-                log.warning("%s: contribution of peer %s limited by the %s rule: %s", self.plan.label, short_id(peer),
-                            self.plan.rule.kind, "; ".join(why))
-        return out.value
-
-    async def _finalize(self) -> list[pb.ReduceResponse]:
-        try:
-            await asyncio.wait_for(self.all_in.wait(), timeout=time_left(self.deadline))
-        except asyncio.TimeoutError:
-            missing = sorted(set(range(len(self.plan.peer_ids))) - set(self.parts))
-            log.warning("%s: reducer averages without members %s (no part within part_timeout)",
-                        self.plan.label, [short_id(self.plan.peer_ids[i]) for i in missing])
-        if not self.parts:
-            return [pb.ReduceResponse(status=Status.FAILED, error="no parts arrived")]
-        average = self._combine()
-        responses = []
-        for k, (offset, piece) in enumerate(encode_pieces(self.plan.codec, average, self.chunk_elems)):
-            msg = pb.ReduceResponse(status=Status.OK, offset=offset, piece=piece)
-            if k == 0:
-                msg.contributors.extend(self.contributors)
-                msg.total_weight = self.total_weight
-            responses.append(msg)
-        return responses
 
 
 @dataclass
@@ -230,6 +126,7 @@ class AllReduceServicer(ServicerBase):
     async def _reduce(self, requests: AsyncIterator[pb.ReduceRequest],
                       context: P2PContext) -> AsyncIterator[pb.ReduceResponse]:
         red, sender = None, None
+        stream_deadline = time.monotonic() + self.stream_timeout
         try:
             # The first message carries up to chunk_bytes of data: on a slow link it takes as long as
             # any other piece, so it gets the part deadline, not the (short) request timeout.
@@ -254,8 +151,10 @@ class AllReduceServicer(ServicerBase):
             red.requesters.add(sender)
             red.serving.add(sender)
             red.idle.clear()
+            # we grant credit on the part if we declared a download cap (peer/net/credit.py)
+            grants = window(plan.infos[plan.my_index].download_bytes_per_second, 1) > 0
             part = torch.empty(red.length, dtype=torch.float32)
-            filled, msg = 0, header
+            filled, msg, read = 0, header, 0
             while True:
                 values = decode_piece(plan.codec, msg.piece, msg.offset, filled, red.length)
                 part[filled:filled + values.numel()] = values
@@ -264,22 +163,16 @@ class AllReduceServicer(ServicerBase):
                 await self.bandwidth.download.take(msg.ByteSize())
                 if filled == red.length:
                     break
+                read += 1
+                if grants:
+                    yield pb.ReduceResponse(acknowledged=read)
                 msg = await next_by(requests, red.deadline)
             if not red.add(sender, header.weight, part):
                 log.info("%s: part from %s arrived after averaging; it is not included", plan.label,
                          short_id(context.remote_id))
-            # paced by our upload cap and by the member's declared download cap, shared by the reducers sending to it
-            to_member = stream_pacer(plan.infos[sender].download_bytes_per_second,
-                                     sum(end > start for k, (start, end) in enumerate(plan.spans) if k != sender))
-            for response in await asyncio.shield(red.result):
-                await self.bandwidth.upload.take(response.ByteSize())
-                await to_member.take(response.ByteSize())
+            async for response in self._send_average(red, sender, requests, stream_deadline):
                 yield response
-            # Hold the stream open until the member closes its side: it does so only after reading
-            # the whole average. Closing first can drop our last message in the daemons (seen ~1/50).
-            with contextlib.suppress(StopAsyncIteration, asyncio.TimeoutError):
-                await asyncio.wait_for(requests.__anext__(), timeout=self.registration_timeout)
-        except (CodecError, asyncio.TimeoutError, StopAsyncIteration) as e:
+        except (CodecError, CreditError, asyncio.TimeoutError, StopAsyncIteration) as e:
             log.warning("rpc_reduce from %s: dropped a member's part: %s", short_id(context.remote_id),
                         type(e).__name__ + (f": {e}" if str(e) else ""))
             if isinstance(e, CodecError) and red is not None:  # (a timeout or a closed stream: the network's)
@@ -290,6 +183,59 @@ class AllReduceServicer(ServicerBase):
                 red.serving.discard(sender)
                 if not red.serving:
                     red.idle.set()
+
+    async def _send_average(self, red: SpanReduction, member: int, requests: AsyncIterator[pb.ReduceRequest],
+                            deadline: float) -> AsyncIterator[pb.ReduceResponse]:
+        """Streams our encoded average to ``member``, paced by our upload cap and, when the member declared a
+        download cap, by its credit (read from its request stream by a task of ours), then holds the stream open
+        until the member closes its side: it does so only after reading the whole average, and closing first can
+        drop our last message in the daemons (seen ~1/50). Raises :class:`CreditError` for a credit no honest
+        member sends, ``asyncio.TimeoutError`` past ``deadline``."""
+        responses = await asyncio.shield(red.result)
+        credit = SendWindow(window(red.plan.infos[member].download_bytes_per_second,
+                                   max(r.ByteSize() for r in responses)))
+        reader = asyncio.ensure_future(_read_credits(requests, credit, deadline))
+        try:
+            for response in responses:
+                await _first_done(credit.wait(deadline), reader)
+                await self.bandwidth.upload.take(response.ByteSize())
+                yield response
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(reader), timeout=min(self.registration_timeout,
+                                                                            time_left(deadline)))
+        finally:
+            reader.cancel()
+            if reader.done() and not reader.cancelled():
+                reader.exception()  # (retrieved: its error, if any, was ours to raise or is moot now)
+
+
+async def _read_credits(requests: AsyncIterator[pb.ReduceRequest], credit: SendWindow, deadline: float) -> None:
+    """Reads a member's stream after its part until it closes: credits only (at most one per message we send,
+    :class:`SendWindow` checks the counts); anything else raises :class:`CreditError`."""
+    while True:
+        try:
+            msg = await next_by(requests, deadline)
+        except StopAsyncIteration:
+            return
+        if msg.HasField("piece") or msg.group_id:
+            raise CreditError("a message other than a credit after the part")
+        credit.grant(msg.acknowledged)
+
+
+async def _first_done(wait: Awaitable[None], reader: asyncio.Future) -> None:
+    """Awaits ``wait``, unless ``reader`` ends first with an error (re-raised) or cleanly (the member closed:
+    no more credit will come, a ``StopAsyncIteration``)."""
+    waiting = asyncio.ensure_future(wait)
+    try:
+        await asyncio.wait([waiting, reader], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not waiting.done():
+            waiting.cancel()
+    if waiting.done() and not waiting.cancelled():
+        waiting.result()
+        return
+    reader.result()  # raises the reader's error
+    raise StopAsyncIteration("the member closed its stream before the whole average was sent")
 
 
 async def _own_span(red: SpanReduction, values: torch.Tensor, weight: float) -> list[pb.ReduceResponse]:
@@ -304,24 +250,27 @@ async def _remote_span(p2p: P2P, plan: GroupPlan, j: int, values: torch.Tensor, 
                        chunk_elems: int, deadline: float, connect_timeout: float,
                        traffic: Traffic, bandwidth: Bandwidth) -> list[pb.ReduceResponse]:
     """Streams our part of span j to reducer j and returns its response messages. The part is paced by our upload
-    cap and by reducer j's declared download cap, shared by the members that send it parts."""
-    to_reducer: Pacer = stream_pacer(plan.infos[j].download_bytes_per_second, len(plan.peer_ids) - 1)
+    cap and by reducer j's credit; we grant credit on its average if we declared a download cap."""
     pieces = encode_pieces(plan.codec, values, chunk_elems)
     span_length = plan.spans[j][1] - plan.spans[j][0]
-    got_all = asyncio.Event()
+    # credit (peer/net/credit.py): the reducer's on our part if it declared a download cap, ours on its average
+    credit = SendWindow(window(plan.infos[j].download_bytes_per_second, max(p.ByteSize() for _, p in pieces)))
+    grants = window(plan.infos[plan.my_index].download_bytes_per_second, 1) > 0
+    acks: asyncio.Queue[Optional[int]] = asyncio.Queue()  # our credits to send; None: the whole average is in
 
     async def requests() -> AsyncIterator[pb.ReduceRequest]:
-        for k, (offset, piece) in enumerate(pieces):
-            msg = pb.ReduceRequest(offset=offset, piece=piece)
-            if k == 0:
-                msg.group_id, msg.span_index, msg.weight = plan.group_id, j, weight
-            traffic.sent += msg.ByteSize()
-            await bandwidth.upload.take(msg.ByteSize())
-            await to_reducer.take(msg.ByteSize())
-            yield msg
-        # End our side only once the whole average is in (see AllReduceServicer.rpc_reduce).
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(got_all.wait(), timeout=time_left(deadline))
+            for k, (offset, piece) in enumerate(pieces):
+                msg = pb.ReduceRequest(offset=offset, piece=piece)
+                if k == 0:
+                    msg.group_id, msg.span_index, msg.weight = plan.group_id, j, weight
+                await credit.wait(deadline)
+                traffic.sent += msg.ByteSize()
+                await bandwidth.upload.take(msg.ByteSize())
+                yield msg
+            # End our side only once the whole average is in (see AllReduceServicer._send_average).
+            while (count := await asyncio.wait_for(acks.get(), timeout=time_left(deadline))) is not None:
+                yield pb.ReduceRequest(acknowledged=count)
 
     stub = AllReduceServicer.get_stub(p2p, plan.peer_ids[j])
     # Opening the stream dials the reducer: a dead one is detected here, within connect_timeout.
@@ -332,16 +281,23 @@ async def _remote_span(p2p: P2P, plan: GroupPlan, j: int, values: torch.Tensor, 
         while received < span_length:
             msg = await next_by(stream, deadline)
             traffic.received += msg.ByteSize()
+            if msg.acknowledged:  # the reducer's credit for our part
+                if msg.HasField("piece") or msg.status != Status.OK:
+                    raise CreditError("a credit that carries more")
+                credit.grant(msg.acknowledged)
+                continue
             await bandwidth.download.take(msg.ByteSize())
             responses.append(msg)
             if msg.status != Status.OK:
                 break
             received += msg.piece.numel
+            if grants:
+                acks.put_nowait(len(responses))
         return responses
     except StopAsyncIteration:
         return responses
     finally:
-        got_all.set()  # lets our request stream end, then the reducer closes: read up to that EOF
+        acks.put_nowait(None)  # lets our request stream end, then the reducer closes: read up to that EOF
         with contextlib.suppress(Exception):
             await asyncio.wait_for(_drain(stream), timeout=min(5.0, time_left(deadline)))
         await stream.aclose()

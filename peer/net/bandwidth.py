@@ -3,12 +3,12 @@ state transfer (``rpc_download``: the state we serve, the state we fetch).
 
 A volunteer shares a home link; BOINC and every torrent client let them cap what the program may use. The caps
 pace protocol messages, not sockets. Upload: before a message goes out the sender waits until its upload budget
-allows it. Download: a receiver that only read slowly would not slow the link, since libp2p's stream windows
-and TCP's buffers take in megabytes (a whole round's share of a small model) at link speed; so the receiver
-declares its cap (``MemberInfo.download_bytes_per_second`` in matchmaking, ``StateRequest.max_bytes_per_second``)
-and each sender paces its stream to it, split evenly among the streams that converge on that receiver
-(:func:`share`). The receiver also paces its own reads, which bounds its intake from a sender that ignores the
-cap. The DHT's small records and matchmaking's few bytes are not paced: they keep a capped peer visible and in
+allows it. Download: a receiver paces its reads, but that alone would not slow the link, since libp2p's stream
+windows and TCP's buffers take in megabytes (a whole round's share of a small model) at link speed; so the
+receiver declares its cap. On the all-reduce's streams (``MemberInfo.download_bytes_per_second``) it grants
+credit as its pacer pays for each message (:mod:`peer.net.credit`), so its cap holds across however many senders
+are still streaming; a state transfer's one donor paces its stream to the rate the request declares
+(``StateRequest.max_bytes_per_second``, :func:`stream_pacer`). The DHT's small records and matchmaking's few bytes are not paced: they keep a capped peer visible and in
 groups.
 
 Caps are read at every message from a callable, so a limit changed at run time (``swarm-peer limits``) is in

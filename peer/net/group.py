@@ -17,7 +17,7 @@ from peer.outer.aggregate import MAX_WEIGHT, AggregationRule
 from peer.outer.codec import Codec
 from peer.proto import allreduce_pb2 as pb
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: credit on the streams to a peer with a download cap (peer/net/credit.py)
 MAX_GROUP_SIZE = 256
 
 

@@ -25,21 +25,23 @@ class MemberInfo(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., weight: _Optional[float] = ..., inner_step: _Optional[int] = ..., client_mode: _Optional[bool] = ..., numel: _Optional[int] = ..., download_bytes_per_second: _Optional[float] = ...) -> None: ...
 
 class ReduceRequest(_message.Message):
-    __slots__ = ("group_id", "span_index", "weight", "offset", "piece")
+    __slots__ = ("group_id", "span_index", "weight", "offset", "piece", "acknowledged")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     SPAN_INDEX_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     PIECE_FIELD_NUMBER: _ClassVar[int]
+    ACKNOWLEDGED_FIELD_NUMBER: _ClassVar[int]
     group_id: bytes
     span_index: int
     weight: float
     offset: int
     piece: _codec_pb2.EncodedTensor
-    def __init__(self, group_id: _Optional[bytes] = ..., span_index: _Optional[int] = ..., weight: _Optional[float] = ..., offset: _Optional[int] = ..., piece: _Optional[_Union[_codec_pb2.EncodedTensor, _Mapping]] = ...) -> None: ...
+    acknowledged: int
+    def __init__(self, group_id: _Optional[bytes] = ..., span_index: _Optional[int] = ..., weight: _Optional[float] = ..., offset: _Optional[int] = ..., piece: _Optional[_Union[_codec_pb2.EncodedTensor, _Mapping]] = ..., acknowledged: _Optional[int] = ...) -> None: ...
 
 class ReduceResponse(_message.Message):
-    __slots__ = ("status", "error", "contributors", "total_weight", "offset", "piece")
+    __slots__ = ("status", "error", "contributors", "total_weight", "offset", "piece", "acknowledged")
     class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         OK: _ClassVar[ReduceResponse.Status]
@@ -54,10 +56,12 @@ class ReduceResponse(_message.Message):
     TOTAL_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     PIECE_FIELD_NUMBER: _ClassVar[int]
+    ACKNOWLEDGED_FIELD_NUMBER: _ClassVar[int]
     status: ReduceResponse.Status
     error: str
     contributors: _containers.RepeatedScalarFieldContainer[int]
     total_weight: float
     offset: int
     piece: _codec_pb2.EncodedTensor
-    def __init__(self, status: _Optional[_Union[ReduceResponse.Status, str]] = ..., error: _Optional[str] = ..., contributors: _Optional[_Iterable[int]] = ..., total_weight: _Optional[float] = ..., offset: _Optional[int] = ..., piece: _Optional[_Union[_codec_pb2.EncodedTensor, _Mapping]] = ...) -> None: ...
+    acknowledged: int
+    def __init__(self, status: _Optional[_Union[ReduceResponse.Status, str]] = ..., error: _Optional[str] = ..., contributors: _Optional[_Iterable[int]] = ..., total_weight: _Optional[float] = ..., offset: _Optional[int] = ..., piece: _Optional[_Union[_codec_pb2.EncodedTensor, _Mapping]] = ..., acknowledged: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,134 @@
+"""The reducer's side of one group's round as data: the parts of our span that came in, combined once.
+
+:class:`SpanReduction` is what :class:`~peer.net.allreduce.AllReduceServicer` fills from the members' streams and
+what :func:`~peer.net.allreduce.run_allreduce` reads our own span from; the pieces' encoding and checked decoding are
+shared by both directions of the stream. No networking here: the RPC runners are in :mod:`peer.net.allreduce`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from peer.net.exclusion import Exclusions, Offence
+from peer.net.group import GroupPlan
+from peer.outer.aggregate import aggregate
+from peer.outer.codec import Codec, CodecError
+from peer.proto import allreduce_pb2 as pb
+from peer.proto import codec_pb2
+from peer.util import short_id, time_left
+
+log = logging.getLogger(__name__)
+Status = pb.ReduceResponse.Status
+
+
+@dataclass
+class Traffic:
+    """Protocol bytes this peer sent/received for one all-reduce (serialized message sizes)."""
+
+    sent: int = 0
+    received: int = 0
+
+
+def encode_pieces(codec: Codec, values: torch.Tensor, chunk_elems: int) -> list[tuple[int, codec_pb2.EncodedTensor]]:
+    """Cuts a flat vector into (offset, EncodedTensor) pieces of at most ``chunk_elems`` elements."""
+    step = max(codec.block_size, chunk_elems - chunk_elems % codec.block_size)
+    return [(off, codec.encode_flat(values[off:off + step])) for off in range(0, values.numel(), step)]
+
+
+def decode_piece(codec: Codec, piece, offset: int, filled: int, length: int) -> torch.Tensor:
+    """Decodes one streamed piece after checking it continues the span exactly where ``filled`` ends."""
+    if offset != filled or piece.numel == 0 or filled + piece.numel > length:
+        raise CodecError(f"piece [{offset}, {offset + piece.numel}) does not continue [0, {filled}) of {length}")
+    if piece.codec != codec.name or piece.codec_version != codec.version:
+        raise CodecError(f"piece uses codec {piece.codec} v{piece.codec_version}, group uses {codec.name}")
+    values = codec.decode_flat(piece)
+    if values.numel() != piece.numel or not bool(torch.isfinite(values).all()):
+        raise CodecError("piece decodes to the wrong size or to non-finite values")
+    return values
+
+
+class SpanReduction:
+    """Reducer-side state of one group: collects members' parts of our span, combines them once."""
+
+    def __init__(self, plan: GroupPlan, part_timeout: float, chunk_elems: int,
+                 exclusions: Optional[Exclusions] = None):
+        self.plan = plan
+        self.exclusions = exclusions or Exclusions()
+        # parts we wait for: an excluded member's part is refused, so waiting for it would cost part_timeout
+        self.expected = sum(peer not in self.exclusions for peer in plan.peer_ids)
+        start, end = plan.spans[plan.my_index]
+        self.length = end - start
+        self.parts: dict[int, tuple[float, torch.Tensor]] = {}  # member index -> (declared weight, part)
+        self.total_weight = 0.0
+        self.flagged: list[tuple[str, str]] = []  # (peer id, why) of parts clipped or capped by the rule
+        self.all_in = asyncio.Event()
+        self.deadline = time.monotonic() + part_timeout
+        self.chunk_elems = chunk_elems
+        self.traffic = Traffic()  # parts received here; the averages we send are counted in sent_bytes()
+        self.requesters: set[int] = set()
+        self.serving: set[int] = set()  # members whose rpc_reduce stream is still open
+        self.idle = asyncio.Event()  # set while no member stream is open
+        self.idle.set()
+        self.result = asyncio.ensure_future(self._finalize())
+
+    def sent_bytes(self) -> int:
+        """Bytes of the encoded average times the remote members that asked for it."""
+        if not self.result.done() or self.result.exception() is not None:
+            return 0
+        remote = self.requesters - {self.plan.my_index}
+        return len(remote) * sum(r.ByteSize() for r in self.result.result())
+
+    def add(self, index: int, weight: float, part: torch.Tensor) -> bool:
+        """Adds a member's complete, decoded part; False if it came too late or twice."""
+        if self.result.done() or index in self.parts:
+            return False
+        self.parts[index] = (weight, part)
+        if len(self.parts) >= self.expected:
+            self.all_in.set()
+        return True
+
+    @property
+    def contributors(self) -> list[int]:
+        return sorted(self.parts)
+
+    def _combine(self) -> torch.Tensor:
+        """The parts combined by the plan's rule, in member order (deterministic); reports what it clipped."""
+        order = self.contributors
+        out = aggregate([self.parts[i][1] for i in order], [self.parts[i][0] for i in order], self.plan.rule,
+                        [self.plan.caps[i] for i in order] if self.plan.caps else None)
+        self.total_weight = out.total_weight
+        for k, i in enumerate(order):
+            why = out.limited(k, self.parts[i][0])
+            if why:
+                peer = str(self.plan.peer_ids[i])
+                self.flagged.append((peer, "; ".join(why)))
+                if out.offending(k) and i != self.plan.my_index:
+                    self.exclusions.report(peer, Offence.CLIPPED, f"{self.plan.label}: {'; '.join(why)}")
+                log.warning("%s: contribution of peer %s limited by the %s rule: %s", self.plan.label, short_id(peer),
+                            self.plan.rule.kind, "; ".join(why))
+        return out.value
+
+    async def _finalize(self) -> list[pb.ReduceResponse]:
+        try:
+            await asyncio.wait_for(self.all_in.wait(), timeout=time_left(self.deadline))
+        except asyncio.TimeoutError:
+            missing = sorted(set(range(len(self.plan.peer_ids))) - set(self.parts))
+            log.warning("%s: reducer averages without members %s (no part within part_timeout)",
+                        self.plan.label, [short_id(self.plan.peer_ids[i]) for i in missing])
+        if not self.parts:
+            return [pb.ReduceResponse(status=Status.FAILED, error="no parts arrived")]
+        average = self._combine()
+        responses = []
+        for k, (offset, piece) in enumerate(encode_pieces(self.plan.codec, average, self.chunk_elems)):
+            msg = pb.ReduceResponse(status=Status.OK, offset=offset, piece=piece)
+            if k == 0:
+                msg.contributors.extend(self.contributors)
+                msg.total_weight = self.total_weight
+            responses.append(msg)
+        return responses
