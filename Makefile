@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install browser demo test bench-gpu protos clean
+.PHONY: install os-packages demo test bench-gpu protos clean
 
 install: $(STAMP)
 
@@ -18,16 +18,19 @@ $(STAMP): pyproject.toml constraints.txt
 demo: install
 	$(BIN)/python -m peer.cli.demo --config configs/demo.toml
 
-# Debian's chromium and chromedriver for the monitor's browser test (tests/test_control_swarm.py), when missing:
-# as root through apt (its package lists refreshed only if the first try fails); elsewhere that test says it skips.
-browser:
-	@test -x /usr/bin/chromedriver || { test "$$(id -u)" = 0 && command -v apt-get > /dev/null && \
-	  { apt-get install -y -q chromium chromium-driver > /dev/null || \
-	    { apt-get update -q > /dev/null && apt-get install -y -q chromium chromium-driver > /dev/null; }; }; } || \
-	  echo "note: no /usr/bin/chromedriver (apt install chromium chromium-driver): the browser test will skip"
+# Debian packages some tests need, when missing: chromium and chromedriver for the monitor's browser test
+# (tests/test_control_swarm.py), iptables for the home routers of the NAT test (tests/test_nat.py). As root
+# through apt (its package lists refreshed only if the first try fails); elsewhere those tests say they skip.
+OS_PACKAGES = chromium chromium-driver iptables
+os-packages:
+	@{ test -x /usr/bin/chromedriver && command -v iptables > /dev/null; } || \
+	  { test "$$(id -u)" = 0 && command -v apt-get > /dev/null && \
+	  { apt-get install -y -q $(OS_PACKAGES) > /dev/null || \
+	    { apt-get update -q > /dev/null && apt-get install -y -q $(OS_PACKAGES) > /dev/null; }; }; } || \
+	  echo "note: could not apt install $(OS_PACKAGES): the browser and NAT tests will skip"
 
 # Lint and type checks first (seconds), then the tests.
-test: install browser
+test: install os-packages
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q --durations=25 tests

@@ -11,6 +11,12 @@ Processes run in host ``i`` through ``lab.run_args(i, [...])`` (``ip netns exec 
 the command in place: the pid, session and process group stay the ones ``Proc.start`` created, so
 ``Proc.kill_group`` still reaches them and their p2pd daemons).
 
+Home routers: hosts listed in ``nat`` sit behind a router namespace of their own, as a home GPU does. The
+router holds the lab address ``10.77.0.(i+1)`` on the bridge and masquerades the host's private network
+``192.168.(i+1).0/24`` behind it (iptables ``MASQUERADE``; its ``FORWARD`` chain admits from outside only
+replies to connections the host opened, and there is no port forward), so the host dials out and nobody can
+dial in. ``addr(i)`` is then the host's private address, ``public_addr(i)`` the router's.
+
 ``shape(i, rate_mbit)`` puts a token-bucket filter (``tc ... tbf``) on both directions of host i's link:
 egress of its ``eth0`` (upload) and egress of the bridge-side ``vh<i>`` (download). ``cut(i)`` /
 ``restore(i)`` take the link down/up (a "pulled cable"; the host keeps its address).
@@ -42,8 +48,10 @@ if TYPE_CHECKING:
 
 FAMILY = "swlab"
 SUBNET = "10.77.0"  # a private /24 that exists only inside the lab's namespaces
+HOME_NET = "192.168"  # host i behind a home router: 192.168.(i+1).0/24
 HOST_IF = "eth0"
 BRIDGE_IF = "br0"
+WAN_IF, LAN_IF = "wan0", "lan0"  # a home router's sides
 _NAME_RE = re.compile(rf"^{FAMILY}-(\d+)-([0-9a-f]+)-")
 CMD_TIMEOUT = 15.0  # seconds for one ip/tc command
 
@@ -100,11 +108,15 @@ def remove_leftovers() -> list[str]:
 class NetnsLab:
     """``n_hosts`` namespaces on one bridge; see the module docstring. Use as a context manager."""
 
-    def __init__(self, n_hosts: int, *, subnet: str = SUBNET):
+    def __init__(self, n_hosts: int, *, subnet: str = SUBNET, nat: Sequence[int] = ()):
+        """``nat``: the hosts behind a home router of their own (see the module docstring)."""
         if not 1 <= n_hosts <= 200:
             raise ValueError(f"n_hosts must be in [1, 200] (got {n_hosts})")
         self.n_hosts = n_hosts
         self.subnet = subnet
+        self.nat = frozenset(nat)
+        if not all(0 <= i < n_hosts for i in self.nat):
+            raise ValueError(f"nat hosts {sorted(self.nat)} not all in [0, {n_hosts})")
         self.prefix = f"{FAMILY}-{os.getpid()}-{secrets.token_hex(3)}-"
         self.bridge_ns = self.prefix + "br"
         self._ip, self._tc = _tool("ip"), _tool("tc")
@@ -130,12 +142,18 @@ class NetnsLab:
                 ns = self.host(i)
                 self._add_ns(ns)
                 self._ipn(ns, "link", "set", "lo", "up")
-                self._ipn(ns, "link", "add", HOST_IF, "type", "veth", "peer", "name", self._bridge_if(i),
+                # the namespace on the bridge: the host itself, or its home router
+                public_ns, public_if = (self.router(i), WAN_IF) if i in self.nat else (ns, HOST_IF)
+                if i in self.nat:
+                    self._add_ns(public_ns)
+                self._ipn(public_ns, "link", "add", public_if, "type", "veth", "peer", "name", self._bridge_if(i),
                           "netns", self.bridge_ns)
                 self._ipn(self.bridge_ns, "link", "set", self._bridge_if(i), "master", BRIDGE_IF)
                 self._ipn(self.bridge_ns, "link", "set", self._bridge_if(i), "up")
-                self._ipn(ns, "addr", "add", f"{self.addr(i)}/24", "dev", HOST_IF)
-                self._ipn(ns, "link", "set", HOST_IF, "up")
+                self._ipn(public_ns, "addr", "add", f"{self.public_addr(i)}/24", "dev", public_if)
+                self._ipn(public_ns, "link", "set", public_if, "up")
+                if i in self.nat:
+                    self._home_router(i)
         except BaseException:
             self.close()
             raise
@@ -164,9 +182,20 @@ class NetnsLab:
         return f"{self.prefix}h{i}"
 
     def addr(self, i: int) -> str:
-        """IPv4 address of host ``i`` (``10.77.0.(i+1)``)."""
+        """IPv4 address of host ``i``: ``10.77.0.(i+1)``, or behind a home router ``192.168.(i+1).2``."""
+        self._check(i)
+        return f"{HOME_NET}.{i + 1}.2" if i in self.nat else f"{self.subnet}.{i + 1}"
+
+    def public_addr(self, i: int) -> str:
+        """The address others see host ``i``'s connections come from: its own, or its router's."""
         self._check(i)
         return f"{self.subnet}.{i + 1}"
+
+    def router(self, i: int) -> str:
+        """Namespace name of host ``i``'s home router (hosts in ``nat`` only)."""
+        if self._check(i) not in self.nat:
+            raise ValueError(f"host {i} is not behind a home router")
+        return f"{self.prefix}r{i}"
 
     def run_args(self, i: int, args: Sequence[str]) -> list[str]:
         """``args`` prefixed so that they run inside host ``i``'s namespace (same pid: exec in place)."""
@@ -215,6 +244,26 @@ class NetnsLab:
     def _bridge_if(i: int) -> str:
         return f"vh{i}"
 
+    def _home_router(self, i: int) -> None:
+        """Puts host ``i`` behind its router: a private /24, the router as its default route, masquerade out,
+        nothing in but replies."""
+        host, router, lan = self.host(i), self.router(i), f"{HOME_NET}.{i + 1}"
+        self._ipn(router, "link", "set", "lo", "up")
+        self._ipn(host, "link", "add", HOST_IF, "type", "veth", "peer", "name", LAN_IF, "netns", router)
+        self._ipn(router, "addr", "add", f"{lan}.1/24", "dev", LAN_IF)
+        self._ipn(router, "link", "set", LAN_IF, "up")
+        self._ipn(host, "addr", "add", f"{self.addr(i)}/24", "dev", HOST_IF)
+        self._ipn(host, "link", "set", HOST_IF, "up")
+        self._ipn(host, "route", "add", "default", "via", f"{lan}.1")
+        iptables = _tool("iptables")
+        for rule in (["sysctl", "-q", "-w", "net.ipv4.ip_forward=1"],
+                     [iptables, "-t", "nat", "-A", "POSTROUTING", "-o", WAN_IF, "-j", "MASQUERADE"],
+                     [iptables, "-P", "FORWARD", "DROP"],
+                     [iptables, "-A", "FORWARD", "-i", LAN_IF, "-o", WAN_IF, "-j", "ACCEPT"],
+                     [iptables, "-A", "FORWARD", "-i", WAN_IF, "-o", LAN_IF, "-m", "conntrack", "--ctstate",
+                      "ESTABLISHED,RELATED", "-j", "ACCEPT"]):
+            _run([self._ip, "netns", "exec", router, *rule])
+
     def _add_ns(self, ns: str) -> None:
         _run([self._ip, "netns", "add", ns])
         self._created.append(ns)
@@ -244,6 +293,20 @@ def netns_available() -> tuple[bool, str]:
         return False, f"network namespaces not permitted here: {e}"
     except OSError as e:
         return False, f"network namespaces not permitted here: {type(e).__name__}: {e}"
+    return True, ""
+
+
+@functools.lru_cache(maxsize=1)
+def nat_available() -> tuple[bool, str]:
+    """``(True, "")`` if a lab with a host behind a home router (iptables NAT in a namespace) can be built here."""
+    ok, why = netns_available()
+    if not ok:
+        return ok, why
+    try:
+        with NetnsLab(2, nat=[1]) as lab:
+            _run(lab.run_args(1, ["true"]))
+    except NetnsError as e:
+        return False, f"no NAT in network namespaces here (apt install iptables): {e}"
     return True, ""
 
 

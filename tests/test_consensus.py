@@ -4,7 +4,7 @@ phase rules of the steps schedule (patience, giving up, realignment)."""
 from __future__ import annotations
 
 from peer.net.consensus import (in_step_with, laggards, launch_gate, launch_verdict, nobody_coming, plan_catch_up,
-                                projected_step, realign, step_after_catch_up)
+                                projected_step, realign, step_after_catch_up, swarm_state)
 from peer.net.records import ProgressRecord
 from peer.outer.rounds import RoundStatus
 from peer.outer.schedule import last_sync_step, next_sync_step, sync_step
@@ -207,3 +207,14 @@ def test_drift_is_found_at_our_latest_round_the_records_cover():
     assert "at round 11" in plans[0].reason
     assert plan_catch_up(others, "me", [12], ["ours12"], joining=False, my_past=[{11: "good11"}]) == []
     assert plan_catch_up(others, "me", [12], ["ours12"], joining=False) == []
+
+
+def test_a_peer_in_client_mode_counts_for_the_swarms_state_but_is_no_donor():
+    """Behind a NAT (client mode) nobody can dial a peer: its state still counts in the majority, but a
+    download never goes to it; when only such peers hold the state there is no donor to ask."""
+    natted = rec("nat", 100, rounds=(5, 5)).model_copy(update={"client_mode": True})
+    records = view(rec("me", 60), rec("a", 100, rounds=(5, 5)), natted)
+    plans = plan_catch_up(records, "me", [3, 3], ["d", "d"], joining=True)
+    assert [p.round for p in plans] == [5, 5]
+    assert all(p.donors == ["a"] for p in plans)
+    assert swarm_state(view(rec("me", 60), natted), "me", 0) == (5, "d", [])

@@ -8,8 +8,8 @@ windows and TCP's buffers take in megabytes (a whole round's share of a small mo
 receiver declares its cap. On the all-reduce's streams (``MemberInfo.download_bytes_per_second``) it grants
 credit as its pacer pays for each message (:mod:`peer.net.credit`), so its cap holds across however many senders
 are still streaming; a state transfer's one donor paces its stream to the rate the request declares
-(``StateRequest.max_bytes_per_second``, :func:`stream_pacer`). The DHT's small records and matchmaking's few bytes are not paced: they keep a capped peer visible and in
-groups.
+(``StateRequest.max_bytes_per_second``, :func:`stream_pacer`). The DHT's small records and matchmaking's few
+bytes are not paced: they keep a capped peer visible and in groups.
 
 Caps are read at every message from a callable, so a limit changed at run time (``swarm-peer limits``) is in
 force from the next message on. A capped link makes rounds slower: :func:`round_seconds_at` says how much, and

@@ -174,14 +174,21 @@ def digest_at(rec: ProgressRecord, fragment: int, round_: int) -> Optional[str]:
 
 def swarm_state(records: Mapping[str, ProgressRecord], me: str, fragment: int) -> Optional[tuple[int, str, list[str]]]:
     """The swarm's state of ``fragment``: the (applied round, digest) held by the most other peers (ties: the
-    later round, then the smaller digest), with its holders; None if no other peer advertises one."""
+    later round, then the smaller digest), with the holders that can serve it; None if no other peer advertises
+    one. A peer in client mode counts as a holder but is no donor: nobody can dial it (behind a NAT)."""
     holders: dict[tuple[int, str], list[str]] = {}
     for pid, r, d in _others(records, me, fragment):
         holders.setdefault((r, d), []).append(pid)
     if not holders:
         return None
-    (best, digest), donors = max(holders.items(), key=lambda kv: (len(kv[1]), kv[0][0], [-ord(c) for c in kv[0][1]]))
-    return best, digest, donors
+    (best, digest), held = max(holders.items(), key=lambda kv: (len(kv[1]), kv[0][0], [-ord(c) for c in kv[0][1]]))
+    return best, digest, servable(records, held)
+
+
+def servable(records: Mapping[str, ProgressRecord], holders: Sequence[str]) -> list[str]:
+    """The ``holders`` that can serve a state download: those not in client mode (nobody can dial those)."""
+    dialable = {rec.peer_id for rec in records.values() if not rec.client_mode}
+    return [pid for pid in holders if pid in dialable]
 
 
 def launch_verdict(records: Mapping[str, ProgressRecord], me: str, *, fragment: int, round_: int,
@@ -291,7 +298,7 @@ def plan_catch_up(records: Mapping[str, ProgressRecord], me: str, my_rounds: Seq
                     if at_mine.get(pid) == winner:
                         newest.setdefault((r, d), []).append(pid)
                 (round_, digest), holders = max(newest.items(), key=lambda kv: (len(kv[1]), kv[0][0]))
-                plans.append(CatchUp(p, round_, digest, holders,
+                plans.append(CatchUp(p, round_, digest, servable(records, holders),
                                      f"digest {check_d[:12]} disagrees with the swarm's at round {check_r}"))
     return plans
 

@@ -1,0 +1,73 @@
+"""A peer behind a home router (NAT, no port forward) in a real swarm across network namespaces.
+
+A bootstrap node in host 0, two peers in hosts 1-2 with public lab addresses, and peer 3 in host 3 behind a home
+router of its own (:class:`netns.NetnsLab` ``nat=[3]``: iptables masquerade, replies only). Peer 3 runs in client
+mode, as the README tells a volunteer behind a NAT to: it dials out only, reduces no span, and serves no state.
+What must hold: nobody can dial it (checked on its real port), and yet its outer gradient is in every average it
+takes part in (every span of its rounds lists three contributors), with one digest across the three.
+
+Skipped (with the reason) where network namespaces or iptables NAT cannot be set up here.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from helpers import events, wait_for
+from netns import NetnsLab, nat_available, start_lab_swarm
+from test_netns_swarm import FAST
+
+pytestmark = pytest.mark.swarm
+
+MAX_STEPS = 60  # fragment 0 launches at 20 and 40, fragment 1 at 30 and 50 (H = 20, tau = 10)
+NAMES = ["p1", "p2", "p3"]
+NATTED = 3  # host (and peer p3) behind the home router
+
+
+@pytest.fixture
+def lab():
+    ok, reason = nat_available()
+    if not ok:
+        pytest.skip(reason)
+    with NetnsLab(4, nat=[NATTED]) as lab:
+        yield lab
+    assert not lab.namespaces(), f"namespaces left behind: {lab.namespaces()}"
+
+
+def dial(lab: NetnsLab, host: int, addr: str, port: int) -> str:
+    """Tries a TCP connection from ``host`` to ``addr:port`` (3 s at most); returns "connected" or the error."""
+    code = (f"import socket\ntry:\n socket.create_connection(({addr!r}, {port}), timeout=3); print('connected')\n"
+            f"except OSError as e:\n print(type(e).__name__)")
+    return subprocess.run(lab.run_args(host, [sys.executable, "-c", code]), capture_output=True, text=True,
+                          timeout=30).stdout.strip()
+
+
+def test_a_peer_behind_nat_in_client_mode_is_in_every_average(lab, procs, tmp_path):
+    args = [["--max-steps", str(MAX_STEPS), *FAST]] * 2 + [["--max-steps", str(MAX_STEPS), *FAST, "--client-mode"]]
+    boot, _, peers = start_lab_swarm(lab, procs, tmp_path, args)
+
+    # p3 listens on its private address; from outside neither that address nor its router's port answers
+    start = wait_for(lambda: events(tmp_path, "p3", "start"), 90, "p3's start event")[0]
+    assert all(m.startswith(f"/ip4/{lab.addr(NATTED)}/") for m in start["maddrs"]), start["maddrs"]
+    port = int(start["maddrs"][0].split("/tcp/")[1].split("/")[0])
+    assert dial(lab, NATTED, lab.addr(NATTED), port) == "connected"  # it does listen
+    for addr in (lab.addr(NATTED), lab.public_addr(NATTED)):
+        assert dial(lab, 1, addr, port) != "connected", f"{addr}:{port} answered from outside the NAT"
+
+    for name, proc in peers.items():
+        wait_for(lambda: proc.returncode is not None, 180, f"{name} to exit:\n{proc.tail()}")
+        assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{proc.tail()}"
+    rounds = {n: {(e["fragment"], e["round"]): e for e in events(tmp_path, n, "round")} for n in NAMES}
+    together = [k for k in rounds["p3"] if all(k in rounds[n] and rounds[n][k]["status"] == "ok" for n in NAMES)]
+    # every round of the run but at most one (e.g. a slow start) averaged the three, p3's part in every span
+    assert len(together) >= 3, {n: {k: e["status"] for k, e in r.items()} for n, r in rounds.items()}
+    for key in together:
+        got = [rounds[n][key] for n in NAMES]
+        assert all(e["group_size"] == 3 and e["spans_missing"] == 0 for e in got), got
+        assert all(len(span) == 3 for span in got[0]["contributors"] if span), got[0]["contributors"]
+        assert len([span for span in got[0]["contributors"] if span]) == 2  # p1 and p2 reduce; p3 reduces none
+        assert len({e["digest"] for e in got}) == 1, f"{key}: digests differ"
+    assert boot.terminate(timeout=30) == 0
