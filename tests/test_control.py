@@ -294,7 +294,8 @@ def test_the_vram_cap_is_a_share_of_the_device_and_binds_only_below_it():
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="no CUDA device")
 def test_a_cuda_vram_cap_refuses_an_allocation_above_it():
-    """What ``limits.vram_gb`` sets at start (Trainer._cap_vram): the caching allocator refuses past the share."""
+    """What ``limits.vram_gb`` sets at start (peer.run.local_build.cap_vram): the caching allocator refuses past
+    the share."""
     import torch
 
     total = torch.cuda.get_device_properties(0).total_memory

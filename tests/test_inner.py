@@ -113,6 +113,68 @@ def test_non_finite_loss_raises_and_leaves_params_untouched():
         assert torch.equal(v.nan_to_num(), before[k].nan_to_num()), k
 
 
+def test_deferred_checks_skip_a_non_finite_update_and_raise_when_read():
+    """Deferred checks (the CUDA default; fused AdamW on the CPU here): the bad step and every later one leave
+    the parameters and the optimizer state as they were, and reading any of their stats, or check_finite,
+    raises naming the bad step. No step itself raises (no wait for the device)."""
+    model = _tiny()
+    loop = _loop(model, defer_checks=True)
+    src = MarkovSource(256, seed=0)
+    good = loop.step(src.next_batch(2, 8))
+    assert math.isfinite(good.ce) and good.ce > 0
+    with torch.no_grad():
+        model.blocks[0].mlp.up.weight[0, 0] = float("nan")
+    params = copy.deepcopy(model.state_dict())
+    optimizer = copy.deepcopy(loop.optimizer.state_dict()["state"])
+    bad = loop.step(src.next_batch(2, 8))
+    later = loop.step(src.next_batch(2, 8))
+    assert loop.step_count == 3  # the steps were taken (on the device), only their updates were skipped
+    for k, v in model.state_dict().items():
+        assert torch.equal(v.nan_to_num(), params[k].nan_to_num()), k
+    for i, state in loop.optimizer.state_dict()["state"].items():
+        for name, value in state.items():
+            assert torch.equal(value, optimizer[i][name]), (i, name)
+    for stats in (later, bad):
+        with pytest.raises(FloatingPointError, match="inner step 1: loss is nan"):
+            stats.ce
+    with pytest.raises(FloatingPointError, match="inner step 1: loss is nan"):
+        loop.check_finite()
+    assert good.loss > good.ce  # resolved before: stays readable
+
+
+def test_deferred_checks_give_the_eager_steps():
+    """Where every step is finite, deferring the checks (fused AdamW) changes nothing beyond float rounding."""
+    batches = [MarkovSource(256, seed=2).next_batch(4, 16) for _ in range(4)]
+    eager, deferred = _tiny(seed=1), _tiny(seed=1)
+    eager_loop, deferred_loop = _loop(eager), _loop(deferred, defer_checks=True)
+    for b in batches:
+        a, c = eager_loop.step(b), deferred_loop.step(b)
+        assert (c.loss, c.ce, c.grad_norm) == pytest.approx((a.loss, a.ce, a.grad_norm), rel=1e-4)
+    deferred_loop.check_finite()
+    for (name, p), q in zip(eager.named_parameters(), deferred.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (bench/gpu.py runs it on one)")
+def test_cuda_inner_step_does_not_wait_for_the_device():
+    """On CUDA a step (bf16 autocast, fused AdamW, deferred checks) makes no synchronizing call: torch's sync
+    debug mode turns any into an error. Reading the stats afterwards is the one wait."""
+    torch.manual_seed(0)
+    model, _ = build_model("tiny", 256, 64)
+    cuda = torch.device("cuda")
+    loop = _loop(model.to(cuda), device=cuda)
+    src = MarkovSource(256, seed=0)
+    batches = [src.next_batch(4, 16).pin_memory() for _ in range(3)]
+    loop.step(batches[0])  # the first step allocates the optimizer state
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        stats = [loop.step(b) for b in batches[1:]]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert all(math.isfinite(s.ce) for s in stats)
+
+
 @pytest.mark.parametrize("micro_batch", [1, 4, 3])
 def test_gradient_accumulation_gives_the_whole_batch_update(micro_batch):
     """6 sequences in micro-batches of 1, 4 (a remainder of 2) or 3: the same stats and the same (clipped)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
@@ -65,15 +65,52 @@ def split_decay_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Pa
     return decay, no_decay
 
 
-@dataclass
 class StepStats:
-    """What one inner step measured. ``loss`` includes the z-loss; ``ce`` is in nats."""
+    """What one inner step measured. ``lr`` and ``tokens`` (target tokens, B * T) are plain numbers; ``loss``
+    (includes the z-loss), ``ce`` (nats) and ``grad_norm`` (global L2 norm before clipping) stay on the device
+    until one of them is read: the first read waits for the device once for all three (the training thread
+    never waits otherwise), and raises ``FloatingPointError`` if this step or an earlier one of its loop was
+    not finite (see :class:`InnerLoop`)."""
 
-    loss: float
-    ce: float
-    lr: float
-    grad_norm: float  # global L2 norm before clipping
-    tokens: int  # target tokens in the batch (B * T)
+    def __init__(self, *, lr: float, tokens: int, measured: Tensor, first_bad: Optional[Tensor] = None) -> None:
+        self.lr, self.tokens = lr, tokens
+        self._measured = measured.detach()  # [loss, ce, grad_norm]
+        self._first_bad = first_bad  # [step, loss, grad_norm] of the loop's first non-finite step (step -1: none)
+        self._values: Optional[list[float]] = None
+
+    def resolve(self) -> "StepStats":
+        """Reads the values from the device (once); raises ``FloatingPointError`` as the class docstring says."""
+        if self._values is None:
+            both = self._measured if self._first_bad is None else torch.cat([self._measured, self._first_bad])
+            values = both.tolist()  # the one wait for the device
+            if len(values) > 3 and values[3] >= 0:
+                raise FloatingPointError(non_finite_message(int(values[3]), values[4], values[5]))
+            self._values = values[:3]
+        return self
+
+    @property
+    def loss(self) -> float:
+        return self._value(0)
+
+    @property
+    def ce(self) -> float:
+        return self._value(1)
+
+    @property
+    def grad_norm(self) -> float:
+        return self._value(2)
+
+    def _value(self, i: int) -> float:
+        values = self.resolve()._values
+        assert values is not None
+        return values[i]
+
+
+def non_finite_message(step: int, loss: float, grad_norm: float) -> str:
+    """The one line a non-finite step raises with (the loss first: a non-finite loss makes the norm so too)."""
+    if not math.isfinite(loss):
+        return f"inner step {step}: loss is {loss}; lower the lr or check the data/model"
+    return f"inner step {step}: gradient norm is {grad_norm}; lower the lr"
 
 
 class InnerLoop:
@@ -81,9 +118,16 @@ class InnerLoop:
 
     ``step(batch)`` takes int64 ``[B, T + 1]`` (inputs ``[:, :-1]``, targets ``[:, 1:]``),
     moves it to ``device``, and does one forward/backward/AdamW update with the LR
-    ``lr_at(step_count, ...)``. The model must already be on ``device``. Raises
-    ``FloatingPointError`` (parameters untouched) when the loss or gradient norm is not
-    finite. ``step_count`` counts completed steps.
+    ``lr_at(step_count, ...)``. The model must already be on ``device``. ``step_count`` counts completed
+    steps.
+
+    A non-finite loss or gradient norm never reaches the parameters nor the optimizer state. With
+    ``defer_checks`` off (the default on the CPU, where a wait is cheap) ``step`` raises ``FloatingPointError``
+    at once, parameters untouched. With it on (the default on CUDA: no host synchronization per step) the
+    check stays on the device: the fused AdamW skips the update (its ``found_inf``), and from that step on the
+    loop is latched: every later update is skipped too, so the parameters stay as they were before the bad
+    step, and reading the stats of that step or any later one raises the ``FloatingPointError`` naming the
+    bad step (:meth:`check_finite` too). The caller must stop there, as after the eager raise.
 
     Gradient accumulation: with ``micro_batch`` > 0 the batch is cut into chunks of at most
     ``micro_batch`` sequences, each forward/backward on its own, the loss of each scaled by its
@@ -105,6 +149,7 @@ class InnerLoop:
         z_loss: float,
         device: torch.device,
         micro_batch: int = 0,
+        defer_checks: Optional[bool] = None,
     ) -> None:
         lr_at(0, lr=lr, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio)  # validate
         if grad_clip < 0:
@@ -114,6 +159,7 @@ class InnerLoop:
         self.micro_batch = micro_batch
         self.model = model
         self.device = torch.device(device)
+        self.defer_checks = self.device.type == "cuda" if defer_checks is None else defer_checks
         self.lr, self.warmup_steps, self.total_steps = lr, warmup_steps, total_steps
         self.min_lr_ratio, self.grad_clip, self.z_loss = min_lr_ratio, grad_clip, z_loss
         decay, no_decay = split_decay_params(model)
@@ -122,10 +168,16 @@ class InnerLoop:
             {"params": decay, "weight_decay": weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
         ]
-        # fused AdamW is the fast path on CUDA; the CPU default (foreach) is fine for tests.
-        fused = {"fused": True} if self.device.type == "cuda" else {}
+        # fused AdamW is the fast path on CUDA and the one that takes found_inf (deferred checks); the CPU
+        # default (foreach) is what the exact-fp32 tests were written against.
+        fused = {"fused": True} if self.device.type == "cuda" or self.defer_checks else {}
         self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, **fused)
         self.step_count = 0
+        self._first_bad = self._no_bad()
+
+    def _no_bad(self) -> Tensor:
+        """The latch of deferred checks: [step, loss, grad_norm] of the first non-finite step; step -1: none yet."""
+        return torch.tensor([-1.0, 0.0, 0.0], device=self.device)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.device.type == "cuda":
@@ -159,18 +211,16 @@ class InnerLoop:
             del logits  # (frees this chunk's activations before the next forward)
             loss_sum += loss.detach() * share
             ce_sum += ce.detach() * share
-        loss_value = loss_sum.item()
-        if not math.isfinite(loss_value):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise FloatingPointError(
-                f"inner step {self.step_count}: loss is {loss_value}; lower the lr or check the data/model"
-            )
         grads = [p.grad for p in self.params if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm(grads)
-        grad_norm_value = grad_norm.item()
-        if not math.isfinite(grad_norm_value):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise FloatingPointError(f"inner step {self.step_count}: gradient norm is {grad_norm_value}; lower the lr")
+        measured = torch.stack([loss_sum, ce_sum, grad_norm.to(torch.float32)])
+        if self.defer_checks:
+            self._latch(measured)
+        else:
+            loss_value, _, norm_value = measured.tolist()  # a wait for the device: cheap on the CPU
+            if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
+                self.optimizer.zero_grad(set_to_none=True)
+                raise FloatingPointError(non_finite_message(self.step_count, loss_value, norm_value))
         if self.grad_clip > 0:
             torch.nn.utils.clip_grads_with_norm_(self.params, self.grad_clip, grad_norm)
         lr = self.current_lr()
@@ -178,15 +228,31 @@ class InnerLoop:
             group["lr"] = lr
         self.optimizer.step()
         self.step_count += 1
-        return StepStats(
-            loss=loss_value, ce=ce_sum.item(), lr=lr, grad_norm=grad_norm_value, tokens=rows * (batch.shape[1] - 1)
-        )
+        return StepStats(lr=lr, tokens=rows * (batch.shape[1] - 1), measured=measured,
+                         first_bad=self._first_bad if self.defer_checks else None)
+
+    def _latch(self, measured: Tensor) -> None:
+        """Deferred checks, all on the device: records this step in the latch if it is the first non-finite one,
+        and sets the optimizer's ``found_inf`` (skip the update) while the latch is set."""
+        bad_now = ~torch.isfinite(measured[0::2]).all()
+        here = torch.cat([torch.full((1,), float(self.step_count), device=self.device), measured[0::2]])
+        self._first_bad = torch.where(bad_now & (self._first_bad[0] < 0), here, self._first_bad)
+        setattr(self.optimizer, "found_inf", (self._first_bad[0] >= 0).to(torch.float32))  # read by fused AdamW
+
+    def check_finite(self) -> None:
+        """Raises ``FloatingPointError`` if a step of this loop was not finite (a wait for the device with
+        deferred checks; nothing to wait for otherwise, the step raised already)."""
+        if self.defer_checks:
+            step, loss, norm = self._first_bad.tolist()
+            if step >= 0:
+                raise FloatingPointError(non_finite_message(int(step), loss, norm))
 
     def state_dict(self) -> dict:
         """Optimizer state (tensors) and the schedule position; save with ``torch.save``."""
         return {"optimizer": self.optimizer.state_dict(), "step_count": self.step_count}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what ``state_dict`` returned (for the same model and parameter order)."""
+        """Restore what ``state_dict`` returned (for the same model and parameter order); clears the latch."""
         self.optimizer.load_state_dict(state["optimizer"])
         self.step_count = int(state["step_count"])
+        self._first_bad = self._no_bad()

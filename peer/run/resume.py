@@ -37,7 +37,9 @@ class RunCheckpoints:
 
     def save(self, step: int, *, model, inner, source, engine) -> bool:
         """Saves everything needed to resume (atomic). A write that fails (a full disk) is a warning, not the end of
-        the run: the previous checkpoint stays; returns whether this one was written."""
+        the run: the previous checkpoint stays; returns whether this one was written. Raises the inner loop's
+        ``FloatingPointError`` instead if one of its steps was not finite (deferred checks: see InnerLoop)."""
+        inner.check_finite()
         payload = {"format": 1, "run_hash": self.cfg.run_hash(), "config": self.cfg.to_dict(), "step": step,
                    "model": model.state_dict(), "inner": inner.state_dict(), "data": source.state_dict(),
                    "engine": engine.state_dict(), "torch_rng": torch.get_rng_state()}

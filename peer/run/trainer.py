@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 from typing import Optional
 
-import torch
 from hivemind.utils import get_dht_time
 
 from peer.net import consensus
@@ -32,14 +31,12 @@ from peer.config import PeerConfig
 from peer.errors import JoinError, SetupError
 from peer.net.dht import check_maddrs, ensure_identity
 from peer.control.controls import PeerState
-from peer.control.limits import vram_fraction
 from peer.run.events import EventLog, setup_logging
 from peer.run.ledger import RoundLedger
 from peer.run.resume import RunCheckpoints
 from peer.run.owner import REST_SLICE_S, OwnerLink
 from peer.outer.fragments import Fragment, partition
-from peer.local.inner import InnerLoop
-from peer.local.model import build_model, count_parameters
+from peer.run.local_build import build_local
 from peer.outer.rounds import RoundOutcome, RoundStatus
 from peer.outer.state import FragmentState
 from peer.run.run_dir import RunDirLock
@@ -60,12 +57,6 @@ log = logging.getLogger(__name__)
 CHECKPOINT_RETRY_S = 60.0
 # How long the status line says "out of phase" after the step counter moved up to meet the swarm (seconds).
 REALIGNED_SHOWN_S = 30.0
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def shard_of(peer_id: str) -> int:
@@ -120,7 +111,8 @@ class Trainer:
         self.auto_tau: Optional[AutoTau] = None
         self.status: Optional[StatusLine] = None
         self._realigned: Optional[tuple[float, consensus.Realignment]] = None  # when and how we last moved up
-        self._step, self._loss, self._tok_s = 0, None, 0.0  # for the status line while blocked
+        self._step, self._tok_s = 0, 0.0  # for the status line while blocked
+        self._loss: Optional[float] = None  # the last loss read from the device (every log_every steps)
         self._floor: Optional[float] = None
         self.step_seconds: Optional[float] = None  # moving average of our inner step time (realignment)
         self._device = cfg.inner.device
@@ -206,45 +198,6 @@ class Trainer:
             self.events.close()
             log.info("left the swarm")
 
-    def _build(self, source):
-        cfg = self.cfg
-        if cfg.inner.threads:
-            torch.set_num_threads(cfg.inner.threads)
-        device = pick_device(cfg.inner.device)
-        torch.manual_seed(cfg.model.init_seed)  # identical theta_0 on every peer of the run
-        model, blocks = build_model(cfg.model.preset, cfg.data.vocab_size, cfg.model.seq_len,
-                                     cfg.model.factory or None, hf_config=cfg.model.hf_config,
-                                     hf_blocks=cfg.model.hf_blocks,
-                                     activation_checkpointing=cfg.model.activation_checkpointing)
-        self._cap_vram(device)
-        model.to(device)
-        inner = InnerLoop(model, lr=cfg.inner.lr, weight_decay=cfg.inner.weight_decay,
-                          betas=(cfg.inner.beta1, cfg.inner.beta2), warmup_steps=cfg.inner.warmup_steps,
-                          total_steps=cfg.inner.total_steps, min_lr_ratio=cfg.inner.min_lr_ratio,
-                          grad_clip=cfg.inner.grad_clip, z_loss=cfg.inner.z_loss, device=device,
-                          micro_batch=cfg.data.micro_batch)
-        log.info("model %s: %s parameters on %s; data %s shard %d",
-                 cfg.model.hf_config or cfg.model.factory or cfg.model.preset,
-                 f"{count_parameters(model):,}", device, cfg.data.source, source.shard_index)
-        return model, blocks, inner
-
-    def _cap_vram(self, device: torch.device) -> None:
-        """``limits.vram_gb``: caps this process's share of the GPU before anything is allocated on it."""
-        cap = self.cfg.limits.vram_gb * 2 ** 30
-        if not cap:
-            return
-        if device.type != "cuda":
-            log.info("limits.vram_gb = %g: no effect on %s", self.cfg.limits.vram_gb, device)
-            return
-        total = torch.cuda.get_device_properties(device).total_memory
-        fraction = vram_fraction(cap, total)
-        if fraction is None:
-            log.info("limits.vram_gb = %g: the device has %.1f GiB, the cap does not bind", self.cfg.limits.vram_gb,
-                     total / 2 ** 30)
-            return
-        torch.cuda.set_per_process_memory_fraction(fraction, device)
-        log.info("GPU memory capped at %.1f GiB of %.1f GiB (limits.vram_gb)", cap / 2 ** 30, total / 2 ** 30)
-
     def _wait_for_peers(self) -> None:
         """Blocks until ``min_peers`` peers of this run are visible, a stop signal, or start_timeout; in any case
         until the swarm's progress records were read once (bounded by ``progress_ttl``), so that the catch-up
@@ -263,7 +216,7 @@ class Trainer:
 
     def _train(self, label: str, source) -> int:
         cfg = self.cfg
-        model, blocks, inner = self._build(source)
+        model, blocks, inner = build_local(cfg, source)
         fragments = partition(model, blocks, cfg.outer.fragment_blocks, cfg.outer.fragment_pattern)
         log.info("%d fragment(s) of %s elements (%s, %d blocks each); codec %s, tau %s, eager %s, merge %s",
                  len(fragments), [f.numel for f in fragments], cfg.outer.fragment_pattern,
@@ -318,7 +271,9 @@ class Trainer:
             if self.auto_tau is not None:
                 self.auto_tau.observe_step(step_seconds)
             step += 1
-            self._step, self._loss = step, stats.ce
+            self._step = step
+            if step % cfg.run.log_every == 0 or self.status.due():  # the loss waits for the device: not every step
+                self._loss = stats.ce  # (raises FloatingPointError if a step since the last read was not finite)
             tokens_total += stats.tokens
             window_tokens += stats.tokens
             engine.add_tokens(stats.tokens)
@@ -331,7 +286,7 @@ class Trainer:
                                  tokens_per_second=tok_s, elapsed=now - t_start, floor=self._floor,
                                  compute_seconds=compute_seconds, blocked_seconds=engine.blocked_seconds,
                                  tau=self.auto_tau() if self.auto_tau else cfg.outer.tau)
-            self.swarm.update_progress(step, engine.states[0].round, tok_s, stats.ce)
+            self.swarm.update_progress(step, engine.states[0].round, tok_s, self._loss)
             engine.launch_due(step)
             engine.apply_due(step)
             if self.found_late or (cfg.swarm.drift_check_period and
