@@ -133,6 +133,9 @@ class InnerConfig:
     z_loss: float = setting(1e-4, help="z-loss coefficient (Chinchilla / Streaming DiLoCo).")
     device: str = setting("auto", local=True, help="auto (cuda if available), cpu, cuda, cuda:N.")
     threads: int = setting(0, local=True, help="torch intra-op CPU threads (0 keeps torch's default).")
+    compile: bool = setting(False, local=True, help="Run the model's forward and backward through torch.compile "
+            "(faster steps on a GPU after a compile at start that can take minutes; on the CPU it needs a C++ "
+            "compiler). The weights, checkpoints and fragments are the uncompiled model's.")
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, "inner.lr", "> 0", self.lr)

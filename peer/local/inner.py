@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -133,6 +133,9 @@ class InnerLoop:
     ``micro_batch`` sequences, each forward/backward on its own, the loss of each scaled by its
     share of the batch; the update is the one the whole batch gives (up to float summation
     order) while activations are held for one chunk at a time.
+
+    ``compile``: the forward runs through ``torch.compile(model)``; the parameters are the model's own (the
+    compiled wrapper shares them), so ``self.model``, its ``state_dict`` and the fragments keep their names.
     """
 
     def __init__(
@@ -150,6 +153,7 @@ class InnerLoop:
         device: torch.device,
         micro_batch: int = 0,
         defer_checks: Optional[bool] = None,
+        compile: bool = False,
     ) -> None:
         lr_at(0, lr=lr, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio)  # validate
         if grad_clip < 0:
@@ -157,7 +161,8 @@ class InnerLoop:
         if micro_batch < 0:
             raise ValueError(f"micro_batch must be >= 0 (0: the whole batch at once), got {micro_batch}")
         self.micro_batch = micro_batch
-        self.model = model
+        self.model = model  # the module itself (checkpoints, fragments); forward_model may be its compiled wrapper
+        self.forward_model: Callable[[Tensor], Tensor] = torch.compile(model) if compile else model
         self.device = torch.device(device)
         self.defer_checks = self.device.type == "cuda" if defer_checks is None else defer_checks
         self.lr, self.warmup_steps, self.total_steps = lr, warmup_steps, total_steps
@@ -204,7 +209,7 @@ class InnerLoop:
         ce_sum = torch.zeros((), device=self.device)
         for chunk in batch.split(size):
             with self._autocast():
-                logits = self.model(chunk[:, :-1])
+                logits = self.forward_model(chunk[:, :-1])
             loss, ce = lm_loss(logits, chunk[:, 1:], self.z_loss)  # float32, outside autocast
             share = chunk.shape[0] / rows  # the chunks' mean losses, weighted by rows, give the batch's mean
             (loss * share).backward()
