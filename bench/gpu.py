@@ -77,8 +77,9 @@ def flops_per_token(model, n_layers: int, d_model: int, seq_len: int) -> float:
     return 6 * count_parameters(model) + 12 * n_layers * d_model * seq_len
 
 
-def plain_step_fn(model, device: torch.device, clip: float):
+def plain_step_fn(model, device: torch.device, clip: float, compile: bool = False):
     """A plain PyTorch training step of the same model: what a peer's step is compared with."""
+    forward = torch.compile(model) if compile else model
     decay, no_decay = split_decay_params(model)
     fused = {"fused": True} if device.type == "cuda" else {}
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": INNER["weight_decay"]},
@@ -90,7 +91,7 @@ def plain_step_fn(model, device: torch.device, clip: float):
         batch = batch.to(device, non_blocking=True)
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            logits = model(batch[:, :-1])
+            logits = forward(batch[:, :-1])
         loss, _ = lm_loss(logits, batch[:, 1:], INNER["z_loss"])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, clip)
@@ -118,8 +119,8 @@ def one_preset(args) -> dict:
     n = count_parameters(model)
     source = MarkovSource(args.vocab, seed=1)
     batches = [source.next_batch(args.batch, args.seq_len) for _ in range(8)]
-    plain = plain_step_fn(model, device, INNER["grad_clip"])
-    inner = InnerLoop(model, device=device, micro_batch=args.micro_batch, **INNER)
+    plain = plain_step_fn(model, device, INNER["grad_clip"], args.compile)
+    inner = InnerLoop(model, device=device, micro_batch=args.micro_batch, compile=args.compile, **INNER)
     fragments = partition(model, blocks, 3, "strided")
     settings = OuterSettings(H=args.sync_every, tau=args.tau, eager=True)
     engine = StreamingEngine(fragments, settings, EchoTransport("e3m0"))
@@ -148,6 +149,8 @@ def one_preset(args) -> dict:
             sync(device)
             times[name].append((time.perf_counter() - t0) / args.steps)
         steps += args.steps
+    inner.check_finite()
+    engine.close()
     rounds = sum(len(st.applied_rounds) for st in engine.states)
     per_step = {k: sum(v) / len(v) for k, v in times.items()}
     tokens = args.batch * args.seq_len
@@ -157,7 +160,8 @@ def one_preset(args) -> dict:
     tflops = {k: fpt * tokens / t / 1e12 for k, t in per_step.items()}
     outer_copies = sum(1 for t in ("G", "v", "E", "u") if getattr(engine.states[0], t) is not None)
     return {
-        "preset": args.one, "params": n, "batch": args.batch, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
+        "preset": args.one, "params": n, "compile": args.compile,
+        "batch": args.batch, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
         "device": name, "steps_per_loop": steps, "rounds_applied": rounds,
         "plain_s_per_step": per_step["plain"], "peer_s_per_step": per_step["peer"],
         "overhead": per_step["peer"] / per_step["plain"], "blocks": times,
@@ -202,6 +206,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sync-every", type=int, default=50, help="H")
     ap.add_argument("--tau", type=int, default=5)
     ap.add_argument("--activation-checkpointing", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model in both loops (inner.compile)")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: codec, tests")
     ap.add_argument("--out", default="runs/bench_gpu.json")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # internal: one preset in this process

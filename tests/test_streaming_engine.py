@@ -1,5 +1,8 @@
-"""Engine behaviour beyond the reference algorithms: failures, eager undo, replay, auto tau."""
+"""Engine behaviour beyond the reference algorithms: failures, eager undo, replay, auto tau, the worker."""
 
+import threading
+
+import pytest
 import torch
 
 from peer.outer.fragments import Fragment
@@ -149,3 +152,62 @@ def test_a_round_the_transport_keeps_home_is_reported_at_once_without_a_jump():
     torch.testing.assert_close(p.detach(), torch.full((8,), -1.0))  # no eager jump
     assert eng.error_feedback[0].residual is None  # nothing was sent
     assert not eng.states[0].E.any()
+
+
+def test_an_early_aggregate_is_prepared_off_the_training_thread_and_applied_at_launch_plus_tau():
+    """The aggregate is in at once: the worker applies it to copies of G, v right away, but the peer's state
+    and weights change only at launch + tau (exactly as the synchronous engine: test_streaming_reference)."""
+    def full(f, r, d):
+        return RoundOutcome(f, r, "ok", spans=[Span(0, 8, d.clone())], total_weight=20.0)
+
+    p, eng, _ = one_param_engine(OuterSettings(H=4, tau=2, lr=1.0, momentum=0.0, alpha=0.5), full)
+    for step in range(1, 5):
+        with torch.no_grad():
+            p -= 1.0
+        eng.launch_due(step)
+        eng.apply_due(step)
+    assert eng.pending[0] and eng.pending[0][0].prepared is not None  # launched at 4, due at 6
+    prepared = eng.pending[0][0].prepared.result(timeout=10)
+    torch.testing.assert_close(prepared.G, torch.full((8,), -4.0))  # G - lr * Delta on the copy
+    torch.testing.assert_close(eng.states[0].G, torch.zeros(8))  # the state itself: not yet
+    for step in (5, 6):
+        with torch.no_grad():
+            p -= 1.0
+        eng.launch_due(step)
+        eng.apply_due(step)
+    assert eng.states[0].applied_rounds == [1]
+    torch.testing.assert_close(eng.states[0].G, torch.full((8,), -4.0))
+    torch.testing.assert_close(p.detach(), torch.full((8,), 0.5 * -6.0 + 0.5 * -4.0))  # alpha merge at step 6
+    eng.close()
+    assert not any(t.name.startswith("outer-worker") and t.is_alive() for t in threading.enumerate())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (bench/gpu.py runs it on one)")
+@pytest.mark.parametrize("merge", ["alpha", "replay"])
+def test_cuda_engine_gives_the_cpu_engine_bit_for_bit_and_applies_without_waiting(merge):
+    """The same rounds (half of each aggregate missing, eager jumps undone there) on a CUDA parameter and a CPU
+    one: the weights and G agree bit for bit (the merge runs on the device with the same elementwise operations).
+    The applies, which come after the aggregate is in, make no synchronizing call."""
+    def half(f, r, d):
+        return RoundOutcome(f, r, "partial", spans=[Span(0, 4, d[:4].clone()), Span(4, 8, None)], total_weight=20.0)
+
+    settings = OuterSettings(H=4, tau=2, eager=True, lr=0.7, momentum=0.9, alpha=0.25, merge=merge,
+                             wait_timeout=0.01)
+    runs = []
+    for device in ("cpu", "cuda"):
+        p = torch.nn.Parameter(torch.zeros(8, device=device))
+        eng = StreamingEngine([Fragment(0, ["w"], [p])], settings, ScriptedTransport(half),
+                              group_size_hint=lambda: 2)
+        for step in range(1, 13):
+            with torch.no_grad():
+                p -= torch.linspace(0.1, 0.8, 8, device=device) * step
+            eng.launch_due(step)
+            if device == "cuda" and step % 4 == 2:  # an apply step (launch + tau), its aggregate prepared
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                eng.apply_due(step)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        eng.close()
+        runs.append((p.detach().cpu(), eng.states[0].G.clone()))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])

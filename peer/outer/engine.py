@@ -28,6 +28,7 @@ the round's tokens are carried into the next weight.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import math
 import threading
@@ -40,8 +41,9 @@ import torch
 from peer.config import OuterConfig, default_of
 from peer.outer.codec import Codec, roundtrip
 from peer.outer.fragments import Fragment
+from peer.outer.offload import OuterWorker, device_of, gather, scatter, snapshot, to_device
 from peer.outer.rounds import RoundOutcome, RoundStatus
-from peer.outer.state import ErrorFeedback, FragmentState, NesterovSGD, apply_round
+from peer.outer.state import ErrorFeedback, FragmentState, NesterovSGD, advance_shared, merge_into, merge_target
 from peer.outer.schedule import ClockSchedule, StepsSchedule
 from peer.util import time_left
 
@@ -111,6 +113,20 @@ class Pending:
     tau: int  # this round's overlap (fixed at launch; ``tau = auto`` may change between rounds)
     theta_at_launch: Optional[torch.Tensor]  # after the eager jump; kept for the replay merge only
     jump: Optional[torch.Tensor]  # the eager jump applied at launch (undone where nothing arrives)
+    prepared: Optional[concurrent.futures.Future] = None  # the worker's Prepared, once the aggregate is in
+
+
+@dataclass
+class Prepared:
+    """A round's aggregate applied to copies of the shared state, ahead of ``launch + tau`` (off the training
+    thread): at the apply they replace ``G, v`` (if ``base`` is still the state's ``G``) and ``target`` is merged."""
+
+    outcome: RoundOutcome
+    base: torch.Tensor  # the G it was computed from
+    G: torch.Tensor
+    v: torch.Tensor
+    applied: torch.Tensor  # bool mask: the elements an aggregate arrived for
+    target: torch.Tensor  # merge_target(G)
 
 
 class StreamingEngine:
@@ -142,6 +158,12 @@ class StreamingEngine:
         # Optional error feedback: the codec's rounding error of what we sent is added to our next Delta.
         self.ef_codec = error_feedback_codec
         self.error_feedback = [ErrorFeedback() for _ in fragments] if error_feedback_codec is not None else None
+        self._ef_updates: list[Optional[concurrent.futures.Future]] = [None] * len(fragments)
+        self.worker = OuterWorker()  # the host math of arrived aggregates and error feedback (stopped by close)
+
+    def close(self) -> None:
+        """Stops the engine's worker thread (its state stays readable). Must be called once the engine is done."""
+        self.worker.close()
 
     @property
     def one_outer_step(self) -> bool:
@@ -167,7 +189,9 @@ class StreamingEngine:
 
     # ---- phase 1 ---------------------------------------------------------------------------
     def launch_due(self, step: int) -> None:
-        """Launches every fragment whose round is due after inner step ``step``."""
+        """Launches every fragment whose round is due after inner step ``step`` (and hands the aggregates that
+        are in to the worker, see :meth:`_prefetch`)."""
+        self._prefetch()
         for p, (frag, st) in enumerate(zip(self.fragments, self.states)):
             r = self.schedule.due(step, p)
             if r is None or self.stop.is_set():
@@ -177,18 +201,21 @@ class StreamingEngine:
                 # so a new Delta would send that progress twice. Skip; it is carried to the next one.
                 log.info("fragment %d round %d: skipped, round %d still in flight", p, r, self.pending[p][-1].round)
                 continue
-            theta = frag.flat()
+            # Synchronous: the eager jump below needs theta at this step before the next update, and a round the
+            # transport keeps home is reported at once (docs/architecture.md, "Off the training thread").
+            theta = snapshot(frag).wait()
             delta = st.outer_gradient(theta)
             weight = float(max(st.tokens_since_sync, 1))
             st.tokens_since_sync = 0
             if self.error_feedback is not None:
+                self._settle_error_feedback(p)
                 delta = self.error_feedback[p].compensate(delta)
             handle = self.transport.launch(fragment=p, round_=r, delta=delta, weight=weight, step=step,
                                            expected_round=self.expected_round(p))
             if not self.one_outer_step and handle.done() and self._not_launched(p, r, weight, handle, step):
                 continue
             if self.error_feedback is not None and self.ef_codec is not None:  # what the peers will decode
-                self.error_feedback[p].update(delta, roundtrip(delta, self.ef_codec))
+                self._ef_updates[p] = self.worker.submit(self._update_error_feedback, p, delta)
             tau = self.cfg.tau if self.tau_fn is None else max(0, min(self.cfg.H - 1, self.tau_fn()))
             jump = None
             if self.cfg.eager and 0 < tau < self.cfg.H:
@@ -196,10 +223,22 @@ class StreamingEngine:
                 st.E = self.opt.effect(st.v, self._share(p) * delta)
                 merged = self._merged(theta, st.G + st.E)
                 jump = merged - theta
-                frag.assign(merged)
+                scatter(frag, merged)
                 theta = merged
             theta_at_launch = theta if self.cfg.merge == "replay" else None
             self.pending[p].append(Pending(r, step, delta, weight, handle, tau, theta_at_launch, jump))
+
+    def _update_error_feedback(self, p: int, sent: torch.Tensor) -> None:
+        """(On the worker.) The codec's rounding error of what we sent, for our next Delta."""
+        assert self.error_feedback is not None and self.ef_codec is not None
+        self.error_feedback[p].update(sent, roundtrip(sent, self.ef_codec))
+
+    def _settle_error_feedback(self, p: Optional[int] = None) -> None:
+        """Waits for the worker's error-feedback update of fragment ``p`` (all: None); raises what it raised."""
+        for q in range(len(self.fragments)) if p is None else (p,):
+            update, self._ef_updates[q] = self._ef_updates[q], None
+            if update is not None:
+                update.result()
 
     def _not_launched(self, p: int, r: int, weight: float, handle: Handle, step: int) -> bool:
         """Reports at once a round the transport decided not to launch (alone, or the swarm is past it): nothing
@@ -219,6 +258,7 @@ class StreamingEngine:
     # ---- phase 2 ---------------------------------------------------------------------------
     def apply_due(self, step: int) -> None:
         """Applies every aggregate due at ``step`` (launch + tau); blocks up to wait_timeout for it."""
+        self._prefetch()
         for p, queue in enumerate(self.pending):
             while queue and queue[0].launch_step + queue[0].tau <= step:
                 if self.one_outer_step and queue[0].launch_step + queue[0].tau < step:
@@ -245,14 +285,33 @@ class StreamingEngine:
         """Waits for fragment ``p``'s oldest round in flight and applies it (reported to ``on_outcome``)."""
         queue = self.pending[p]
         pend = queue.pop(0)
-        outcome = self._wait(pend, p)
+        prepared = pend.prepared.result() if pend.prepared is not None else None
+        outcome = prepared.outcome if prepared is not None else self._wait(pend, p)
         outcome.launch_step = pend.launch_step
         if self.one_outer_step:
             self._apply_one_outer_step(p, pend, queue[0], outcome)
         else:
-            self._apply_streaming(p, pend, outcome)
+            self._apply_streaming(p, pend, outcome, prepared)
         self.states[p].round = pend.round
         self.on_outcome(self.fragments[p], self.states[p], outcome, step)
+
+    def _prefetch(self) -> None:
+        """Hands every aggregate that is in but not yet due to the worker (streaming modes: the tau = H machine
+        applies with the next round's Delta). Must be called on the training thread."""
+        if self.one_outer_step:
+            return
+        for p, queue in enumerate(self.pending):
+            for pend in queue:
+                if pend.prepared is None and pend.handle.done():
+                    outcome = pend.handle.result(timeout=0)
+                    st = self.states[p]
+                    pend.prepared = self.worker.submit(self._prepare, outcome, st.G, st.v)
+
+    def _prepare(self, outcome: RoundOutcome, base: torch.Tensor, base_v: torch.Tensor) -> Prepared:
+        """The aggregate applied to copies of ``G, v`` (the worker, or the training thread where it came late)."""
+        G, v = base.clone(), base_v.clone()
+        applied = advance_shared(G, v, outcome.spans, self.opt)
+        return Prepared(outcome, base, G, v, applied, merge_target(G, self.cfg.alpha, self.cfg.merge == "replay"))
 
     def _first_events(self, step: int) -> None:
         # Alg. 3 applies nothing at its first sync (t = H): the replica keeps its local weights as the
@@ -285,16 +344,26 @@ class StreamingEngine:
     def _merged(self, theta: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self.cfg.alpha * theta + (1.0 - self.cfg.alpha) * target
 
-    def _apply_streaming(self, p: int, pend: Pending, outcome: RoundOutcome) -> None:
+    def _apply_streaming(self, p: int, pend: Pending, outcome: RoundOutcome, prepared: Optional[Prepared]) -> None:
+        """state.apply_round's two halves: the shared state (prepared ahead where the aggregate came early), then
+        the merge, computed where the parameters are (no copy of them to the host), and the eager undo."""
         frag, st = self.fragments[p], self.states[p]
+        if prepared is None or prepared.base is not st.G:
+            prepared = self._prepare(outcome, st.G, st.v)
+        st.G, st.v, applied = prepared.G, prepared.v, prepared.applied
+        if st.E is not None:
+            st.E[applied] = 0
+        device = device_of(frag)
+        theta = gather(frag)
         replay = pend.theta_at_launch if self.cfg.merge == "replay" else None
-        theta, applied = apply_round(st, frag.flat(), outcome.spans, self.opt, self.cfg.alpha, replay_from=replay)
+        merge_into(theta, to_device(prepared.target, device), outcome.spans, self.cfg.alpha,
+                   replay_from=None if replay is None else to_device(replay, device))
         if pend.jump is not None:  # nothing arrived there: undo our eager jump, keep the progress
             missing = ~applied
-            theta[missing] -= pend.jump[missing]
+            theta = torch.where(to_device(missing, device), theta - to_device(pend.jump, device), theta)
             if st.E is not None:
                 st.E[missing] = 0
-        frag.assign(theta)
+        scatter(frag, theta)
         if bool(applied.any()):
             st.applied_rounds.append(pend.round)
             self._record_share(p, pend, outcome)
@@ -358,6 +427,8 @@ class StreamingEngine:
         as what is needed to forget them on load: their aggregates cannot be waited for after a restart.
         The eager terms E and u are saved only when this peer's settings use them; S is derived."""
         terms = ("G", "v") + self._eager_terms()
+        if self.error_feedback is not None:
+            self._settle_error_feedback()
         return {
             "fragments": [dict({k: getattr(st, k) for k in terms}, round=st.round,
                                tokens_since_sync=st.tokens_since_sync, applied_rounds=st.applied_rounds[-64:])

@@ -116,24 +116,51 @@ def apply_round(state: FragmentState, theta: torch.Tensor, spans: Sequence[Span]
     ``G`` (``S = G``, derived). Missing spans change nothing. Must be called with ``theta`` = this
     fragment's current flat fp32 parameters.
     Returns the new theta and a bool mask of the elements that received an aggregate.
+    (The engine runs the same two halves apart: :func:`advance_shared` off the training thread as soon as the
+    aggregate is in, :func:`merge_into` at ``launch + tau``.)
     """
+    applied = advance_shared(state.G, state.v, spans, opt)
+    if state.E is not None:
+        state.E[applied] = 0
     theta = theta.clone()
-    applied = torch.zeros(theta.numel(), dtype=torch.bool)
+    merge_into(theta, merge_target(state.G, alpha, replay_from is not None), spans, alpha, replay_from=replay_from)
+    return theta, applied
+
+
+def advance_shared(G: torch.Tensor, v: torch.Tensor, spans: Sequence[Span], opt: NesterovSGD) -> torch.Tensor:
+    """``G, v <- Nesterov(G, v, avg)`` in place on every arrived span (checked: an average of the span's length);
+    returns the bool mask of the elements that received an aggregate."""
+    applied = torch.zeros(G.numel(), dtype=torch.bool)
     for span in spans:
         if span.average is None:
             continue
         sl = slice(span.start, span.end)
         if span.average.shape != (span.end - span.start,):
             raise ValueError(f"span [{span.start}, {span.end}) got an average of shape {tuple(span.average.shape)}")
-        opt.step_(state.G[sl], state.v[sl], span.average)
-        if state.E is not None:
-            state.E[sl] = 0
-        if replay_from is not None:
-            theta[sl] = state.G[sl] + (theta[sl] - replay_from[sl])
-        else:
-            theta[sl] = alpha * theta[sl] + (1.0 - alpha) * state.G[sl]
+        opt.step_(G[sl], v[sl], span.average)
         applied[sl] = True
-    return theta, applied
+    return applied
+
+
+def merge_target(G: torch.Tensor, alpha: float, replay: bool) -> torch.Tensor:
+    """What :func:`merge_into` adds: ``(1 - alpha) * G`` for the alpha merge, ``G`` itself for the replay merge
+    (computed ahead, on the host, so the merge at ``launch + tau`` is one multiply-add per element)."""
+    return G if replay else (1.0 - alpha) * G
+
+
+def merge_into(theta: torch.Tensor, target: torch.Tensor, spans: Sequence[Span], alpha: float, *,
+               replay_from: Optional[torch.Tensor] = None) -> None:
+    """In place on ``theta``, every arrived span: ``alpha*theta + target`` (``target = (1-alpha) G``) or, with
+    ``replay_from``, ``target + (theta - replay_from)`` (``target = G``). The operands may live on the
+    parameters' device: the same elementwise operations give the same values there."""
+    for span in spans:
+        if span.average is None:
+            continue
+        sl = slice(span.start, span.end)
+        if replay_from is not None:
+            theta[sl] = target[sl] + (theta[sl] - replay_from[sl])
+        else:
+            theta[sl] = alpha * theta[sl] + target[sl]
 
 
 class ErrorFeedback:

@@ -194,6 +194,8 @@ class Trainer:
                              config=cfg.to_dict())
             return self._train(label, source)
         finally:
+            if self.engine is not None:
+                self.engine.close()
             self.swarm.shutdown()
             self.events.close()
             log.info("left the swarm")

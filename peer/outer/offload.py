@@ -1,0 +1,108 @@
+"""Moving the outer engine's work off the training thread: a worker thread for the host math, and the transfers
+between a fragment's parameters (on their device) and the host's fp32 outer state.
+
+The outer state (``G, v, E, u``) lives on the host in fp32; the parameters live on the training device. On the
+CPU every transfer below is a plain copy (or none) and the results are the ones the synchronous engine gives,
+bit for bit. On CUDA:
+
+- :func:`snapshot` gathers the fragment on the device (a device-to-device copy, in stream order before any later
+  update of the parameters, so nothing has to fence the optimizer) and copies that into a pinned host buffer on
+  a side stream; :meth:`Snapshot.wait` waits for that copy only (an event), not for the whole device queue.
+- :func:`to_device` stages a host vector in pinned memory and copies it without blocking the host (the caching
+  host allocator keeps the staging buffer until the copy has run).
+- :func:`gather` / :func:`scatter` read and write the parameters as one flat fp32 vector on their own device, so
+  a merge is computed where the parameters are, with no device-to-host copy at all.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any, Callable, Optional
+
+import torch
+
+from peer.outer.fragments import Fragment
+
+
+class OuterWorker:
+    """One thread for the engine's host math (an aggregate's Nesterov update, the codec's error-feedback
+    round trip). Tasks run one at a time in submission order. Owned by the engine: :meth:`close` stops it."""
+
+    def __init__(self) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="outer-worker")
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        return self._pool.submit(fn, *args)
+
+    def close(self) -> None:
+        """Waits for the task running now, drops the queued ones and ends the thread (idempotent)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def device_of(frag: Fragment) -> torch.device:
+    return frag.params[0].device if frag.params else torch.device("cpu")
+
+
+def gather(frag: Fragment) -> torch.Tensor:
+    """The fragment's current values as a new flat fp32 vector on the parameters' device (the CPU: ``flat()``)."""
+    if device_of(frag).type != "cuda":
+        return frag.flat()
+    return torch.cat([p.detach().reshape(-1).to(torch.float32) for p in frag.params])
+
+
+def scatter(frag: Fragment, flat: torch.Tensor) -> None:
+    """Writes ``flat`` (fp32, on the parameters' device or the host) into the parameters; a host vector goes
+    through :func:`to_device` first, so the host does not wait for the device queue."""
+    frag.assign(to_device(flat, device_of(frag)))
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device``: itself where it is there already; on CUDA a non-blocking copy from pinned memory."""
+    if host.device == device or device.type != "cuda":
+        return host
+    staged = host if host.is_pinned() else host.pin_memory()
+    return staged.to(device, non_blocking=True)
+
+
+class Snapshot:
+    """A fragment's values at the moment :func:`snapshot` was called, on their way to the host."""
+
+    def __init__(self, host: torch.Tensor, done: Optional[Any] = None, keep: Optional[torch.Tensor] = None):
+        self._host, self._done, self._keep = host, done, keep
+
+    def wait(self) -> torch.Tensor:
+        """The fp32 host vector (waits for its copy only)."""
+        if self._done is not None:
+            self._done.synchronize()
+            self._done = self._keep = None
+        return self._host
+
+
+def snapshot(frag: Fragment) -> Snapshot:
+    """Starts copying the fragment's current values to the host (CPU: done at once). Must be called on the
+    training thread at the step boundary whose values are wanted: later updates are ordered after the gather."""
+    device = device_of(frag)
+    if device.type != "cuda":
+        return Snapshot(frag.flat())
+    on_device = gather(frag)
+    gathered = torch.cuda.Event()
+    gathered.record()
+    side = _side_stream(device)
+    host = torch.empty(on_device.numel(), dtype=torch.float32, pin_memory=True)
+    with torch.cuda.stream(side):
+        side.wait_event(gathered)
+        host.copy_(on_device, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(side)
+    on_device.record_stream(side)  # its memory is not reused before the side stream's copy ran
+    return Snapshot(host, done, on_device)
+
+
+_SIDE_STREAMS: dict[torch.device, Any] = {}
+
+
+def _side_stream(device: torch.device):
+    """One copy stream per device, created on first use (from the training thread only)."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
