@@ -245,6 +245,9 @@ class SwarmConfig:
             "operator, for the line of swarm-peer pass-request). Default: RUN_DIR/pass.txt.")
     client_mode: bool = setting(False, local=True, help="Outbound connections only (behind NAT): the peer "
             "contributes but reduces no span.")
+    reachability_check: bool = setting(True, local=True, help="At start, a peer not in client mode that listens "
+            "beyond loopback asks an initial peer to dial it back (as swarm-peer doctor does); if nobody outside can "
+            "dial it (behind a NAT), it goes on in client mode and says so in one line.")
     nat_port_map: bool = setting(False, local=True, help="Opt-in UPnP/NAT-PMP port mapping on the local gateway.")
     min_peers: int = setting(1, local=True, help="Wait at start until this many peers of the run are visible "
             "(bounded by start_timeout).")

@@ -10,8 +10,9 @@ import subprocess
 import sys
 
 from helpers import p2p_mesh, run_async
-from peer.net.dial_back import DialBackServicer, ask_dial_back, dialable, tcp_ip
+from peer.net.dial_back import DialBackServicer, ask_dial_back, dialable, not_dialable, tcp_ip
 from peer.net.limits import StreamGuard
+from peer.proto import reachability_pb2 as pb
 from test_swarm import REPO, start_bootstrap
 
 
@@ -96,3 +97,15 @@ def test_a_peer_of_an_authenticated_run_refuses_a_requester_without_a_pass_and_s
 
     reply = run_async(main())
     assert not reply.dialed and not reply.reachable and "valid pass" in reply.error, reply
+
+
+def test_a_peer_is_judged_behind_a_nat_when_a_dial_failed_or_the_swarm_sees_it_elsewhere():
+    mine = ["/ip4/192.168.4.2/tcp/4001"]
+    assert not_dialable(None, mine) is None  # nobody could tell
+    assert not_dialable(pb.DialBackReply(reachable=True, dialed=True, address=mine[0]), mine) is None
+    failed = not_dialable(pb.DialBackReply(dialed=True, error="connection refused"), mine)
+    assert failed and "connection refused" in failed
+    seen = not_dialable(pb.DialBackReply(error="none of the addresses ...", observed_ip="10.77.0.4"), mine)
+    assert seen and "10.77.0.4" in seen and "192.168.4.2" in seen and "NAT" in seen
+    # busy, or refused, at our own IP: says nothing
+    assert not_dialable(pb.DialBackReply(error="busy: try again in a minute", observed_ip="192.168.4.2"), mine) is None

@@ -2,7 +2,8 @@
 
 A bootstrap node in host 0, two peers in hosts 1-2 with public lab addresses, and peer 3 in host 3 behind a home
 router of its own (:class:`netns.NetnsLab` ``nat=[3]``: iptables masquerade, replies only). Peer 3 runs in client
-mode, as the README tells a volunteer behind a NAT to: it dials out only, reduces no span, and serves no state.
+mode, as the README tells a volunteer behind a NAT to, or finds at start that it must: it dials out only, reduces
+no span, and serves no state.
 What must hold: nobody can dial it (checked on its real port), and yet its outer gradient is in every average it
 takes part in (every span of its rounds lists three contributors), with one digest across the three.
 
@@ -45,9 +46,17 @@ def dial(lab: NetnsLab, host: int, addr: str, port: int) -> str:
                           timeout=30).stdout.strip()
 
 
-def test_a_peer_behind_nat_in_client_mode_is_in_every_average(lab, procs, tmp_path):
-    args = [["--max-steps", str(MAX_STEPS), *FAST]] * 2 + [["--max-steps", str(MAX_STEPS), *FAST, "--client-mode"]]
-    boot, _, peers = start_lab_swarm(lab, procs, tmp_path, args)
+@pytest.mark.parametrize("mode", ["client mode", "found at start"])
+def test_a_peer_behind_nat_in_client_mode_is_in_every_average(lab, procs, tmp_path, mode):
+    """``client mode``: p3 runs with --client-mode. ``found at start``: it does not, and finds out at start that
+    the swarm sees it at its router's address, none of its own (swarm.reachability_check), then goes on in client
+    mode and says so in one line."""
+    natted = ["--max-steps", str(MAX_STEPS), *FAST] + (["--client-mode"] if mode == "client mode" else [])
+    boot, _, peers = start_lab_swarm(lab, procs, tmp_path, [["--max-steps", str(MAX_STEPS), *FAST]] * 2 + [natted])
+    if mode == "found at start":
+        line = peers["p3"].wait_for_line(r"nobody outside can dial this peer: (.*)", timeout=60)
+        assert lab.public_addr(NATTED) in line.group(1), line.group(0)
+        assert not events(tmp_path, "p3", "round"), "the check must answer before the first round"
 
     # p3 listens on its private address; from outside neither that address nor its router's port answers
     start = wait_for(lambda: events(tmp_path, "p3", "start"), 90, "p3's start event")[0]

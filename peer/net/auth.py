@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import os
 import re
@@ -325,6 +326,13 @@ class Admission:
             self._passes.pop(pid, None)
         return new
 
+    def revoke_listed(self, value: Any) -> set[str]:
+        """Revokes the peers named by a revocation list (a DHT entry's value) the run authority signed; returns the
+        ones that are new (none for a list that does not verify, or in an open run)."""
+        if self.checker is None:
+            return set()
+        return self.revoke(verify_revocations(self.checker, value) or ())
+
     def admitted(self, peer_id: str) -> bool:
         if self.checker is None:
             return True
@@ -340,10 +348,19 @@ class RunAccess:
     token: AccessToken
     key: RSAPrivateKey
 
-    @property
+    @functools.cached_property
     def expires_at(self) -> float:
         """When our pass expires (unix seconds)."""
         return datetime.fromisoformat(self.token.expiration_time).timestamp()
+
+    def why_ended(self, me: str, admission: Admission) -> Optional[str]:
+        """Why our own pass no longer admits us (the authority revoked it, or it expired), or None. Then no peer
+        of the run works with us."""
+        if me in admission.revoked:
+            return "the run authority revoked this peer's pass"
+        if time.time() >= self.expires_at:
+            return f"this peer's pass expired at {self.token.expiration_time}"
+        return None
 
     @classmethod
     def load(cls, authority: str, pass_path: str | Path, identity_path: str | Path) -> "RunAccess":

@@ -83,18 +83,21 @@ class DialBackServicer(ServicerBase):
         assert self._p2p is not None, "Must be added to a P2P instance first"
         observed = {ip for info in await self._p2p.list_peers() if info.peer_id == requester
                     for ip in (tcp_ip(str(m)) for m in info.addrs) if ip}
+        seen_at = min(observed) if len(observed) == 1 else ""  # (several connections: cannot tell which)
         targets = dialable(requested, observed)
         if not targets:  # (costs no dial: not counted below)
             return pb.DialBackReply(error=f"none of the addresses is a TCP address at the IP this request came "
-                                          f"from ({', '.join(sorted(observed)) or 'unknown'})")
+                                          f"from ({', '.join(sorted(observed)) or 'unknown'})", observed_ip=seen_at)
         now = time.monotonic()
         while self._recent and now - self._recent[0] > 60:
             self._recent.popleft()
         if self._busy.locked() or len(self._recent) >= self.per_minute:
-            return pb.DialBackReply(error="busy: try again in a minute")
+            return pb.DialBackReply(error="busy: try again in a minute", observed_ip=seen_at)
         async with self._busy:
             self._recent.append(now)
-            return await dial_fresh(requester, targets, self.timeout)
+            reply = await dial_fresh(requester, targets, self.timeout)
+            reply.observed_ip = seen_at
+            return reply
 
 
 async def dial_fresh(peer_id: PeerID, maddrs: Sequence[str], timeout: float) -> pb.DialBackReply:
@@ -124,6 +127,51 @@ async def ask_dial_back(p2p: P2P, node: PeerID, maddrs: Sequence[str], timeout: 
         return await asyncio.wait_for(stream.__anext__(), timeout)
     finally:
         await stream.aclose()
+
+
+async def ask_initial_peers(p2p: P2P, initial_peers: Sequence[str], maddrs: Sequence[str],
+                             timeout: float) -> Optional[pb.DialBackReply]:
+    """Asks the initial peers, one after another, to dial ``p2p`` back at ``maddrs``: the first reply of a node
+    that dialed, else the last reply of one that would not (busy, refused: an authenticated run's peers serve
+    only peers with a pass; no address at our IP), else None (no node serves dial-back or none answered)."""
+    last: Optional[pb.DialBackReply] = None
+    for text in initial_peers:
+        maddr = Multiaddr(text)
+        node = PeerID.from_base58(maddr.value_for_protocol("p2p"))
+        try:
+            await asyncio.wait_for(p2p._client.connect(node, [maddr.decapsulate(f"/p2p/{node}")]), timeout)
+            reply = await ask_dial_back(p2p, node, maddrs, timeout=MAX_ADDRESSES * timeout + 30)
+        except Exception as e:  # (a node without the service, or gone): the next one
+            log.debug("dial-back from %s: %s: %s", text, type(e).__name__, e)
+            continue
+        if reply.dialed:
+            return reply
+        last = reply
+    return last
+
+
+def not_dialable(reply: Optional[pb.DialBackReply], own_maddrs: Sequence[str]) -> Optional[str]:
+    """Why nobody outside can dial a peer listening at ``own_maddrs``, judged from a dial-back ``reply``; None
+    when the reply does not show it (reachable, or the node did not dial and saw us at one of our own IPs)."""
+    if reply is None:
+        return None
+    if reply.dialed and not reply.reachable:
+        return f"a fresh connection to it failed ({reply.error})"
+    own_ips = {tcp_ip(m) for m in own_maddrs} - {None}
+    if not reply.dialed and reply.observed_ip and reply.observed_ip not in own_ips:
+        return (f"the swarm sees it at {reply.observed_ip}, which is none of its own addresses "
+                f"({', '.join(sorted(str(ip) for ip in own_ips)) or 'none'}): it is behind a NAT")
+    return None
+
+
+async def nat_verdict(p2p: P2P, initial_peers: Sequence[str], timeout: float) -> Optional[str]:
+    """Why nobody outside can dial ``p2p`` (:func:`not_dialable`), asking the initial peers; None when it can be
+    dialed, when nobody could tell, or when it listens on loopback only (a swarm on one machine: nothing to ask)."""
+    mine = [str(m).split("/p2p/")[0] for m in await p2p.get_visible_maddrs()]
+    ips = [tcp_ip(m) for m in mine]
+    if all(ip is None or ipaddress.ip_address(ip).is_loopback for ip in ips):
+        return None
+    return not_dialable(await ask_initial_peers(p2p, initial_peers, mine, timeout), mine)
 
 
 class DialBackService:

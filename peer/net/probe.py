@@ -20,7 +20,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from peer.config import PeerConfig
 from peer.net.auth import PassChecker, record_admitted
 from peer.net.dht import create_dht, shutdown_dht
-from peer.net.dial_back import MAX_ADDRESSES, ask_dial_back
+from peer.net.dial_back import ask_initial_peers
 from peer.net.progress import make_validators, progress_key
 from peer.net.records import ProgressRecord
 from peer.net.swarm import swarm_key
@@ -75,33 +75,19 @@ def probe_swarm(cfg: PeerConfig, *, timeout: float) -> Probe:
         shutdown_dht(dht)
 
 
-def ask_to_be_dialed(cfg: PeerConfig, *, timeout: float) -> Optional[reachability_pb2.DialBackReply]:
+def ask_to_be_dialed(cfg: PeerConfig, *,
+                     timeout: float) -> tuple[Optional[reachability_pb2.DialBackReply], list[str]]:
     """Listens where the peer would (``swarm.host_maddrs``, announcing ``swarm.announce_maddrs``) and asks the
-    initial peers, one after another, to dial it back (peer/net/dial_back.py): the first reply of a node that
-    dialed, else the last reply of one that would not (busy, refused: an authenticated run's peers serve only
-    peers with a pass; no address at our IP), else None (no node serves dial-back). Raises what the daemon
-    raises when it cannot listen there."""
+    initial peers to dial it back: :func:`peer.net.dial_back.ask_initial_peers`; returns the reply and the
+    addresses it asked to be dialed at. Raises what the daemon raises when it cannot listen there."""
     sw = cfg.swarm
 
-    async def run() -> Optional[reachability_pb2.DialBackReply]:
+    async def run() -> tuple[Optional[reachability_pb2.DialBackReply], list[str]]:
         p2p = await P2P.create(host_maddrs=sw.host_maddrs, announce_maddrs=sw.announce_maddrs or None,
                                nat_port_map=False)
         try:
             mine = [str(m).split("/p2p/")[0] for m in (sw.announce_maddrs or await p2p.get_visible_maddrs())]
-            last: Optional[reachability_pb2.DialBackReply] = None
-            for text in sw.initial_peers:
-                maddr = Multiaddr(text)
-                node = PeerID.from_base58(maddr.value_for_protocol("p2p"))
-                try:
-                    await asyncio.wait_for(p2p._client.connect(node, [maddr.decapsulate(f"/p2p/{node}")]), timeout)
-                    reply = await ask_dial_back(p2p, node, mine, timeout=MAX_ADDRESSES * timeout + 30)
-                except Exception as e:  # (a node without the service, or gone): the next one
-                    log.debug("dial-back from %s: %s: %s", text, type(e).__name__, e)
-                    continue
-                if reply.dialed:
-                    return reply
-                last = reply
-            return last
+            return await ask_initial_peers(p2p, sw.initial_peers, mine, timeout), mine
         finally:
             await p2p.shutdown()
 

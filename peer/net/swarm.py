@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import enum
 import logging
 import math
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -25,9 +23,10 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
 from peer.net.allreduce import AllReduceServicer, run_allreduce
-from peer.net.auth import Admission, RunAccess, encode_pass, revocation_key, verify_revocations
+from peer.net.auth import Admission, RunAccess, encode_pass, revocation_key
 from peer.net.bandwidth import Bandwidth
-from peer.net.dial_back import DialBackServicer
+from peer.net.activity import RoundActivity, RoundStage
+from peer.net.dial_back import DialBackServicer, nat_verdict
 from peer.net.group import PROTOCOL_VERSION, GroupError, GroupPlan
 from peer.outer.aggregate import AggregationRule, vouched_caps
 from peer.outer.codec import codec_key, get_codec
@@ -52,26 +51,6 @@ MAX_BEATS_IN_FLIGHT = 4
 # Peers remembered to reconnect to when we find ourselves alone: the most recently seen, for an hour.
 MAX_KNOWN_PEERS, KNOWN_PEER_TTL = 64, 3600.0
 MAX_PARTNERS = 1024  # peers we were in a group with, remembered for KNOWN_PEER_TTL (see vouched_peers)
-
-
-class RoundStage(enum.Enum):
-    """What a round in flight is doing (for the status line)."""
-
-    MATCHMAKING = "looking for a group"
-    PATIENT = "waiting for peers behind by wall time"
-    ALLREDUCE = "averaging"
-
-
-@dataclass(frozen=True)
-class RoundActivity:
-    """One round in flight: its stage, until when at most (monotonic seconds), and, while patient, the live
-    peers whose records show they have not reached it yet."""
-
-    fragment: int
-    round: int
-    stage: RoundStage
-    until: float
-    waiting_for: tuple[str, ...] = ()
 
 
 def swarm_key(run_id: str, run_hash: str, codec: str) -> str:
@@ -108,7 +87,6 @@ class Swarm:
         self.admission = Admission(access.checker if access else None)  # who may take part (authenticated runs)
         if access is not None:
             self.admission.learn(access.token)
-        self._pass_expires = access.expires_at if access is not None else float("inf")  # (checked every step)
         self.guard = StreamGuard(per_peer=cfg.max_streams_per_peer, total=cfg.max_streams,  # all our handlers
                                  admitted=self.admission.admitted)
         self.servicer = AllReduceServicer(registration_timeout=cfg.request_timeout, part_timeout=cfg.part_timeout,
@@ -126,6 +104,7 @@ class Swarm:
         # (step, round of fragment 0, tokens/s, last loss), published by the heartbeat
         self._progress: tuple[int, int, float, Optional[float]] = (0, 0, 0.0, None)
         self.paused = False  # published by the heartbeat: the trainer sets it while its owner pauses it
+        self.client_mode = cfg.client_mode  # or set at start when nobody outside can dial us (_check_reachability)
         self._view = LiveView(cfg.progress_ttl)  # everyone's records, merged by the heartbeat
         self._speeds = SpeedLedger()  # the speeds their records vouch for (the robust rule's caps)
         self._first_read = threading.Event()  # set once the heartbeat's first read of the records ended
@@ -156,7 +135,22 @@ class Swarm:
             self._call(self.servicer.add_p2p_handlers(self.p2p), self.cfg.startup_timeout)
             self._call(self.state_servicer.add_p2p_handlers(self.p2p), self.cfg.startup_timeout)
             self._call(self.dial_back.add_p2p_handlers(self.p2p), self.cfg.startup_timeout)
+            if self.cfg.reachability_check and self.cfg.initial_peers:
+                asyncio.run_coroutine_threadsafe(self._check_reachability(), self._loop)
         asyncio.run_coroutine_threadsafe(self._heartbeat(), self._loop)
+
+    async def _check_reachability(self) -> None:
+        """Goes on in client mode if nobody outside can dial us (peer/net/dial_back.py); rounds that started
+        before the answer keep the mode they started with."""
+        try:
+            why = await nat_verdict(self.p2p, self.cfg.initial_peers, self.cfg.request_timeout)
+        except Exception as e:  # (an initial peer that misbehaves: judged by nothing, as if unknown)
+            log.debug("reachability check: %s: %s", type(e).__name__, e)
+            return
+        if why:
+            self.client_mode = True
+            log.warning("nobody outside can dial this peer: %s. It goes on in client mode (it still contributes; "
+                        "it reduces no span and serves no state); forward the port or pass --client-mode", why)
 
     def shutdown(self) -> None:
         """Withdraws our progress record, stops the event loop thread and the DHT. Idempotent."""
@@ -237,7 +231,7 @@ class Swarm:
         averaging = [[a.fragment, a.round] for a in activity if a.stage is RoundStage.ALLREDUCE]
         rec = ProgressRecord(peer_id=self.peer_id, step=step, round=round_, tokens_per_second=tps, seeking=seeking,
                              averaging=averaging, paused=self.paused, loss=loss, version=VERSION,
-                             client_mode=self.cfg.client_mode, time=get_dht_time(),
+                             client_mode=self.client_mode, time=get_dht_time(),
                              rounds=[s.round for s in snaps if s], digests=[s.digest for s in snaps if s],
                              past=self._past_entries(), pass_line=encode_pass(self.access.token) if self.access else "")
         store = self.dht.store(progress_key(self.run_key), rec.model_dump(), get_dht_time() + self.cfg.progress_ttl,
@@ -297,22 +291,14 @@ class Swarm:
         if found is None or not isinstance(found.value, dict):
             return
         for entry in found.value.values():
-            ids = verify_revocations(self.access.checker, getattr(entry, "value", None))
-            for pid in sorted(self.admission.revoke(ids or ())):
+            for pid in sorted(self.admission.revoke_listed(getattr(entry, "value", None))):
                 log.warning("peer %s: the run authority revoked peer %s's pass: no longer admitted",
                             short_id(self.peer_id), short_id(pid))
 
     @property
     def pass_ended(self) -> Optional[str]:
-        """Authenticated runs: why our own pass no longer admits us (the authority revoked it, or it expired),
-        or None. Then no peer of the run works with us."""
-        if self.access is None:
-            return None
-        if self.peer_id in self.admission.revoked:
-            return "the run authority revoked this peer's pass"
-        if time.time() >= self._pass_expires:
-            return f"this peer's pass expired at {self.access.token.expiration_time}"
-        return None
+        """Authenticated runs: :meth:`RunAccess.why_ended` (checked every step); None in an open run."""
+        return None if self.access is None else self.access.why_ended(self.peer_id, self.admission)
 
     def refused(self, peer: object) -> bool:
         """Whether we work with ``peer`` in no group: we excluded it, or it holds no valid pass (authenticated
@@ -456,13 +442,13 @@ class Swarm:
         log.debug("%s: looking for a group (weight %.0f, target %d)", label, weight, target_group_size)
         try:
             info = pb.MemberInfo(protocol_version=PROTOCOL_VERSION, weight=weight, inner_step=inner_step,
-                                 client_mode=self.cfg.client_mode, numel=delta.numel(),
+                                 client_mode=self.client_mode, numel=delta.numel(),
                                  download_bytes_per_second=self.bandwidth.download.rate())
             group = await form_group(
                 self.p2p, self.dht, prefix=round_prefix(self.run_key, fragment, round_),
                 gather=info.SerializeToString(), target_group_size=target_group_size,
                 min_group_size=self.cfg.min_group_size, min_matchmaking_time=self.cfg.matchmaking_time,
-                request_timeout=self.cfg.request_timeout, client_mode=self.cfg.client_mode,
+                request_timeout=self.cfg.request_timeout, client_mode=self.client_mode,
                 timeout=self.cfg.matchmaking_timeout, poll=min(1.0, self.cfg.progress_period),
                 give_up=give_up, keep_waiting=keep_waiting, patience=patience,
                 excluded=self.refused, guard=self.guard)

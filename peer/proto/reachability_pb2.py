@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12reachability.proto\x12\tswarmloco\"!\n\x0f\x44ialBackRequest\x12\x0e\n\x06maddrs\x18\x01 \x03(\t\"R\n\rDialBackReply\x12\x11\n\treachable\x18\x01 \x01(\x08\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x0e\n\x06\x64ialed\x18\x04 \x01(\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12reachability.proto\x12\tswarmloco\"!\n\x0f\x44ialBackRequest\x12\x0e\n\x06maddrs\x18\x01 \x03(\t\"g\n\rDialBackReply\x12\x11\n\treachable\x18\x01 \x01(\x08\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x0e\n\x06\x64ialed\x18\x04 \x01(\x08\x12\x13\n\x0bobserved_ip\x18\x05 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,5 +34,5 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DIALBACKREQUEST']._serialized_start=33
   _globals['_DIALBACKREQUEST']._serialized_end=66
   _globals['_DIALBACKREPLY']._serialized_start=68
-  _globals['_DIALBACKREPLY']._serialized_end=150
+  _globals['_DIALBACKREPLY']._serialized_end=171
 # @@protoc_insertion_point(module_scope)

@@ -13,13 +13,15 @@ class DialBackRequest(_message.Message):
     def __init__(self, maddrs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DialBackReply(_message.Message):
-    __slots__ = ("reachable", "address", "error", "dialed")
+    __slots__ = ("reachable", "address", "error", "dialed", "observed_ip")
     REACHABLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     DIALED_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_IP_FIELD_NUMBER: _ClassVar[int]
     reachable: bool
     address: str
     error: str
     dialed: bool
-    def __init__(self, reachable: _Optional[bool] = ..., address: _Optional[str] = ..., error: _Optional[str] = ..., dialed: _Optional[bool] = ...) -> None: ...
+    observed_ip: str
+    def __init__(self, reachable: _Optional[bool] = ..., address: _Optional[str] = ..., error: _Optional[str] = ..., dialed: _Optional[bool] = ..., observed_ip: _Optional[str] = ...) -> None: ...

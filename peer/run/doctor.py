@@ -178,15 +178,21 @@ def _network(cfg: PeerConfig, timeout: float) -> list[Check]:
     return out + [_dialed_back(cfg, timeout)] + _swarm_view(cfg, timeout)
 
 
+NAT_FIX = ("forward the port to this machine and pass --host-maddrs /ip4/0.0.0.0/tcp/PORT --announce-maddrs "
+           "/ip4/PUBLIC_IP/tcp/PORT, or run with --client-mode (you still train; you reduce no span); a peer that "
+           "finds this at start joins in client mode on its own (swarm.reachability_check)")
+
+
 def _dialed_back(cfg: PeerConfig, timeout: float) -> Check:
     """Whether an initial peer can open a new connection to where this peer will listen (peer/net/dial_back.py);
     judged from the addresses when none of them answers dial-back requests."""
+    from peer.net.dial_back import not_dialable
     from peer.net.probe import ask_to_be_dialed
 
     if cfg.swarm.client_mode:
         return _reachable_from_outside(cfg)
     try:
-        reply = ask_to_be_dialed(cfg, timeout=timeout)
+        reply, mine = ask_to_be_dialed(cfg, timeout=timeout)
     except Exception as e:  # the daemon could not listen there (a port in use: is a peer running?)
         return Check("reachability", Verdict.FAIL, f"could not listen on {' '.join(cfg.swarm.host_maddrs)}: "
                      f"{type(e).__name__}: {str(e)[:200]}", "free the port (stop the peer that uses it) or pick "
@@ -195,13 +201,15 @@ def _dialed_back(cfg: PeerConfig, timeout: float) -> Check:
         return _reachable_from_outside(cfg)
     if reply.reachable:
         return Check("reachability", Verdict.OK, f"an initial peer dialed this machine back at {reply.address}")
+    natted = not_dialable(reply, mine)
+    if natted and not reply.dialed:
+        return Check("reachability", Verdict.FAIL, f"nobody outside can dial this machine: {natted}", NAT_FIX)
     if not reply.dialed:  # no node would try: say why, and judge from the addresses
         judged = _reachable_from_outside(cfg)
         return Check("reachability", Verdict.WARN, f"no initial peer would dial this machine back ({reply.error}); "
                      f"from the addresses: {judged.found}", judged.fix)
     return Check("reachability", Verdict.FAIL, f"an initial peer could not dial this machine back: {reply.error}",
-                 "forward the port to this machine and pass --host-maddrs /ip4/0.0.0.0/tcp/PORT --announce-maddrs "
-                 "/ip4/PUBLIC_IP/tcp/PORT, or run with --client-mode (you still train; you reduce no span)")
+                 NAT_FIX)
 
 
 def _swarm_view(cfg: PeerConfig, timeout: float) -> list[Check]:
