@@ -125,6 +125,56 @@ def test_a_download_cap_holds_across_the_senders_by_credit_and_the_round_agrees(
     assert results[2].seconds >= capped / cap - BURST_S, (results[2].seconds, capped / cap)
 
 
+def test_a_member_whose_stream_breaks_off_is_not_waited_for():
+    """Member 2 dies mid-round: it sends the first piece of its part to reducers 0 and 1, and its streams end
+    there (it reduces nothing: no handler). The reducers stop waiting for it as soon as its streams end, not
+    after part_timeout (30 s here), so the survivors end the round together and early; they average without it."""
+    numel, part_timeout = 4000, 30.0
+    torch.manual_seed(6)
+    deltas = [torch.randn(numel) for _ in range(3)]
+
+    async def main():
+        p2ps = await p2p_mesh(3)
+        try:
+            ids = [p.peer_id for p in p2ps]
+            group = _group(ids, [1.0] * 3, numel)
+            plans = [GroupPlan.from_group(group, ids[i], get_codec("fp32"), numel, f"member {i}") for i in range(3)]
+            servicers = [AllReduceServicer(registration_timeout=1.0, part_timeout=part_timeout, stream_timeout=60.0,
+                                           guard=StreamGuard(per_peer=16, total=64)) for _ in range(2)]
+            for s, p in zip(servicers, p2ps):
+                await s.add_p2p_handlers(p)
+
+            async def broken_part(j):  # the first piece of member 2's part of span j, then the stream ends
+                start, end = plans[2].spans[j]
+                first = pb.ReduceRequest(group_id=plans[2].group_id, span_index=j, weight=1.0, offset=0,
+                                         piece=get_codec("fp32").encode_flat(deltas[2][start:start + 256]))
+
+                async def one():
+                    yield first
+                stream = await AllReduceServicer.get_stub(p2ps[2], ids[j]).rpc_reduce(one())
+                return [msg async for msg in stream]
+
+            t0 = time.monotonic()
+            results = await asyncio.gather(*[
+                run_allreduce(p2ps[i], servicers[i], plans[i], deltas[i], 1.0, part_timeout=part_timeout,
+                              allreduce_timeout=60.0, connect_timeout=1.0, chunk_bytes=1024) for i in range(2)],
+                broken_part(0), broken_part(1))
+            return results[:2], plans[0].spans, time.monotonic() - t0
+        finally:
+            for p in p2ps:
+                await p.shutdown()
+
+    results, spans, seconds = run_async(main())
+    assert seconds < part_timeout / 2, seconds  # not waited for until part_timeout
+    for res in results:
+        assert [bool(c) for c in res.contributors] == [True, True, False]  # span 2: its reducer is gone
+        for j in (0, 1):
+            start, end = spans[j]
+            assert res.contributors[j] == [0, 1]
+            torch.testing.assert_close(res.spans[j].average, ((deltas[0] + deltas[1]) / 2)[start:end])
+    assert torch.equal(results[0].spans[0].average, results[1].spans[0].average)
+
+
 def test_dead_reducer_span_is_missing_on_every_survivor():
     torch.manual_seed(1)
     deltas = [torch.randn(NUMEL) for _ in range(3)]

@@ -175,6 +175,8 @@ class AllReduceServicer(ServicerBase):
         except (CodecError, CreditError, asyncio.TimeoutError, StopAsyncIteration) as e:
             log.warning("rpc_reduce from %s: dropped a member's part: %s", short_id(context.remote_id),
                         type(e).__name__ + (f": {e}" if str(e) else ""))
+            if red is not None and sender is not None:
+                red.give_up_on(sender)
             if isinstance(e, CodecError) and red is not None:  # (a timeout or a closed stream: the network's)
                 self.exclusions.report(str(context.remote_id), Offence.BAD_PART, f"{red.plan.label}: {e}")
             yield pb.ReduceResponse(status=Status.REJECTED, error=f"bad or incomplete part: {type(e).__name__}")

@@ -65,6 +65,7 @@ class SpanReduction:
         start, end = plan.spans[plan.my_index]
         self.length = end - start
         self.parts: dict[int, tuple[float, torch.Tensor]] = {}  # member index -> (declared weight, part)
+        self.gone: set[int] = set()  # members whose stream ended without their whole part: not waited for
         self.total_weight = 0.0
         self.flagged: list[tuple[str, str]] = []  # (peer id, why) of parts clipped or capped by the rule
         self.all_in = asyncio.Event()
@@ -89,9 +90,20 @@ class SpanReduction:
         if self.result.done() or index in self.parts:
             return False
         self.parts[index] = (weight, part)
-        if len(self.parts) >= self.expected:
-            self.all_in.set()
+        self._check_all_in()
         return True
+
+    def give_up_on(self, index: int) -> None:
+        """Member ``index``'s stream ended without its whole part (it died, its link broke, or it sent garbage):
+        a member sends its part once, so the reduction stops waiting for it rather than for ``part_timeout``
+        (the survivors of a crash then end the round together, not ``part_timeout`` apart)."""
+        if index not in self.parts:
+            self.gone.add(index)
+            self._check_all_in()
+
+    def _check_all_in(self) -> None:
+        if len(self.parts) + len(self.gone) >= self.expected:
+            self.all_in.set()
 
     @property
     def contributors(self) -> list[int]:
