@@ -74,7 +74,7 @@ def _forge_published_state() -> None:
     def forged(self, snap):
         G = -snap.G
         log.warning("HOSTILE: publishing a forged state of fragment %d round %d", snap.fragment, snap.round)
-        publish(self, dataclasses.replace(snap, G=G, digest=digest_of(G)))
+        publish(self, dataclasses.replace(snap, G=G, digest=digest_of(G, snap.v), blocks=[]))
 
     state_transfer.StateServicer.publish = forged
 

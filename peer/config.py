@@ -1,15 +1,7 @@
-"""Typed, validated configuration of a peer: TOML file + environment + command-line flags.
-
-Precedence (lowest first): dataclass defaults < ``--config`` TOML < ``SWARM_*`` env vars < flags.
-Every field of every section has exactly one flag and one env-var twin:
-
-- sections ``run`` and ``swarm`` use bare names: ``swarm.initial_peers`` -> ``--initial-peers``,
-  ``SWARM_INITIAL_PEERS``;
-- the other sections are prefixed: ``outer.lr`` -> ``--outer-lr``, ``SWARM_OUTER_LR``.
-
-List values are repeatable flags, or space/comma-separated in env vars. Any invalid value or unknown
-key raises :class:`ConfigError` with one line naming the key and what is allowed; the CLI turns it
-into exit status 2.
+"""Typed, validated configuration of a peer: one ``kw_only`` dataclass per section, every field with its default,
+its help and whether it is local. Where the values come from (TOML, ``SWARM_*`` env vars, flags):
+:mod:`peer.config_load`. Any invalid value raises :class:`ConfigError` with one line naming the key and what is
+allowed; the CLI turns it into exit status 2.
 
 The *run hash* (:meth:`PeerConfig.run_hash`) covers every setting that changes the shared
 computation (model, outer optimizer, schedule, codec, inner hyper-parameters, vocabulary, run id);
@@ -24,8 +16,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
-import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -275,8 +265,12 @@ class SwarmConfig:
     startup_timeout: float = setting(30.0, local=True, help="Seconds for the local DHT/p2p daemon to start.")
     join_timeout: float = setting(60.0, local=True, help="Seconds to keep retrying the initial peers (with backoff) "
             "before giving up with their addresses.")
-    state_timeout: float = setting(60.0, help="Seconds to download one fragment's outer state from one donor before "
-            "trying the next.")
+    state_timeout: float = setting(60.0, help="Seconds a donor gets for its parts of one fragment's outer state "
+            "before the next donor takes them.")
+    state_donors: int = setting(3, local=True, help="Donors a state download takes parts of a fragment from at "
+            "once (each part verified on its own).")
+    max_state_uploads: int = setting(2, local=True, help="State downloads this peer serves at once; more joiners "
+            "are told it is busy and go to another donor.")
     drift_check_period: float = setting(10.0, help="Seconds between checks of our (round, digest) against the "
             "swarm's majority (0 disables).")
     max_streams_per_peer: int = setting(16, local=True, help="Streams one remote peer may hold open in this peer's "
@@ -292,6 +286,8 @@ class SwarmConfig:
                "a non-empty name without '.' or spaces", self.run_id)
         _check(self.drift_check_period >= 0, "swarm.drift_check_period", ">= 0", self.drift_check_period)
         _check(self.exclude_after >= 1, "swarm.exclude_after", ">= 1", self.exclude_after)
+        _check(1 <= self.state_donors <= 16, "swarm.state_donors", "in [1, 16]", self.state_donors)
+        _check(self.max_state_uploads >= 1, "swarm.max_state_uploads", ">= 1", self.max_state_uploads)
         _check(self.max_streams_per_peer >= 4, "swarm.max_streams_per_peer", ">= 4 (rounds of several fragments, "
                "a download and a join request at once)", self.max_streams_per_peer)
         _check(self.max_streams >= self.max_streams_per_peer, "swarm.max_streams", ">= swarm.max_streams_per_peer",
@@ -391,9 +387,6 @@ def valid_mbps(value: float) -> bool:
     return value == 0 or (math.isfinite(value) and MIN_MBPS <= value <= MAX_MBPS)
 
 
-_WINDOW = r"([01]\d|2[0-3]):([0-5]\d)-([01]\d|2[0-3]):([0-5]\d)"
-
-
 def parse_active_hours(text: str) -> Optional[tuple[int, int]]:
     """``"HH:MM-HH:MM"`` (local time; the window may wrap midnight) as (start, end) minutes of the day, or None
     for ``""`` (always active). Raises ValueError naming the expected form."""
@@ -401,7 +394,7 @@ def parse_active_hours(text: str) -> Optional[tuple[int, int]]:
 
     if not text:
         return None
-    m = re.fullmatch(_WINDOW, text.strip())
+    m = re.fullmatch(r"([01]\d|2[0-3]):([0-5]\d)-([01]\d|2[0-3]):([0-5]\d)", text.strip())
     if not m:
         raise ValueError(f"active hours must be HH:MM-HH:MM in 24-hour local time, e.g. 18:00-08:00 (got {text!r})")
     h0, m0, h1, m1 = (int(g) for g in m.groups())
@@ -415,7 +408,6 @@ SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "inner": InnerConfig, "outer": OuterConfig,
     "swarm": SwarmConfig, "run": RunConfig, "limits": LimitsConfig,
 }
-BARE_SECTIONS = ("run", "swarm")  # their flags carry no section prefix
 
 
 @dataclass(kw_only=True)
@@ -491,33 +483,6 @@ def content_digest(path: Path) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def unknown_env(environ: dict[str, str]) -> list[str]:
-    """One warning per ``SWARM_*`` variable of ``environ`` that matches no config key, naming the nearest key.
-
-    Such a variable is ignored; it is usually a typo (``SWARM_OUTER_LRR``) or a key of another version.
-    """
-    import difflib
-
-    known = {env_name(section, key) for section, key, _ in iter_fields()}
-    out = []
-    for name in sorted(environ):
-        if name.startswith("SWARM_") and name not in known:
-            near = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-            hint = f"; did you mean {near[0]}?" if near else "; see swarm-peer run --help for the keys"
-            out.append(f"environment variable {name} matches no config key and is ignored{hint}")
-    return out
-
-
-def flag_name(section: str, key: str) -> str:
-    """``--initial-peers`` for swarm.initial_peers, ``--outer-lr`` for outer.lr."""
-    name = key if section in BARE_SECTIONS else f"{section}_{key}"
-    return "--" + name.replace("_", "-")
-
-
-def env_name(section: str, key: str) -> str:
-    return "SWARM_" + flag_name(section, key)[2:].replace("-", "_").upper()
-
-
 def iter_settings():
     """Yields (section, dataclasses.Field) for every config field (``metadata``: ``help``, ``local``)."""
     for section, cls in SECTIONS.items():
@@ -531,97 +496,3 @@ def iter_fields():
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             yield section, f.name, hints[f.name]
-
-
-def parse_scalar(section: str, key: str, typ: Any, raw: str) -> Any:
-    """Converts a string from a flag or env var to the field's type (ConfigError names the key)."""
-    where = f"{section}.{key}"
-    try:
-        if typ is bool:
-            low = raw.strip().lower()
-            if low in ("1", "true", "yes", "on"):
-                return True
-            if low in ("0", "false", "no", "off", ""):
-                return False
-            raise ValueError
-        if typ is int:
-            return int(raw)
-        if typ is float:
-            return float(raw)
-        if typ == int | str:
-            return int(raw) if raw.strip().lstrip("-").isdigit() else raw.strip()
-        if typ == list[str]:
-            return [item for item in raw.replace(",", " ").split() if item]
-        return raw
-    except ValueError:
-        raise ConfigError(f"{where}: expected {getattr(typ, '__name__', typ)} (got {raw!r})") from None
-
-
-def _coerce_toml(section: str, key: str, typ: Any, value: Any, source: str) -> Any:
-    where = f"{section}.{key}"
-    if typ is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if typ == int | str:
-        if isinstance(value, (int, str)) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{where} in {source}: expected an integer or a name (got {value!r})")
-    if typ == list[str]:
-        if isinstance(value, str):
-            return [value]
-        if isinstance(value, list) and all(isinstance(v, str) for v in value):
-            return value
-        raise ConfigError(f"{where} in {source}: expected a list of strings (got {value!r})")
-    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-        raise ConfigError(f"{where} in {source}: expected {typ.__name__} (got {value!r})")
-    return value
-
-
-def load_toml(path: str | Path) -> dict[str, dict[str, Any]]:
-    """Reads a config file into {section: {key: value}}; unknown sections/keys are errors."""
-    path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"--config: file not found: {path}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"--config: {path} is not valid TOML: {e}") from None
-    types = {(s, k): t for s, k, t in iter_fields()}
-    out: dict[str, dict[str, Any]] = {}
-    for section, table in data.items():
-        if section not in SECTIONS or not isinstance(table, dict):
-            raise ConfigError(f"unknown section [{section}] in {path}; allowed: {', '.join(SECTIONS)}")
-        for key, value in table.items():
-            if (section, key) not in types:
-                allowed = ", ".join(f.name for f in dataclasses.fields(SECTIONS[section]))
-                raise ConfigError(f"unknown key '{section}.{key}' in {path}; allowed in [{section}]: {allowed}")
-            out.setdefault(section, {})[key] = _coerce_toml(section, key, types[(section, key)], value, str(path))
-    return out
-
-
-def build_config(toml_path: str | None, overrides: dict[tuple[str, str], Any],
-                 environ: dict[str, str] | None = None) -> PeerConfig:
-    """Merges defaults < TOML < env < ``overrides`` (parsed flags, keyed by (section, key)) and validates."""
-    env: dict[str, str] = dict(os.environ) if environ is None else environ
-    values: dict[str, dict[str, Any]] = load_toml(toml_path) if toml_path else {}
-    for section, key, typ in iter_fields():
-        name = env_name(section, key)
-        if name in env:
-            values.setdefault(section, {})[key] = parse_scalar(section, key, typ, env[name])
-    for (section, key), value in overrides.items():
-        values.setdefault(section, {})[key] = value
-    try:
-        sections = {name: cls(**values.get(name, {})) for name, cls in SECTIONS.items()}
-    except TypeError as e:  # a programming error in overrides, not user input
-        raise ConfigError(str(e)) from None
-    cfg = PeerConfig(**sections)
-    # A round's future completes within this; the engine must not give up on it earlier.
-    patience = cfg.swarm.matchmaking_patience if cfg.outer.schedule == "steps" else 0.0
-    rounds_take = cfg.swarm.matchmaking_timeout + patience + cfg.swarm.allreduce_timeout
-    if cfg.outer.wait_timeout <= rounds_take:
-        what = "swarm.matchmaking_timeout + " + ("swarm.matchmaking_patience + " if patience else "")
-        raise ConfigError(f"outer.wait_timeout: must be > {what}swarm.allreduce_timeout "
-                          f"({rounds_take:g}s) (got {cfg.outer.wait_timeout:g})")
-    if not cfg.swarm.initial_peers and not cfg.swarm.new_swarm:
-        raise ConfigError("--initial-peers is empty: pass the multiaddr printed by swarm-bootstrap "
-                          "(is the variable you used unset?), or --new-swarm to start a new swarm")
-    return cfg

@@ -136,7 +136,7 @@ def test_a_capped_state_transfer_takes_at_least_its_bytes_over_the_cap(side):
     buffers hold megabytes)."""
     numel, rate = 1_000_000, 16 * MBIT
     G, v = torch.randn(numel), torch.randn(numel)
-    snap = Snapshot(0, 3, 30, G, v, digest_of(G))
+    snap = Snapshot(0, 3, 30, G, v, digest_of(G, v))
 
     async def fetch(upload: float, down: float):
         donor_bw, receiver_bw = Bandwidth(lambda: (upload, 0.0)), Bandwidth(lambda: (0.0, down))

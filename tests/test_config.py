@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from peer.config import ConfigError, build_config
+from peer.config import ConfigError
+from peer.config_load import build_config
 from peer.cli.swarm_peer import main
 
 NEW = {("swarm", "new_swarm"): True}

@@ -23,7 +23,8 @@ import yaml
 
 from bootstrap.cli import parse_args as bootstrap_parse_args
 from peer.cli.swarm_peer import build_parser, parse_overrides
-from peer.config import build_config, env_name, iter_fields
+from peer.config import iter_fields
+from peer.config_load import build_config, env_name
 
 REPO = Path(__file__).resolve().parent.parent
 DOCKER = REPO / "docker"

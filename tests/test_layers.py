@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 PEER = Path(__file__).resolve().parents[1] / "peer"
-SHARED = {"config", "util", "errors", "proto"}  # every layer may import these
+SHARED = {"config", "config_load", "util", "errors", "proto"}  # every layer may import these
 ALLOWED = {
     "local": SHARED,
     "outer": SHARED,

@@ -4,30 +4,31 @@ import asyncio
 import contextlib
 import os
 import time
-from typing import AsyncIterator
 
 import pytest
 import torch
-from hivemind.p2p import P2P, P2PContext
+from hivemind.p2p import P2P
 
 from helpers import p2p_mesh, run_async
-from peer.outer.state import digest_of
-from peer.proto import state_pb2 as pb
+from peer.outer.state import DIGEST_BLOCK, block_digests, digest_of, digest_of_blocks
 from peer.net.limits import StreamGuard, cap_frame_size, frame_limit_for
 from peer.net.state_transfer import DownloadError, Snapshot, StateServicer, download
 
 SERVING = dict(guard=StreamGuard(per_peer=4, total=64), request_timeout=2.0, stream_timeout=30.0)
 
 
-class DyingServicer(StateServicer):
-    """Sends the first chunk, then breaks the stream (a donor killed mid-download)."""
+def dying(servicer: StateServicer) -> StateServicer:
+    """Sends the first chunk of an answer, then breaks the stream (a donor killed mid-download). Wraps the
+    instance: a subclass would serve under another handler name, which nobody calls."""
+    serve = servicer._serve
 
-    async def rpc_download(self, requests: AsyncIterator[pb.StateRequest],
-                           context: P2PContext) -> AsyncIterator[pb.StateChunk]:
-        async for i, msg in _enumerate(super().rpc_download(requests, context)):
+    async def dies(request, pacer):
+        async for i, msg in _enumerate(serve(request, pacer)):
             if i == 1:
                 raise ConnectionResetError("donor died")
             yield msg
+    servicer._serve = dies
+    return servicer
 
 
 async def _enumerate(aiter):
@@ -40,11 +41,13 @@ async def _enumerate(aiter):
 async def _scenario(numel, donors_kind):
     torch.manual_seed(0)
     G, v = torch.randn(numel), torch.randn(numel)
-    good = Snapshot(0, 9, 90, G, v, digest_of(G))
+    good = Snapshot(0, 9, 90, G, v, digest_of(G, v))
     p2ps = await p2p_mesh(1 + len(donors_kind))
     try:
         for kind, p in zip(donors_kind, p2ps[1:]):
-            servicer = {"dying": DyingServicer, "good": StateServicer, "lying": StateServicer}[kind](100, **SERVING)
+            servicer = StateServicer(100, **SERVING)
+            if kind == "dying":
+                dying(servicer)
             snap = good if kind != "lying" else Snapshot(0, 9, 90, G + 1, v, good.digest)  # claims the good digest
             servicer.publish(snap)
             await servicer.add_p2p_handlers(p)
@@ -67,6 +70,65 @@ def test_download_fails_cleanly_without_an_honest_donor():
         run_async(_scenario(1000, ["dying", "lying"]))
 
 
+def counting(servicer: StateServicer) -> StateServicer:
+    """Counts in ``servicer.parts`` the requests it answers with data (an instance attribute: a subclass would
+    serve under another handler name)."""
+    serve, servicer.parts = servicer._serve, 0
+
+    async def counted(request, pacer):
+        async for i, msg in _enumerate(serve(request, pacer)):
+            servicer.parts += i == 0 and not msg.error
+            yield msg
+    servicer._serve = counted
+    return servicer
+
+
+def test_a_state_comes_in_verified_parts_from_several_donors_and_a_liar_costs_only_its_parts():
+    """Three blocks of state from three donors at once: each serves parts of it. A donor that sends the true
+    header (digest, block digests) but altered values has each of its parts refused (block digests) and
+    fetched again from another; a busy donor (it serves no one more now) is passed over. The state that comes
+    in is the donors' to the bit."""
+    numel = 2 * DIGEST_BLOCK + 1000
+    torch.manual_seed(1)
+    G, v = torch.randn(numel), torch.randn(numel)
+    good = Snapshot(0, 9, 90, G, v, digest_of(G, v))
+
+    async def main(kinds, parallel):
+        p2ps = await p2p_mesh(1 + len(kinds))
+        try:
+            servicers = []
+            for kind, p in zip(kinds, p2ps[1:]):
+                servicer = counting(StateServicer(100_000, **SERVING, max_uploads=0 if kind == "busy" else 2))
+                liar = Snapshot(0, 9, 90, G + 1, v, good.digest, block_digests(G, v))  # true header, false values
+                servicer.publish(liar if kind == "lying" else good)
+                await servicer.add_p2p_handlers(p)
+                servicers.append(servicer)
+            got = await download(p2ps[0], [p.peer_id for p in p2ps[1:]], 0, round_=9, numel=numel,
+                                 digest=good.digest, timeout_per_donor=20, max_chunk_elems=100_000,
+                                 parallel=parallel)
+            return got, [s.parts for s in servicers]
+        finally:
+            for p in p2ps:
+                await p.shutdown()
+
+    got, parts = run_async(main(["good", "good", "good"], 3))
+    assert torch.equal(got.G, G) and torch.equal(got.v, v) and got.digest == good.digest and got.round == 9
+    assert all(n >= 1 for n in parts) and sum(parts) == 3, parts  # three parts of one block, one per donor
+    got, parts = run_async(main(["lying", "busy", "good", "good"], 2))
+    assert torch.equal(got.G, G) and torch.equal(got.v, v)
+    assert parts[0] == 1 and parts[1] == 0 and sum(parts[2:]) == 3, parts  # the liar's one part was fetched again
+
+
+def test_the_digest_covers_g_and_v_block_by_block():
+    G, v = torch.randn(DIGEST_BLOCK + 5), torch.randn(DIGEST_BLOCK + 5)
+    blocks = block_digests(G, v)
+    assert len(blocks) == 2 and digest_of(G, v) == digest_of_blocks(blocks)
+    v2 = v.clone()
+    v2[-1] += 1  # a change in the last block's momentum changes that block's digest only, and the state's
+    assert block_digests(G, v2)[0] == blocks[0] and block_digests(G, v2)[1] != blocks[1]
+    assert digest_of(G, v2) != digest_of(G, v)
+
+
 def _fds(p2p) -> int:
     return len(os.listdir(f"/proc/{p2p._child.pid}/fd"))
 
@@ -80,10 +142,10 @@ def test_never_finished_requests_are_bounded_per_peer_and_end_at_their_deadline(
     async def main():
         victim, attacker, honest = await p2p_mesh(3)
         try:
-            G = torch.randn(1000)
+            G, v = torch.randn(1000), torch.randn(1000)
             guard = StreamGuard(per_peer=4, total=64)
             servicer = StateServicer(100, guard=guard, request_timeout=1.0, stream_timeout=30.0)
-            servicer.publish(Snapshot(0, 9, 90, G, torch.randn(1000), digest_of(G)))
+            servicer.publish(Snapshot(0, 9, 90, G, v, digest_of(G, v)))
             await servicer.add_p2p_handlers(victim)
             fds_before = _fds(victim)
             name = StateServicer._get_handle_name(None, "rpc_download")
@@ -91,7 +153,7 @@ def test_never_finished_requests_are_bounded_per_peer_and_end_at_their_deadline(
             for _ in range(300):
                 held.append(await attacker.call_binary_stream_handler(victim.peer_id, name))
                 peak = max(peak, guard.open.get(str(attacker.peer_id), 0))
-            got = await download(honest, [victim.peer_id], 0, round_=9, numel=1000, digest=digest_of(G),
+            got = await download(honest, [victim.peer_id], 0, round_=9, numel=1000, digest=digest_of(G, v),
                                  timeout_per_donor=10, max_chunk_elems=100)
             deadline = time.monotonic() + 20
             while guard.open_total and time.monotonic() < deadline:  # each ends request_timeout after it opened
@@ -122,9 +184,9 @@ def test_a_frame_declaring_a_huge_length_is_refused_before_its_body_is_read(capl
     async def main():
         victim, attacker = await p2p_mesh(2)
         try:
-            G = torch.randn(1000)
+            G, v = torch.randn(1000), torch.randn(1000)
             servicer = StateServicer(100, **SERVING)
-            servicer.publish(Snapshot(0, 9, 90, G, torch.randn(1000), digest_of(G)))
+            servicer.publish(Snapshot(0, 9, 90, G, v, digest_of(G, v)))
             await servicer.add_p2p_handlers(victim)
             rss_before = _rss()
             _, reader, writer = await attacker.call_binary_stream_handler(
@@ -139,7 +201,7 @@ def test_a_frame_declaring_a_huge_length_is_refused_before_its_body_is_read(capl
             except ConnectionError:
                 answer = b""
             writer.close()
-            got = await download(attacker, [victim.peer_id], 0, round_=9, numel=1000, digest=digest_of(G),
+            got = await download(attacker, [victim.peer_id], 0, round_=9, numel=1000, digest=digest_of(G, v),
                                  timeout_per_donor=10, max_chunk_elems=100)
             return answer, got, _rss() - rss_before
         finally:

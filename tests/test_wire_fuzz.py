@@ -169,8 +169,8 @@ def test_rpc_download_answers_any_request_within_its_deadline(requests, hang):
     async def main():
         guard = StreamGuard(per_peer=4, total=16)
         servicer = StateServicer(100, guard=guard, request_timeout=0.2, stream_timeout=5.0)
-        G = torch.randn(NUMEL)
-        servicer.publish(Snapshot(0, 3, 30, G, torch.randn(NUMEL), digest_of(G)))
+        G, v = torch.randn(NUMEL), torch.randn(NUMEL)
+        servicer.publish(Snapshot(0, 3, 30, G, v, digest_of(G, v)))
         responses = await _drive(servicer.rpc_download(_stream(requests, then_hang=hang), _context(STRANGER)))
         assert responses and all(isinstance(r, state_pb2.StateChunk) for r in responses)
         # one request and the end of the stream (what every honest requester sends), for a state we hold

@@ -17,8 +17,8 @@ import sys
 from typing import Optional, Sequence
 
 from peer.cli import control, doctor, monitor, prepare_data, take_home
-from peer.config import (SECTIONS, ConfigError, build_config, default_of, env_name, flag_name, iter_fields,
-                         iter_settings, unknown_env)
+from peer.config import SECTIONS, ConfigError, default_of, iter_fields, iter_settings
+from peer.config_load import build_config, env_name, flag_name, parse_scalar, unknown_env
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -76,8 +76,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_overrides(ns: argparse.Namespace) -> dict[tuple[str, str], object]:
-    from peer.config import parse_scalar
-
     out = {}
     types = {(s, k): t for s, k, t in iter_fields()}
     for dest, value in vars(ns).items():

@@ -22,7 +22,7 @@ from typing import AsyncIterator, Optional, Sequence
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.utils.multiaddr import Multiaddr
 
-from peer.net.limits import StreamGuard, single_request
+from peer.net.limits import StreamGuard, drain, single_request
 from peer.net.reachability import dial_failure
 from peer.proto import reachability_pb2 as pb
 
@@ -69,6 +69,7 @@ class DialBackServicer(ServicerBase):
         # (a dial-back tries up to MAX_ADDRESSES addresses after starting a daemon: seconds)
         with self.guard.admit(str(context.remote_id), MAX_ADDRESSES * self.timeout + 30) as refusal:
             if refusal:
+                await drain(requests)  # (closing before its request is read resets the stream: no answer arrives)
                 yield pb.DialBackReply(error=refusal)
                 return
             try:

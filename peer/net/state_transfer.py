@@ -1,31 +1,36 @@
-"""State transfer: a joining or drifted peer downloads a fragment's shared outer state from a donor.
+"""State transfer: a joining or drifted peer downloads a fragment's shared outer state from donors.
 
-Every peer keeps an immutable :class:`Snapshot` of each fragment's ``G, v, round`` taken right after
-it applied a round, serves it with ``StateServicer.rpc_download`` (protos/state.proto) in chunks of
-at most ``chunk_elems`` elements, and advertises ``(round, digest)`` in its progress record. The
-receiver checks every chunk (fragment, offsets, sizes, finiteness) and the digest of the assembled
-``G`` against the majority's before using anything, and moves to the next donor on any failure.
+Every peer keeps an immutable :class:`Snapshot` of each fragment's ``G, v, round`` taken right after it applied a
+round, serves ranges of it with ``StateServicer.rpc_download`` (protos/state.proto) in chunks of at most
+``chunk_elems`` elements, and advertises ``(round, digest)`` in its progress record. The digest is made of the
+state's block digests (:func:`peer.outer.state.block_digests`), which every answer carries, so a receiver can
+verify each block on its own: :func:`download` takes parts of the fragment from up to ``parallel`` donors at once
+(a part that fails, or a donor that lies, dies or is busy, goes to the next donor), checks every chunk (fragment,
+offsets, sizes, finiteness) and every block against the majority's digest before using anything. A donor serves
+at most ``max_uploads`` downloads at once and tells the others it is busy, so many joiners cannot swamp one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional, Sequence
 
 import numpy as np
 import torch
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 
-from peer.net.bandwidth import Pacer, stream_pacer
+from peer.net.bandwidth import Pacer, share, stream_pacer
 from peer.net.limits import StreamGuard, drain, single_request
-from peer.outer.state import digest_of
+from peer.outer.state import DIGEST_BLOCK, block_digests, digest_of_blocks
 from peer.proto import state_pb2 as pb
-from peer.util import time_left, next_by, short_id
+from peer.util import next_by, short_id, time_left
 
 log = logging.getLogger(__name__)
+PARTS_PER_DONOR = 8  # a download is cut into about this many parts per donor in use: a slow donor holds few
 
 
 class DownloadError(RuntimeError):
@@ -42,6 +47,7 @@ class Snapshot:
     G: torch.Tensor
     v: torch.Tensor
     digest: str
+    blocks: list[bytes] = field(default_factory=list, compare=False)  # block digests ([] until served once)
 
 
 def _f32(t: torch.Tensor) -> bytes:
@@ -54,14 +60,20 @@ class StateServicer(ServicerBase):
     objects); the handler reads one snapshot object per request."""
 
     def __init__(self, chunk_elems: int, *, guard: StreamGuard, request_timeout: float, stream_timeout: float,
-                 upload: Optional[Pacer] = None):
+                 upload: Optional[Pacer] = None, max_uploads: int = 2):
         """``request_timeout``: for the request to arrive once the stream is open; ``stream_timeout``: the
         longest one download may hold its stream; ``guard``: this peer's bound on streams per remote peer;
-        ``upload``: the owner's upload cap (shared with the all-reduce)."""
+        ``upload``: the owner's upload cap (shared with the all-reduce); ``max_uploads``: downloads served at
+        once (others are told "busy" and go to another donor)."""
         self.chunk_elems = chunk_elems
         self.upload = upload or Pacer(lambda: 0.0)
         self.guard = guard
         self.request_timeout, self.stream_timeout = request_timeout, stream_timeout
+        self.max_uploads = max_uploads
+        self.serving = 0  # downloads being served now
+        # per requester: (the rate it declared, its pacer), so the parts it asks for one after another share one
+        # budget (a fresh pacer per part would let each part's first bytes through at once); the latest 64
+        self._to_requester: dict[str, tuple[float, Pacer]] = {}
         self.snapshots: dict[int, Snapshot] = {}  # the newest, per fragment
         self.previous: dict[int, Snapshot] = {}
 
@@ -89,77 +101,180 @@ class StateServicer(ServicerBase):
             except (asyncio.TimeoutError, StopAsyncIteration, ValueError) as e:
                 yield pb.StateChunk(error=f"no single request within {self.request_timeout:g} s ({type(e).__name__})")
                 return
-            async for chunk in self._serve(request):
-                yield chunk
+            if self.serving >= self.max_uploads:
+                yield pb.StateChunk(fragment=request.fragment, error=f"busy: serving {self.serving} downloads")
+                return
+            self.serving += 1
+            try:
+                async for chunk in self._serve(request, self._pacer_for(str(context.remote_id), request)):
+                    yield chunk
+            finally:
+                self.serving -= 1
 
-    async def _serve(self, request: pb.StateRequest) -> AsyncIterator[pb.StateChunk]:
+    def _pacer_for(self, requester: str, request: pb.StateRequest) -> Pacer:
+        """The pacer of ``requester``'s declared download cap (:func:`stream_pacer`), kept across its requests."""
+        declared, pacer = self._to_requester.pop(requester, (None, None))
+        if pacer is None or declared != request.max_bytes_per_second:
+            declared, pacer = request.max_bytes_per_second, stream_pacer(request.max_bytes_per_second, 1)
+        self._to_requester[requester] = (declared, pacer)  # (re-inserted: the newest last)
+        while len(self._to_requester) > 64:
+            self._to_requester.pop(next(iter(self._to_requester)))
+        return pacer
+
+    async def _serve(self, request: pb.StateRequest, to_requester: Pacer) -> AsyncIterator[pb.StateChunk]:
         snap = self._find(request.fragment, request.round)
         if snap is None:
             yield pb.StateChunk(fragment=request.fragment, error=f"no state for fragment {request.fragment} "
                                                                  f"round {request.round}")
             return
         numel = snap.G.numel()
-        to_requester = stream_pacer(request.max_bytes_per_second, 1)  # its declared download cap
-        for offset in range(0, numel, self.chunk_elems):
-            end = min(numel, offset + self.chunk_elems)
-            msg = pb.StateChunk(fragment=snap.fragment, offset=offset, g=_f32(snap.G[offset:end]),
-                                v=_f32(snap.v[offset:end]))
-            if offset == 0:
+        end = numel if request.count == 0 else min(numel, request.offset + request.count)
+        if request.offset >= end:
+            yield pb.StateChunk(fragment=request.fragment, error=f"no elements in [{request.offset}, {end})")
+            return
+        if not snap.blocks:  # (a snapshot made without them) computed once, off the event loop
+            blocks = await asyncio.get_running_loop().run_in_executor(None, block_digests, snap.G, snap.v)
+            if not snap.blocks:  # (another request may have filled them meanwhile)
+                snap.blocks.extend(blocks)
+        for offset in range(request.offset, end, self.chunk_elems):
+            stop = min(end, offset + self.chunk_elems)
+            msg = pb.StateChunk(fragment=snap.fragment, offset=offset, g=_f32(snap.G[offset:stop]),
+                                v=_f32(snap.v[offset:stop]))
+            if offset == request.offset:
                 msg.round, msg.digest, msg.numel, msg.step = snap.round, snap.digest, numel, snap.step
+                msg.blocks.extend(snap.blocks)
             await self.upload.take(msg.ByteSize())
             await to_requester.take(msg.ByteSize())
             yield msg
 
 
-async def _download_from(p2p: P2P, donor: PeerID, fragment: int, round_: int, numel: int, digest: str,
-                         deadline: float, max_chunk_elems: int, pacer: Pacer) -> Snapshot:
+@dataclass
+class _Assembly:
+    """What a download has so far: the state being filled, the parts still wanted, the verified block digests."""
+
+    numel: int
+    digest: str
+    G: torch.Tensor
+    v: torch.Tensor
+    parts: list[tuple[int, int]]  # [start, end) element ranges still wanted (block-aligned)
+    blocks: Optional[list[bytes]] = None  # trusted once their hash is the digest
+    round: int = 0
+    step: int = 0
+    done: int = 0  # parts verified
+
+    def check_header(self, msg: pb.StateChunk) -> None:
+        """Checks an answer's header against the digest wanted; the first good one sets the block digests."""
+        if msg.numel != self.numel or msg.digest != self.digest:
+            raise DownloadError(f"donor offers numel {msg.numel} digest {msg.digest[:12]}, "
+                                f"want {self.numel} {self.digest[:12]}")
+        if self.blocks is None:
+            blocks = list(msg.blocks)
+            if (len(blocks) != math.ceil(self.numel / DIGEST_BLOCK) or any(len(b) != 16 for b in blocks)
+                    or digest_of_blocks(blocks) != self.digest):
+                raise DownloadError("donor's block digests do not make the digest")
+            self.blocks, self.round, self.step = blocks, int(msg.round), int(msg.step)
+
+    def verify(self, start: int, end: int) -> None:
+        """Checks the blocks of ``[start, end)`` (block-aligned) against the trusted digests."""
+        assert self.blocks is not None
+        G, v = self.G[start:end], self.v[start:end]
+        if not (bool(torch.isfinite(G).all()) and bool(torch.isfinite(v).all())):
+            raise DownloadError(f"non-finite values in [{start}, {end})")
+        if block_digests(G, v) != self.blocks[start // DIGEST_BLOCK:math.ceil(end / DIGEST_BLOCK)]:
+            raise DownloadError(f"elements [{start}, {end}) do not match their block digests")
+
+
+async def _fetch(p2p: P2P, donor: PeerID, fragment: int, round_: int, part: tuple[int, int], got: _Assembly,
+                 deadline: float, max_chunk_elems: int, pacer: Pacer, declared: float) -> None:
+    """Downloads ``part`` of the state from ``donor`` into ``got`` and verifies its blocks."""
+    start, end = part
     stub = StateServicer.get_stub(p2p, donor)
-    request = pb.StateRequest(fragment=fragment, round=round_, max_bytes_per_second=pacer.rate())
+    request = pb.StateRequest(fragment=fragment, round=round_, max_bytes_per_second=declared, offset=start,
+                              count=end - start)
     stream = await asyncio.wait_for(stub.rpc_download(request), timeout=time_left(deadline))
-    G, v = torch.empty(numel), torch.empty(numel)
-    filled, header = 0, None
+    filled = start
     try:
-        while filled < numel:
+        while filled < end:
             msg = await next_by(stream, deadline)
             if msg.error:
                 raise DownloadError(f"donor says: {msg.error}")
-            if header is None:
-                header = msg
-                if msg.numel != numel or msg.digest != digest:
-                    raise DownloadError(f"donor offers numel {msg.numel} digest {msg.digest[:12]}, "
-                                        f"want {numel} {digest[:12]}")
+            if filled == start:
+                got.check_header(msg)
             n = len(msg.g) // 4
             if (msg.fragment != fragment or msg.offset != filled or n == 0 or n > max_chunk_elems
-                    or len(msg.g) != 4 * n or len(msg.v) != 4 * n or filled + n > numel):
+                    or len(msg.g) != 4 * n or len(msg.v) != 4 * n or filled + n > end):
                 raise DownloadError(f"malformed chunk at offset {msg.offset} ({len(msg.g)} bytes)")
-            G[filled:filled + n] = torch.from_numpy(np.frombuffer(msg.g, dtype="<f4").astype(np.float32))
-            v[filled:filled + n] = torch.from_numpy(np.frombuffer(msg.v, dtype="<f4").astype(np.float32))
+            got.G[filled:filled + n] = torch.from_numpy(np.frombuffer(msg.g, dtype="<f4").astype(np.float32))
+            got.v[filled:filled + n] = torch.from_numpy(np.frombuffer(msg.v, dtype="<f4").astype(np.float32))
             filled += n
             await pacer.take(msg.ByteSize())
     finally:
         await stream.aclose()
-    if not (bool(torch.isfinite(G).all()) and bool(torch.isfinite(v).all())):
-        raise DownloadError("state has non-finite values")
-    assert header is not None  # numel > 0: the loop read at least one chunk
-    got = digest_of(G)
-    if got != digest:
-        raise DownloadError(f"digest of the downloaded state is {got[:12]}, advertised {digest[:12]}")
-    return Snapshot(fragment, int(header.round), int(header.step), G, v, got)
+    got.verify(start, end)
+
+
+def _parts(numel: int, pieces: int) -> list[tuple[int, int]]:
+    """``[start, end)`` ranges of whole digest blocks covering ``numel`` elements, about ``pieces`` of them."""
+    blocks = math.ceil(numel / DIGEST_BLOCK)
+    per = max(1, math.ceil(blocks / max(1, pieces))) * DIGEST_BLOCK
+    return [(start, min(numel, start + per)) for start in range(0, numel, per)]
 
 
 async def download(p2p: P2P, donors: Sequence[PeerID], fragment: int, *, round_: int, numel: int, digest: str,
-                   timeout_per_donor: float, max_chunk_elems: int, pacer: Optional[Pacer] = None) -> Snapshot:
-    """Downloads round ``round_`` of fragment ``fragment`` from the first donor that delivers a verified state;
-    ``pacer``: the owner's download cap."""
+                   timeout_per_donor: float, max_chunk_elems: int, pacer: Optional[Pacer] = None,
+                   parallel: int = 3) -> Snapshot:
+    """Downloads round ``round_`` of fragment ``fragment`` (``numel`` elements, ``digest``) from up to
+    ``parallel`` of ``donors`` at once, part by part, each part verified; a donor that fails a part (dead, slow,
+    busy, lying) is dropped and its part goes to the next. Each donor in use gets ``timeout_per_donor`` seconds
+    for its parts. ``pacer``: the owner's download cap (the donors in use are each declared a share of it).
+    Raises :class:`DownloadError` when the donors run out before every part is in."""
     pacer = pacer or Pacer(lambda: 0.0)
-    errors = []
-    for donor in donors:
-        try:
-            return await _download_from(p2p, donor, fragment, round_, numel, digest,
-                                        time.monotonic() + timeout_per_donor, max_chunk_elems, pacer)
-        except Exception as e:  # a dead, slow or lying donor: try the next one
-            log.warning("state download of fragment %d from %s failed: %s: %s", fragment, short_id(donor),
-                        type(e).__name__, e)
-            errors.append(f"{short_id(donor)}: {type(e).__name__}")
-    tried = "; ".join(errors) or "no donors"
-    raise DownloadError(f"fragment {fragment}: no donor delivered a verified state ({tried})")
+    width = max(1, min(parallel, len(donors)))
+    got = _Assembly(numel, digest, torch.empty(numel), torch.empty(numel), _parts(numel, PARTS_PER_DONOR * width))
+    total = len(got.parts)
+    waiting = list(donors)  # donors not yet used
+    errors: list[str] = []
+
+    changed = asyncio.Event()  # a part came back or was verified: idle donors look again
+
+    async def worker(donor: PeerID) -> None:
+        deadline = time.monotonic() + timeout_per_donor
+        while got.done < total:
+            if not got.parts:  # every part is taken: wait in case one comes back (its donor failed)
+                changed.clear()
+                await changed.wait()
+                continue
+            part = got.parts.pop(0)
+            try:
+                await _fetch(p2p, donor, fragment, round_, part, got, deadline, max_chunk_elems, pacer,
+                             share(pacer.rate(), width))
+                got.done += 1
+                changed.set()
+            except Exception as e:  # a dead, slow, busy or lying donor: its part goes to the next one
+                got.parts.insert(0, part)
+                changed.set()
+                log.warning("state download of fragment %d from %s failed: %s: %s", fragment, short_id(donor),
+                            type(e).__name__, e)
+                errors.append(f"{short_id(donor)}: {type(e).__name__}")
+                if waiting:  # a fresh donor takes this one's place
+                    spawn(waiting.pop(0))
+                return
+
+    tasks: set[asyncio.Task] = set()
+
+    def spawn(donor: PeerID) -> None:
+        tasks.add(asyncio.ensure_future(worker(donor)))
+
+    for _ in range(width):
+        spawn(waiting.pop(0))
+    try:
+        while tasks:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            tasks -= done
+    finally:
+        for task in tasks:
+            task.cancel()
+    if got.done < total or got.blocks is None:
+        tried = "; ".join(errors) or "no donors"
+        raise DownloadError(f"fragment {fragment}: no donor delivered a verified state ({tried})")
+    return Snapshot(fragment, got.round, got.step, got.G, got.v, digest, got.blocks)

@@ -96,7 +96,7 @@ class Swarm:
         self.state_servicer = StateServicer(max(1, cfg.chunk_bytes // 8), guard=self.guard,
                                             request_timeout=cfg.request_timeout,
                                             stream_timeout=cfg.state_timeout + cfg.request_timeout,
-                                            upload=self.bandwidth.upload)
+                                            upload=self.bandwidth.upload, max_uploads=cfg.max_state_uploads)
         # answers `swarm-peer doctor`'s "can others dial me?" (bounded: peer/net/dial_back.py)
         self.dial_back = DialBackServicer(guard=self.guard, timeout=cfg.request_timeout,
                                           request_timeout=cfg.request_timeout)
@@ -369,8 +369,9 @@ class Swarm:
         return [dict(past.get(p, {})) for p in range(num_fragments)]
 
     def download_state(self, fragment: int, donors: list[str], *, round_: int, numel: int, digest: str) -> Snapshot:
-        """Blocking: the fragment's state from the first donor that delivers ``digest``; DownloadError if none
-        (donor ids come from other peers' records: one that does not parse is skipped)."""
+        """Blocking: the fragment's state ``digest`` in parts from up to ``state_donors`` donors at once
+        (:func:`~peer.net.state_transfer.download`); DownloadError if they run out (donor ids come from other
+        peers' records: one that does not parse is skipped)."""
         ids = []
         for d in donors:
             if not self.admission.admitted(d):
@@ -384,7 +385,7 @@ class Swarm:
             raise DownloadError("no valid donor")
         coro = download(self.p2p, ids, fragment, round_=round_, numel=numel, digest=digest,
                         timeout_per_donor=self.cfg.state_timeout, max_chunk_elems=max(1, self.cfg.chunk_bytes // 4),
-                        pacer=self.bandwidth.download)
+                        pacer=self.bandwidth.download, parallel=self.cfg.state_donors)
         try:
             return self._call(coro, self.cfg.state_timeout * len(ids) + 5)
         except concurrent.futures.TimeoutError:

@@ -96,14 +96,35 @@ class FragmentState:
                 term.zero_()
 
     def digest(self) -> str:
-        """Hex hash of the shared outer parameters G (equal on all peers after the same rounds)."""
-        return digest_of(self.G)
+        """Hex hash of the shared outer state ``G, v`` (equal on all peers after the same rounds)."""
+        return digest_of(self.G, self.v)
 
 
-def digest_of(G: torch.Tensor) -> str:
-    """blake2b-128 of G's float32 bytes, hex: the swarm-wide identity of a fragment's outer state."""
-    return hashlib.blake2b(G.detach().to("cpu", torch.float32).contiguous().numpy().tobytes(),
-                           digest_size=16).hexdigest()
+# Elements per block of the digest: a state download verifies every block it receives on its own, so parts of a
+# fragment can come from different donors (peer/net/state_transfer.py). 2^16 elements: 512 KiB of G and v.
+DIGEST_BLOCK = 1 << 16
+
+
+def block_digests(G: torch.Tensor, v: torch.Tensor) -> list[bytes]:
+    """blake2b-128 of each :data:`DIGEST_BLOCK`-element block's float32 bytes of ``G``, then of ``v``."""
+    g, m = (t.detach().to("cpu", torch.float32).contiguous().numpy() for t in (G, v))
+    out = []
+    for start in range(0, g.size, DIGEST_BLOCK):
+        h = hashlib.blake2b(digest_size=16)
+        h.update(g[start:start + DIGEST_BLOCK].tobytes())
+        h.update(m[start:start + DIGEST_BLOCK].tobytes())
+        out.append(h.digest())
+    return out
+
+
+def digest_of_blocks(blocks: Sequence[bytes]) -> str:
+    """The digest of a state whose :func:`block_digests` are ``blocks``."""
+    return hashlib.blake2b(b"".join(blocks), digest_size=16).hexdigest()
+
+
+def digest_of(G: torch.Tensor, v: torch.Tensor) -> str:
+    """Hex blake2b-128 of the block digests of ``G, v``: the swarm-wide identity of a fragment's outer state."""
+    return digest_of_blocks(block_digests(G, v))
 
 
 def apply_round(state: FragmentState, theta: torch.Tensor, spans: Sequence[Span], opt: NesterovSGD,

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0bstate.proto\x12\tswarmloco\"M\n\x0cStateRequest\x12\x10\n\x08\x66ragment\x18\x01 \x01(\r\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x1c\n\x14max_bytes_per_second\x18\x03 \x01(\x01\"\x8f\x01\n\nStateChunk\x12\x10\n\x08\x66ragment\x18\x01 \x01(\r\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\x12\r\n\x05numel\x18\x04 \x01(\x04\x12\x0c\n\x04step\x18\x05 \x01(\x04\x12\x0e\n\x06offset\x18\x06 \x01(\x04\x12\t\n\x01g\x18\x07 \x01(\x0c\x12\t\n\x01v\x18\x08 \x01(\x0c\x12\r\n\x05\x65rror\x18\t \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0bstate.proto\x12\tswarmloco\"l\n\x0cStateRequest\x12\x10\n\x08\x66ragment\x18\x01 \x01(\r\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x1c\n\x14max_bytes_per_second\x18\x03 \x01(\x01\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\r\n\x05\x63ount\x18\x05 \x01(\x04\"\x9f\x01\n\nStateChunk\x12\x10\n\x08\x66ragment\x18\x01 \x01(\r\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\x12\r\n\x05numel\x18\x04 \x01(\x04\x12\x0c\n\x04step\x18\x05 \x01(\x04\x12\x0e\n\x06offset\x18\x06 \x01(\x04\x12\t\n\x01g\x18\x07 \x01(\x0c\x12\t\n\x01v\x18\x08 \x01(\x0c\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\x0e\n\x06\x62locks\x18\n \x03(\x0c\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,7 +32,7 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'state_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STATEREQUEST']._serialized_start=26
-  _globals['_STATEREQUEST']._serialized_end=103
-  _globals['_STATECHUNK']._serialized_start=106
-  _globals['_STATECHUNK']._serialized_end=249
+  _globals['_STATEREQUEST']._serialized_end=134
+  _globals['_STATECHUNK']._serialized_start=137
+  _globals['_STATECHUNK']._serialized_end=296
 # @@protoc_insertion_point(module_scope)

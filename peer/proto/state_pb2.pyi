@@ -1,21 +1,27 @@
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
 from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StateRequest(_message.Message):
-    __slots__ = ("fragment", "round", "max_bytes_per_second")
+    __slots__ = ("fragment", "round", "max_bytes_per_second", "offset", "count")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     MAX_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     round: int
     max_bytes_per_second: float
-    def __init__(self, fragment: _Optional[int] = ..., round: _Optional[int] = ..., max_bytes_per_second: _Optional[float] = ...) -> None: ...
+    offset: int
+    count: int
+    def __init__(self, fragment: _Optional[int] = ..., round: _Optional[int] = ..., max_bytes_per_second: _Optional[float] = ..., offset: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class StateChunk(_message.Message):
-    __slots__ = ("fragment", "round", "digest", "numel", "step", "offset", "g", "v", "error")
+    __slots__ = ("fragment", "round", "digest", "numel", "step", "offset", "g", "v", "error", "blocks")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +31,7 @@ class StateChunk(_message.Message):
     G_FIELD_NUMBER: _ClassVar[int]
     V_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     round: int
     digest: str
@@ -34,4 +41,5 @@ class StateChunk(_message.Message):
     g: bytes
     v: bytes
     error: str
-    def __init__(self, fragment: _Optional[int] = ..., round: _Optional[int] = ..., digest: _Optional[str] = ..., numel: _Optional[int] = ..., step: _Optional[int] = ..., offset: _Optional[int] = ..., g: _Optional[bytes] = ..., v: _Optional[bytes] = ..., error: _Optional[str] = ...) -> None: ...
+    blocks: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, fragment: _Optional[int] = ..., round: _Optional[int] = ..., digest: _Optional[str] = ..., numel: _Optional[int] = ..., step: _Optional[int] = ..., offset: _Optional[int] = ..., g: _Optional[bytes] = ..., v: _Optional[bytes] = ..., error: _Optional[str] = ..., blocks: _Optional[_Iterable[bytes]] = ...) -> None: ...

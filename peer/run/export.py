@@ -94,7 +94,7 @@ def run_model(run: SavedRun, weights: str = "shared") -> nn.Module:
 
 def provenance(run: SavedRun, weights: str) -> dict[str, Any]:
     """Where exported weights came from: the run, the step, and per fragment its round and digest."""
-    fragments = [{"fragment": i, "round": int(st["round"]), "digest": digest_of(st["G"])}
+    fragments = [{"fragment": i, "round": int(st["round"]), "digest": digest_of(st["G"], st["v"])}
                  for i, st in enumerate(run.payload["engine"]["fragments"])]
     return {"format": 1, "run_hash": run.payload.get("run_hash"), "run_id": run.cfg.swarm.run_id,
             "checkpoint": run.path.name, "step": run.step, "weights": weights, "fragments": fragments}

@@ -38,7 +38,7 @@ from peer.run.owner import REST_SLICE_S, OwnerLink
 from peer.outer.fragments import Fragment, partition
 from peer.run.local_build import build_local
 from peer.outer.rounds import RoundOutcome, RoundStatus
-from peer.outer.state import FragmentState
+from peer.outer.state import FragmentState, block_digests, digest_of_blocks
 from peer.run.run_dir import RunDirLock
 from peer.outer.schedule import ClockSchedule, StepsSchedule
 from peer.net.consensus import plan_catch_up, step_after_catch_up
@@ -414,11 +414,15 @@ class Trainer:
         return self._realigned[1].behind_steps
 
     # ---- state ---------------------------------------------------------------------------------
-    def _publish_snapshot(self, frag: Fragment, st: FragmentState, step: int, *, adopted: bool = False) -> None:
-        digest = st.digest()
-        self.swarm.publish_snapshot(Snapshot(frag.index, st.last_applied, step, st.G.clone(), st.v.clone(), digest),
+    def _publish_snapshot(self, frag: Fragment, st: FragmentState, step: int, *, adopted: bool = False) -> str:
+        """Serves (and advertises) the fragment's shared state as it is now; returns its digest."""
+        G, v = st.G.clone(), st.v.clone()
+        blocks = block_digests(G, v)  # (served with every download: donors' parts are verified block by block)
+        digest = digest_of_blocks(blocks)
+        self.swarm.publish_snapshot(Snapshot(frag.index, st.last_applied, step, G, v, digest, blocks),
                                     adopted=adopted)
         self.owner.note_fragment(frag.index, st.last_applied, digest, frag.numel)
+        return digest
 
     def _catch_up(self, engine: StreamingEngine, step: int, *, joining: bool, late: bool = False) -> int:
         """Downloads the fragments where the swarm's majority state is ahead of or differs from ours
@@ -468,8 +472,8 @@ class Trainer:
             self.found_late = True
         if outcome.status == RoundStatus.PARTIAL:  # a span we did not apply: our state of it is likely the odd one
             self._suspect.add(frag.index)
-        self._publish_snapshot(frag, st, step)
+        digest = self._publish_snapshot(frag, st, step)
         self.owner.count_round(str(outcome.status))
         if self.auto_tau is not None and outcome.status in (RoundStatus.OK, RoundStatus.PARTIAL):
             self.auto_tau.observe_round(outcome.seconds)
-        self.ledger.record(label, frag.index, frag.numel, outcome, step, st.digest())
+        self.ledger.record(label, frag.index, frag.numel, outcome, step, digest)
