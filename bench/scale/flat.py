@@ -12,8 +12,9 @@ All-reduce: the fragment is cut into one span per non-client member. Each member
 part j to reducer j (one stream per reducer, which carries the average back); reducer j waits for every member's
 part or ``part_timeout`` after the group formed, combines (the clipped rule), encodes once and streams the average
 to every member, which waits at most ``allreduce_timeout``. A reducer that crashes loses its span for every member
-(a member sees the reset at once); a member that crashes loses its part, and every reducer then waits
-``part_timeout``, since a reducer waits for the count of parts, not for the members still alive.
+(a member sees the reset at once); a member that crashes loses its part, and every reducer stops waiting for it
+once its stream ends (a reset is seen at once: ``SpanReduction.give_up_on``). Design ``flat-waits`` is the reducer
+of before that fix, which waited ``part_timeout`` for the count of parts.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from .matching import RoundOutcome, empty_outcome, launches, ready_to_join
 
 
 def flat_round(t0: float, peers: np.ndarray, live: int, death: np.ndarray, client: np.ndarray, links: Links,
-               wl: Workload, rng: np.random.Generator, *, ideal: bool = False) -> RoundOutcome:
-    """Simulates one round slot starting at ``t0`` for the training ``peers``."""
+               wl: Workload, rng: np.random.Generator, *, ideal: bool = False,
+               waits_for_dead: bool = False) -> RoundOutcome:
+    """Simulates one round slot starting at ``t0`` for the training ``peers``. ``waits_for_dead``: the reducer of
+    before the crash-phase fix, which waited ``part_timeout`` for a member whose stream had ended."""
     to = wl.timeouts
     launch = launches(peers, t0, wl, rng)
     ready = ready_to_join(peers, launch, links, entries=peers.size, n_swarm=len(links), wl=wl, rng=rng)
@@ -61,7 +64,8 @@ def flat_round(t0: float, peers: np.ndarray, live: int, death: np.ndarray, clien
     costs = wl.costs
     flows = FlowSet()
     gates = [flows.gate(start[j] + to.part_timeout, not_before=start[j] + costs.encode_s(span),
-                        delay=costs.combine_s(span * m) + costs.encode_s(span)) for j in reducers]
+                        delay=costs.combine_s(span * m) + costs.encode_s(span), on_end=not waits_for_dead)
+             for j in reducers]
     # parts: member i -> reducer j (i != j), after encoding its whole part
     mi, rj = np.meshgrid(np.arange(m), np.arange(reducers.size), indexing="ij")
     mi, rj = mi.ravel(), rj.ravel()

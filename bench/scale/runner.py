@@ -35,7 +35,8 @@ def run_round(cfg: Config, t0: float, pop: Population, wl: Workload, rng: np.ran
         members_only = pop.client | (pop.links.up < cfg.holder_min_mbit * MBIT)
         return bounded_round(t0, training, live, death, members_only, pop.links, wl, rng, cap=cfg.cap,
                              cutoff=cfg.cutoff)
-    return flat_round(t0, training, live, death, pop.client, pop.links, wl, rng, ideal=cfg.design == "flat-ideal")
+    return flat_round(t0, training, live, death, pop.client, pop.links, wl, rng, ideal=cfg.design == "flat-ideal",
+                      waits_for_dead=cfg.design == "flat-waits")
 
 
 def simulate(cfg: Config, wl: Workload) -> dict:
