@@ -185,7 +185,8 @@ def prepare_peer(argv: Sequence[str], env: dict[str, str], *, resolve: Callable[
                  ip: Optional[str] = None, wait: Optional[float] = None) -> tuple[dict[str, str], Optional[int]]:
     """The environment to exec ``swarm-peer argv`` with, and the run slot's lock fd (or None)."""
     from peer.cli.swarm_peer import build_parser, parse_overrides
-    from peer.config import ConfigError, build_config
+    from peer.config import ConfigError
+    from peer.config_load import build_config
 
     env = dict(env)
     try:
@@ -370,7 +371,8 @@ def check_peer(args: Sequence[str], env: dict[str, str], max_age: float,
                cwd: Optional[str] = None) -> tuple[bool, str]:
     """The peer's run dir and event log, from its args and env (relative paths: relative to its cwd)."""
     from peer.cli.swarm_peer import build_parser, parse_overrides
-    from peer.config import ConfigError, build_config
+    from peer.config import ConfigError
+    from peer.config_load import build_config
 
     base = Path(cwd) if cwd else Path.cwd()
     try:

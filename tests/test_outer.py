@@ -63,10 +63,15 @@ def test_alpha_merge_and_missing_span_keeps_progress():
     torch.testing.assert_close(st.outer_gradient(new)[4:], torch.ones(4))
 
 
-def test_digest_changes_with_G_only():
-    st = FragmentState.from_params(torch.arange(5.0))
+def test_digest_changes_with_the_shared_state_g_and_v_only():
+    """The digest identifies the shared state (G, v: a joiner downloads both, and verifies both by it), not the
+    per-peer eager terms."""
+    st = FragmentState.from_params(torch.arange(5.0), ("E",))
     d0 = st.digest()
-    st.v += 1
+    st.E += 1
     assert st.digest() == d0
-    st.G[2] = torch.nextafter(st.G[2], torch.tensor(10.0))  # one ulp
-    assert st.digest() != d0
+    st.v[1] = torch.nextafter(st.v[1], torch.tensor(10.0))  # one ulp of the momentum
+    d1 = st.digest()
+    assert d1 != d0
+    st.G[2] = torch.nextafter(st.G[2], torch.tensor(10.0))  # one ulp of the parameters
+    assert st.digest() not in (d0, d1)

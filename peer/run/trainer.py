@@ -108,6 +108,9 @@ class Trainer:
         self.engine: Optional[StreamingEngine] = None  # set in _train
         self.found_late = False  # a round was late (launch_gate): catch up right after this step
         self._suspect: set[int] = set()  # fragments whose last partial round left our state off the swarm's
+        # per fragment, the digest of its state as last published: every change of G, v is published (restore,
+        # rounds, adoption), so the drift check reads it here instead of hashing every fragment again
+        self._digests: dict[int, str] = {}
         self.auto_tau: Optional[AutoTau] = None
         self.status: Optional[StatusLine] = None
         self._realigned: Optional[tuple[float, consensus.Realignment]] = None  # when and how we last moved up
@@ -422,6 +425,7 @@ class Trainer:
         self.swarm.publish_snapshot(Snapshot(frag.index, st.last_applied, step, G, v, digest, blocks),
                                     adopted=adopted)
         self.owner.note_fragment(frag.index, st.last_applied, digest, frag.numel)
+        self._digests[frag.index] = digest
         return digest
 
     def _catch_up(self, engine: StreamingEngine, step: int, *, joining: bool, late: bool = False) -> int:
@@ -432,7 +436,8 @@ class Trainer:
         Must be called after the step's launches and applies, so the adopted round is never re-launched."""
         records = self.swarm.live_peers() if joining else self.swarm.vouched_peers()
         plans = plan_catch_up(records, self.swarm.peer_id, [st.last_applied for st in engine.states],
-                              [st.digest() for st in engine.states], joining=joining,
+                              [self._digests.get(p) or st.digest() for p, st in enumerate(engine.states)],
+                              joining=joining,
                               expected=[engine.expected_round(p) for p in range(len(engine.states))] if late else None,
                               suspect=sorted(self._suspect),
                               my_past=self.swarm.recent_digests(len(engine.states)))
