@@ -317,7 +317,10 @@ def start_lab_swarm(lab: NetnsLab, started: list, out_dir: Path, peer_args: Sequ
 
     Peer i runs ``swarm-peer run --config configs/demo.toml`` with run dir ``out_dir/p<i>`` (JSON events in
     ``events.jsonl`` there) and its flags ``peer_args[i-1]``, behind ``prefix(i)`` (e.g. a taskset). Every
-    process is appended to ``started`` as soon as it runs, so the caller's cleanup reaches it.
+    process is appended to ``started`` as soon as it runs, so the caller's cleanup reaches it. The peers start
+    with ``--no-reachability-check`` (a peer's flags may turn it back on): each check has the bootstrap node
+    start a throw-away daemon to dial back, which on this one machine lands on the swarm's first rounds
+    (tests/test_nat.py tests the check itself).
     """
     from helpers import Proc
 
@@ -333,7 +336,7 @@ def start_lab_swarm(lab: NetnsLab, started: list, out_dir: Path, peer_args: Sequ
         name, run_dir = f"p{i}", out_dir / f"p{i}"
         cmd = [sys.executable, "-m", "peer", "run", "--config", repo / "configs/demo.toml", "--initial-peers",
                *initial, "--host-maddrs", f"/ip4/{lab.addr(i)}/tcp/0", "--run-dir", run_dir,
-               "--log-json", run_dir / "events.jsonl", *args]
+               "--log-json", run_dir / "events.jsonl", "--no-reachability-check", *args]
         peers[name] = Proc.start(lab.run_args(i, [*prefix(i), *cmd]), log_path=out_dir / f"{name}.log", cwd=repo)
         started.append(peers[name])
     return boot, initial, peers

@@ -51,7 +51,8 @@ def test_a_peer_behind_nat_in_client_mode_is_in_every_average(lab, procs, tmp_pa
     """``client mode``: p3 runs with --client-mode. ``found at start``: it does not, and finds out at start that
     the swarm sees it at its router's address, none of its own (swarm.reachability_check), then goes on in client
     mode and says so in one line."""
-    natted = ["--max-steps", str(MAX_STEPS), *FAST] + (["--client-mode"] if mode == "client mode" else [])
+    natted = ["--max-steps", str(MAX_STEPS), *FAST] + (["--client-mode"] if mode == "client mode" else
+                                                         ["--reachability-check"])  # (the lab turns it off)
     boot, _, peers = start_lab_swarm(lab, procs, tmp_path, [["--max-steps", str(MAX_STEPS), *FAST]] * 2 + [natted])
     if mode == "found at start":
         line = peers["p3"].wait_for_line(r"nobody outside can dial this peer: (.*)", timeout=60)
