@@ -16,6 +16,7 @@ from helpers import p2p_mesh, run_async
 from peer.config import MBIT
 from peer.net.allreduce import AllReduceServicer, run_allreduce
 from peer.net.bandwidth import BURST_S, Bandwidth
+from peer.net.credit import SendWindow
 from peer.net.limits import StreamGuard
 from peer.net.group import PROTOCOL_VERSION, GroupError, GroupPlan, member_spans
 from peer.outer.aggregate import AggregationRule, Aggregator
@@ -105,7 +106,7 @@ def test_all_members_get_identical_weighted_average():
     assert torch.equal(a, b) and torch.equal(b, c)  # bit-identical, not just close
 
 
-def test_a_download_cap_holds_across_the_senders_by_credit_and_the_round_agrees():
+def test_a_download_cap_holds_across_the_senders_by_credit_and_the_round_agrees(monkeypatch):
     """Member 2 of 3 declares a 8 Mbit/s download cap: the two parts of its span and the two averages it fetches
     (1.6 MB in 64 KiB messages) come in no faster than the cap (a lower bound: a loaded machine only makes it
     slower), with credit flowing both ways on its streams (peer/net/credit.py), while the uncapped members are
@@ -113,6 +114,19 @@ def test_a_download_cap_holds_across_the_senders_by_credit_and_the_round_agrees(
     numel, cap = 400_000, 8 * MBIT
     torch.manual_seed(5)
     deltas = [torch.randn(numel) for _ in range(3)]
+    windows = []  # every sender's window, with the credits it was granted (the receiver's pacer alone would also
+    init, grant = SendWindow.__init__, SendWindow.grant  # hold the lower bound below: this shows the credit)
+
+    def spy_init(self, size):
+        init(self, size)
+        self.granted = 0
+        windows.append(self)
+
+    def spy_grant(self, acknowledged):
+        grant(self, acknowledged)
+        self.granted += 1
+    monkeypatch.setattr(SendWindow, "__init__", spy_init)
+    monkeypatch.setattr(SendWindow, "grant", spy_grant)
     results, _ = run_async(_run(3, [0, 1, 2], [1.0, 1.0, 1.0], deltas, part_timeout=30.0, allreduce_timeout=60.0,
                                 rule=AggregationRule(kind=Aggregator.MEAN), caps=[0.0, 0.0, cap], numel=numel,
                                 chunk_bytes=64 * 1024))
@@ -123,6 +137,11 @@ def test_a_download_cap_holds_across_the_senders_by_credit_and_the_round_agrees(
     capped = results[2].traffic.received
     assert capped > 4 * 4 * numel / 3  # two parts in, two averages in (fp32)
     assert results[2].seconds >= capped / cap - BURST_S, (results[2].seconds, capped / cap)
+    # streams to member 2: two parts (from 0, 1) and two averages (from reducers 0, 1) ran on granted credit;
+    # the eight streams to the uncapped members had no window and no credit
+    credited = [w for w in windows if w.size]
+    assert len(credited) == 4 and all(w.granted > 0 for w in credited), [(w.size, w.granted) for w in windows]
+    assert all(w.granted == 0 for w in windows if not w.size)
 
 
 def test_a_member_whose_stream_breaks_off_is_not_waited_for():

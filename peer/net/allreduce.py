@@ -199,7 +199,8 @@ class AllReduceServicer(ServicerBase):
         reader = asyncio.ensure_future(_read_credits(requests, credit, deadline))
         try:
             for response in responses:
-                await _first_done(credit.wait(deadline), reader)
+                if credit.size:  # (no credit: nothing to wait for, no task per message)
+                    await _first_done(credit.wait(deadline), reader)
                 await self.bandwidth.upload.take(response.ByteSize())
                 yield response
             with contextlib.suppress(asyncio.TimeoutError):
