@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import logging
 from typing import Optional
 
 from hivemind.dht.node import DHTNode
@@ -26,7 +25,6 @@ from peer.net.records import ProgressRecord
 from peer.net.swarm import swarm_key
 from peer.proto import reachability_pb2
 
-log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
