@@ -26,7 +26,6 @@ from peer.net.swarm import swarm_key
 from peer.proto import reachability_pb2
 
 
-
 @dataclasses.dataclass
 class Probe:
     clocks: list[tuple[str, float, float]]  # (peer id, its clock minus ours in s, round-trip time in s)
