@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nat-port-map", action=argparse.BooleanOptionalAction, default=None,
                    help="ask the LAN gateway for a port mapping via UPnP/NAT-PMP (off by default: it sends "
                         "discovery packets to the gateway and multicast)")
+    p.add_argument("--relay-service", action=argparse.BooleanOptionalAction, default=None,
+                   help="relay for peers behind a NAT that name this node in their --relay-via (libp2p circuit "
+                        "relay, up to 30 min and 4 GiB per relayed connection; their inbound traffic crosses this "
+                        "node's link; off by default)")
     p.add_argument("--refresh-period", default=None, metavar="SECONDS",
                    help=f"seconds between status log lines (default {DEFAULT_REFRESH_PERIOD:g})")
     p.add_argument("--join-timeout", default=None, metavar="SECONDS",
@@ -137,6 +141,7 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
     args.initial_peers = _pick(args.initial_peers, "--initial-peers", env, [], as_list)
     args.identity_path = _pick(args.identity_path, "--identity-path", env, DEFAULT_IDENTITY_PATH, str)
     args.nat_port_map = _pick(args.nat_port_map, "--nat-port-map", env, False, _bool)
+    args.relay_service = _pick(args.relay_service, "--relay-service", env, False, _bool)
     args.refresh_period = _pick(args.refresh_period, "--refresh-period", env, DEFAULT_REFRESH_PERIOD,
                                 _positive_float)
     args.join_timeout = _pick(args.join_timeout, "--join-timeout", env, DEFAULT_JOIN_TIMEOUT, _positive_float)
@@ -219,6 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 identity_path=args.identity_path,
                 client_mode=False,
                 nat_port_map=args.nat_port_map,
+                relay_service=args.relay_service,
                 join_timeout=args.join_timeout,
                 stop=stop,
                 **(run_authority.dht_kwargs if run_authority else {}),
@@ -247,6 +253,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.info(f"visible multiaddrs: {' '.join(maddrs) or '(none)'}")
         if args.initial_peers:
             logger.info(f"joined through {len(args.initial_peers)} initial peer address(es)")
+        if args.relay_service:
+            logger.info("relay service on: peers behind a NAT may pass --relay-via with a visible multiaddr above")
         dial_back = DialBackService()  # answers `swarm-peer doctor`'s "can others dial me?"
         try:
             dial_back.start(dht)

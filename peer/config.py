@@ -239,11 +239,21 @@ class SwarmConfig:
             "beyond loopback asks an initial peer to dial it back (as swarm-peer doctor does); if nobody outside can "
             "dial it (behind a NAT), it goes on in client mode and says so in one line.")
     nat_port_map: bool = setting(False, local=True, help="Opt-in UPnP/NAT-PMP port mapping on the local gateway.")
+    relay_via: list[str] = setting(factory=list, local=True, help="Behind a NAT, not in client mode: multiaddrs "
+            "(/ip4/HOST/tcp/PORT/p2p/PEER_ID) of public nodes that run relay_service (e.g. swarm-bootstrap "
+            "--relay-service); this peer reserves a slot on each and others dial it through them (libp2p circuit "
+            "relay, /p2p-circuit addresses), so it can reduce spans; everything they send it crosses a relay's link. "
+            "Skips reachability_check. Only for a peer nobody can dial: it stops advertising its public addresses.")
+    relay_service: bool = setting(False, local=True, help="A public peer: relay for the peers that name it in "
+            "relay_via (up to 30 min and 4 GiB per relayed connection; all their inbound traffic crosses this "
+            "peer's link).")
     min_peers: int = setting(1, local=True, help="Wait at start until this many peers of the run are visible "
             "(bounded by start_timeout).")
     start_timeout: float = setting(120.0, local=True, help="Seconds to wait for min_peers before training anyway.")
     min_group_size: int = setting(2, help="Smallest group that averages; a peer alone skips the round (its progress "
             "is kept).")
+    group_cap: int = setting(64, help="Above this many live peers a round runs in two levels: groups of at most "
+            "this many, whose reducers then meet the other groups' (peer/net/levels.py); 0: always one group of all.")
     matchmaking_time: float = setting(15.0, help="Seconds a group leader waits for stragglers; the group forms at "
             "once when every live peer joined.")
     matchmaking_timeout: float = setting(30.0, help="Seconds to find a group for a round before the round counts as "
@@ -286,6 +296,11 @@ class SwarmConfig:
                "a non-empty name without '.' or spaces", self.run_id)
         _check(self.drift_check_period >= 0, "swarm.drift_check_period", ">= 0", self.drift_check_period)
         _check(self.exclude_after >= 1, "swarm.exclude_after", ">= 1", self.exclude_after)
+        _check(not (self.relay_via and (self.client_mode or self.relay_service)), "swarm.relay_via",
+               "empty with swarm.client_mode or swarm.relay_service (a relayed peer is behind a NAT and dialed)",
+               self.relay_via)
+        _check(self.group_cap == 0 or max(2, self.min_group_size) <= self.group_cap <= 256, "swarm.group_cap",
+               "0 or in [max(2, swarm.min_group_size), 256]", self.group_cap)
         _check(1 <= self.state_donors <= 16, "swarm.state_donors", "in [1, 16]", self.state_donors)
         _check(self.max_state_uploads >= 1, "swarm.max_state_uploads", ">= 1", self.max_state_uploads)
         _check(self.max_streams_per_peer >= 4, "swarm.max_streams_per_peer", ">= 4 (rounds of several fragments, "

@@ -17,6 +17,13 @@ router holds the lab address ``10.77.0.(i+1)`` on the bridge and masquerades the
 replies to connections the host opened, and there is no port forward), so the host dials out and nobody can
 dial in. ``addr(i)`` is then the host's private address, ``public_addr(i)`` the router's.
 
+``count_packets(i, addr)`` starts counting what host i's home router forwards to or from ``addr``;
+``packets(i, addr)`` reads the count (e.g. zero: two NAT'd hosts never exchanged a packet directly).
+
+Addresses: ``SUBNET`` (10.77.0.0/24, private) by default. libp2p advertises a circuit-relay address only through
+a relay with a public address (it drops a relay's private addresses), so a lab that relays uses ``PUBLIC_SUBNET``,
+public-looking addresses that exist only inside the lab's namespaces as well (nothing routes out of the lab).
+
 ``shape(i, rate_mbit)`` puts a token-bucket filter (``tc ... tbf``) on both directions of host i's link:
 egress of its ``eth0`` (upload) and egress of the bridge-side ``vh<i>`` (download). ``cut(i)`` /
 ``restore(i)`` take the link down/up (a "pulled cable"; the host keeps its address).
@@ -48,6 +55,7 @@ if TYPE_CHECKING:
 
 FAMILY = "swlab"
 SUBNET = "10.77.0"  # a private /24 that exists only inside the lab's namespaces
+PUBLIC_SUBNET = "11.77.0"  # public-looking (libp2p relays advertise only public addresses); also lab-only
 HOME_NET = "192.168"  # host i behind a home router: 192.168.(i+1).0/24
 HOST_IF = "eth0"
 BRIDGE_IF = "br0"
@@ -234,6 +242,21 @@ class NetnsLab:
         """Brings host ``i``'s link back up after :meth:`cut`."""
         self._ipn(self.bridge_ns, "link", "set", self._bridge_if(self._check(i)), "up")
 
+    # ---- traffic counters (home routers) ------------------------------------------------------
+    def count_packets(self, i: int, addr: str) -> None:
+        """Counts the packets host ``i``'s home router forwards to or from ``addr`` from now on (:meth:`packets`)."""
+        for side in ("-s", "-d"):
+            _run([self._ip, "netns", "exec", self.router(i), _tool("iptables"), "-I", "FORWARD", "1", side, addr])
+
+    def packets(self, i: int, addr: str) -> int:
+        """Packets host ``i``'s home router forwarded to or from ``addr`` since :meth:`count_packets`."""
+        rules = _run([self._ip, "netns", "exec", self.router(i), _tool("iptables"), "-v", "-S", "FORWARD"]).stdout
+        counted = [line.split() for line in rules.splitlines()
+                   if line.split()[2:4] in (["-s", f"{addr}/32"], ["-d", f"{addr}/32"])]
+        if len(counted) != 2:
+            raise NetnsError(f"no packet counters for {addr} in host {i}'s router (count_packets first):\n{rules}")
+        return sum(int(words[words.index("-c") + 1]) for words in counted)
+
     # ---- internals -------------------------------------------------------------------------
     def _check(self, i: int) -> int:
         if not 0 <= i < self.n_hosts:
@@ -310,13 +333,17 @@ def nat_available() -> tuple[bool, str]:
     return True, ""
 
 
-def start_lab_swarm(lab: NetnsLab, started: list, out_dir: Path, peer_args: Sequence[Sequence], *,
-                    prefix: Callable[[int], list] = lambda i: []) -> tuple["Proc", list[str], dict[str, "Proc"]]:
-    """Starts a bootstrap node in host 0 and peer ``p<i>`` in host ``i`` for i = 1..len(peer_args), each
-    listening on its host's address only; returns (bootstrap, its --initial-peers, {name: peer}).
+def start_lab_swarm(lab: NetnsLab, started: list, out_dir: Path,
+                    peer_args: Sequence[Sequence | Callable[[list[str]], Sequence]], *,
+                    prefix: Callable[[int], list] = lambda i: [], boot_args: Sequence = ()
+                    ) -> tuple["Proc", list[str], dict[str, "Proc"]]:
+    """Starts a bootstrap node in host 0 (with flags ``boot_args``) and peer ``p<i>`` in host ``i`` for
+    i = 1..len(peer_args), each listening on its host's address only; returns (bootstrap, its --initial-peers,
+    {name: peer}).
 
     Peer i runs ``swarm-peer run --config configs/demo.toml`` with run dir ``out_dir/p<i>`` (JSON events in
-    ``events.jsonl`` there) and its flags ``peer_args[i-1]``, behind ``prefix(i)`` (e.g. a taskset). Every
+    ``events.jsonl`` there) and its flags ``peer_args[i-1]`` (or, when that is callable, what it returns for the
+    bootstrap's --initial-peers), behind ``prefix(i)`` (e.g. a taskset). Every
     process is appended to ``started`` as soon as it runs, so the caller's cleanup reaches it. The peers start
     with ``--no-reachability-check`` (a peer's flags may turn it back on): each check has the bootstrap node
     start a throw-away daemon to dial back, which on this one machine lands on the swarm's first rounds
@@ -326,7 +353,7 @@ def start_lab_swarm(lab: NetnsLab, started: list, out_dir: Path, peer_args: Sequ
 
     repo = Path(__file__).resolve().parents[1]
     boot = Proc.start(lab.run_args(0, [sys.executable, "-m", "bootstrap", "--host-maddrs", f"/ip4/{lab.addr(0)}/tcp/0",
-                                       "--identity-path", out_dir / "boot.id"]),
+                                       "--identity-path", str(out_dir / "boot.id"), *boot_args]),
                       log_path=out_dir / "boot.log", cwd=repo)
     started.append(boot)
     initial = boot.wait_for_line(r"^--initial-peers (.+)$", timeout=60).group(1).split()
@@ -334,6 +361,7 @@ def start_lab_swarm(lab: NetnsLab, started: list, out_dir: Path, peer_args: Sequ
     peers = {}
     for i, args in enumerate(peer_args, start=1):
         name, run_dir = f"p{i}", out_dir / f"p{i}"
+        args = args(initial) if callable(args) else args
         cmd = [sys.executable, "-m", "peer", "run", "--config", repo / "configs/demo.toml", "--initial-peers",
                *initial, "--host-maddrs", f"/ip4/{lab.addr(i)}/tcp/0", "--run-dir", run_dir,
                "--log-json", run_dir / "events.jsonl", "--no-reachability-check", *args]

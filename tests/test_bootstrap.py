@@ -61,7 +61,7 @@ def test_help_is_fast_and_lists_flags(tmp_path):
     result = run_quick(bootstrap_cmd("--help"), tmp_path)
     assert result.returncode == 0, result.stderr
     for flag in ("--host-maddrs", "--announce-maddrs", "--identity-path", "--initial-peers", "--nat-port-map",
-                 "--refresh-period", "--log-level", "SWARM_"):
+                 "--relay-service", "--refresh-period", "--log-level", "SWARM_"):
         assert flag in result.stdout
     assert time.monotonic() - started < 20
     assert not list(tmp_path.iterdir())  # --help creates no identity file
@@ -93,6 +93,8 @@ def test_parse_args_env_twins_and_paste_line_round_trip():
     args = parse_args(["--identity-path", "a.id"], env={})
     assert args.host_maddrs == ["/ip4/0.0.0.0/tcp/31337"] and args.initial_peers == []
     assert args.nat_port_map is False and args.refresh_period == 60 and args.log_level == "INFO"
+    assert args.relay_service is False
+    assert parse_args([], env={"SWARM_RELAY_SERVICE": "on", "SWARM_IDENTITY_PATH": "a.id"}).relay_service is True
     env = {"SWARM_HOST_MADDRS": "/ip4/127.0.0.1/tcp/1, /ip4/127.0.0.1/tcp/2", "SWARM_NAT_PORT_MAP": "yes",
            "SWARM_INITIAL_PEERS": "/a /b,/c", "SWARM_IDENTITY_PATH": "e.id", "SWARM_REFRESH_PERIOD": "2.5",
            "SWARM_LOG_LEVEL": "debug", "SWARM_ANNOUNCE_MADDRS": "/ip4/1.2.3.4/tcp/31337"}

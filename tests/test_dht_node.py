@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import stat
 import subprocess
 import sys
@@ -59,6 +60,9 @@ def test_ensure_identity_rejects_corrupt_file(tmp_path, content):
         (dict(host_maddrs=[GOOD_PEER]), r"^--host-maddrs: .* must not contain /p2p/"),
         (dict(announce_maddrs=["/ip4/300.1.1.1/tcp/1"]), r"^--announce-maddrs: .* is not a multiaddr"),
         (dict(announce_maddrs=["/ip4/127.0.0.1/tcp/0"]), r"^--announce-maddrs: .* needs an explicit port"),
+        (dict(relay_via=["/ip4/127.0.0.1/tcp/1"]), r"^--relay-via: '/ip4/127.0.0.1/tcp/1' has no /p2p/PEER_ID part"),
+        (dict(relay_via=[GOOD_PEER], client_mode=True), r"^--relay-via: not with --client-mode"),
+        (dict(relay_via=[GOOD_PEER], relay_service=True), r"^--relay-via: .* cannot relay for others"),
     ],
 )
 def test_create_dht_rejects_bad_multiaddrs(tmp_path, kwargs, message):
@@ -111,6 +115,38 @@ def test_create_dht_network_safety_options(monkeypatch, tmp_path):
     with pytest.raises(TypeError, match="check_if_identity_free"):
         dht_node.create_dht(initial_peers=[], host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[],
                             identity_path=None, client_mode=False, check_if_identity_free=True)
+
+
+def test_create_dht_relay_options(monkeypatch, tmp_path):
+    """relay_via: static relays (p2pd flags -autoRelay -trustedRelays -forceReachabilityPrivate -relayDiscovery=0);
+    relay_service: reachability public (p2pd's configured relay service), GOMAXPROCS=1 for p2pd; neither: hivemind's
+    defaults."""
+    import hivemind
+    from hivemind.p2p import P2P
+
+    monkeypatch.setattr(hivemind, "DHT", _FakeDHT)
+    monkeypatch.setattr(P2P, "FORCE_REACHABILITY_MAPPING", dict(P2P.FORCE_REACHABILITY_MAPPING))
+    _FakeDHT.calls.clear()
+    base = dict(initial_peers=[GOOD_PEER], host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[],
+                identity_path=None, client_mode=False)
+    dht_node.create_dht(**base)
+    assert not {"use_auto_relay", "trusted_relays", "force_reachability"} & set(_FakeDHT.calls[-1])
+    monkeypatch.setenv("GOMAXPROCS", "4")  # (restored after the test)
+    dht_node._register_relay_modes(_FakeDHT.calls[-1])  # (what the DHT process does before P2P.create)
+    assert os.environ["GOMAXPROCS"] == "4"
+    dht_node.create_dht(**base, relay_service=True)
+    kw = _FakeDHT.calls[-1]
+    assert P2P._make_process_args(**P2P.FORCE_REACHABILITY_MAPPING[kw["force_reachability"]]) == [
+        "-forceReachabilityPublic=1"]
+    dht_node._register_relay_modes(kw)
+    assert os.environ["GOMAXPROCS"] == "1"  # a relay's p2pd: see dht_node.RELAY_SERVICE
+    dht_node.create_dht(**base, relay_via=[GOOD_PEER])
+    kw = _FakeDHT.calls[-1]
+    assert kw["use_auto_relay"] is True and kw["trusted_relays"] == [GOOD_PEER]
+    flags = P2P._make_process_args(**P2P.FORCE_REACHABILITY_MAPPING[kw["force_reachability"]])
+    assert sorted(flags) == ["-forceReachabilityPrivate=1", "-relayDiscovery=0"]
+    with pytest.raises(TypeError, match="trusted_relays"):
+        dht_node.create_dht(**base, trusted_relays=[GOOD_PEER])
 
 
 def test_visible_maddrs_drops_unspecified_hosts():

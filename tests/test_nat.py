@@ -7,6 +7,11 @@ no span, and serves no state.
 What must hold: nobody can dial it (checked on its real port), and yet its outer gradient is in every average it
 takes part in (every span of its rounds lists three contributors), with one digest across the three.
 
+Relayed reducers: peers 2 and 3 both behind home routers, *not* in client mode, dialable only through the bootstrap
+node (``swarm-bootstrap --relay-service``, ``--relay-via`` on their side: libp2p circuit relay). Each reduces a span
+that holds the other's part, and their routers never forwarded a packet between the two: that part crossed the
+relay.
+
 Skipped (with the reason) where network namespaces or iptables NAT cannot be set up here.
 """
 
@@ -18,7 +23,7 @@ import sys
 import pytest
 
 from helpers import events, wait_for
-from netns import NetnsLab, nat_available, start_lab_swarm
+from netns import PUBLIC_SUBNET, NetnsLab, nat_available, start_lab_swarm
 from test_netns_swarm import FAST
 
 pytestmark = pytest.mark.swarm
@@ -80,4 +85,52 @@ def test_a_peer_behind_nat_in_client_mode_is_in_every_average(lab, procs, tmp_pa
         assert all(len(span) == 3 for span in got[0]["contributors"] if span), got[0]["contributors"]
         assert len([span for span in got[0]["contributors"] if span]) == 2  # p1 and p2 reduce; p3 reduces none
         assert len({e["digest"] for e in got}) == 1, f"{key}: digests differ"
+    assert boot.terminate(timeout=30) == 0
+
+
+RELAY_STEPS = MAX_STEPS  # four rounds; at least two must average all three (a peer may start a round late)
+RELAYED = (2, 3)  # hosts (and peers p2, p3) behind home routers, dialed through the bootstrap node
+
+
+@pytest.fixture
+def relay_lab():
+    ok, reason = nat_available()
+    if not ok:
+        pytest.skip(reason)
+    # public-looking lab addresses: libp2p advertises no circuit address through a relay at a private one
+    with NetnsLab(4, nat=RELAYED, subnet=PUBLIC_SUBNET) as lab:
+        yield lab
+    assert not lab.namespaces(), f"namespaces left behind: {lab.namespaces()}"
+
+
+def test_two_peers_behind_nat_reduce_spans_through_a_relay(relay_lab, procs, tmp_path):
+    """p2 and p3 (behind NAT, not in client mode, --relay-via the bootstrap node) and p1 (public): in every round
+    of all three (at least two of four), each reduces a span holding all three parts, one digest; p2's and p3's
+    routers forwarded nothing between them, so each one's part reached the other through the relay."""
+    lab = relay_lab
+    a, b = RELAYED
+    lab.count_packets(a, lab.public_addr(b))
+    lab.count_packets(b, lab.public_addr(a))
+    lab.count_packets(a, lab.addr(0))  # (the counters do count: p2 talks to the bootstrap node)
+    # fp32 parts (~0.8 MB per span): far beyond the 128 KiB a relayed connection may carry under libp2p's default
+    # relay limits, which a relay without --relay-service can end up serving with (docs/architecture.md)
+    flags = ["--max-steps", str(RELAY_STEPS), *FAST, "--outer-codec", "fp32"]
+    relayed = lambda initial: [*flags, "--relay-via", *initial]  # noqa: E731
+    boot, _, peers = start_lab_swarm(lab, procs, tmp_path, [flags, relayed, relayed], boot_args=["--relay-service"])
+
+    for name, proc in peers.items():
+        wait_for(lambda: proc.returncode is not None, 180, f"{name} to exit:\n{proc.tail()}")
+        assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{proc.tail()}"
+    rounds = {n: {(e["fragment"], e["round"]): e for e in events(tmp_path, n, "round")} for n in NAMES}
+    together = [k for k in rounds["p1"] if all(k in rounds[n] and rounds[n][k]["status"] == "ok" for n in NAMES)]
+    assert len(together) >= 2, {n: {k: e["status"] for k, e in r.items()} for n, r in rounds.items()}
+    for key in together:
+        got = [rounds[n][key] for n in NAMES]
+        assert all(e["group_size"] == 3 and e["spans_missing"] == 0 for e in got), got
+        spans = [span for span in got[0]["contributors"] if span]
+        assert len(spans) == 3 and all(len(span) == 3 for span in spans), got[0]["contributors"]  # all reduce
+        assert len({e["digest"] for e in got}) == 1, f"{key}: digests differ"
+    direct = {f"p{a}<->p{b}": lab.packets(a, lab.public_addr(b)), f"p{b}<->p{a}": lab.packets(b, lab.public_addr(a))}
+    assert not any(direct.values()), f"packets forwarded directly between the NAT'd peers: {direct}"
+    assert lab.packets(a, lab.addr(0)) > 0
     assert boot.terminate(timeout=30) == 0

@@ -47,7 +47,7 @@ from peer.net.credit import CreditError, SendWindow, window
 from peer.net.exclusion import Exclusions, Offence
 from peer.net.group import GroupPlan, valid_weight
 from peer.net.limits import StreamGuard, first_message
-from peer.net.reduction import SpanReduction, Traffic, decode_piece, encode_pieces
+from peer.net.reduction import Lift, Pieces, SpanReduction, Traffic, decode_piece, encode_pieces
 from peer.net.span_checks import disagreeing, implausible
 from peer.outer.codec import CodecError
 from peer.outer.rounds import Span
@@ -67,6 +67,7 @@ class AllReduceResult:
     traffic: Traffic = field(default_factory=Traffic)
     total_weight: float = 0.0  # the largest total weight among the spans that arrived
     flagged: list[tuple[str, str]] = field(default_factory=list)  # (peer id, why): parts our span's rule limited
+    pieces: list[Optional[Pieces]] = field(default_factory=list)  # per span, the bytes it was decoded from
 
     @property
     def complete(self) -> bool:
@@ -156,7 +157,7 @@ class AllReduceServicer(ServicerBase):
             part = torch.empty(red.length, dtype=torch.float32)
             filled, msg, read = 0, header, 0
             while True:
-                values = decode_piece(plan.codec, msg.piece, msg.offset, filled, red.length)
+                values = decode_piece(plan.parts, msg.piece, msg.offset, filled, red.length)
                 part[filled:filled + values.numel()] = values
                 filled += values.numel()
                 red.traffic.received += msg.ByteSize()
@@ -243,8 +244,8 @@ async def _first_done(wait: Awaitable[None], reader: asyncio.Future) -> None:
 
 async def _own_span(red: SpanReduction, values: torch.Tensor, weight: float) -> list[pb.ReduceResponse]:
     """Contributes our own part to our own span through the same encode/decode as remote parts."""
-    part = torch.cat([red.plan.codec.decode_flat(piece) for _, piece in
-                      encode_pieces(red.plan.codec, values, red.chunk_elems)]) if red.length else values
+    part = torch.cat([red.plan.parts.decode_flat(piece) for _, piece in
+                      encode_pieces(red.plan.parts, values, red.chunk_elems)]) if red.length else values
     red.add(red.plan.my_index, weight, part)
     return await asyncio.shield(red.result)
 
@@ -254,7 +255,7 @@ async def _remote_span(p2p: P2P, plan: GroupPlan, j: int, values: torch.Tensor, 
                        traffic: Traffic, bandwidth: Bandwidth) -> list[pb.ReduceResponse]:
     """Streams our part of span j to reducer j and returns its response messages. The part is paced by our upload
     cap and by reducer j's credit; we grant credit on its average if we declared a download cap."""
-    pieces = encode_pieces(plan.codec, values, chunk_elems)
+    pieces = encode_pieces(plan.parts, values, chunk_elems)
     span_length = plan.spans[j][1] - plan.spans[j][0]
     # credit (peer/net/credit.py): the reducer's on our part if it declared a download cap, ours on its average
     credit = SendWindow(window(plan.infos[j].download_bytes_per_second, max(p.ByteSize() for _, p in pieces)))
@@ -321,6 +322,7 @@ class SpanResult:
     total_weight: float = 0.0
     offence: bool = False  # the reducer answered, and what it sent is wrong (not the network)
     timed_out: bool = False  # nothing complete came before the round's deadline
+    pieces: Optional[Pieces] = None  # the bytes ``average`` was decoded from (a level-1 reducer forwards them)
 
 
 def _span_from_responses(plan: GroupPlan, j: int, responses: list[pb.ReduceResponse]) -> SpanResult:
@@ -344,7 +346,7 @@ def _span_from_responses(plan: GroupPlan, j: int, responses: list[pb.ReduceRespo
         return SpanResult(None, why=f"bad average: {e}", offence=True)
     if filled != end - start:  # (the stream ended early: the network's)
         return SpanResult(None, why=f"average covers {filled} of {end - start} elements")
-    return SpanResult(out, contributors, "", total)
+    return SpanResult(out, contributors, "", total, pieces=[(msg.offset, msg.piece) for msg in responses])
 
 
 def _note_silence(plan: GroupPlan, j: int, got: SpanResult, results: dict[int, SpanResult],
@@ -374,8 +376,9 @@ def _check_spans(plan: GroupPlan, results: dict[int, SpanResult], delta: torch.T
 
 async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, delta: torch.Tensor,
                         weight: float, *, part_timeout: float, allreduce_timeout: float,
-                        connect_timeout: float, chunk_bytes: int) -> AllReduceResult:
-    """Runs one butterfly all-reduce as member ``plan.my_index``; never raises for peer failures.
+                        connect_timeout: float, chunk_bytes: int, lift: Optional[Lift] = None) -> AllReduceResult:
+    """Runs one butterfly all-reduce as member ``plan.my_index``; never raises for peer failures. ``lift``: a
+    two-level round's level 2 for the span we reduce (:mod:`peer.net.levels`).
 
     Must run in the event loop that owns ``servicer`` and ``p2p``. Returns within
     ``allreduce_timeout`` seconds (plus scheduling slack).
@@ -383,7 +386,7 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
     chunk_elems = max(1, chunk_bytes // 4)
     deadline = time.monotonic() + allreduce_timeout
     my_start, my_end = plan.spans[plan.my_index]
-    red = SpanReduction(plan, part_timeout, chunk_elems, servicer.exclusions)
+    red = SpanReduction(plan, part_timeout, chunk_elems, servicer.exclusions, lift)
     servicer.register(red)
     traffic = Traffic()
     try:
@@ -408,7 +411,7 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
                 results[j] = SpanResult(None, why=f"{type(e).__name__}: {e}",
                                         timed_out=isinstance(e, (asyncio.TimeoutError, TimeoutError)))
         _check_spans(plan, results, delta)
-        spans, contributors, total_weight = [], [], 0.0
+        spans, contributors, pieces, total_weight = [], [], [], 0.0
         for j, (start, end) in enumerate(plan.spans):
             if end == start:
                 continue
@@ -423,15 +426,16 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
                 _note_silence(plan, j, got, results, servicer.exclusions)
             spans.append(Span(start, end, got.average))
             contributors.append(got.contributors)
+            pieces.append(got.pieces)
         # Our average must reach every member still reading it before we return: the caller may
         # shut the peer down right after its last round. Bounded by the round's deadline.
         if my_end > my_start:
             await asyncio.wait([red.result], timeout=time_left(deadline))
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(red.idle.wait(), timeout=time_left(deadline))
-        traffic.sent += red.sent_bytes()
+        traffic.sent += red.sent_bytes() + red.traffic.sent
         traffic.received += red.traffic.received
-        return AllReduceResult(spans, contributors, traffic, total_weight, list(red.flagged))
+        return AllReduceResult(spans, contributors, traffic, total_weight, list(red.flagged), pieces)
     finally:
         asyncio.get_running_loop().call_later(time_left(deadline), servicer.unregister,
                                               plan.group_id)

@@ -10,6 +10,12 @@ Network-safety rules enforced here (the swarm must never talk to anything outsid
   peers also falls back to IPFS bootstrap nodes; hivemind only passes ``-b`` with ``initial_peers``.
 * ``auto_nat`` / ``use_relay`` keep hivemind's defaults (on): they only talk to peers we are already
   connected to (AutoNAT dial-back, circuit-relay transport), never to third parties.
+* Circuit relaying is opt-in and names its relays (docs/architecture.md, "Peers behind NAT"): ``relay_via``
+  (a peer behind a NAT) reserves a slot on exactly those nodes, never on relays it discovers; ``relay_service``
+  (a public node) relays with p2pd's configured limits (30 min, 4 GiB per relayed connection) instead of
+  libp2p's default ones (2 min, 128 KiB), which would cut any span short. Every node still *accepts*
+  reservations (hivemind's p2pd always registers libp2p's relay service), which is harmless: nobody here
+  reserves on a node it did not name.
 
 hivemind is imported lazily so that ``import peer.net.dht`` stays cheap (hivemind imports torch).
 """
@@ -40,6 +46,19 @@ _BOOTSTRAP_FAILED = "failed to connect to bootstrap peers"
 
 _PEER_FORMAT = "/ip4/HOST/tcp/PORT/p2p/PEER_ID"
 _HOST_FORMAT = "/ip4/HOST/tcp/PORT"
+# hivemind's P2P.create(force_reachability=...) picks p2pd flags from P2P.FORCE_REACHABILITY_MAPPING; two entries
+# of ours are added in the DHT process (_register_relay_modes). STATIC_RELAYS also turns relay discovery off: p2pd
+# then uses ``trusted_relays`` as libp2p's *static* relays and reserves at once. With discovery on (hivemind's only
+# other choice) libp2p's autorelay waits for 4 candidates or its 3-minute boot delay before its first reservation.
+STATIC_RELAYS = "private, static relays"
+# RELAY_SERVICE: reachability public at start, so p2pd's configured relay service starts at once. p2pd also
+# registers libp2p's relay service with the *default* limits (128 KiB per relayed connection), racing with the
+# configured one for the relay protocol: whichever registers last serves every reservation and circuit. With
+# GOMAXPROCS=1 (Go on one thread) p2pd's main goroutine registers the default one first and the configured one
+# comes last: 24 of 24 lab starts, against 8 of 12 with Go's default (docs/architecture.md, "Peers behind NAT").
+RELAY_SERVICE = "public, relay service"
+_RELAY_MODES = {STATIC_RELAYS: {"forceReachabilityPrivate": 1, "relayDiscovery": 0},
+                RELAY_SERVICE: {"forceReachabilityPublic": 1}}
 
 
 def _peer_id_of(data: bytes) -> str:
@@ -139,6 +158,8 @@ def create_dht(
     identity_path: str | None,
     client_mode: bool,
     nat_port_map: bool = False,
+    relay_via: Sequence[str] = (),
+    relay_service: bool = False,
     record_validators: Iterable = (),
     startup_timeout: float = 30.0,
     wait_timeout: float = 5.0,
@@ -147,6 +168,12 @@ def create_dht(
     **dht_kwargs,
 ) -> "hivemind.DHT":
     """Validate the addresses, then start a ``hivemind.DHT`` (background process + p2pd) and wait for it.
+
+    ``relay_via``: ``/p2p/`` multiaddrs of public nodes to be dialable through (libp2p circuit relay v2): this
+    node declares itself behind a NAT (reachability private), reserves a slot on each of them at once and
+    advertises ``.../p2p/RELAY/p2p-circuit`` addresses. ``relay_service``: this node is public and relays for
+    others with p2pd's configured limits (see the module docstring). Neither goes with the other, nor
+    ``relay_via`` with ``client_mode``.
 
     If none of ``initial_peers`` can be reached, tries again with a doubling backoff for ``join_timeout``
     seconds (a bootstrap node that is restarting, a network that comes up a moment later), then raises
@@ -161,6 +188,7 @@ def create_dht(
         try:
             return _start_dht(initial_peers=initial_peers, host_maddrs=host_maddrs, announce_maddrs=announce_maddrs,
                               identity_path=identity_path, client_mode=client_mode, nat_port_map=nat_port_map,
+                              relay_via=relay_via, relay_service=relay_service,
                               record_validators=record_validators, startup_timeout=startup_timeout,
                               wait_timeout=wait_timeout, **dht_kwargs)
         except RuntimeError as e:
@@ -190,6 +218,8 @@ def _start_dht(
     identity_path: str | None,
     client_mode: bool,
     nat_port_map: bool,
+    relay_via: Sequence[str],
+    relay_service: bool,
     record_validators: Iterable,
     startup_timeout: float,
     wait_timeout: float,
@@ -198,9 +228,11 @@ def _start_dht(
     """One try of :func:`create_dht` (no retries)."""
     initial_peers, host_maddrs, announce_maddrs = check_maddrs(
         initial_peers=initial_peers, host_maddrs=host_maddrs, announce_maddrs=announce_maddrs)
-    forbidden = {"nat_port_map", "check_if_identity_free", "use_ipfs", "start"} & set(dht_kwargs)
+    forbidden = {"nat_port_map", "check_if_identity_free", "use_ipfs", "start", "use_auto_relay", "trusted_relays",
+                 "force_reachability"} & set(dht_kwargs)
     if forbidden:
         raise TypeError(f"create_dht: {sorted(forbidden)} cannot be overridden")
+    dht_kwargs.update(relay_options(relay_via, relay_service=relay_service, client_mode=client_mode))
     if identity_path is not None:
         try:
             ensure_identity(identity_path)
@@ -242,6 +274,32 @@ def _start_dht(
     return dht
 
 
+def relay_options(relay_via: Sequence[str], *, relay_service: bool, client_mode: bool) -> dict:
+    """The ``hivemind.DHT`` (``P2P.create``) options of ``relay_via`` / ``relay_service`` (see :func:`create_dht`);
+    ``ValueError`` names the flag."""
+    relay_via = _check_maddrs("--relay-via", relay_via, need_peer=True)
+    if relay_via and relay_service:
+        raise ValueError("--relay-via: a node behind a NAT (--relay-via) cannot relay for others (--relay-service)")
+    if relay_via and client_mode:
+        raise ValueError("--relay-via: not with --client-mode (a client-mode peer is never dialed, relayed or not)")
+    if relay_via:
+        return dict(use_auto_relay=True, trusted_relays=relay_via, force_reachability=STATIC_RELAYS)
+    if relay_service:
+        return dict(force_reachability=RELAY_SERVICE)
+    return {}
+
+
+def _register_relay_modes(dht_kwargs: Optional[dict] = None) -> None:
+    """In the process that runs ``P2P.create``: teaches it :data:`STATIC_RELAYS` and :data:`RELAY_SERVICE`, and
+    runs a relay's p2pd with GOMAXPROCS=1 (see :data:`RELAY_SERVICE`)."""
+    from hivemind.p2p import P2P
+
+    for name, flags in _RELAY_MODES.items():
+        P2P.FORCE_REACHABILITY_MAPPING.setdefault(name, dict(flags))
+    if (dht_kwargs or {}).get("force_reachability") == RELAY_SERVICE:
+        os.environ["GOMAXPROCS"] = "1"  # (P2P.create hands p2pd a copy of this process's environment)
+
+
 _PARENT_BOUND_DHT = None
 
 
@@ -264,6 +322,7 @@ def _parent_bound_dht_class():
 
             def run(self) -> None:
                 _die_with_parent(self._creator_pid)
+                _register_relay_modes(self.kwargs)
                 super().run()
 
         _PARENT_BOUND_DHT = ParentBoundDHT

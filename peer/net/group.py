@@ -17,7 +17,8 @@ from peer.outer.aggregate import MAX_WEIGHT, AggregationRule
 from peer.outer.codec import Codec
 from peer.proto import allreduce_pb2 as pb
 
-PROTOCOL_VERSION = 2  # 2: credit on the streams to a peer with a download cap (peer/net/credit.py)
+# 2: credit on the streams to a peer with a download cap (peer/net/credit.py); 3: two-level rounds (slots)
+PROTOCOL_VERSION = 3
 MAX_GROUP_SIZE = 256
 
 
@@ -47,6 +48,30 @@ def member_spans(numel: int, client_mode: Sequence[bool], align: int) -> list[tu
     return spans
 
 
+def slot_bounds(numel: int, slots: int, align: int) -> list[tuple[int, int]]:
+    """Cuts ``[0, numel)`` into ``slots`` consecutive slots of equal shares (in blocks of ``align``; the last ones
+    may be empty): the same in every group of a two-level round, so the holders of one slot can meet."""
+    return member_spans(numel, [False] * slots, align)
+
+
+def slot_spans(numel: int, slots: int, client_mode: Sequence[bool], align: int
+               ) -> tuple[list[tuple[int, int]], list[range]]:
+    """A two-level round's spans: reducer k of the group's m reducers holds the consecutive slots
+    ``[k*slots//m, (k+1)*slots//m)``, so its span is their union; client-mode members hold none. Returns the
+    spans and, per member, the slots it holds."""
+    reducers = [i for i, client in enumerate(client_mode) if not client]
+    if not reducers:
+        raise GroupError("no member of the group accepts connections (all are in client mode)")
+    if len(reducers) > slots:
+        raise GroupError(f"{len(reducers)} reducers for {slots} slots")
+    bounds = slot_bounds(numel, slots, align)
+    spans, held = [(0, 0)] * len(client_mode), [range(0)] * len(client_mode)
+    for k, i in enumerate(reducers):
+        held[i] = range(k * slots // len(reducers), (k + 1) * slots // len(reducers))
+        spans[i] = (bounds[held[i][0]][0], bounds[held[i][-1]][1])
+    return spans, held
+
+
 @dataclass
 class GroupPlan:
     """Everything every member agrees on about one all-reduce, derived from matchmaking's GroupInfo."""
@@ -64,6 +89,16 @@ class GroupPlan:
     # own); () for none. Local to this peer's view: only the span we reduce uses it, and every member decodes
     # that one result.
     caps: tuple[Optional[float], ...] = ()
+    # two-level rounds (peer/net/levels.py): the slots every member declared (0: one level) and, per member, the
+    # slots it holds; a reducer's average then comes from its slots' level-2 rounds
+    slots: int = 0
+    held: tuple[range, ...] = ()
+    part_codec: Optional[Codec] = None  # how members encode their parts (None: ``codec``; level 2 uses fp8)
+
+    @property
+    def parts(self) -> Codec:
+        """The codec of the parts members send (the averages always use ``codec``)."""
+        return self.part_codec or self.codec
 
     @classmethod
     def from_group(cls, group: GroupInfo, me: PeerID, codec: Codec, numel: int, label: str,
@@ -86,6 +121,15 @@ class GroupPlan:
             if not valid_weight(info.weight):
                 raise GroupError(f"peer {peer_id} declared weight {info.weight}")
             infos.append(info)
-        spans = member_spans(numel, [i.client_mode for i in infos], codec.block_size)
+        clients = [i.client_mode for i in infos]
+        slots = {i.slots for i in infos}
+        if len(slots - {0}) > 1 or max(slots) > MAX_GROUP_SIZE:
+            raise GroupError(f"members declared different slot counts {sorted(slots)}")
+        # A member that saw few live peers plans one level; any that declared slots makes the round two-level for
+        # all (the same spans everywhere; each reducer then meets the other groups' holders of its slots).
+        if max(slots):
+            spans, held = slot_spans(numel, max(slots), clients, codec.block_size)
+        else:
+            spans, held = member_spans(numel, clients, codec.block_size), []
         return cls(group.group_id, tuple(group.peer_ids), infos, group.peer_ids.index(me), numel, spans,
-                   codec, label, rule or AggregationRule(), tuple(caps))
+                   codec, label, rule or AggregationRule(), tuple(caps), max(slots), tuple(held))

@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Optional
 
 import torch
 
@@ -25,6 +25,7 @@ from peer.util import short_id, time_left
 
 log = logging.getLogger(__name__)
 Status = pb.ReduceResponse.Status
+Pieces = list[tuple[int, codec_pb2.EncodedTensor]]  # (element offset within a span, encoded piece), in order
 
 
 @dataclass
@@ -35,7 +36,26 @@ class Traffic:
     received: int = 0
 
 
-def encode_pieces(codec: Codec, values: torch.Tensor, chunk_elems: int) -> list[tuple[int, codec_pb2.EncodedTensor]]:
+@dataclass
+class Lifted:
+    """What a two-level round's level 2 made of our span (peer/net/levels.py): the pieces to forward unchanged
+    (they tile the span) and the total weight behind them."""
+
+    pieces: Pieces
+    total_weight: float
+    traffic: Traffic = field(default_factory=Traffic)  # level 2's bytes, counted with the round's
+
+
+# Level 2 of a two-level round: (our group's combined span, its total weight) -> Lifted; raises LiftError.
+Lift = Callable[[torch.Tensor, float], Awaitable[Lifted]]
+
+
+class LiftError(Exception):
+    """Level 2 did not give our whole span (a slot's level-2 span missing, its group rejected): our span fails for
+    our group (missing, not applied)."""
+
+
+def encode_pieces(codec: Codec, values: torch.Tensor, chunk_elems: int) -> Pieces:
     """Cuts a flat vector into (offset, EncodedTensor) pieces of at most ``chunk_elems`` elements."""
     step = max(codec.block_size, chunk_elems - chunk_elems % codec.block_size)
     return [(off, codec.encode_flat(values[off:off + step])) for off in range(0, values.numel(), step)]
@@ -57,8 +77,11 @@ class SpanReduction:
     """Reducer-side state of one group: collects members' parts of our span, combines them once."""
 
     def __init__(self, plan: GroupPlan, part_timeout: float, chunk_elems: int,
-                 exclusions: Optional[Exclusions] = None):
+                 exclusions: Optional[Exclusions] = None, lift: Optional[Lift] = None):
+        """``lift``: a two-level round's level 2 (peer/net/levels.py); the pieces it returns are sent instead of
+        our own encoding of the combined parts."""
         self.plan = plan
+        self.lift = lift
         self.exclusions = exclusions or Exclusions()
         # parts we wait for: an excluded member's part is refused, so waiting for it would cost part_timeout
         self.expected = sum(peer not in self.exclusions for peer in plan.peer_ids)
@@ -71,7 +94,7 @@ class SpanReduction:
         self.all_in = asyncio.Event()
         self.deadline = time.monotonic() + part_timeout
         self.chunk_elems = chunk_elems
-        self.traffic = Traffic()  # parts received here; the averages we send are counted in sent_bytes()
+        self.traffic = Traffic()  # parts received here, and level 2's bytes; our averages are in sent_bytes()
         self.requesters: set[int] = set()
         self.serving: set[int] = set()  # members whose rpc_reduce stream is still open
         self.idle = asyncio.Event()  # set while no member stream is open
@@ -136,8 +159,19 @@ class SpanReduction:
         if not self.parts:
             return [pb.ReduceResponse(status=Status.FAILED, error="no parts arrived")]
         average = self._combine()
+        if self.lift is None:
+            pieces = encode_pieces(self.plan.codec, average, self.chunk_elems)
+        else:  # two levels: our group's combination is our part of the slots' level-2 rounds
+            try:
+                lifted = await self.lift(average, self.total_weight)
+            except LiftError as e:
+                log.warning("%s: level 2 failed, our span is not averaged: %s", self.plan.label, e)
+                return [pb.ReduceResponse(status=Status.FAILED, error=f"level 2: {e}")]
+            pieces, self.total_weight = lifted.pieces, lifted.total_weight
+            self.traffic.sent += lifted.traffic.sent
+            self.traffic.received += lifted.traffic.received
         responses = []
-        for k, (offset, piece) in enumerate(encode_pieces(self.plan.codec, average, self.chunk_elems)):
+        for k, (offset, piece) in enumerate(pieces):
             msg = pb.ReduceResponse(status=Status.OK, offset=offset, piece=piece)
             if k == 0:
                 msg.contributors.extend(self.contributors)

@@ -33,6 +33,7 @@ from peer.outer.codec import codec_key, get_codec
 from peer.config import SwarmConfig
 from peer.net.dht import create_dht, peers_of, reconnect
 from peer.net.exclusion import Exclusions
+from peer.net.levels import plan_levels, swarm_lift
 from peer.net.limits import StreamGuard, cap_frame_size, frame_limit_for
 from peer.net.matchmaking import GaveUp, form_group, round_prefix
 from peer.outer.rounds import RoundOutcome, RoundStatus
@@ -125,6 +126,7 @@ class Swarm:
         self._dht = create_dht(initial_peers=self.cfg.initial_peers, host_maddrs=self.cfg.host_maddrs,
                               announce_maddrs=self.cfg.announce_maddrs, identity_path=self.identity_path,
                               client_mode=self.cfg.client_mode, nat_port_map=self.cfg.nat_port_map,
+                              relay_via=self.cfg.relay_via, relay_service=self.cfg.relay_service,
                               record_validators=validators, startup_timeout=self.cfg.startup_timeout,
                               wait_timeout=self.cfg.dht_timeout, join_timeout=self.cfg.join_timeout, stop=stop,
                               **auth)
@@ -135,7 +137,7 @@ class Swarm:
             self._call(self.servicer.add_p2p_handlers(self.p2p), self.cfg.startup_timeout)
             self._call(self.state_servicer.add_p2p_handlers(self.p2p), self.cfg.startup_timeout)
             self._call(self.dial_back.add_p2p_handlers(self.p2p), self.cfg.startup_timeout)
-            if self.cfg.reachability_check and self.cfg.initial_peers:
+            if self.cfg.reachability_check and self.cfg.initial_peers and not self.cfg.relay_via:  # relayed: dialable
                 asyncio.run_coroutine_threadsafe(self._check_reachability(), self._loop)
         asyncio.run_coroutine_threadsafe(self._heartbeat(), self._loop)
 
@@ -440,14 +442,18 @@ class Swarm:
 
         self._activity[(fragment, round_)] = RoundActivity(fragment, round_, RoundStage.MATCHMAKING,
                                                  t0 + self.cfg.matchmaking_timeout)
-        log.debug("%s: looking for a group (weight %.0f, target %d)", label, weight, target_group_size)
+        levels = plan_levels(target_group_size, self.cfg.group_cap)  # None: one group of all
+        prefix = round_prefix(self.run_key, fragment, round_)
+        log.debug("%s: looking for a group (weight %.0f, target %d)", label, weight,
+                  levels.group_target if levels else target_group_size)
         try:
             info = pb.MemberInfo(protocol_version=PROTOCOL_VERSION, weight=weight, inner_step=inner_step,
                                  client_mode=self.client_mode, numel=delta.numel(),
-                                 download_bytes_per_second=self.bandwidth.download.rate())
+                                 download_bytes_per_second=self.bandwidth.download.rate(),
+                                 slots=levels.slots if levels else 0)
             group = await form_group(
-                self.p2p, self.dht, prefix=round_prefix(self.run_key, fragment, round_),
-                gather=info.SerializeToString(), target_group_size=target_group_size,
+                self.p2p, self.dht, prefix=prefix, gather=info.SerializeToString(),
+                target_group_size=levels.group_target if levels else target_group_size,
                 min_group_size=self.cfg.min_group_size, min_matchmaking_time=self.cfg.matchmaking_time,
                 request_timeout=self.cfg.request_timeout, client_mode=self.client_mode,
                 timeout=self.cfg.matchmaking_timeout, poll=min(1.0, self.cfg.progress_period),
@@ -468,10 +474,18 @@ class Swarm:
             now = time.monotonic()
             caps = vouched_caps([self._speeds.vouched(str(p), now) for p in group.peer_ids], self.rule)
             plan = GroupPlan.from_group(group, self.p2p.peer_id, self.codec, delta.numel(), label, self.rule, caps)
+            lift = None
+            if plan.slots:  # two levels: our span's level 2 ends early enough to bring its average down
+                lift = swarm_lift(plan, p2p=self.p2p, dht=self.dht, servicer=self.servicer, cfg=self.cfg,
+                                  prefix=prefix, live=target_group_size,
+                                  deadline=now + self.cfg.allreduce_timeout - self.cfg.part_timeout / 2,
+                                  excluded=self.refused, guard=self.guard,
+                                  download_bytes_per_second=self.bandwidth.download.rate())
             result = await run_allreduce(self.p2p, self.servicer, plan, delta, weight,
                                          part_timeout=self.cfg.part_timeout,
                                          allreduce_timeout=self.cfg.allreduce_timeout,
-                                         connect_timeout=self.cfg.request_timeout, chunk_bytes=self.cfg.chunk_bytes)
+                                         connect_timeout=self.cfg.request_timeout, chunk_bytes=self.cfg.chunk_bytes,
+                                         lift=lift)
             out.spans, out.contributors, out.total_weight = result.spans, result.contributors, result.total_weight
             out.flagged = result.flagged
             out.bytes_sent, out.bytes_received = result.traffic.sent, result.traffic.received

@@ -29,7 +29,7 @@ from peer.run import preflight
 from peer.outer.codec import get_codec, make_codec
 from peer.config import PeerConfig
 from peer.errors import JoinError, SetupError
-from peer.net.dht import check_maddrs, ensure_identity
+from peer.net.dht import check_maddrs, ensure_identity, relay_options
 from peer.control.controls import PeerState
 from peer.run.events import EventLog, setup_logging
 from peer.run.ledger import RoundLedger
@@ -146,6 +146,8 @@ class Trainer:
         try:
             check_maddrs(initial_peers=cfg.swarm.initial_peers, host_maddrs=cfg.swarm.host_maddrs,
                          announce_maddrs=cfg.swarm.announce_maddrs)
+            relay_options(cfg.swarm.relay_via, relay_service=cfg.swarm.relay_service,
+                          client_mode=cfg.swarm.client_mode)
         except ValueError as e:
             raise SetupError(str(e)) from None
         label = f"peer {short_id(peer_id)}"
