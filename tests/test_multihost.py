@@ -298,10 +298,19 @@ def test_bootstrap_leaves_and_the_swarm_keeps_training(lab, procs, tmp_path):
     all_ok = common_ok(tmp_path, NAMES)
     after = [k for k in all_ok if rounds["p1"][k]["time"] > gone]
     assert len(all_ok) >= 7 and len(after) >= 4, (all_ok, after)
-    for key in all_ok:  # nothing disturbed this swarm: every round all four completed has one digest
-        got = [rounds[n][key] for n in NAMES]
-        assert len({e["digest"] for e in got}) == 1, f"{key}: digests differ: {[e['digest'] for e in got]}"
-        assert all(e["group_size"] == 4 and e["spans_missing"] == 0 for e in got), got
+    for f in (0, 1):  # nothing disturbed this swarm: every round all four completed has one digest, except that
+        # a peer that started late and missed a fragment's first round joins the next one from its state one round
+        # behind (consensus.launch_gate) and differs until the drift check replaces it (seen in CI: rounds (1, 2)
+        # and (1, 3)): at most two such rounds, before the first on which all agree (docs/architecture.md "The
+        # bound")
+        keys = sorted(k for k in all_ok if k[0] == f)
+        agree = [len({rounds[n][k]["digest"] for n in NAMES}) == 1 for k in keys]
+        first_agreed = agree.index(True) if True in agree else len(keys)
+        assert first_agreed <= 2 and all(agree[first_agreed:]), \
+            {k: [rounds[n][k]["digest"][:8] for n in NAMES] for k in keys}
+        for key in keys:
+            got = [rounds[n][key] for n in NAMES]
+            assert all(e["group_size"] == 4 and e["spans_missing"] == 0 for e in got), got
     # and no round was lost on the way: from the first round all four were in to the last, every peer's rounds
     # are all ok (before it, a peer that started late may find round 1 over: `behind`, then downloads it)
     first = {f: min(r for g, r in all_ok if g == f) for f in (0, 1)}
