@@ -268,6 +268,14 @@ class SwarmConfig:
             "formed.")
     part_timeout: float = setting(30.0, help="Seconds a reducer waits for members' parts before averaging what it "
             "has (< allreduce_timeout).")
+    deadlines: str = setting("measured", help="measured: a round's part and all-reduce deadlines and a state "
+            "donor's follow the peers' measured uplinks and the fragment's size (peer/net/links.py), with "
+            "part_timeout, allreduce_timeout and state_timeout as floors and deadline_max as ceiling; fixed: those "
+            "settings, whatever the links.")
+    deadline_margin: float = setting(3.0, help="Measured deadlines: a stage may take this many times what the "
+            "declared links predict.")
+    deadline_max: float = setting(600.0, help="Measured deadlines: the longest any of them gets (a peer that "
+            "declares a tiny uplink makes its groups wait at most this).")
     chunk_bytes: int = setting(1 << 20, help="Target payload bytes of one streamed all-reduce message.")
     progress_period: float = setting(5.0, help="Seconds between progress records published to the DHT.")
     progress_ttl: float = setting(30.0, help="Lifetime of a progress record: a peer silent this long no longer "
@@ -316,6 +324,10 @@ class SwarmConfig:
         _check(self.min_group_size >= 1, "swarm.min_group_size", ">= 1", self.min_group_size)
         _check(self.part_timeout < self.allreduce_timeout, "swarm.part_timeout", "< swarm.allreduce_timeout",
                self.part_timeout)
+        _check(self.deadlines in ("measured", "fixed"), "swarm.deadlines", "measured or fixed", self.deadlines)
+        _check(self.deadline_margin >= 1, "swarm.deadline_margin", ">= 1", self.deadline_margin)
+        _check(self.deadline_max >= max(self.allreduce_timeout, self.state_timeout), "swarm.deadline_max",
+               ">= swarm.allreduce_timeout and swarm.state_timeout", self.deadline_max)
         _check(self.request_timeout < self.matchmaking_time, "swarm.request_timeout", "< swarm.matchmaking_time "
                "(hivemind's matchmaking can deadlock otherwise)", self.request_timeout)
         _check(self.matchmaking_time < self.matchmaking_timeout, "swarm.matchmaking_time",

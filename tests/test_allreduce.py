@@ -57,10 +57,11 @@ def test_group_plan_rejects_inconsistent_members():
 
 
 async def _run(n_members, alive, weights, deltas, part_timeout=1.0, allreduce_timeout=4.0, rule=None, caps=None,
-               numel=NUMEL, chunk_bytes=4096):
+               numel=NUMEL, chunk_bytes=4096, uploads=None):
     """One round of ``n_members`` on loopback; ``caps``: each member's download cap in bytes/s (0: none), declared
-    in its MemberInfo and enforced by its download pacer."""
+    in its MemberInfo and enforced by its download pacer; ``uploads``: each one's upload cap (its pacer only)."""
     caps = caps or [0.0] * n_members
+    uploads = uploads or [0.0] * n_members
     p2ps = await p2p_mesh(n_members)
     try:
         ids = [p.peer_id for p in p2ps]
@@ -69,7 +70,7 @@ async def _run(n_members, alive, weights, deltas, part_timeout=1.0, allreduce_ti
         for i, p in enumerate(p2ps):
             s = AllReduceServicer(registration_timeout=1.0, part_timeout=part_timeout, stream_timeout=30.0,
                                   guard=StreamGuard(per_peer=16, total=64),
-                                  bandwidth=Bandwidth(lambda cap=caps[i]: (0.0, cap)))
+                                  bandwidth=Bandwidth(lambda up=uploads[i], cap=caps[i]: (up, cap)))
             if i in alive:  # a dead member registers no handler and sends nothing
                 await s.add_p2p_handlers(p)
             servicers.append(s)

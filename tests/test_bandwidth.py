@@ -133,8 +133,10 @@ def test_a_capped_state_transfer_takes_at_least_its_bytes_over_the_cap(side):
     """1M elements of G and v (8 MB in 100k-element chunks) at a 16 Mbit/s (2 MB/s) cap: at least 3.75 s
     (4 s less the burst allowance), and the state arrives whole. A receiver's cap binds its donor, which paces
     the stream to the rate the request declares (reading slowly alone would not slow the link: the transport's
-    buffers hold megabytes)."""
+    buffers hold megabytes). The download's sample of the receiver's downlink (peer/net/links.py) is at most the
+    cap."""
     numel, rate = 1_000_000, 16 * MBIT
+    samples = []
     G, v = torch.randn(numel), torch.randn(numel)
     snap = Snapshot(0, 3, 30, G, v, digest_of(G, v))
 
@@ -149,7 +151,8 @@ def test_a_capped_state_transfer_takes_at_least_its_bytes_over_the_cap(side):
             t0 = time.monotonic()
             pacer = DeclaresOnly(lambda: down) if side == "receiver's declared cap" else receiver_bw.download
             got = await download(receiver, [donor.peer_id], 0, round_=3, numel=numel, digest=snap.digest,
-                                 timeout_per_donor=60, max_chunk_elems=100_000, pacer=pacer)
+                                 timeout_per_donor=60, max_chunk_elems=100_000, pacer=pacer,
+                                 on_sample=lambda n, s: samples.append((n, s)))
             return got, time.monotonic() - t0, (donor_bw.upload if upload else pacer).total
         finally:
             for p in (donor, receiver):
@@ -161,3 +164,5 @@ def test_a_capped_state_transfer_takes_at_least_its_bytes_over_the_cap(side):
     nbytes = paced  # the chunks' serialized sizes, counted by the capped pacer
     assert 8 * numel <= nbytes < 8.01 * numel
     assert seconds >= nbytes / rate - BURST_S, (seconds, nbytes / rate)
+    [(sampled, took)] = samples
+    assert sampled == nbytes and sampled / took <= rate * 1.1, (sampled, took)

@@ -33,6 +33,8 @@ def test_env_list_and_bool():
     ("[nosuch]\nx = 1\n", "unknown section [nosuch]"),
     ("[model]\nseq_len = 'long'\n", "model.seq_len"),
     ("[swarm]\npart_timeout = 90.0\n", "swarm.part_timeout: must be < swarm.allreduce_timeout"),
+    ("[swarm]\ndeadlines = 'auto'\n", "swarm.deadlines: must be measured or fixed"),
+    ("[swarm]\ndeadline_max = 30.0\n", "swarm.deadline_max: must be >= swarm.allreduce_timeout"),
     ("[swarm]\nrelay_via = ['/ip4/1.2.3.4/tcp/1/p2p/QmX']\nclient_mode = true\n",
      "swarm.relay_via: must be empty with swarm.client_mode or swarm.relay_service"),
     ("not toml [", "is not valid TOML"),

@@ -68,6 +68,10 @@ class AllReduceResult:
     total_weight: float = 0.0  # the largest total weight among the spans that arrived
     flagged: list[tuple[str, str]] = field(default_factory=list)  # (peer id, why): parts our span's rule limited
     pieces: list[Optional[Pieces]] = field(default_factory=list)  # per span, the bytes it was decoded from
+    # our link samples (peer/net/links.py), as (bytes, seconds): of our parts, what the reducers read and the
+    # longest of their times; of the averages we read, all their bytes and the window they came in
+    uplink: Optional[tuple[int, float]] = None
+    downlink: Optional[tuple[int, float]] = None
 
     @property
     def complete(self) -> bool:
@@ -84,7 +88,9 @@ class AllReduceServicer(ServicerBase):
     def __init__(self, *, registration_timeout: float, part_timeout: float, stream_timeout: float,
                  guard: StreamGuard, max_pending: int = 64, exclusions: Optional[Exclusions] = None,
                  bandwidth: Optional[Bandwidth] = None):
-        """``stream_timeout``: the longest a member's stream may stay open (its part, our average, the close);
+        """``part_timeout``: the longest a member's first message may take, before we know its group (the
+        longest part deadline a group can have); ``stream_timeout``: the longest a member's stream may stay open
+        (its part, our average, the close);
         ``guard``: this peer's bound on streams per remote peer (shared by all its handlers); ``bandwidth``: the
         owner's upload and download caps (shared with the rounds of this peer and its state transfer)."""
         self.exclusions = exclusions or Exclusions()  # shared with the rounds of this peer (run_allreduce)
@@ -127,7 +133,8 @@ class AllReduceServicer(ServicerBase):
     async def _reduce(self, requests: AsyncIterator[pb.ReduceRequest],
                       context: P2PContext) -> AsyncIterator[pb.ReduceResponse]:
         red, sender = None, None
-        stream_deadline = time.monotonic() + self.stream_timeout
+        opened, arrived = time.monotonic(), 0  # (the member's uplink sample: peer/net/links.py)
+        stream_deadline = opened + self.stream_timeout
         try:
             # The first message carries up to chunk_bytes of data: on a slow link it takes as long as
             # any other piece, so it gets the part deadline, not the (short) request timeout.
@@ -161,6 +168,7 @@ class AllReduceServicer(ServicerBase):
                 part[filled:filled + values.numel()] = values
                 filled += values.numel()
                 red.traffic.received += msg.ByteSize()
+                arrived += msg.ByteSize()
                 await self.bandwidth.download.take(msg.ByteSize())
                 if filled == red.length:
                     break
@@ -168,10 +176,11 @@ class AllReduceServicer(ServicerBase):
                 if grants:
                     yield pb.ReduceResponse(acknowledged=read)
                 msg = await next_by(requests, red.deadline)
+            timing = (time.monotonic() - opened, arrived)
             if not red.add(sender, header.weight, part):
                 log.info("%s: part from %s arrived after averaging; it is not included", plan.label,
                          short_id(context.remote_id))
-            async for response in self._send_average(red, sender, requests, stream_deadline):
+            async for response in self._send_average(red, sender, requests, stream_deadline, timing):
                 yield response
         except (CodecError, CreditError, asyncio.TimeoutError, StopAsyncIteration) as e:
             log.warning("rpc_reduce from %s: dropped a member's part: %s", short_id(context.remote_id),
@@ -180,7 +189,8 @@ class AllReduceServicer(ServicerBase):
                 red.give_up_on(sender)
             if isinstance(e, CodecError) and red is not None:  # (a timeout or a closed stream: the network's)
                 self.exclusions.report(str(context.remote_id), Offence.BAD_PART, f"{red.plan.label}: {e}")
-            yield pb.ReduceResponse(status=Status.REJECTED, error=f"bad or incomplete part: {type(e).__name__}")
+            yield pb.ReduceResponse(status=Status.REJECTED, error=f"bad or incomplete part: {type(e).__name__}",
+                                    part_seconds=time.monotonic() - opened, part_bytes=arrived)
         finally:
             if red is not None and sender is not None:
                 red.serving.discard(sender)
@@ -188,13 +198,18 @@ class AllReduceServicer(ServicerBase):
                     red.idle.set()
 
     async def _send_average(self, red: SpanReduction, member: int, requests: AsyncIterator[pb.ReduceRequest],
-                            deadline: float) -> AsyncIterator[pb.ReduceResponse]:
+                            deadline: float, timing: tuple[float, int]) -> AsyncIterator[pb.ReduceResponse]:
         """Streams our encoded average to ``member``, paced by our upload cap and, when the member declared a
         download cap, by its credit (read from its request stream by a task of ours), then holds the stream open
         until the member closes its side: it does so only after reading the whole average, and closing first can
-        drop our last message in the daemons (seen ~1/50). Raises :class:`CreditError` for a credit no honest
-        member sends, ``asyncio.TimeoutError`` past ``deadline``."""
-        responses = await asyncio.shield(red.result)
+        drop our last message in the daemons (seen ~1/50). The first message tells the member how long its part
+        took (``timing``: seconds, bytes). Raises :class:`CreditError` for a credit no honest member sends,
+        ``asyncio.TimeoutError`` past ``deadline``."""
+        responses = list(await asyncio.shield(red.result))
+        first = pb.ReduceResponse()
+        first.CopyFrom(responses[0])  # (the others' first message is the same but for this)
+        first.part_seconds, first.part_bytes = timing
+        responses[0] = first
         credit = SendWindow(window(red.plan.infos[member].download_bytes_per_second,
                                    max(r.ByteSize() for r in responses)))
         reader = asyncio.ensure_future(_read_credits(requests, credit, deadline))
@@ -252,10 +267,15 @@ async def _own_span(red: SpanReduction, values: torch.Tensor, weight: float) -> 
 
 async def _remote_span(p2p: P2P, plan: GroupPlan, j: int, values: torch.Tensor, weight: float,
                        chunk_elems: int, deadline: float, connect_timeout: float,
-                       traffic: Traffic, bandwidth: Bandwidth) -> list[pb.ReduceResponse]:
+                       traffic: Traffic, bandwidth: Bandwidth, timings: list[tuple[int, float]],
+                       arrivals: list[tuple[float, float, int]]) -> list[pb.ReduceResponse]:
     """Streams our part of span j to reducer j and returns its response messages. The part is paced by our upload
-    cap and by reducer j's credit; we grant credit on its average if we declared a download cap."""
+    cap and by reducer j's credit; we grant credit on its average if we declared a download cap. Appends
+    ``(bytes, seconds)`` to ``timings`` when the reducer said how much of our part it read in how long (at most
+    what we sent, in at most the time we saw pass before its answer), also when the part came too late; and
+    ``(first, last, bytes)`` of the average's messages to ``arrivals``."""
     pieces = encode_pieces(plan.parts, values, chunk_elems)
+    opened = time.monotonic()
     span_length = plan.spans[j][1] - plan.spans[j][0]
     # credit (peer/net/credit.py): the reducer's on our part if it declared a download cap, ours on its average
     credit = SendWindow(window(plan.infos[j].download_bytes_per_second, max(p.ByteSize() for _, p in pieces)))
@@ -280,7 +300,8 @@ async def _remote_span(p2p: P2P, plan: GroupPlan, j: int, values: torch.Tensor, 
     # Opening the stream dials the reducer: a dead one is detected here, within connect_timeout.
     stream = await asyncio.wait_for(stub.rpc_reduce(requests()),
                                     timeout=min(connect_timeout, time_left(deadline)))
-    responses, received = [], 0
+    responses: list[pb.ReduceResponse] = []
+    received = 0
     try:
         while received < span_length:
             msg = await next_by(stream, deadline)
@@ -291,12 +312,19 @@ async def _remote_span(p2p: P2P, plan: GroupPlan, j: int, values: torch.Tensor, 
                 credit.grant(msg.acknowledged)
                 continue
             await bandwidth.download.take(msg.ByteSize())
+            if not responses and msg.part_bytes and math.isfinite(msg.part_seconds):
+                sent = sum(p.ByteSize() for _, p in pieces)
+                timings.append((min(msg.part_bytes, sent), min(max(msg.part_seconds, 0.0), time.monotonic() - opened)))
             responses.append(msg)
             if msg.status != Status.OK:
                 break
+            if len(responses) == 1:
+                first_at = time.monotonic()
             received += msg.piece.numel
             if grants:
                 acks.put_nowait(len(responses))
+        if responses and responses[0].status == Status.OK:
+            arrivals.append((first_at, time.monotonic(), sum(r.ByteSize() for r in responses)))
         return responses
     except StopAsyncIteration:
         return responses
@@ -389,6 +417,8 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
     red = SpanReduction(plan, part_timeout, chunk_elems, servicer.exclusions, lift)
     servicer.register(red)
     traffic = Traffic()
+    timings: list[tuple[int, float]] = []  # (our part's bytes, the seconds its reducer read it in)
+    arrivals: list[tuple[float, float, int]] = []  # (first, last, bytes) of each remote span's average
     try:
         tasks = []
         for j, (start, end) in enumerate(plan.spans):
@@ -402,7 +432,7 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
             else:
                 tasks.append((j, asyncio.ensure_future(
                     _remote_span(p2p, plan, j, values, weight, chunk_elems, deadline, connect_timeout, traffic,
-                                 servicer.bandwidth))))
+                                 servicer.bandwidth, timings, arrivals))))
         results: dict[int, SpanResult] = {}
         for j, task in tasks:
             try:
@@ -435,7 +465,11 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
                 await asyncio.wait_for(red.idle.wait(), timeout=time_left(deadline))
         traffic.sent += red.sent_bytes() + red.traffic.sent
         traffic.received += red.traffic.received
-        return AllReduceResult(spans, contributors, traffic, total_weight, list(red.flagged), pieces)
+        uplink = (sum(b for b, _ in timings), max(t for _, t in timings)) if timings else None
+        downlink = (sum(b for _, _, b in arrivals), max(e for _, e, _ in arrivals) - min(s for s, _, _ in arrivals)
+                    ) if arrivals else None
+        return AllReduceResult(spans, contributors, traffic, total_weight, list(red.flagged), pieces, uplink,
+                               downlink)
     finally:
         asyncio.get_running_loop().call_later(time_left(deadline), servicer.unregister,
                                               plan.group_id)

@@ -17,8 +17,9 @@ from peer.outer.aggregate import MAX_WEIGHT, AggregationRule
 from peer.outer.codec import Codec
 from peer.proto import allreduce_pb2 as pb
 
-# 2: credit on the streams to a peer with a download cap (peer/net/credit.py); 3: two-level rounds (slots)
-PROTOCOL_VERSION = 3
+# 2: credit on the streams to a peer with a download cap (peer/net/credit.py); 3: two-level rounds (slots);
+# 4: declared uplinks, and deadlines sized from them (peer/net/links.py)
+PROTOCOL_VERSION = 4
 MAX_GROUP_SIZE = 256
 
 

@@ -234,8 +234,10 @@ def swarm_lift(plan: GroupPlan, *, p2p: P2P, dht: DHT, servicer: AllReduceServic
                                 poll=min(1.0, cfg.progress_period), excluded=excluded, guard=guard)
 
     async def run(slot_plan: GroupPlan, part: torch.Tensor, weight: float, seconds: float) -> AllReduceResult:
-        return await run_allreduce(p2p, servicer, slot_plan, part, weight, part_timeout=min(cfg.part_timeout,
-                                   seconds / 2), allreduce_timeout=seconds, connect_timeout=cfg.request_timeout,
+        # (measured deadlines: level 1's deadline already follows the links, level 2 gets half of what it leaves)
+        parts = seconds / 2 if cfg.deadlines == "measured" else min(cfg.part_timeout, seconds / 2)
+        return await run_allreduce(p2p, servicer, slot_plan, part, weight, part_timeout=parts,
+                                   allreduce_timeout=seconds, connect_timeout=cfg.request_timeout,
                                    chunk_bytes=cfg.chunk_bytes)
 
     return SlotLift(plan, form=form, run=run, deadline=deadline, chunk_elems=max(1, cfg.chunk_bytes // 4),

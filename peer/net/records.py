@@ -52,6 +52,9 @@ class ProgressRecord(BaseModel):
     # the loss of its last inner step (the monitor's loss chart); None before the first step
     loss: Optional[Annotated[StrictFloat, Field(ge=0.0, le=1e6, allow_inf_nan=False)]] = None
     version: Annotated[StrictStr, Field(max_length=32)] = ""  # its swarmloco version (the monitor's peer list)
+    # its uplink in bytes/s as its reducers timed its parts (peer/net/links.py; 0: not measured yet): a joiner
+    # gives it, as a state donor, the time its share takes through that link
+    upload_bytes_per_second: Annotated[StrictFloat, Field(ge=0.0, allow_inf_nan=False)] = 0.0
     time: Annotated[StrictFloat, Field(allow_inf_nan=False)]  # DHT time when written
 
     @classmethod

@@ -17,7 +17,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Optional, Sequence
+from typing import AsyncIterator, Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -161,6 +161,7 @@ class _Assembly:
     round: int = 0
     step: int = 0
     done: int = 0  # parts verified
+    received: int = 0  # bytes of chunks read (the joiner's downlink sample: peer/net/links.py)
 
     def check_header(self, msg: pb.StateChunk) -> None:
         """Checks an answer's header against the digest wanted; the first good one sets the block digests."""
@@ -207,6 +208,7 @@ async def _fetch(p2p: P2P, donor: PeerID, fragment: int, round_: int, part: tupl
             got.G[filled:filled + n] = torch.from_numpy(np.frombuffer(msg.g, dtype="<f4").astype(np.float32))
             got.v[filled:filled + n] = torch.from_numpy(np.frombuffer(msg.v, dtype="<f4").astype(np.float32))
             filled += n
+            got.received += msg.ByteSize()
             await pacer.take(msg.ByteSize())
     finally:
         await stream.aclose()
@@ -221,12 +223,15 @@ def _parts(numel: int, pieces: int) -> list[tuple[int, int]]:
 
 
 async def download(p2p: P2P, donors: Sequence[PeerID], fragment: int, *, round_: int, numel: int, digest: str,
-                   timeout_per_donor: float, max_chunk_elems: int, pacer: Optional[Pacer] = None,
-                   parallel: int = 3) -> Snapshot:
+                   timeout_per_donor: Union[float, Mapping[PeerID, float]], max_chunk_elems: int,
+                   pacer: Optional[Pacer] = None, parallel: int = 3,
+                   on_sample: Optional[Callable[[int, float], None]] = None) -> Snapshot:
     """Downloads round ``round_`` of fragment ``fragment`` (``numel`` elements, ``digest``) from up to
     ``parallel`` of ``donors`` at once, part by part, each part verified; a donor that fails a part (dead, slow,
     busy, lying) is dropped and its part goes to the next. Each donor in use gets ``timeout_per_donor`` seconds
-    for its parts. ``pacer``: the owner's download cap (the donors in use are each declared a share of it).
+    for its parts (a mapping: per donor, e.g. from its declared uplink, peer/net/links.py). ``pacer``: the
+    owner's download cap (the donors in use are each declared a share of it). ``on_sample(bytes, seconds)``: what
+    came in how long, also when the download fails (the next one's deadlines can then fit the link).
     Raises :class:`DownloadError` when the donors run out before every part is in."""
     pacer = pacer or Pacer(lambda: 0.0)
     width = max(1, min(parallel, len(donors)))
@@ -238,7 +243,8 @@ async def download(p2p: P2P, donors: Sequence[PeerID], fragment: int, *, round_:
     changed = asyncio.Event()  # a part came back or was verified: idle donors look again
 
     async def worker(donor: PeerID) -> None:
-        deadline = time.monotonic() + timeout_per_donor
+        deadline = time.monotonic() + (timeout_per_donor[donor] if isinstance(timeout_per_donor, Mapping)
+                                       else timeout_per_donor)
         while got.done < total:
             if not got.parts:  # every part is taken: wait in case one comes back (its donor failed)
                 changed.clear()
@@ -267,6 +273,7 @@ async def download(p2p: P2P, donors: Sequence[PeerID], fragment: int, *, round_:
 
     for _ in range(width):
         spawn(waiting.pop(0))
+    started = time.monotonic()
     try:
         while tasks:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
@@ -274,6 +281,8 @@ async def download(p2p: P2P, donors: Sequence[PeerID], fragment: int, *, round_:
     finally:
         for task in tasks:
             task.cancel()
+        if on_sample is not None and got.received:
+            on_sample(got.received, time.monotonic() - started)
     if got.done < total or got.blocks is None:
         tried = "; ".join(errors) or "no donors"
         raise DownloadError(f"fragment {fragment}: no donor delivered a verified state ({tried})")

@@ -34,6 +34,7 @@ from peer.config import SwarmConfig
 from peer.net.dht import create_dht, peers_of, reconnect
 from peer.net.exclusion import Exclusions
 from peer.net.levels import plan_levels, swarm_lift
+from peer.net.links import DeadlinePolicy, LinkMeter, plan_deadlines, slow_donors_last, state_deadline
 from peer.net.limits import StreamGuard, cap_frame_size, frame_limit_for
 from peer.net.matchmaking import GaveUp, form_group, round_prefix
 from peer.outer.rounds import RoundOutcome, RoundStatus
@@ -90,13 +91,19 @@ class Swarm:
             self.admission.learn(access.token)
         self.guard = StreamGuard(per_peer=cfg.max_streams_per_peer, total=cfg.max_streams,  # all our handlers
                                  admitted=self.admission.admitted)
-        self.servicer = AllReduceServicer(registration_timeout=cfg.request_timeout, part_timeout=cfg.part_timeout,
-                                          stream_timeout=cfg.allreduce_timeout + cfg.part_timeout
-                                          + 2 * cfg.request_timeout, guard=self.guard, exclusions=self.exclusions,
-                                          bandwidth=self.bandwidth)
+        self.policy = DeadlinePolicy.of(cfg)  # how long rounds and state downloads may take (peer/net/links.py)
+        self.uplink = LinkMeter()  # our uplink as our reducers timed our parts, declared to every group
+        self.downlink = LinkMeter()  # our downlink as averages and state came in (sizes our state downloads)
+        # a member's part and stream may take as long as the longest deadlines a group can give them
+        longest, longest_state = ((cfg.deadline_max, cfg.deadline_max) if self.policy.measured
+                                  else (cfg.allreduce_timeout, cfg.state_timeout))
+        longest_part = longest - (cfg.allreduce_timeout - cfg.part_timeout)
+        self.servicer = AllReduceServicer(registration_timeout=cfg.request_timeout, part_timeout=longest_part,
+                                          stream_timeout=longest + cfg.part_timeout + 2 * cfg.request_timeout,
+                                          guard=self.guard, exclusions=self.exclusions, bandwidth=self.bandwidth)
         self.state_servicer = StateServicer(max(1, cfg.chunk_bytes // 8), guard=self.guard,
                                             request_timeout=cfg.request_timeout,
-                                            stream_timeout=cfg.state_timeout + cfg.request_timeout,
+                                            stream_timeout=longest_state + cfg.request_timeout,
                                             upload=self.bandwidth.upload, max_uploads=cfg.max_state_uploads)
         # answers `swarm-peer doctor`'s "can others dial me?" (bounded: peer/net/dial_back.py)
         self.dial_back = DialBackServicer(guard=self.guard, timeout=cfg.request_timeout,
@@ -235,7 +242,8 @@ class Swarm:
                              averaging=averaging, paused=self.paused, loss=loss, version=VERSION,
                              client_mode=self.client_mode, time=get_dht_time(),
                              rounds=[s.round for s in snaps if s], digests=[s.digest for s in snaps if s],
-                             past=self._past_entries(), pass_line=encode_pass(self.access.token) if self.access else "")
+                             past=self._past_entries(), pass_line=encode_pass(self.access.token) if self.access else "",
+                             upload_bytes_per_second=self.declared_uplink())
         store = self.dht.store(progress_key(self.run_key), rec.model_dump(), get_dht_time() + self.cfg.progress_ttl,
                                subkey=self._subkey, return_future=True)
         fetch = self.dht.get(progress_key(self.run_key), latest=True, return_future=True)
@@ -385,13 +393,22 @@ class Swarm:
                 log.warning("fragment %d: skipping state donor %r: not a peer id", fragment, d[:64])
         if not ids:
             raise DownloadError("no valid donor")
+        # slow donors last; each gets the time its share takes through the uplink its record declares, or through
+        # our downlink's share (peer/net/links.py)
+        records, width = self.live_peers(), min(self.cfg.state_donors, len(ids))
+        uplinks = {pid: records[str(pid)].upload_bytes_per_second if str(pid) in records else 0.0 for pid in ids}
+        ids = slow_donors_last(uplinks)
+        downlink = self.downlink.rate(cap=self.bandwidth.rates()[1])
+        timeouts = {pid: state_deadline(numel, width, uplinks[pid], self.policy, downlink) for pid in ids}
         coro = download(self.p2p, ids, fragment, round_=round_, numel=numel, digest=digest,
-                        timeout_per_donor=self.cfg.state_timeout, max_chunk_elems=max(1, self.cfg.chunk_bytes // 4),
-                        pacer=self.bandwidth.download, parallel=self.cfg.state_donors)
+                        timeout_per_donor=timeouts, max_chunk_elems=max(1, self.cfg.chunk_bytes // 4),
+                        pacer=self.bandwidth.download, parallel=self.cfg.state_donors, on_sample=self.downlink.observe)
+        # (donors run side by side, a failed one's part goes to the next: at worst one after the other)
+        total = sum(timeouts.values()) + 5
         try:
-            return self._call(coro, self.cfg.state_timeout * len(ids) + 5)
+            return self._call(coro, total)
         except concurrent.futures.TimeoutError:
-            raise DownloadError(f"no donor delivered within {self.cfg.state_timeout * len(ids) + 5:.0f} s") from None
+            raise DownloadError(f"no donor delivered within {total:.0f} s") from None
 
     # ---- rounds ----------------------------------------------------------------------------
     def run_round(self, *, fragment: int, round_: int, delta: torch.Tensor, weight: float, inner_step: int,
@@ -405,10 +422,16 @@ class Swarm:
         live peer's record shows it has not reached ``inner_step`` yet; stop as soon as every live peer has left
         the round without us. On both schedules the search stops once no other peer is live (status ``alone``,
         as at launch). The future completes within matchmaking_timeout
-        (+ matchmaking_patience on the steps schedule) + allreduce_timeout seconds.
+        (+ matchmaking_patience on the steps schedule) + the round's all-reduce deadline (allreduce_timeout, or
+        with measured deadlines up to deadline_max) seconds.
         """
         coro = self._round(fragment, round_, delta, weight, inner_step, target_group_size, sync_every)
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def declared_uplink(self) -> float:
+        """Our uplink in bytes/s as we declare it to groups and in our record: measured, at most the owner's upload
+        cap (0: neither known yet)."""
+        return self.uplink.rate(cap=self.bandwidth.rates()[0])
 
     def activity(self) -> list[RoundActivity]:
         """The rounds in flight, by fragment and round (a snapshot; cheap, never blocks)."""
@@ -450,7 +473,7 @@ class Swarm:
             info = pb.MemberInfo(protocol_version=PROTOCOL_VERSION, weight=weight, inner_step=inner_step,
                                  client_mode=self.client_mode, numel=delta.numel(),
                                  download_bytes_per_second=self.bandwidth.download.rate(),
-                                 slots=levels.slots if levels else 0)
+                                 slots=levels.slots if levels else 0, upload_bytes_per_second=self.declared_uplink())
             group = await form_group(
                 self.p2p, self.dht, prefix=prefix, gather=info.SerializeToString(),
                 target_group_size=levels.group_target if levels else target_group_size,
@@ -468,24 +491,31 @@ class Swarm:
             if strangers:  # (a leader with a pass that admitted a peer without one)
                 raise GroupError(f"the group includes peer(s) without a valid pass: {[short_id(p) for p in strangers]}")
             self._met({str(pid) for pid in group.peer_ids} - {self.peer_id})
-            self._activity[(fragment, round_)] = RoundActivity(fragment, round_, RoundStage.ALLREDUCE,
-                                                     time.monotonic() + self.cfg.allreduce_timeout)
-            log.debug("%s: group of %d assembled, all-reduce starting", label, out.group_size)
             now = time.monotonic()
             caps = vouched_caps([self._speeds.vouched(str(p), now) for p in group.peer_ids], self.rule)
             plan = GroupPlan.from_group(group, self.p2p.peer_id, self.codec, delta.numel(), label, self.rule, caps)
+            deadlines = plan_deadlines(plan, self.policy)  # the same for every member: from the group's infos
+            out.deadline = deadlines.allreduce
+            self._activity[(fragment, round_)] = RoundActivity(fragment, round_, RoundStage.ALLREDUCE,
+                                                               now + deadlines.allreduce)
+            log.debug("%s: group of %d assembled, all-reduce starting (parts due in %.0f s, averages in %.0f s; the "
+                      "declared links predict %.1f s)", label, out.group_size, deadlines.part, deadlines.allreduce,
+                      deadlines.expected)
             lift = None
             if plan.slots:  # two levels: our span's level 2 ends early enough to bring its average down
                 lift = swarm_lift(plan, p2p=self.p2p, dht=self.dht, servicer=self.servicer, cfg=self.cfg,
                                   prefix=prefix, live=target_group_size,
-                                  deadline=now + self.cfg.allreduce_timeout - self.cfg.part_timeout / 2,
+                                  deadline=now + deadlines.allreduce - deadlines.part / 2,
                                   excluded=self.refused, guard=self.guard,
                                   download_bytes_per_second=self.bandwidth.download.rate())
             result = await run_allreduce(self.p2p, self.servicer, plan, delta, weight,
-                                         part_timeout=self.cfg.part_timeout,
-                                         allreduce_timeout=self.cfg.allreduce_timeout,
+                                         part_timeout=deadlines.part, allreduce_timeout=deadlines.allreduce,
                                          connect_timeout=self.cfg.request_timeout, chunk_bytes=self.cfg.chunk_bytes,
                                          lift=lift)
+            if result.uplink:
+                self.uplink.observe(*result.uplink)
+            if result.downlink:
+                self.downlink.observe(*result.downlink)
             out.spans, out.contributors, out.total_weight = result.spans, result.contributors, result.total_weight
             out.flagged = result.flagged
             out.bytes_sent, out.bytes_received = result.traffic.sent, result.traffic.received

@@ -59,4 +59,5 @@ class RoundOutcome:
     seconds: float = 0.0
     error: str = ""
     launch_step: int = 0  # set by the engine: the inner step the round was launched after
+    deadline: float = 0.0  # seconds its group gave the all-reduce (measured deadlines follow the links); 0: none
     flagged: list[tuple[str, str]] = field(default_factory=list)  # (peer id, why): contributions our span limited

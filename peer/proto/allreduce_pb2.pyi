@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class MemberInfo(_message.Message):
-    __slots__ = ("protocol_version", "weight", "inner_step", "client_mode", "numel", "download_bytes_per_second", "slots")
+    __slots__ = ("protocol_version", "weight", "inner_step", "client_mode", "numel", "download_bytes_per_second", "slots", "upload_bytes_per_second")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     INNER_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class MemberInfo(_message.Message):
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     DOWNLOAD_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     weight: float
     inner_step: int
@@ -24,7 +25,8 @@ class MemberInfo(_message.Message):
     numel: int
     download_bytes_per_second: float
     slots: int
-    def __init__(self, protocol_version: _Optional[int] = ..., weight: _Optional[float] = ..., inner_step: _Optional[int] = ..., client_mode: _Optional[bool] = ..., numel: _Optional[int] = ..., download_bytes_per_second: _Optional[float] = ..., slots: _Optional[int] = ...) -> None: ...
+    upload_bytes_per_second: float
+    def __init__(self, protocol_version: _Optional[int] = ..., weight: _Optional[float] = ..., inner_step: _Optional[int] = ..., client_mode: _Optional[bool] = ..., numel: _Optional[int] = ..., download_bytes_per_second: _Optional[float] = ..., slots: _Optional[int] = ..., upload_bytes_per_second: _Optional[float] = ...) -> None: ...
 
 class ReduceRequest(_message.Message):
     __slots__ = ("group_id", "span_index", "weight", "offset", "piece", "acknowledged")
@@ -43,7 +45,7 @@ class ReduceRequest(_message.Message):
     def __init__(self, group_id: _Optional[bytes] = ..., span_index: _Optional[int] = ..., weight: _Optional[float] = ..., offset: _Optional[int] = ..., piece: _Optional[_Union[_codec_pb2.EncodedTensor, _Mapping]] = ..., acknowledged: _Optional[int] = ...) -> None: ...
 
 class ReduceResponse(_message.Message):
-    __slots__ = ("status", "error", "contributors", "total_weight", "offset", "piece", "acknowledged")
+    __slots__ = ("status", "error", "contributors", "total_weight", "offset", "piece", "acknowledged", "part_seconds", "part_bytes")
     class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         OK: _ClassVar[ReduceResponse.Status]
@@ -59,6 +61,8 @@ class ReduceResponse(_message.Message):
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     PIECE_FIELD_NUMBER: _ClassVar[int]
     ACKNOWLEDGED_FIELD_NUMBER: _ClassVar[int]
+    PART_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PART_BYTES_FIELD_NUMBER: _ClassVar[int]
     status: ReduceResponse.Status
     error: str
     contributors: _containers.RepeatedScalarFieldContainer[int]
@@ -66,4 +70,6 @@ class ReduceResponse(_message.Message):
     offset: int
     piece: _codec_pb2.EncodedTensor
     acknowledged: int
-    def __init__(self, status: _Optional[_Union[ReduceResponse.Status, str]] = ..., error: _Optional[str] = ..., contributors: _Optional[_Iterable[int]] = ..., total_weight: _Optional[float] = ..., offset: _Optional[int] = ..., piece: _Optional[_Union[_codec_pb2.EncodedTensor, _Mapping]] = ..., acknowledged: _Optional[int] = ...) -> None: ...
+    part_seconds: float
+    part_bytes: int
+    def __init__(self, status: _Optional[_Union[ReduceResponse.Status, str]] = ..., error: _Optional[str] = ..., contributors: _Optional[_Iterable[int]] = ..., total_weight: _Optional[float] = ..., offset: _Optional[int] = ..., piece: _Optional[_Union[_codec_pb2.EncodedTensor, _Mapping]] = ..., acknowledged: _Optional[int] = ..., part_seconds: _Optional[float] = ..., part_bytes: _Optional[int] = ...) -> None: ...

@@ -52,7 +52,8 @@ class RoundLedger:
                          group_size=outcome.group_size, bytes_sent=outcome.bytes_sent,
                          bytes_received=outcome.bytes_received, seconds=outcome.seconds, digest=digest,
                          spans_applied=applied, spans_missing=len(outcome.spans) - applied,
-                         total_weight=outcome.total_weight, contributors=outcome.contributors, error=outcome.error)
+                         total_weight=outcome.total_weight, contributors=outcome.contributors, error=outcome.error,
+                         deadline=outcome.deadline)
         for peer, why in outcome.flagged:  # (the console line is the reducer's warning, in peer.net.allreduce)
             self.events.emit("contribution_limited", fragment=fragment, round=outcome.round, peer=peer, reason=why,
                              aggregator=self.aggregator)

@@ -103,6 +103,10 @@ class OwnerLink:
         called once the fragments are known, before :meth:`apply_limits`."""
         sample, sw = 4096, self.cfg.swarm
         encoded = largest_numel * codec.encode_flat(torch.zeros(sample)).ByteSize() / sample
+        if sw.deadlines == "measured":  # the deadlines follow the links, up to deadline_max (peer/net/links.py)
+            self._traffic = [("all-reduce", 2 * encoded, sw.deadline_max, "deadline_max"),
+                             ("state transfer", 8 * largest_numel, sw.deadline_max, "deadline_max")]
+            return
         self._traffic = [("all-reduce", 2 * encoded, sw.allreduce_timeout, "allreduce_timeout"),
                          ("parts", encoded, sw.part_timeout, "part_timeout"),
                          ("state transfer", 8 * largest_numel, sw.state_timeout, "state_timeout")]
