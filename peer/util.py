@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import threading
 import time
 from importlib import metadata
-from typing import AsyncIterator, TypeVar
+from typing import AsyncIterator, Optional, TypeVar
 
 try:
     VERSION = metadata.version("swarmloco")  # published in the progress records (the monitor's peer list)
@@ -24,6 +26,28 @@ async def next_by(stream: AsyncIterator[T], deadline: float) -> T:
     """The next message of ``stream``, or ``asyncio.TimeoutError`` at ``deadline`` (monotonic);
     ``StopAsyncIteration`` when the stream ended."""
     return await asyncio.wait_for(stream.__anext__(), timeout=time_left(deadline))
+
+
+class Stopped(Exception):
+    """A wait ended because the peer is stopping (:func:`result_or_stop`)."""
+
+
+def result_or_stop(future: "concurrent.futures.Future[T]", timeout: float, stop: Optional[threading.Event],
+                   poll: float = 0.25) -> T:
+    """``future.result(timeout)``, but cancels ``future`` and raises :class:`Stopped` as soon as ``stop`` is set
+    (checked every ``poll`` seconds), and cancels it before raising ``concurrent.futures.TimeoutError``: a
+    blocking call into the networking thread that a Ctrl-C must not wait out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if stop is not None and stop.is_set():
+            future.cancel()
+            raise Stopped("the peer is stopping")
+        try:
+            return future.result(timeout=min(poll, time_left(deadline)))
+        except concurrent.futures.TimeoutError:
+            if time.monotonic() >= deadline:
+                future.cancel()
+                raise
 
 
 def short_id(peer_id: object) -> str:

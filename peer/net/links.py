@@ -6,12 +6,14 @@ link sends in 2, so with one such member every round ran out of time and lost th
 swarm waited the whole fixed time for a member that had gone silent.
 
 - **Measured.** A reducer times each member's part from the stream's opening to its last byte read and sends the
-  seconds back (``ReduceResponse.part_seconds``). A member's parts to all reducers leave through its uplink at the
-  same time, so its uplink is at least ``bytes of all its parts / the longest of those times``
+  seconds back (``ReduceResponse.part_seconds``, ``part_bytes``; a part too late for the deadline in force is
+  refused with the bytes that had arrived, so a failed round teaches the member too). A member's parts to all
+  reducers leave through its uplink at the same time, so its uplink is at least ``bytes of all its parts / the
+  longest of those times``
   (:class:`LinkMeter`; a slowdown is taken at once, a speedup through a moving average). It declares that rate,
   at most its owner's upload cap, in ``MemberInfo.upload_bytes_per_second`` and in its progress record. Its own
-  downlink it times from the averages it reads (a lower bound too: their senders' uplinks count in it) and keeps
-  to itself, for its state downloads.
+  downlink it times from the averages it reads and from its state downloads (lower bounds too: their senders'
+  uplinks count in them) and keeps to itself, for its state downloads.
 - **Sized.** Every member computes the same deadlines from the same infos (:func:`round_deadlines`): the part
   stage lasts as long as the slowest member's parts take through its uplink (or a reducer's declared download
   cap takes to read them), the average stage as long as the slowest reducer's average takes to reach every

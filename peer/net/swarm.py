@@ -43,7 +43,7 @@ from peer.net.progress import LiveView, SpeedLedger, dht_security, progress_key
 from peer.net.records import MAX_PAST, ProgressRecord
 from peer.net.state_transfer import DownloadError, Snapshot, StateServicer, download
 from peer.proto import allreduce_pb2 as pb
-from peer.util import VERSION, short_id
+from peer.util import VERSION, Stopped, result_or_stop, short_id
 
 log = logging.getLogger(__name__)
 
@@ -378,10 +378,11 @@ class Swarm:
         past = self._past
         return [dict(past.get(p, {})) for p in range(num_fragments)]
 
-    def download_state(self, fragment: int, donors: list[str], *, round_: int, numel: int, digest: str) -> Snapshot:
+    def download_state(self, fragment: int, donors: list[str], *, round_: int, numel: int, digest: str,
+                       stop: Optional[threading.Event] = None) -> Snapshot:
         """Blocking: the fragment's state ``digest`` in parts from up to ``state_donors`` donors at once
         (:func:`~peer.net.state_transfer.download`); DownloadError if they run out (donor ids come from other
-        peers' records: one that does not parse is skipped)."""
+        peers' records: one that does not parse is skipped) or ``stop`` is set (the download is cancelled)."""
         ids = []
         for d in donors:
             if not self.admission.admitted(d):
@@ -406,9 +407,11 @@ class Swarm:
         # (donors run side by side, a failed one's part goes to the next: at worst one after the other)
         total = sum(timeouts.values()) + 5
         try:
-            return self._call(coro, total)
+            return result_or_stop(asyncio.run_coroutine_threadsafe(coro, self._loop), total, stop)
         except concurrent.futures.TimeoutError:
             raise DownloadError(f"no donor delivered within {total:.0f} s") from None
+        except Stopped:
+            raise DownloadError("cancelled: the peer is stopping") from None
 
     # ---- rounds ----------------------------------------------------------------------------
     def run_round(self, *, fragment: int, round_: int, delta: torch.Tensor, weight: float, inner_step: int,

@@ -450,8 +450,11 @@ class Trainer:
             self._show_status(f"catching up: downloading fragment {plan.fragment} round {plan.round}")
             try:
                 snap = self.swarm.download_state(plan.fragment, plan.donors, round_=plan.round, numel=frag.numel,
-                                                 digest=plan.digest)
+                                                 digest=plan.digest, stop=self.stop.event)
             except DownloadError as e:
+                if self.stop.event.is_set():  # (a Ctrl-C does not wait out a download: the loop ends next)
+                    log.info("fragment %d: state download cancelled: the peer is stopping", plan.fragment)
+                    break
                 log.warning("fragment %d: could not catch up (%s): %s", plan.fragment, plan.reason, e)
                 continue
             engine.adopt(plan.fragment, snap.G, snap.v, snap.round)
