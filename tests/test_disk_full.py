@@ -111,7 +111,10 @@ def test_full_disk_while_training_keeps_the_peer_and_its_checkpoint(procs, tmp_p
     steps_when_full = int(failed.group(1))
     kept = checkpoint.load_latest(run_dir / "checkpoints")
     assert kept is not None and kept[1]["step"] >= first  # the previous checkpoint is intact
-    assert not list((run_dir / "checkpoints").glob(".ckpt-*.tmp"))  # no half-written file takes space
+    # no half-written file stays to take space (a retry in flight may hold a new one for a moment: CI saw one)
+    stale = set((run_dir / "checkpoints").glob(".ckpt-*.tmp"))
+    wait_for(lambda: not stale & set((run_dir / "checkpoints").glob(".ckpt-*.tmp")), 30,
+             f"the temporary files of failed checkpoints to go: {sorted(p.name for p in stale)}")
     assert peer.returncode is None, peer.tail()
 
     (small_disk / "filler").unlink()  # room again

@@ -21,13 +21,13 @@ def test_a_slow_uplink_gets_deadlines_its_parts_fit_and_every_round_completes(pr
     initial = start_bootstrap(procs, tmp_path)
     names = ["p0", "p1", "p2"]
     slow = {"p2": ["--limits-upload-mbps", "0.5"]}
-    peers = [start_peer(procs, tmp_path, n, initial, 60, "--min-peers", "3", *FLOORS, *slow.get(n, []))
+    peers = [start_peer(procs, tmp_path, n, initial, 40, "--min-peers", "3", *FLOORS, *slow.get(n, []))
              for n in names]
     for name, proc in zip(names, peers):
         assert wait_exit(proc, 400) == 0, f"{name}:\n{proc.tail()}"
     rounds = {n: {(e["fragment"], e["round"]): e for e in events(tmp_path, n, "round")} for n in names}
     everyone = sorted(set.intersection(*(set(r) for r in rounds.values())))
-    assert len(everyone) >= 4, {n: sorted(r) for n, r in rounds.items()}  # H 20 over 60 steps: 3 + 2 rounds
+    assert len(everyone) >= 3, {n: sorted(r) for n, r in rounds.items()}  # H 20 over 40 steps: 2 + 1 rounds
     for key in everyone:
         got = [rounds[n][key] for n in names]
         summary = [(e["status"], e["group_size"], e["spans_missing"], round(e["deadline"], 1)) for e in got]
