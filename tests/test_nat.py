@@ -51,6 +51,18 @@ def dial(lab: NetnsLab, host: int, addr: str, port: int) -> str:
                           timeout=30).stdout.strip()
 
 
+def finished_rounds(peers: dict, tmp_path) -> tuple[dict, list]:
+    """Waits for every peer to exit 0; returns each one's round events by (fragment, round) and the rounds all
+    of NAMES completed ok."""
+    for name, proc in peers.items():
+        wait_for(lambda: proc.returncode is not None, 180, f"{name} to exit:\n{proc.tail()}")
+        assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{proc.tail()}"
+    rounds = {n: {(e["fragment"], e["round"]): e for e in events(tmp_path, n, "round")} for n in NAMES}
+    together = sorted(set.intersection(*(set(k for k, e in rounds[n].items() if e["status"] == "ok")
+                                         for n in NAMES)))
+    return rounds, together
+
+
 @pytest.mark.parametrize("mode", ["client mode", "found at start"])
 def test_a_peer_behind_nat_in_client_mode_is_in_every_average(lab, procs, tmp_path, mode):
     """``client mode``: p3 runs with --client-mode. ``found at start``: it does not, and finds out at start that
@@ -72,11 +84,7 @@ def test_a_peer_behind_nat_in_client_mode_is_in_every_average(lab, procs, tmp_pa
     for addr in (lab.addr(NATTED), lab.public_addr(NATTED)):
         assert dial(lab, 1, addr, port) != "connected", f"{addr}:{port} answered from outside the NAT"
 
-    for name, proc in peers.items():
-        wait_for(lambda: proc.returncode is not None, 180, f"{name} to exit:\n{proc.tail()}")
-        assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{proc.tail()}"
-    rounds = {n: {(e["fragment"], e["round"]): e for e in events(tmp_path, n, "round")} for n in NAMES}
-    together = [k for k in rounds["p3"] if all(k in rounds[n] and rounds[n][k]["status"] == "ok" for n in NAMES)]
+    rounds, together = finished_rounds(peers, tmp_path)
     # every round of the run but at most one (e.g. a slow start) averaged the three, p3's part in every span
     assert len(together) >= 3, {n: {k: e["status"] for k, e in r.items()} for n, r in rounds.items()}
     for key in together:
@@ -118,11 +126,7 @@ def test_two_peers_behind_nat_reduce_spans_through_a_relay(relay_lab, procs, tmp
     relayed = lambda initial: [*flags, "--relay-via", *initial]  # noqa: E731
     boot, _, peers = start_lab_swarm(lab, procs, tmp_path, [flags, relayed, relayed], boot_args=["--relay-service"])
 
-    for name, proc in peers.items():
-        wait_for(lambda: proc.returncode is not None, 180, f"{name} to exit:\n{proc.tail()}")
-        assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{proc.tail()}"
-    rounds = {n: {(e["fragment"], e["round"]): e for e in events(tmp_path, n, "round")} for n in NAMES}
-    together = [k for k in rounds["p1"] if all(k in rounds[n] and rounds[n][k]["status"] == "ok" for n in NAMES)]
+    rounds, together = finished_rounds(peers, tmp_path)
     assert len(together) >= 2, {n: {k: e["status"] for k, e in r.items()} for n, r in rounds.items()}
     for key in together:
         got = [rounds[n][key] for n in NAMES]

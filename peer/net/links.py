@@ -39,7 +39,7 @@ from typing import Mapping, Optional, Sequence, TypeVar
 import torch
 
 from peer.config import SwarmConfig
-from peer.net.bandwidth import MIN_RATE
+from peer.net.bandwidth import share
 from peer.net.group import GroupPlan
 from peer.outer.codec import Codec
 
@@ -91,10 +91,8 @@ def wire_bytes(codec: Codec, numel: int) -> float:
 
 def declared(rate: float) -> Optional[float]:
     """A declared rate in bytes/s as the deadlines use it: None when not declared (0) or not finite (hostile), at
-    least :data:`~peer.net.bandwidth.MIN_RATE` otherwise."""
-    if not math.isfinite(rate) or rate <= 0:
-        return None
-    return max(rate, MIN_RATE)
+    least :data:`~peer.net.bandwidth.MIN_RATE` otherwise (as senders take it: :func:`~peer.net.bandwidth.share`)."""
+    return share(rate, 1) or None
 
 
 def _slowest(amounts: Sequence[float], rates: Sequence[Optional[float]]) -> float:

@@ -21,6 +21,7 @@ from peer.control.limits import Limits
 from peer.control.metrics import MetricsEndpoint
 from peer.control.server import ControlServer
 from peer.net.bandwidth import cap_warnings
+from peer.net.links import wire_bytes
 from peer.outer.codec import Codec
 from peer.util import host_peak_bytes
 
@@ -101,8 +102,8 @@ class OwnerLink:
         up to two encoded copies (parts out and averages back, ``2 (M-1)/M`` of it; the parts, sent side by side,
         up to one copy, each due within part_timeout), a state transfer its ``G`` and ``v`` in fp32. Must be
         called once the fragments are known, before :meth:`apply_limits`."""
-        sample, sw = 4096, self.cfg.swarm
-        encoded = largest_numel * codec.encode_flat(torch.zeros(sample)).ByteSize() / sample
+        sw = self.cfg.swarm
+        encoded = wire_bytes(codec, largest_numel)
         if sw.deadlines == "measured":  # the deadlines follow the links, up to deadline_max (peer/net/links.py)
             self._traffic = [("all-reduce", 2 * encoded, sw.deadline_max, "deadline_max"),
                              ("state transfer", 8 * largest_numel, sw.deadline_max, "deadline_max")]
