@@ -14,7 +14,8 @@ Prints one table (and writes ``--out``, JSON): per attack, the honest peers' fin
 their last 40 steps) and its change against the clean run, the honest peers' rounds that ended
 ok, how many honest peers excluded the attacker and at which of their rounds the first did, how many
 honest peers caught up from a forged state (a ``catch_up`` event whose digest no honest peer ever held),
-and how many forged things the attacker did (its ``HOSTILE:`` lines).
+how many forged things the attacker did (its ``HOSTILE:`` lines), the honest peers' run time, their rounds'
+matchmaking time, and how many ``peer_absent`` events they logged (peer/net/attendance.py).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ def one_run(attack: str, honest: int, steps: int, out: Path) -> dict:
     try:
         initial = start_bootstrap(procs, out)
         size = honest if attack == "absent" else honest + 1
+        t0 = time.monotonic()
         peers = {n: start(procs, out, n, initial, steps, size, None) for n in names}
         bad = None if attack == "absent" else \
             start(procs, out, "x", initial, steps, size, None if attack == "clean" else attack)
@@ -80,6 +82,7 @@ def one_run(attack: str, honest: int, steps: int, out: Path) -> dict:
             peers[victim] = start(procs, out, victim, initial, steps, size, None)
         for n in names:
             wait_exit(peers[n], 900)
+        wall = time.monotonic() - t0
         bad_id = events(out, "x", "start")[0]["peer_id"] if bad is not None and events(out, "x", "start") else ""
         if bad is not None and bad.returncode is None:  # an attacker whose own rounds hang may never finish
             try:
@@ -94,6 +97,7 @@ def one_run(attack: str, honest: int, steps: int, out: Path) -> dict:
     excluded_at = {n: e["time"] for n in names for e in events(out, n, "peer_excluded") if e["peer"] == bad_id}
     first_exclusion = min((sum(1 for r in events(out, n, "round") if r["time"] <= t) for n, t in excluded_at.items()),
                           default=None)
+    matchmaking = sorted(e.get("matchmaking_seconds", 0.0) for n in names for e in events(out, n, "round"))
     forged_catch_ups = sum(1 for n in names for e in events(out, n, "catch_up")
                            if e["digest"] not in honest_digests)
     return {
@@ -107,6 +111,10 @@ def one_run(attack: str, honest: int, steps: int, out: Path) -> dict:
         "hostile_lines": sum("HOSTILE:" in line for line in (out / "x.log").read_text(errors="replace").splitlines())
         if bad is not None else 0,
         "catch_ups": sum(len(events(out, n, "catch_up")) for n in names),
+        "wall_seconds": wall,  # from the peers' start to the last honest peer's exit
+        "matchmaking_median": matchmaking[len(matchmaking) // 2] if matchmaking else 0.0,
+        "matchmaking_p90": matchmaking[int(0.9 * (len(matchmaking) - 1))] if matchmaking else 0.0,
+        "absences": sum(len(events(out, n, "peer_absent")) for n in names),
     }
 
 
@@ -133,13 +141,15 @@ def main() -> int:
         print(f"  {attack:<15} honest CE {rows[-1]['honest_ce']:.4f} ({time.monotonic() - t0:.0f} s)", flush=True)
     clean = rows[0]["honest_ce"]
     print("\n| attack | honest final CE | vs clean | honest rounds ok | attacker excluded by | first at round "
-          "| catch-ups (from a forged state) | forged actions |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| catch-ups (from a forged state) | forged actions | honest run (s) | matchmaking median / p90 (s) "
+          "| absences noted |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['attack']} | {r['honest_ce']:.4f} | {100 * (r['honest_ce'] / clean - 1):+.2f}% | "
               f"{r['ok_rounds']}/{r['rounds']} | {r['excluded_by']}/{args.honest} | "
               f"{r['first_exclusion_round'] if r['first_exclusion_round'] is not None else '-'} | "
-              f"{r['catch_ups']} ({r['forged_catch_ups']}) | {r['hostile_lines']} |")
+              f"{r['catch_ups']} ({r['forged_catch_ups']}) | {r['hostile_lines']} | {r['wall_seconds']:.0f} | "
+              f"{r['matchmaking_median']:.1f} / {r['matchmaking_p90']:.1f} | {r['absences']} |")
     out = Path(args.out or Path(args.out_dir) / "results.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1))

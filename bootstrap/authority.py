@@ -160,6 +160,8 @@ class NodeAuthority:
         key = identity_key(identity_path)
         token = issue_pass(authority, key.get_public_key(), timedelta(days=cls.SELF_PASS_DAYS))
         checker = PassChecker(authority.get_public_key().to_bytes())
+        # (Revocations are not applied to this node's own DHT checks: a revoked peer reads the list that names it
+        # through the bootstrap nodes and stops with a clear line; peers act on none of its records.)
         kwargs = {"record_validators": [RevocationValidator(checker)],
                   "authorizer": RunAuthorizer(key, token, checker)}
         return cls(directory, authority, kwargs)

@@ -353,6 +353,9 @@ class RunConfig:
     checkpoint_rounds: int = setting(0, local=True, help="Also checkpoint after every N applied rounds of fragment 0 "
             "(0 disables).")
     checkpoint_keep: int = setting(3, local=True, help="Checkpoints kept (the newest ones).")
+    checkpoint_background: bool = setting(True, local=True, help="Write checkpoints in a background thread: the "
+            "training step only copies the state (one checkpoint's size of host RAM while it is written); false "
+            "writes them in the training thread (no copy).")
     control: bool = setting(True, local=True, help="Serve the local control API (RUN_DIR/control.sock, owner only) "
             "for swarm-peer status|pause|resume|finish|limits and the Docker health check.")
     metrics_port: int = setting(0, local=True, help="Serve Prometheus metrics on this port (0 = off; the figures "

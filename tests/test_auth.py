@@ -256,3 +256,41 @@ def test_an_authenticated_run_admits_only_peers_with_a_pass(procs, tmp_path):
     alone = [e for e in events(tmp_path, "p0", "round") if e["status"] == "alone" and e["time"] > t_revoke]
     assert alone, "p0 never launched a round after p1 was revoked"
     assert not [e for e in events(tmp_path, "p0", "round") if e["time"] > alone[0]["time"] and e["group_size"] > 1]
+
+
+@pytest.mark.timeout(120)
+def test_a_revocation_reaches_the_dht_process_which_then_refuses_the_revoked_peers_requests(tmp_path):
+    """The DHT process checks every DHT request with the checker it forked with; the revocations a peer reads
+    are applied there too (auth.revoke_in_dht), so a revoked pass stops working at once, not at its expiry."""
+    from functools import partial
+
+    from hivemind.utils import get_dht_time
+
+    from peer.net import dht as dht_node
+    from peer.net.auth import RunAuthorizer, revoke_in_dht
+
+    def node(name: str, initial: list[str]):
+        ensure_identity(str(tmp_path / f"{name}.id"))
+        key = identity_key(tmp_path / f"{name}.id")
+        token = issue_pass(AUTHORITY, key.get_public_key(), timedelta(hours=1))
+        checker = PassChecker(PUB)
+        return token.username, dht_node.create_dht(
+            initial_peers=initial, host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[],
+            identity_path=str(tmp_path / f"{name}.id"), client_mode=False,
+            record_validators=[RevocationValidator(checker)], authorizer=RunAuthorizer(key, token, checker),
+            startup_timeout=30, wait_timeout=3.0)
+
+    nodes = []
+    try:
+        _, a = node("a", [])
+        nodes.append(a)
+        b_id, b = node("b", dht_node.visible_maddrs(a))
+        nodes.append(b)
+        b.store("before", 1, get_dht_time() + 60)
+        assert a.get("before", latest=True).value == 1  # b holds a valid pass: a takes its store and answers
+        assert a.run_coroutine(partial(revoke_in_dht, frozenset({b_id}))) == 1  # (one checker, shared)
+        b.store("after", 2, get_dht_time() + 60)  # (b keeps its own copy)
+        assert a.get("after", latest=True) is None  # a's DHT process refuses b's requests and answers now
+    finally:
+        for n in nodes:
+            dht_node.shutdown_dht(n)

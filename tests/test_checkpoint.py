@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -127,3 +128,94 @@ def test_checkpoint_of_another_run_is_refused(procs, tmp_path):
     wait_for(lambda: other.returncode is not None, 180, "second run to exit")
     assert other.returncode == 2
     assert any("holds a checkpoint of another run" in line for line in other.lines())
+
+
+class _Parts:
+    """What RunCheckpoints.save reads, without a trainer: a model, an inner loop, a data source, an engine."""
+
+    def __init__(self):
+        self.model = torch.nn.Linear(4, 4)
+        self.inner = self.source = self.engine = self
+
+    def check_finite(self):
+        pass
+
+    def state_dict(self):
+        return {"w": self.model.weight}  # the live tensor, as state_dict()s hand it out
+
+    def parts(self):
+        return dict(model=self.model, inner=self.inner, source=self.source, engine=self.engine)
+
+
+def _checkpoints(tmp_path, **run):
+    from peer.config import PeerConfig
+    from peer.run.events import EventLog
+    from peer.run.resume import RunCheckpoints
+
+    cfg = PeerConfig()
+    for k, v in run.items():
+        setattr(cfg.run, k, v)
+    return RunCheckpoints(cfg, tmp_path, EventLog(None))
+
+
+def test_a_background_checkpoint_holds_the_state_of_its_step_and_the_newest_waiting_one_wins(tmp_path, monkeypatch):
+    """The training thread copies the state and goes on; the writer thread writes it. Training after the save
+    does not leak into it; saves asked for while one is written replace the one waiting (one write at a time)."""
+    from peer.run import resume
+
+    p, ckpts = _Parts(), _checkpoints(tmp_path)
+    started, release, written = threading.Event(), threading.Event(), []
+    real_save = checkpoint.save
+
+    def slow_save(folder, step, payload, keep=3):
+        started.set()
+        assert release.wait(30), "never released"
+        written.append(step)
+        return real_save(folder, step, payload, keep=keep)
+
+    monkeypatch.setattr(resume.checkpoint, "save", slow_save)
+    with torch.no_grad():
+        p.model.weight.fill_(1.0)
+    ckpts.save(1, **p.parts())
+    assert started.wait(30)  # the writer holds step 1; the training thread is free
+    with torch.no_grad():
+        p.model.weight.fill_(2.0)  # training goes on
+    ckpts.save(2, **p.parts())
+    with torch.no_grad():
+        p.model.weight.fill_(3.0)
+    ckpts.save(3, **p.parts())  # replaces step 2, which was still waiting
+    with torch.no_grad():
+        p.model.weight.fill_(4.0)
+    release.set()
+    ckpts.close()
+    assert written == [1, 3]
+    saved = {int(f.stem.split("-")[1]): checkpoint.read(f) for f in (tmp_path / "checkpoints").glob("ckpt-*.swl")}
+    assert sorted(saved) == [1, 3]
+    assert saved[1]["model"]["weight"].eq(1.0).all() and saved[3]["model"]["weight"].eq(3.0).all()
+    assert saved[3]["engine"]["w"].eq(3.0).all()
+
+
+def test_a_failed_background_write_is_tried_again_and_a_waited_save_is_written_before_it_returns(tmp_path,
+                                                                                                monkeypatch):
+    from peer.run import resume
+
+    p, ckpts = _Parts(), _checkpoints(tmp_path, checkpoint_minutes=0.0)
+    monkeypatch.setattr(resume, "RETRY_S", 0.0)
+    real_save, fail = checkpoint.save, [True]
+
+    def full_disk(folder, step, payload, keep=3):
+        if fail[0]:
+            raise OSError(28, "No space left on device")
+        return real_save(folder, step, payload, keep=keep)
+
+    monkeypatch.setattr(resume.checkpoint, "save", full_disk)
+    assert not ckpts.retry_due()
+    ckpts.save(5, **p.parts())
+    wait_for(ckpts.retry_due, 30, "the failed write to ask for a retry")
+    fail[0] = False
+    ckpts.save(6, **p.parts(), wait=True)  # a stop: written when save returns
+    assert checkpoint.load_latest(tmp_path / "checkpoints")[1]["step"] == 6
+    assert not ckpts.retry_due()
+    ckpts.close()
+    ckpts.save(7, **p.parts(), wait=True)  # still possible after close (the final save of a run)
+    assert checkpoint.load_latest(tmp_path / "checkpoints")[1]["step"] == 7

@@ -99,3 +99,53 @@ def test_a_patient_search_waits_for_a_peer_on_its_way(dhts):
     assert all(g is not None and len(g.peer_ids) == 2 for g in patient), patient
     impatient = run_async(pair(patience=0.0, n=1))
     assert impatient == (None, None), impatient
+
+
+@pytest.mark.timeout(120)
+def test_a_leader_assembles_once_every_expected_peer_joined_and_takes_others_that_came_first(dhts):
+    """peer/net/attendance.py: a live peer the leader no longer expects (a crashed or hanging peer, a made-up id)
+    does not make the group wait ``min_matchmaking_time``: the group assembles as soon as the expected peers
+    joined. ``target_group_size`` (here 4: one live peer never comes) stays the cap, so a peer that is not
+    expected but comes first is taken too, and does not take an expected peer's place."""
+    wait = 30.0  # min_matchmaking_time: what a group waited before for a live peer that never comes
+
+    async def round_(p2ps, n: int, order: list[int]):
+        ids = [str(p.peer_id) for p in p2ps]
+        prefix = round_prefix("attendance", n, 1)
+        accepted: list[int] = []  # the leader asks expected() once per follower it accepts
+
+        def expected():
+            accepted.append(1)
+            return frozenset(ids[:2])  # peer 1; peer 2 and a fourth live peer are not expected
+
+        def join(i: int, **kwargs):
+            return asyncio.ensure_future(form_group(
+                p2ps[i], dhts[i], prefix=prefix, gather=bytes([i]), target_group_size=4, min_group_size=2,
+                min_matchmaking_time=wait, request_timeout=2.0, client_mode=False, timeout=2 * wait, guard=GUARD,
+                **kwargs))
+
+        t0 = time.monotonic()
+        leader = join(0, expected=expected)
+        keys, deadline = GroupKeyManager(dhts[1], prefix, "", 3), time.monotonic() + 20
+        while not await keys.get_averagers(keys.current_key, only_active=True):
+            assert time.monotonic() < deadline, "the leader's declaration never reached the DHT"
+            await asyncio.sleep(0.1)
+        followers = []
+        for i in order:  # one after the other: each is accepted before the next asks
+            followers.append(join(i))
+            while len(accepted) < len(followers):
+                assert time.monotonic() < deadline + 20, "the leader never accepted a follower"
+                await asyncio.sleep(0.05)
+        groups = await asyncio.gather(leader, *followers)
+        return groups, time.monotonic() - t0
+
+    async def main():
+        p2ps = [await dht.replicate_p2p() for dht in dhts]
+        return await round_(p2ps, 0, [1]), await round_(p2ps, 1, [2, 1])
+
+    (only_expected, took), (both, took_both) = run_async(main())
+    assert all(g is not None and sorted(g.gathered) == [b"\x00", b"\x01"] for g in only_expected), only_expected
+    assert took < wait / 2, took  # not min_matchmaking_time: the others were not expected
+    # the unexpected peer first: it is taken, and so is peer 1
+    assert all(g is not None and sorted(g.gathered) == [b"\x00", b"\x01", b"\x02"] for g in both), both
+    assert took_both < wait / 2, took_both

@@ -211,3 +211,57 @@ def test_cuda_engine_gives_the_cpu_engine_bit_for_bit_and_applies_without_waitin
         eng.close()
         runs.append((p.detach().cpu(), eng.states[0].G.clone()))
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+
+
+def test_error_feedback_residual_is_put_back_where_a_launched_round_delivered_nothing():
+    """Error feedback: what we sent where a span never arrived was not received by anyone; its progress is carried
+    in S - theta to the next round, so the residual there must be the one from before that launch (else the
+    next round sends that quantization error twice), and the new one where the round was applied."""
+    from peer.outer.codec import get_codec, roundtrip
+
+    def script(f, r, d):
+        if r == 1:
+            return RoundOutcome(f, r, "ok", spans=[Span(0, 8, d.clone())], total_weight=20.0)
+        return RoundOutcome(f, r, "partial", spans=[Span(0, 4, d[:4].clone()), Span(4, 8, None)], total_weight=20.0)
+
+    codec = get_codec("e3m0")
+    p = torch.nn.Parameter(torch.zeros(8))
+    tr = ScriptedTransport(script)
+    eng = StreamingEngine([Fragment(0, ["w"], [p])], OuterSettings(H=2, tau=1, wait_timeout=1.0), tr,
+                          group_size_hint=lambda: 2, error_feedback_codec=codec)
+    for step in range(1, 6):
+        with torch.no_grad():
+            p -= torch.linspace(0.13, 0.97, 8)
+        eng.add_tokens(10)
+        eng.launch_due(step)
+        eng.apply_due(step)
+        if step == 3:  # round 1 applied: its residual is the codec's error of what it sent
+            sent1 = tr.launched[0][2]
+            first = sent1 - roundtrip(sent1, codec)
+            torch.testing.assert_close(eng.error_feedback[0].residual, first)
+    sent2 = tr.launched[1][2]  # round 2: half of it arrived
+    second = sent2 - roundtrip(sent2, codec)
+    eng.close()
+    residual = eng.error_feedback[0].residual
+    torch.testing.assert_close(residual[:4], second[:4])
+    torch.testing.assert_close(residual[4:], first[4:])  # as before round 2's launch
+
+
+def test_error_feedback_residual_goes_with_an_adopted_state_and_comes_back_when_rounds_are_given_up():
+    from peer.outer.codec import get_codec
+
+    p = torch.nn.Parameter(torch.zeros(8))
+    eng = StreamingEngine([Fragment(0, ["w"], [p])], OuterSettings(H=2, tau=1, wait_timeout=0.01),
+                          ScriptedTransport(lambda f, r, d: None), group_size_hint=lambda: 2,
+                          error_feedback_codec=get_codec("e3m0"))
+    with torch.no_grad():
+        p -= 0.37
+    eng.launch_due(2)  # in flight, never arrives
+    eng._settle_error_feedback()
+    assert eng.error_feedback[0].residual is not None
+    eng.abandon()  # a stop: nothing was received, nothing of its residual stays
+    assert eng.error_feedback[0].residual is None
+    eng.launch_due(4)
+    eng.adopt(0, torch.ones(8), torch.zeros(8), 3)  # a download replaces the state and drops local progress
+    assert eng.error_feedback[0].residual is None
+    eng.close()

@@ -18,8 +18,8 @@ An open run (``swarm.authority`` empty) admits anyone and says so at start. In a
 - **Revocation**: ``swarm-bootstrap authority revoke`` adds peer ids to the authority's signed revocation list;
   a bootstrap node started with ``--authority DIR`` publishes it in the DHT (:func:`revocation_key`), and
   peers read it with their progress records. A revoked peer is refused by every peer's :class:`Admission`
-  from then on; the DHT processes keep the checker they started with, so a revoked pass still relays DHT
-  requests until it expires: issue short passes.
+  from then on, and by its DHT process's checks of requests and records (:func:`revoke_in_dht`). Bootstrap
+  nodes keep answering it, so that it can read the list that names it and stop with a clear line.
 
 Everything read from the wire is bounded (a pass line ``MAX_PASS_CHARS``) and checked before use.
 """
@@ -284,6 +284,19 @@ class RevocationValidator(RecordValidatorBase):
             return verify_revocations(self.checker, DHTProtocol.serializer.loads(record.value)) is not None
         except Exception:  # a value that does not even deserialize
             return False
+
+
+async def revoke_in_dht(peer_ids: frozenset, dht, node) -> int:
+    """Runs in a DHT process (``dht.run_coroutine(functools.partial(revoke_in_dht, ids))``): adds ``peer_ids`` to
+    the revoked ones of every pass checker there (the authorizer's, which checks every DHT request and response,
+    and the record validators'). The process got its checkers when it forked; without this a revoked pass
+    still passed its DHT request checks until it expired. Returns how many checkers it updated."""
+    checkers = [getattr(node.protocol.authorizer, "_checker", None)]
+    checkers += [getattr(v, "checker", None) for v in getattr(node.protocol.record_validator, "_validators", ())]
+    found = {id(c): c for c in checkers if isinstance(c, PassChecker)}
+    for checker in found.values():
+        checker.revoked = checker.revoked | frozenset(peer_ids)
+    return len(found)
 
 
 class Admission:

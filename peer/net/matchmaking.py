@@ -28,9 +28,31 @@ log = logging.getLogger(__name__)
 
 
 class _Matchmaking(Matchmaking):
-    """hivemind's Matchmaking, where a join request whose stream the leader closed or reset (a leader that
-    just died, or refused us and closed first) is a failed request, as hivemind treats a daemon error,
-    instead of an error that ends the whole search (the round then failed at once)."""
+    """hivemind's Matchmaking with two changes.
+
+    - A join request whose stream the leader closed or reset (a leader that just died, or refused us and
+      closed first) is a failed request, as hivemind treats a daemon error, instead of an error that ends the
+      whole search (the round then failed at once).
+    - ``expected`` (peer ids, see :mod:`peer.net.attendance`): as a leader, the group assembles as soon as all
+      of them joined, not only once ``target_group_size`` did (which stays the cap on the group's size). So a
+      live peer that does not come (crashed, hanging, a made-up id) costs a round nothing once it is no longer
+      expected, while a peer that comes anyway before then is still taken. hivemind assembles a group right
+      after it accepts a follower that brings it to ``target_group_size``: for the follower that completes the
+      expected set, the size that triggers is lowered to the group it makes.
+    """
+
+    expected: Callable[[], Optional[frozenset]] = staticmethod(lambda: None)  # set per instance by form_group
+    cap: int = 0
+
+    def _check_reasons_to_reject(self, request, context):
+        self.target_group_size = self.cap  # the cap, whatever the last request lowered it to
+        refusal = super()._check_reasons_to_reject(request, context)
+        wanted = self.expected() if refusal is None else None
+        if wanted is not None:
+            here = {str(self.peer_id), str(context.remote_id), *(str(p) for p in self.current_followers)}
+            if wanted <= here:
+                self.target_group_size = len(self.current_followers) + 2  # with this follower: assemble now
+        return refusal
 
     async def _request_join_group(self, leader):
         try:
@@ -137,7 +159,8 @@ async def form_group(p2p: P2P, dht: DHT, *, prefix: str, gather: bytes, target_g
                      client_mode: bool, timeout: float, give_up: Callable[[], Optional[GaveUp]] = lambda: None,
                      keep_waiting: Callable[[], bool] = lambda: False, patience: float = 0.0,
                      poll: float = 1.0, excluded: Callable[[str], bool] = lambda peer: False,
-                     guard: StreamGuard) -> Optional[GroupInfo]:
+                     guard: StreamGuard, expected: Callable[[], Optional[frozenset[str]]] = lambda: None
+                     ) -> Optional[GroupInfo]:
     """Finds a group for the round named by ``prefix``; None if none formed in time.
 
     ``gather`` (this peer's serialized MemberInfo) reaches every member of the group. The group
@@ -148,7 +171,9 @@ async def form_group(p2p: P2P, dht: DHT, *, prefix: str, gather: bytes, target_g
     asked every ``poll`` s while no group has formed; a :class:`GaveUp` from ``give_up`` (e.g. the swarm
     already applied this round, so no one will come) ends the search: it is raised. Peers for which
     ``excluded`` is true are neither followed as leaders nor accepted as followers. ``guard``: this peer's
-    bound on streams per remote peer (see :mod:`peer.net.limits`).
+    bound on streams per remote peer (see :mod:`peer.net.limits`). ``expected()``, asked at each join request
+    (peer ids, ours included, or None; see :func:`peer.net.attendance.early_assembly`): as a leader, assemble as
+    soon as all of them joined, within the cap of ``target_group_size``.
     Must run in the event loop that owns ``p2p``.
     """
     schema_hash = hashlib.sha256(prefix.encode()).digest()
@@ -156,6 +181,7 @@ async def form_group(p2p: P2P, dht: DHT, *, prefix: str, gather: bytes, target_g
                       target_group_size=max(target_group_size, min_group_size), min_group_size=min_group_size,
                       min_matchmaking_time=min_matchmaking_time, request_timeout=request_timeout,
                       client_mode=client_mode)
+    mm.expected, mm.cap = expected, mm.target_group_size
     keys = _RoundKeys(dht, prefix, "", mm.target_group_size)
     keys.excluded = excluded
     mm.group_key_manager = keys

@@ -15,6 +15,7 @@ import logging
 import math
 import threading
 import time
+from functools import partial
 from typing import Any, Optional
 
 import torch
@@ -23,9 +24,10 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
 from peer.net.allreduce import AllReduceServicer, run_allreduce
-from peer.net.auth import Admission, RunAccess, encode_pass, revocation_key
+from peer.net.auth import Admission, RunAccess, encode_pass, revocation_key, revoke_in_dht
 from peer.net.bandwidth import Bandwidth
 from peer.net.activity import RoundActivity, RoundStage
+from peer.net.attendance import Attendance, early_assembly
 from peer.net.dial_back import DialBackServicer, nat_verdict
 from peer.net.group import PROTOCOL_VERSION, GroupError, GroupPlan
 from peer.outer.aggregate import AggregationRule, vouched_caps
@@ -118,7 +120,9 @@ class Swarm:
         self._first_read = threading.Event()  # set once the heartbeat's first read of the records ended
         self._known: dict[str, float] = {}  # peer id -> when we last saw it live (pinged when we are alone)
         self._partners: dict[str, float] = {}  # peer id -> when we last were in a group with it (vouched_peers)
+        self.attendance = Attendance()  # whom our rounds wait for (peer/net/attendance.py; swarm-net only)
         self._reconnecting = False
+        self._dht_revoked: frozenset[str] = frozenset()  # revocations our DHT process applies (auth.revoke_in_dht)
         self._initial_peers: dict[str, list[str]] = {}  # {peer id: its multiaddrs}, dialed by _reconnect
         self._activity: dict[tuple[int, int], RoundActivity] = {}  # rounds in flight (written by swarm-net)
         self._past: dict[int, dict[int, str]] = {}  # fragment -> {round: digest} of our last snapshots (replaced whole)
@@ -234,7 +238,7 @@ class Swarm:
         """One store of our record and one read of everyone's, side by side, each bounded by ``progress_ttl``."""
         t0 = time.monotonic()
         step, round_, tps, loss = self._progress
-        snaps = [self.state_servicer.snapshots.get(p) for p in range(len(self.state_servicer.snapshots))]
+        snaps = self._snapshots()
         activity = self.activity()
         seeking = [[a.fragment, a.round] for a in activity if a.stage is not RoundStage.ALLREDUCE]
         averaging = [[a.fragment, a.round] for a in activity if a.stage is RoundStage.ALLREDUCE]
@@ -304,6 +308,10 @@ class Swarm:
             for pid in sorted(self.admission.revoke_listed(getattr(entry, "value", None))):
                 log.warning("peer %s: the run authority revoked peer %s's pass: no longer admitted",
                             short_id(self.peer_id), short_id(pid))
+        if new := self.admission.revoked - self._dht_revoked:  # our DHT process checks requests with its own checker
+            await asyncio.wait_for(self.dht.run_coroutine(partial(revoke_in_dht, new), return_future=True),
+                                   self.cfg.progress_ttl)
+            self._dht_revoked |= new
 
     @property
     def pass_ended(self) -> Optional[str]:
@@ -337,13 +345,24 @@ class Swarm:
         a "majority" state or a round far ahead. Only peers that took part in our rounds count, so such claims
         cannot be manufactured without joining rounds (and being clipped and excluded there). A joiner has no
         such anchor: in an open run it trusts the records it finds; in an authenticated run every record
-        carries a pass. (Who we wait for in matchmaking stays every live peer: a newcomer has met no one, and
-        a group that never waits for it would never let it in.)"""
+        carries a pass. (Whom a round waits for is :mod:`peer.net.attendance`'s call: a newcomer has met no one,
+        and a group that never waited for it would rarely let it in.)"""
         live = self.live_peers()
-        now = time.monotonic()
-        vouched = {pid: rec for pid, rec in live.items()
-                   if pid in self._partners and self._partners[pid] + KNOWN_PEER_TTL >= now}
+        vouched = {pid: rec for pid, rec in live.items() if self._partnered(pid)}
         return vouched or live
+
+    def _partnered(self, peer: str) -> bool:
+        """Whether we were in a group with ``peer`` within ``KNOWN_PEER_TTL`` (else it is a stranger to us)."""
+        return peer in self._partners and self._partners[peer] + KNOWN_PEER_TTL >= time.monotonic()
+
+    def _applied_rounds(self) -> list[int]:
+        """Our applied round per fragment, as our published snapshots say ([] before the trainer published all)."""
+        snaps = self._snapshots()
+        return [s.round for s in snaps if s] if all(snaps) else []
+
+    def _snapshots(self) -> list[Optional[Snapshot]]:
+        """Our published snapshot per fragment (None: not published yet)."""
+        return [self.state_servicer.snapshots.get(p) for p in range(len(self.state_servicer.snapshots))]
 
     def _met(self, peers: set[str]) -> None:
         """Remembers the members of a group we assembled with (at most MAX_PARTNERS, the latest)."""
@@ -470,6 +489,11 @@ class Swarm:
                                                  t0 + self.cfg.matchmaking_timeout)
         levels = plan_levels(target_group_size, self.cfg.group_cap)  # None: one group of all
         prefix = round_prefix(self.run_key, fragment, round_)
+
+        def expected() -> frozenset[str]:  # whom this round waits for (asked at each join request, as records change)
+            return self.attendance.expected(self.live_peers(), self.peer_id, self._applied_rounds(), self._partnered,
+                                            here=(fragment, round_))
+
         log.debug("%s: looking for a group (weight %.0f, target %d)", label, weight,
                   levels.group_target if levels else target_group_size)
         try:
@@ -484,7 +508,9 @@ class Swarm:
                 request_timeout=self.cfg.request_timeout, client_mode=self.client_mode,
                 timeout=self.cfg.matchmaking_timeout, poll=min(1.0, self.cfg.progress_period),
                 give_up=give_up, keep_waiting=keep_waiting, patience=patience,
-                excluded=self.refused, guard=self.guard)
+                excluded=self.refused, guard=self.guard,
+                expected=lambda: None if levels else early_assembly(expected(), self.peer_id))
+            out.matchmaking_seconds = time.monotonic() - t0
             if group is None:
                 waited = time.monotonic() - t0
                 out.status, out.error = RoundStatus.NO_GROUP, f"no other peer came to this round within {waited:.0f} s"
@@ -493,7 +519,13 @@ class Swarm:
             strangers = [str(p) for p in group.peer_ids if not self.admission.admitted(str(p))]
             if strangers:  # (a leader with a pass that admitted a peer without one)
                 raise GroupError(f"the group includes peer(s) without a valid pass: {[short_id(p) for p in strangers]}")
-            self._met({str(pid) for pid in group.peer_ids} - {self.peer_id})
+            members = {str(pid) for pid in group.peer_ids}
+            if not levels:  # one group of all: who did not come, stayed away (bounded groups are subsets by design)
+                out.absent = [(a.who, a.why) for a in self.attendance.record(
+                    live=self.live_peers(), expected=expected(), came=members, me=self.peer_id, met=self._partnered)]
+                for a in out.absent:
+                    log.info("%s: peer %s %s", label, a[0] if a[0].startswith("(") else short_id(a[0]), a[1])
+            self._met(members - {self.peer_id})
             now = time.monotonic()
             caps = vouched_caps([self._speeds.vouched(str(p), now) for p in group.peer_ids], self.rule)
             plan = GroupPlan.from_group(group, self.p2p.peer_id, self.codec, delta.numel(), label, self.rule, caps)

@@ -114,6 +114,9 @@ class Pending:
     theta_at_launch: Optional[torch.Tensor]  # after the eager jump; kept for the replay merge only
     jump: Optional[torch.Tensor]  # the eager jump applied at launch (undone where nothing arrives)
     prepared: Optional[concurrent.futures.Future] = None  # the worker's Prepared, once the aggregate is in
+    # error feedback: the residual before this launch, put back where nothing of the round arrives (what we sent
+    # there was never received: its progress is carried in S - theta, and so must its residual be, once)
+    residual_before: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -207,8 +210,10 @@ class StreamingEngine:
             delta = st.outer_gradient(theta)
             weight = float(max(st.tokens_since_sync, 1))
             st.tokens_since_sync = 0
+            residual_before = None
             if self.error_feedback is not None:
                 self._settle_error_feedback(p)
+                residual_before = self.error_feedback[p].residual
                 delta = self.error_feedback[p].compensate(delta)
             handle = self.transport.launch(fragment=p, round_=r, delta=delta, weight=weight, step=step,
                                            expected_round=self.expected_round(p))
@@ -226,7 +231,8 @@ class StreamingEngine:
                 scatter(frag, merged)
                 theta = merged
             theta_at_launch = theta if self.cfg.merge == "replay" else None
-            self.pending[p].append(Pending(r, step, delta, weight, handle, tau, theta_at_launch, jump))
+            self.pending[p].append(Pending(r, step, delta, weight, handle, tau, theta_at_launch, jump,
+                                           residual_before=residual_before))
 
     def _update_error_feedback(self, p: int, sent: torch.Tensor) -> None:
         """(On the worker.) The codec's rounding error of what we sent, for our next Delta."""
@@ -364,6 +370,8 @@ class StreamingEngine:
             if st.E is not None:
                 st.E[missing] = 0
         scatter(frag, theta)
+        if not bool(applied.all()):
+            self._restore_residual(p, pend, ~applied)
         if bool(applied.any()):
             st.applied_rounds.append(pend.round)
             self._record_share(p, pend, outcome)
@@ -388,10 +396,28 @@ class StreamingEngine:
         """Gives up every round in flight (on stop): nothing of them is applied, the eager jumps are
         undone and their tokens carried, so their progress is in ``S - theta`` for a later round."""
         for p, queue in enumerate(self.pending):
+            oldest = queue[0] if queue else None
             for pend in queue:
                 pend.handle.cancel()
                 self._forget(p, pend.weight, pend.jump)
             queue.clear()
+            if oldest is not None:
+                self._restore_residual(p, oldest, None)
+
+    def _restore_residual(self, p: int, pend: Pending, where: Optional[torch.Tensor]) -> None:
+        """Puts back the error-feedback residual from before ``pend``'s launch where its round delivered nothing
+        (``where``: a mask; None: everywhere, the oldest round in flight of ``p`` given up). Only while no later
+        round of ``p`` is in flight: that one's residual was computed on top of this one's."""
+        if self.error_feedback is None or any(q is not pend for q in self.pending[p]):
+            return
+        self._settle_error_feedback(p)
+        ef = self.error_feedback[p]
+        if where is None or ef.residual is None:
+            ef.residual = None if pend.residual_before is None else pend.residual_before.clone()
+        elif pend.residual_before is None:
+            ef.residual[where] = 0.0
+        else:
+            ef.residual[where] = pend.residual_before.to(ef.residual.device)[where]
 
     def _forget(self, p: int, weight: float, jump: Optional[torch.Tensor]) -> None:
         st, frag = self.states[p], self.fragments[p]
@@ -413,6 +439,9 @@ class StreamingEngine:
         st.reset_eager()
         st.round, st.tokens_since_sync = round_, 0
         st.applied_rounds = [round_]
+        if self.error_feedback is not None:  # the residual of dropped progress goes with it
+            self._settle_error_feedback(p)
+            self.error_feedback[p].reset()
         self.fragments[p].assign(G)
 
     def _eager_terms(self) -> tuple[str, ...]:

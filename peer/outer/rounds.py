@@ -61,3 +61,6 @@ class RoundOutcome:
     launch_step: int = 0  # set by the engine: the inner step the round was launched after
     deadline: float = 0.0  # seconds its group gave the all-reduce (measured deadlines follow the links); 0: none
     flagged: list[tuple[str, str]] = field(default_factory=list)  # (peer id, why): contributions our span limited
+    matchmaking_seconds: float = 0.0  # from the search's start to its group (or to giving up)
+    # (peer id or "(strangers)", why): who our rounds stopped waiting for at this round (peer/net/attendance.py)
+    absent: list[tuple[str, str]] = field(default_factory=list)

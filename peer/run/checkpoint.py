@@ -19,7 +19,7 @@ import logging
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import IO, Any, Optional, cast
 
 import torch
 
@@ -41,19 +41,36 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+class _Hashing(io.RawIOBase):
+    """A write-only file for ``torch.save`` that hashes and counts what it passes on to ``f``."""
+
+    def __init__(self, f):
+        super().__init__()
+        self.f, self.sha256, self.length = f, hashlib.sha256(), 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        self.length += len(data)
+        return self.f.write(data)
+
+
 def save(folder: str | Path, step: int, payload: dict[str, Any], keep: int = 3) -> Path:
     """Writes ``payload`` as checkpoint ``step`` atomically and deletes all but the newest ``keep``."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    buf = io.BytesIO()
-    torch.save(payload, buf)
-    body = buf.getvalue()
     final = folder / f"ckpt-{step:010d}.swl"
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".ckpt-", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(MAGIC + len(body).to_bytes(8, "little") + hashlib.sha256(body).digest())
-            f.write(body)
+            # The body streams to the file through the hash (no copy of it in memory); its header goes in last.
+            f.write(bytes(HEADER))
+            body = _Hashing(f)
+            torch.save(payload, cast(IO[bytes], body))  # (torch only calls write)
+            f.seek(0)
+            f.write(MAGIC + body.length.to_bytes(8, "little") + body.sha256.digest())
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)

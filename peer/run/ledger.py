@@ -53,7 +53,9 @@ class RoundLedger:
                          bytes_received=outcome.bytes_received, seconds=outcome.seconds, digest=digest,
                          spans_applied=applied, spans_missing=len(outcome.spans) - applied,
                          total_weight=outcome.total_weight, contributors=outcome.contributors, error=outcome.error,
-                         deadline=outcome.deadline)
+                         deadline=outcome.deadline, matchmaking_seconds=outcome.matchmaking_seconds)
+        for peer, why in outcome.absent:  # (the console line is the swarm's, in peer.net.swarm)
+            self.events.emit("peer_absent", fragment=fragment, round=outcome.round, peer=peer, reason=why)
         for peer, why in outcome.flagged:  # (the console line is the reducer's warning, in peer.net.allreduce)
             self.events.emit("contribution_limited", fragment=fragment, round=outcome.round, peer=peer, reason=why,
                              aggregator=self.aggregator)

@@ -5,6 +5,8 @@ alone describes the run."""
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -16,16 +18,43 @@ from peer.run import checkpoint
 from peer.run.events import EventLog
 
 log = logging.getLogger(__name__)
+# A checkpoint that could not be written (a full disk) is tried again this often at most (seconds).
+RETRY_S = 60.0
+
+
+def detached(value: Any) -> Any:
+    """A copy of ``value`` (dicts, lists and tuples of tensors and plain values) that training cannot change any
+    more: every tensor cloned to the CPU. (state_dict()s hold the live tensors.)"""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: detached(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(detached(v) for v in value)
+    return value
 
 
 class RunCheckpoints:
     """The checkpoints of one run dir. :meth:`find` before joining, :meth:`restore` once the parts are built,
-    :meth:`save` from the training loop."""
+    :meth:`save` from the training loop, :meth:`close` at the end (it owns the writer thread).
+
+    With ``run.checkpoint_background`` (the default) the training thread only copies the state (memory
+    speed) and a writer thread serializes, checksums, writes and fsyncs it: the step does not wait for the
+    disk. One write at a time; a save asked for while one is being written replaces the one waiting, if any
+    (the newest state is the one worth writing). The copy costs one checkpoint's size of host RAM while it
+    waits to be written.
+    """
 
     def __init__(self, cfg: PeerConfig, run_dir: Path, events: EventLog):
         self.cfg, self.folder, self.events = cfg, run_dir / "checkpoints", events  # events: set again by the trainer
         self._found: Optional[tuple[Path, dict[str, Any]]] = None
         self._failures = 0  # in a row (a full disk): the first is a warning, the others DEBUG
+        self._retry_at: Optional[float] = None  # monotonic time to try again after a failed write (None: no failure)
+        self._lock = threading.Condition()
+        self._waiting: Optional[tuple[int, dict[str, Any]]] = None  # (step, payload) the writer takes next
+        self._writing = False
+        self._closed = False
+        self._writer: Optional[threading.Thread] = None  # started by the first background save
 
     def find(self, run_hash: str) -> None:
         """Reads the newest good checkpoint (kept for :meth:`restore`). Raises SetupError when it belongs to another
@@ -35,14 +64,80 @@ class RunCheckpoints:
             raise SetupError(f"--run-dir {self.folder.parent} holds a checkpoint of another run (run hash "
                              f"{self._found[1].get('run_hash')}, this config's is {run_hash}): use another --run-dir")
 
-    def save(self, step: int, *, model, inner, source, engine) -> bool:
-        """Saves everything needed to resume (atomic). A write that fails (a full disk) is a warning, not the end of
-        the run: the previous checkpoint stays; returns whether this one was written. Raises the inner loop's
-        ``FloatingPointError`` instead if one of its steps was not finite (deferred checks: see InnerLoop)."""
+    def save(self, step: int, *, model, inner, source, engine, wait: bool = False) -> None:
+        """Saves everything needed to resume (atomic): in the background (``run.checkpoint_background``), or
+        now with ``wait`` (a stop, a pause), after the write in progress. A write that fails (a full disk) is a
+        warning, not the end of the run: the previous checkpoint stays, and :meth:`retry_due` says when to try
+        again. Raises the inner loop's ``FloatingPointError`` instead if one of its steps was not finite
+        (deferred checks: see InnerLoop). Must be called from the training thread, between steps."""
         inner.check_finite()
         payload = {"format": 1, "run_hash": self.cfg.run_hash(), "config": self.cfg.to_dict(), "step": step,
                    "model": model.state_dict(), "inner": inner.state_dict(), "data": source.state_dict(),
                    "engine": engine.state_dict(), "torch_rng": torch.get_rng_state()}
+        if wait or not self.cfg.run.checkpoint_background:
+            with self._lock:
+                self._waiting = None  # (older than this one)
+                while self._writing:
+                    self._lock.wait()
+                self._writing = True
+            try:
+                self._write(step, payload)
+            finally:
+                with self._lock:
+                    self._writing = False
+                    self._lock.notify_all()
+            return
+        payload = detached(payload)
+        with self._lock:
+            if self._closed:
+                return
+            self._waiting = (step, payload)
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_in_background, name="checkpoint-writer",
+                                                daemon=True)
+                self._writer.start()
+            self._lock.notify_all()
+
+    def busy(self) -> bool:
+        """Whether a checkpoint is waiting to be written or being written."""
+        with self._lock:
+            return self._writing or self._waiting is not None
+
+    def retry_due(self) -> bool:
+        """Whether a failed write should be tried again now (and none is waiting or being written)."""
+        with self._lock:
+            return (self._retry_at is not None and time.monotonic() >= self._retry_at and not self._writing
+                    and self._waiting is None)
+
+    def close(self, timeout: Optional[float] = None) -> None:
+        """Writes the checkpoint waiting, if any, and stops the writer thread (``timeout``: seconds to wait for
+        it; None: until done: what is being written is the run's progress). Idempotent."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+            writer = self._writer
+        if writer is not None:
+            writer.join(timeout)
+
+    def _write_in_background(self) -> None:
+        while True:
+            with self._lock:
+                while self._waiting is None and not self._closed:
+                    self._lock.wait()
+                if self._waiting is None:  # closed, nothing left
+                    return
+                (step, payload), self._waiting = self._waiting, None
+                self._writing = True
+            try:
+                self._write(step, payload)
+            except Exception:  # (never let the writer die silently: the next save would wait for nothing)
+                log.exception("checkpoint at step %d: the writer failed", step)
+            finally:
+                with self._lock:
+                    self._writing = False
+                    self._lock.notify_all()
+
+    def _write(self, step: int, payload: dict[str, Any]) -> bool:
         try:
             path = checkpoint.save(self.folder, step, payload, keep=self.cfg.run.checkpoint_keep)
         except OSError as e:
@@ -51,10 +146,12 @@ class RunCheckpoints:
                 "checkpoint at step %d not written (%s); keeping %s and training on; trying again later", step,
                 e.strerror or e, kept.name if kept else "no earlier checkpoint")
             self._failures += 1
+            minutes = self.cfg.run.checkpoint_minutes
+            self._retry_at = time.monotonic() + min(RETRY_S, 60 * minutes or RETRY_S)
             self.events.emit("checkpoint_failed", step=step, error=str(e))
             return False
         again = f" (written again after {self._failures} failed tries)" if self._failures else ""
-        self._failures = 0
+        self._failures, self._retry_at = 0, None
         log.info("checkpoint at step %d: %s%s", step, path, again)
         return True
 

@@ -53,8 +53,6 @@ from peer.net.bandwidth import Bandwidth
 from peer.util import short_id
 
 log = logging.getLogger(__name__)
-# A checkpoint that could not be written (a full disk) is tried again this often at most (seconds).
-CHECKPOINT_RETRY_S = 60.0
 # How long the status line says "out of phase" after the step counter moved up to meet the swarm (seconds).
 REALIGNED_SHOWN_S = 30.0
 
@@ -201,6 +199,7 @@ class Trainer:
         finally:
             if self.engine is not None:
                 self.engine.close()
+            self.checkpoints.close()
             self.swarm.shutdown()
             self.events.close()
             log.info("left the swarm")
@@ -301,14 +300,10 @@ class Trainer:
                 step = self._catch_up(engine, step, joining=False, late=self.found_late)
                 self.found_late, last_drift_check = False, time.monotonic()
             every, minutes = cfg.run.checkpoint_rounds, cfg.run.checkpoint_minutes
-            if (minutes and time.monotonic() - last_ckpt_time >= 60 * minutes) or \
+            if (minutes and time.monotonic() - last_ckpt_time >= 60 * minutes) or self.checkpoints.retry_due() or \
                     (every and engine.states[0].applied_rounds and self.ledger.done - last_ckpt_rounds >= every):
-                if self.checkpoints.save(step, **parts):
-                    last_ckpt_time, last_ckpt_rounds = time.monotonic(), self.ledger.done
-                else:  # not written (a full disk): try again in a while, not at every step
-                    retry = min(CHECKPOINT_RETRY_S, 60 * minutes or CHECKPOINT_RETRY_S)
-                    last_ckpt_time = time.monotonic() - 60 * minutes + retry
-                    last_ckpt_rounds = self.ledger.done
+                self.checkpoints.save(step, **parts)  # (a failed write is tried again: retry_due)
+                last_ckpt_time, last_ckpt_rounds = time.monotonic(), self.ledger.done
             if self.status.due():
                 self._show_status()
             self.owner.rest(step_seconds, self._show_status)
@@ -318,7 +313,7 @@ class Trainer:
             engine.drain(step)
         else:
             engine.abandon()
-        self.checkpoints.save(step, **parts)
+        self.checkpoints.save(step, **parts, wait=True)
         reason = "stop signal" if self.stop.event.is_set() else f"max_steps={cfg.run.max_steps}"
         if controls.finish_requested and not self.stop.event.is_set():
             reason = "finish requested"
@@ -341,7 +336,7 @@ class Trainer:
         engine, controls = parts["engine"], self.owner.controls
         controls.enter(PeerState.PAUSING, f"{why}; completing the rounds in flight")
         engine.drain(step)
-        self.checkpoints.save(step, **parts)
+        self.checkpoints.save(step, **parts, wait=True)
         self.swarm.paused = True
         log.info("paused after step %d (%s): rounds in flight applied, checkpoint written; the swarm sees this peer "
                  "as paused", step, why)

@@ -1,0 +1,142 @@
+"""Who a group waits for: the live peers expected at a round, and those that stayed away (pure: no I/O).
+
+A group assembles as soon as every live peer joined, otherwise when its leader's ``matchmaking_time`` is up.
+A live record is not a peer that comes: a peer that crashed stays live for ``progress_ttl``; a peer whose
+rounds hang (a stuck process, a hostile client) stays live for ever; in an open run one machine can publish
+records under many made-up ids (sybils). Each made every round wait ``matchmaking_time``: 234 s against 64 s
+for a whole run in bench/swarm_attacks.py's sybil case. :class:`Attendance` is the one place that decides whom
+a round waits for (:meth:`Attendance.expected`); the group then assembles as soon as those joined
+(:mod:`peer.net.matchmaking`), and any other live peer that comes before that is still welcome. Not waited for:
+
+- a peer whose state is well behind ours (:func:`catching_up`): it downloads the swarm's state before it
+  comes (a joiner, a peer back from an outage);
+- a peer *absent* here: invited to ``misses`` rounds in a row, it came to none (:meth:`Attendance.record`).
+  It is invited again at probes, every 2, 4, .. up to ``max_interval`` rounds (its further misses double the
+  interval), so a peer that comes back is waited for again within ``max_interval`` rounds; one that joins
+  a group of ours before that is forgiven at once. A peer we were in a group with is also waited for as
+  soon as its record says it is looking for a group for the round (it is back: a restart, the end of a
+  download).
+
+Peers we never were in a group with are judged together, as *strangers* (:data:`STRANGERS`): fresh ids cost
+nothing to make, so per-id bookkeeping alone would let a sybil factory make every round wait. A genuine
+newcomer is waited for until strangers missed ``misses`` rounds in a row, and at every probe after that; it
+joins the rounds it reaches in time anyway, and once it was in a group with us it is judged alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Collection, Iterable, Mapping, Optional, Sequence
+
+from peer.net.records import ProgressRecord
+
+STRANGERS = "(strangers)"  # the key under which peers we never were in a group with are judged together
+MISSES = 2  # rounds in a row a peer was invited to and did not come, before groups stop waiting for it
+MAX_INTERVAL = 8  # rounds between probes of an absent peer, at most
+MAX_TRACKED = 4096  # peers remembered (a record per live id; ids that are no longer live are forgotten)
+
+
+@dataclass
+class _Absence:
+    missed: int = 0  # rounds in a row it was invited to and did not come
+    skipped: int = 0  # rounds since it was last invited (while absent)
+
+
+@dataclass(frozen=True)
+class Absent:
+    """``who`` (a peer id, or :data:`STRANGERS`) stopped being waited for at this round, and why."""
+
+    who: str
+    why: str
+
+
+class Attendance:
+    """Whom this peer's rounds wait for. One ledger serves every fragment (a peer comes to all of them alike or
+    to none). Used from the swarm's event loop only (:class:`~peer.net.swarm.Swarm`)."""
+
+    def __init__(self, *, misses: int = MISSES, max_interval: int = MAX_INTERVAL):
+        if misses < 1 or max_interval < 1:
+            raise ValueError("misses and max_interval must be >= 1")
+        self.misses, self.max_interval = misses, max_interval
+        self._absence: dict[str, _Absence] = {}  # who -> its record, for those that missed at least once
+
+    def _key(self, peer: str, met: Callable[[str], bool]) -> str:
+        return peer if met(peer) else STRANGERS
+
+    def _invited(self, key: str) -> bool:
+        a = self._absence.get(key)
+        if a is None or a.missed < self.misses:
+            return True
+        return a.skipped + 1 >= min(self.max_interval, 2 ** (a.missed - self.misses + 1))
+
+    def expected(self, records: Mapping[str, ProgressRecord], me: str, my_rounds: Sequence[int],
+                 met: Callable[[str], bool], here: tuple[int, int]) -> frozenset[str]:
+        """The peers (ids, us included) round ``here`` = (fragment, round) waits for: live (``records``: unpaused,
+        admitted), not catching up (:func:`catching_up` against ``my_rounds``, our applied round per fragment),
+        and not absent here, unless probed this round or, for a peer we were in a group with (``met``), its
+        record says it is looking for a group for this very round."""
+        seeking = list(here)
+        return frozenset({me} | {pid for pid, rec in records.items() if pid != me
+                                 and not catching_up(rec, my_rounds)
+                                 and (self._invited(self._key(pid, met)) or met(pid) and seeking in rec.seeking)})
+
+    def absent(self, who: str) -> bool:
+        """Whether ``who`` (a peer id or :data:`STRANGERS`) is absent here now (invited at probes only)."""
+        a = self._absence.get(who)
+        return a is not None and a.missed >= self.misses
+
+    def record(self, *, live: Iterable[str], expected: Collection[str], came: Collection[str], me: str,
+               met: Callable[[str], bool]) -> list[Absent]:
+        """Learns from a group that assembled: ``live`` are the live peers, ``expected`` whom :meth:`expected` says
+        the round waited for, ``came`` the group's members. Call once per group that
+        holds every member we could have met (one group of all; not a level of bounded groups). Returns who
+        became absent at this round (for the log and the events)."""
+        keys: dict[str, list[str]] = {}
+        for pid in live:
+            if pid != me:
+                keys.setdefault(self._key(pid, met), []).append(pid)
+        for pid in set(came) - {me}:  # a stranger that came is forgiven, and so are strangers
+            self._absence.pop(self._key(pid, met), None)
+            self._absence.pop(pid, None)
+        became = []
+        for key, pids in keys.items():
+            if any(p in came for p in pids) or key not in self._absence and not any(p in expected for p in pids):
+                continue
+            a = self._absence.setdefault(key, _Absence())
+            if any(p in expected for p in pids):  # invited, and none came
+                a.missed, a.skipped = a.missed + 1, 0
+                if a.missed == self.misses:
+                    became.append(Absent(key, f"invited to {a.missed} rounds in a row, came to none: groups no "
+                                              f"longer wait for it (it is still welcome, and invited again "
+                                              f"within {self.max_interval} rounds)"))
+            else:
+                a.skipped += 1
+        # forget peers no longer live (a peer that comes back after its record expired starts afresh)
+        self._absence = {k: v for k, v in self._absence.items() if k in keys or k == STRANGERS}
+        if len(self._absence) > MAX_TRACKED:
+            self._absence = dict(list(self._absence.items())[-MAX_TRACKED:])
+        return became
+
+    def snapshot(self) -> dict[str, tuple[int, int]]:
+        """{who: (rounds missed in a row, rounds since last invited)} for the ones that missed (tests, status)."""
+        return {k: (v.missed, v.skipped) for k, v in self._absence.items()}
+
+
+CATCHING_UP = 3  # rounds behind ours in some fragment: that peer downloads the swarm's state before it comes
+
+
+def catching_up(rec: ProgressRecord, my_rounds: Sequence[int]) -> bool:
+    """Whether ``rec``'s peer will download the swarm's state before it comes to a round: its state is
+    ``CATCHING_UP`` or more rounds behind ours in some fragment. (Two behind is enough for it to download
+    (:func:`~peer.net.consensus.plan_catch_up`), but records lag by up to a heartbeat, and a fragment's rounds
+    can be faster than that: a peer whose record is two rounds old may be at our round.) ``my_rounds`` empty
+    (ours not published yet): nobody is."""
+    return bool(my_rounds) and len(rec.rounds) == len(my_rounds) and any(
+        r + CATCHING_UP <= m for r, m in zip(rec.rounds, my_rounds))
+
+
+def early_assembly(expected: Optional[frozenset[str]], me: str) -> Optional[frozenset[str]]:
+    """The set whose arrival assembles a group early, or None (wait for the count, or ``matchmaking_time``):
+    only when we expect at least one other peer. Expecting no one, we wait for whoever comes (an absent peer
+    may be on its way; assembling with the first to arrive would split the others off)."""
+    return expected if expected is not None and any(p != me for p in expected) else None

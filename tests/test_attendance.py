@@ -1,0 +1,105 @@
+"""Whom a round waits for (peer/net/attendance.py): pure, no network."""
+
+from __future__ import annotations
+
+from peer.net.attendance import MAX_TRACKED, STRANGERS, Attendance, catching_up, early_assembly
+from peer.net.records import ProgressRecord
+
+ME = "M" * 46
+
+
+def rec(pid: str, rounds=(5, 5), seeking=()) -> ProgressRecord:
+    return ProgressRecord(peer_id=pid, step=100, round=rounds[0], rounds=list(rounds), digests=["aa"] * len(rounds),
+                          seeking=[list(s) for s in seeking], tokens_per_second=1.0, client_mode=False, time=1.0)
+
+
+def play(att: Attendance, records: dict, came: set, met=lambda p: True, here=(0, 6)):
+    """One round: whom it waits for, then what it learns when ``came`` (with us) formed the group."""
+    wanted = att.expected(records, ME, [5, 5], met, here)
+    became = att.record(live=records, expected=wanted, came=came | {ME}, me=ME, met=met)
+    return wanted, became
+
+
+def test_a_partner_that_never_comes_is_waited_for_twice_then_only_at_probes_of_growing_interval():
+    att = Attendance(misses=2, max_interval=8)
+    a, ghost = "A" * 46, "G" * 46
+    records = {a: rec(a), ghost: rec(ghost)}
+    invited = []
+    for _ in range(30):
+        wanted, became = play(att, records, came={a})
+        invited.append(ghost in wanted)
+        assert a in wanted and ME in wanted
+        if len(invited) == 2:
+            assert [b.who for b in became] == [ghost] and "came to none" in became[0].why
+        else:
+            assert became == []
+    rounds_invited = [i for i, x in enumerate(invited) if x]
+    # twice in a row, then probes after 1, 3, 7, 7, .. rounds skipped (intervals 2, 4, 8, capped at 8)
+    assert rounds_invited[:6] == [0, 1, 3, 7, 15, 23], rounds_invited
+    assert att.absent(ghost)
+
+
+def test_an_absent_partner_that_comes_is_forgiven_at_once_and_one_that_seeks_this_round_is_waited_for():
+    att = Attendance(misses=2)
+    a, b = "A" * 46, "B" * 46
+    records = {a: rec(a), b: rec(b)}
+    play(att, records, came={a})
+    play(att, records, came={a})
+    assert att.absent(b) and b not in att.expected(records, ME, [5, 5], lambda p: True, (0, 6))
+    # its record says it looks for a group for this very round (it is back): waited for; another round: not
+    back = {a: rec(a), b: rec(b, seeking=[(0, 6)])}
+    assert b in att.expected(back, ME, [5, 5], lambda p: True, (0, 6))
+    assert b not in att.expected(back, ME, [5, 5], lambda p: True, (1, 6))
+    play(att, records, came={a, b})  # it came to a group of ours (not waited for, but in time): forgiven
+    assert not att.absent(b) and att.snapshot() == {}
+
+
+def test_strangers_are_judged_together_so_fresh_ids_do_not_buy_fresh_waits():
+    att = Attendance(misses=2, max_interval=8)
+    a = "A" * 46
+    met = {a}.__contains__
+    waits = 0
+    for i in range(20):  # a sybil factory: two new made-up ids every round, none ever comes
+        sybils = [f"{chr(65 + i % 26)}{i:02d}{k}".ljust(46, "s") for k in range(2)]
+        records = {a: rec(a), **{s: rec(s) for s in sybils}}
+        wanted, _ = play(att, records, came={a}, met=met)
+        waits += any(s in wanted for s in sybils)
+    assert att.absent(STRANGERS)
+    assert waits <= 2 + 4, waits  # twice, then probes every 2, 4, 8 rounds: not every round
+    # a genuine newcomer that reaches a round in time joins it: strangers are forgiven
+    newcomer = "N" * 46
+    play(att, {a: rec(a), newcomer: rec(newcomer)}, came={a, newcomer}, met=met)
+    assert not att.absent(STRANGERS)
+    # but a newcomer's record claiming to seek this round does not make a round wait while strangers are absent
+    att2 = Attendance(misses=1)
+    play(att2, {a: rec(a), "X" * 46: rec("X" * 46)}, came={a}, met=met)
+    assert "N" * 46 not in att2.expected({newcomer: rec(newcomer, seeking=[(0, 6)])}, ME, [5, 5], met, (0, 6))
+
+
+def test_a_peer_catching_up_is_not_waited_for_and_not_counted_absent():
+    att = Attendance(misses=1)
+    a, joiner = "A" * 46, "J" * 46
+    records = {a: rec(a), joiner: rec(joiner, rounds=(0, 0))}
+    assert catching_up(records[joiner], [5, 5]) and not catching_up(records[a], [5, 5])
+    # records lag: two rounds behind may be a heartbeat old, still waited for; ours unknown: everyone is
+    assert not catching_up(rec(a, rounds=(3, 5)), [5, 5]) and not catching_up(records[joiner], [])
+    for _ in range(3):
+        wanted, became = play(att, records, came={a})
+        assert joiner not in wanted and became == []
+    assert att.snapshot() == {}
+
+
+def test_memory_is_bounded_and_peers_no_longer_live_are_forgotten():
+    att = Attendance(misses=1)
+    a = "A" * 46
+    many = {f"{i:046d}": rec(f"{i:046d}") for i in range(MAX_TRACKED + 100)}
+    play(att, {a: rec(a), **many}, came={a})
+    assert len(att.snapshot()) <= MAX_TRACKED
+    play(att, {a: rec(a)}, came={a})
+    assert att.snapshot() == {}
+
+
+def test_a_group_assembles_early_only_when_we_expect_someone_else():
+    assert early_assembly(frozenset({ME}), ME) is None
+    assert early_assembly(frozenset({ME, "A"}), ME) == frozenset({ME, "A"})
+    assert early_assembly(None, ME) is None
