@@ -1,7 +1,9 @@
-"""Uneven and changing links: fixed deadlines against measured ones (peer/net/links.py), in one invocation.
+"""Uneven and changing links: fixed deadlines against measured ones (peer/net/links.py), and equal spans against
+spans that follow the links (peer/net/group.py), in one invocation.
 
     sudo .venv/bin/python bench/uneven_links.py [--peers 4] [--fast-mbit 50] [--slow-mbit 1] [--slowdown-at 100]
                                                 [--seconds 240] [--part-timeout 2] [--duty-cycle 20]
+                                                [--methods fixed,measured,links]
 
 Builds the network lab (``tests/netns.py``: namespaces on a private bridge, tc tbf per host link), a bootstrap
 node in host 0 and ``--peers`` peers in hosts 1..N. Every link runs at ``--fast-mbit`` except two:
@@ -10,10 +12,11 @@ node in host 0 and ``--peers`` peers in hosts 1..N. Every link runs at ``--fast-
 - the one before it drops from ``--fast-mbit`` to ``--slow-mbit`` ``--slowdown-at`` seconds after the peers
   started (a link that slows mid-run: a flatmate starts a video call).
 
-The same swarm then trains for ``--seconds`` twice, each in a fresh lab (then every peer is stopped cleanly):
-``fixed`` (``--deadlines fixed``: ``--part-timeout`` and ``--allreduce-timeout`` whatever the links) and
-``measured`` (the default: those settings are floors, each group sizes its deadlines from its members' measured
-uplinks). Timeouts and links are scaled to the lab's fragment (~0.6M parameters, 0.3 MB in e3m0): its parts
+The same swarm then trains for ``--seconds`` once per method, each in a fresh lab (then every peer is stopped
+cleanly): ``fixed`` (``--deadlines fixed``: ``--part-timeout`` and ``--allreduce-timeout`` whatever the links),
+``measured`` (those settings are floors, each group sizes its deadlines from its members' measured uplinks),
+both with equal spans, and ``links`` (the defaults: measured deadlines, and each reducer's span in proportion to
+its declared link). Timeouts and links are scaled to the lab's fragment (~0.6M parameters, 0.3 MB in e3m0): its parts
 need ~2-3 s through 1 Mbit/s against a 2 s part timeout (4 s for the all-reduce), as a 50M-parameter fragment's
 14 MB part needs ~50 s through a 3 Mbit/s DSL uplink against the default 30 s (60 s). Peers train at
 ``--duty-cycle`` percent (a round of each fragment every ~10-15 s, longer than a slow member's round: a swarm
@@ -51,9 +54,15 @@ class FinishedProc:
     returncode = 0
 
 
+# what each method sets
+METHODS = {"fixed": ["--deadlines", "fixed", "--span-sizing", "equal"],
+           "measured": ["--deadlines", "measured", "--span-sizing", "equal"],
+           "links": ["--deadlines", "measured", "--span-sizing", "links"]}
+
+
 def run(method: str, args, out_dir: Path) -> tuple[list[PeerResult], dict[str, list[dict]], float]:
-    """Trains the swarm once with ``--deadlines method``; returns per-peer results, round events and the wall
-    time (time.time()) of the slowdown."""
+    """Trains the swarm once with ``method``'s settings (METHODS); returns per-peer results, round events and the
+    wall time (time.time()) of the slowdown."""
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
@@ -63,7 +72,7 @@ def run(method: str, args, out_dir: Path) -> tuple[list[PeerResult], dict[str, l
         try:
             for i in range(1, n + 1):
                 lab.shape(i, args.slow_mbit if i == n else args.fast_mbit)
-            flags = ["--max-steps", 0, "--min-peers", n, "--start-timeout", 90, "--deadlines", method,
+            flags = ["--max-steps", 0, "--min-peers", n, "--start-timeout", 90, *METHODS[method],
                      "--limits-duty-cycle", args.duty_cycle, "--outer-tau", "auto",
                      "--outer-tau-max", args.sync_every // 2,
                      "--model-seq-len", 32, "--data-batch-size", 4, "--inner-threads", 1, "--outer-sync-every",
@@ -105,6 +114,12 @@ def peer_rows(rounds: list[dict], since: float, until: float) -> dict:
             "deadline": max((e.get("deadline", 0.0) for e in evs), default=0.0)}
 
 
+def median_round(rounds: list[dict]) -> float:
+    """The median wall time of the rounds that formed a group (from the search's start to the outcome)."""
+    times = [e["seconds"] for e in rounds if e["group_size"] > 1]
+    return statistics.median(times) if times else 0.0
+
+
 def agreed(rounds: dict[str, list[dict]]) -> int:
     """Rounds every peer completed ok with one digest."""
     by_key: dict[tuple[int, int], dict[str, dict]] = {}
@@ -126,7 +141,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sync-every", type=int, default=50)
     ap.add_argument("--part-timeout", type=float, default=2.0, help="the floor (measured) or the deadline (fixed); "
                     "the all-reduce timeout is twice it")
-    ap.add_argument("--only", choices=["fixed", "measured"])
+    ap.add_argument("--methods", default=",".join(METHODS), help="comma list of " + ", ".join(METHODS))
     ap.add_argument("--report", action="store_true", help="print the table of the runs in --out-dir, run nothing")
     ap.add_argument("--out-dir", type=Path, default=REPO / "runs/bench_uneven_links")
     args = ap.parse_args(argv)
@@ -141,12 +156,13 @@ def main(argv=None) -> int:
           f"{args.slowdown_at:g} s; tiny preset, H {args.sync_every}, duty cycle {args.duty_cycle}%, tau auto, "
           f"{args.seconds:g} s each; part/all-reduce "
           f"timeouts {args.part_timeout:g}/{2 * args.part_timeout:g} s", flush=True)
-    print("\n| deadlines | peer | link | rounds ok / launched: before the slowdown | after | spans applied: before "
-          "| after | longest deadline | steps | utilization |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for method in ("fixed", "measured"):
-        if args.only and method != args.only:
-            continue
+    methods = [m for m in args.methods.split(",") if m]
+    if unknown := set(methods) - set(METHODS):
+        ap.error(f"unknown method(s) {sorted(unknown)}: choose from {', '.join(METHODS)}")
+    print("\n| method | peer | link | rounds ok / launched: before the slowdown | after | spans applied: before "
+          "| after | longest deadline | median round (s) | steps | utilization |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for method in methods:
         out_dir = args.out_dir / method
         if args.report:
             names = sorted(p.name for p in out_dir.glob("p*") if p.is_dir())
@@ -162,10 +178,12 @@ def main(argv=None) -> int:
             before, after = peer_rows(rounds[r.name], 0, slowed), peer_rows(rounds[r.name], slowed, float("inf"))
             print(f"| {method} | {r.name} | {link} | {before['ok']} / {before['launched']} | {after['ok']} / "
                   f"{after['launched']} | {before['spans']:.0%} | {after['spans']:.0%} | "
-                  f"{max(before['deadline'], after['deadline']):.1f} s | {r.steps} | {r.utilization:.1%} |", flush=True)
+                  f"{max(before['deadline'], after['deadline']):.1f} s | {median_round(rounds[r.name]):.1f} | "
+                  f"{r.steps} | {r.utilization:.1%} |", flush=True)
         steps, util = statistics.mean(r.steps for r in results), statistics.mean(r.utilization for r in results)
+        every = [e for evs in rounds.values() for e in evs]
         print(f"| {method} | all | | rounds every peer applied with one digest: {agreed(rounds)} | | | | | "
-              f"{steps:.0f} | {util:.1%} |")
+              f"{median_round(every):.1f} | {steps:.0f} | {util:.1%} |")
     return 0
 
 

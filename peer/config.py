@@ -272,6 +272,9 @@ class SwarmConfig:
             "donor's follow the peers' measured uplinks and the fragment's size (peer/net/links.py), with "
             "part_timeout, allreduce_timeout and state_timeout as floors and deadline_max as ceiling; fixed: those "
             "settings, whatever the links.")
+    span_sizing: str = setting("links", help="links: each reducer's span follows its declared link (uplink, or "
+            "download cap where lower) relative to the group's median, from 1/8 to 2 times the median's share "
+            "(peer/net/group.py link_shares); equal: equal spans.")
     deadline_margin: float = setting(3.0, help="Measured deadlines: a stage may take this many times what the "
             "declared links predict.")
     deadline_max: float = setting(600.0, help="Measured deadlines: the longest any of them gets (a peer that "
@@ -325,6 +328,7 @@ class SwarmConfig:
         _check(self.part_timeout < self.allreduce_timeout, "swarm.part_timeout", "< swarm.allreduce_timeout",
                self.part_timeout)
         _check(self.deadlines in ("measured", "fixed"), "swarm.deadlines", "measured or fixed", self.deadlines)
+        _check(self.span_sizing in ("links", "equal"), "swarm.span_sizing", "links or equal", self.span_sizing)
         _check(self.deadline_margin >= 1, "swarm.deadline_margin", ">= 1", self.deadline_margin)
         _check(self.deadline_max >= max(self.allreduce_timeout, self.state_timeout), "swarm.deadline_max",
                ">= swarm.allreduce_timeout and swarm.state_timeout", self.deadline_max)

@@ -37,10 +37,12 @@ def test_member_spans_cover_exactly_and_skip_client_mode():
         member_spans(10, [True, True], align=1)
 
 
-def _group(peer_ids, weights, numel=NUMEL, caps=None):
+def _group(peer_ids, weights, numel=NUMEL, caps=None, links=None):
     caps = caps or [0.0] * len(weights)
+    links = links or [0.0] * len(weights)
     gathered = tuple(pb.MemberInfo(protocol_version=PROTOCOL_VERSION, weight=w, numel=numel,
-                                   download_bytes_per_second=cap).SerializeToString() for w, cap in zip(weights, caps))
+                                   download_bytes_per_second=cap, upload_bytes_per_second=up).SerializeToString()
+                     for w, cap, up in zip(weights, caps, links))
     return GroupInfo(b"g" * 20, tuple(peer_ids), gathered)
 
 
@@ -57,15 +59,16 @@ def test_group_plan_rejects_inconsistent_members():
 
 
 async def _run(n_members, alive, weights, deltas, part_timeout=1.0, allreduce_timeout=4.0, rule=None, caps=None,
-               numel=NUMEL, chunk_bytes=4096, uploads=None):
+               numel=NUMEL, chunk_bytes=4096, uploads=None, links=None, span_sizing="equal"):
     """One round of ``n_members`` on loopback; ``caps``: each member's download cap in bytes/s (0: none), declared
-    in its MemberInfo and enforced by its download pacer; ``uploads``: each one's upload cap (its pacer only)."""
+    in its MemberInfo and enforced by its download pacer; ``uploads``: each one's upload cap (its pacer only);
+    ``links``: the uplinks they declare (MemberInfo.upload_bytes_per_second), ``span_sizing`` the run's."""
     caps = caps or [0.0] * n_members
     uploads = uploads or [0.0] * n_members
     p2ps = await p2p_mesh(n_members)
     try:
         ids = [p.peer_id for p in p2ps]
-        group = _group(ids, weights, numel, caps)
+        group = _group(ids, weights, numel, caps, links)
         servicers = []
         for i, p in enumerate(p2ps):
             s = AllReduceServicer(registration_timeout=1.0, part_timeout=part_timeout, stream_timeout=30.0,
@@ -74,8 +77,8 @@ async def _run(n_members, alive, weights, deltas, part_timeout=1.0, allreduce_ti
             if i in alive:  # a dead member registers no handler and sends nothing
                 await s.add_p2p_handlers(p)
             servicers.append(s)
-        plans = [GroupPlan.from_group(group, ids[i], get_codec("fp32"), numel, f"member {i}", rule)
-                 for i in range(n_members)]
+        plans = [GroupPlan.from_group(group, ids[i], get_codec("fp32"), numel, f"member {i}", rule,
+                                      span_sizing=span_sizing) for i in range(n_members)]
 
         async def member(i):
             t0 = time.monotonic()
@@ -89,6 +92,45 @@ async def _run(n_members, alive, weights, deltas, part_timeout=1.0, allreduce_ti
     finally:
         for p in p2ps:
             await p.shutdown()
+
+
+def test_spans_follow_the_declared_links_within_bounds_and_cover_exactly():
+    """swarm.span_sizing = "links": a reducer's span follows its link relative to the group's median, from 1/8 to 2
+    times the median's share (a member that claims a huge uplink gets at most twice the median's span); equal
+    while any link is unknown; the spans cover the vector in blocks, in integer arithmetic."""
+    from peer.net.group import MAX_SHARE, MIN_SHARE, SHARE_UNIT, link_shares
+
+    def infos(ups, downs=None):
+        downs = downs or [0.0] * len(ups)
+        return [pb.MemberInfo(upload_bytes_per_second=u, download_bytes_per_second=d) for u, d in zip(ups, downs)]
+
+    assert link_shares(infos([1e6, 4e6, 4e6, 4e6])) == [4, 16, 16, 16]
+    assert link_shares(infos([1e6, 1e6, 1e12])) == [SHARE_UNIT, SHARE_UNIT, MAX_SHARE]  # a liar: twice at most
+    assert link_shares(infos([1.0, 1e6, 1e6])) == [MIN_SHARE, SHARE_UNIT, SHARE_UNIT]
+    assert link_shares(infos([0.0, 1e6, 4e6])) == [SHARE_UNIT] * 3  # one not measured yet: equal
+    assert link_shares(infos([4e6, 4e6, 4e6], [1e6, 0.0, 0.0])) == [4, 16, 16]  # a download cap below the uplink
+    assert link_shares(infos([float("inf"), 1e6, 1e6])) == [SHARE_UNIT] * 3  # (not a link: unknown)
+    spans = member_spans(1_000_000, [False, True, False, False, False], 64, [4, 99, 16, 16, 16])
+    assert spans[1] == (0, 0)
+    lengths = [e - s for s, e in spans if e > s]
+    assert sorted(s for s, e in spans if e > s)[0] == 0 and max(e for _, e in spans) == 1_000_000
+    assert all(s % 64 == 0 for s, _ in spans)
+    assert abs(lengths[0] / lengths[1] - 4 / 16) < 0.01
+    assert member_spans(1000, [False] * 3, 64, [16] * 3) == member_spans(1000, [False] * 3, 64)
+
+
+def test_members_with_spans_that_follow_their_links_get_identical_weighted_average():
+    torch.manual_seed(3)
+    deltas = [torch.randn(NUMEL) for _ in range(3)]
+    weights = [1.0, 2.0, 3.0]
+    results, spans = run_async(_run(3, [0, 1, 2], weights, deltas, rule=AggregationRule(kind=Aggregator.MEAN),
+                                    links=[1e6, 4e6, 4e6], span_sizing="links"))
+    assert spans[0][1] - spans[0][0] < (spans[1][1] - spans[1][0]) / 2  # the slow link reduces the smallest span
+    expected = sum(w * d for w, d in zip(weights, deltas)) / sum(weights)
+    got = [torch.cat([s.average for s in results[i].spans]) for i in range(3)]
+    assert all(results[i].complete for i in range(3))
+    torch.testing.assert_close(got[0], expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got[0], got[1]) and torch.equal(got[1], got[2])
 
 
 def test_all_members_get_identical_weighted_average():

@@ -18,9 +18,12 @@ from peer.outer.codec import Codec
 from peer.proto import allreduce_pb2 as pb
 
 # 2: credit on the streams to a peer with a download cap (peer/net/credit.py); 3: two-level rounds (slots);
-# 4: declared uplinks, and deadlines sized from them (peer/net/links.py)
-PROTOCOL_VERSION = 4
+# 4: declared uplinks, and deadlines sized from them (peer/net/links.py); 5: spans sized by the declared links
+PROTOCOL_VERSION = 5
 MAX_GROUP_SIZE = 256
+# Span sizing by links (swarm.span_sizing = "links"): a reducer's share in sixteenths of the share of the group's
+# median link, from 1/8 to 2 times it (a member that claims a huge uplink gets at most twice the median's span).
+SHARE_UNIT, MIN_SHARE, MAX_SHARE = 16, 2, 32
 
 
 def valid_weight(weight: float) -> bool:
@@ -32,21 +35,44 @@ class GroupError(ValueError):
     """The assembled group's metadata is inconsistent or malformed; the round is skipped."""
 
 
-def member_spans(numel: int, client_mode: Sequence[bool], align: int) -> list[tuple[int, int]]:
-    """Splits ``[0, numel)`` into one span per member: equal shares (in blocks of ``align``
-    elements) for members that can be reached, empty spans for client-mode members."""
+def member_spans(numel: int, client_mode: Sequence[bool], align: int, shares: Sequence[int] = ()
+                 ) -> list[tuple[int, int]]:
+    """Splits ``[0, numel)`` into one span per member, in blocks of ``align`` elements: empty spans for
+    client-mode members, and for the others shares in proportion to ``shares`` (per member, integers: see
+    :func:`link_shares`), or equal shares. Integer arithmetic: every member computes the same spans."""
     reducers = [i for i, client in enumerate(client_mode) if not client]
     if not reducers:
         raise GroupError("no member of the group accepts connections (all are in client mode)")
     n_blocks = math.ceil(numel / align)
-    per, extra = divmod(n_blocks, len(reducers))
-    spans = [(0, 0)] * len(client_mode)
-    pos = 0
+    weights = [shares[i] for i in reducers] if shares else []
+    if len(set(weights)) <= 1:
+        per, extra = divmod(n_blocks, len(reducers))
+        weights = [per + (k < extra) for k in range(len(reducers))]  # (equal shares: the remainder first)
+    total, acc, spans = sum(weights), 0, [(0, 0)] * len(client_mode)
+    if total == 0:  # (nothing to split)
+        return spans
     for k, i in enumerate(reducers):
-        end = min(numel, pos + (per + (k < extra)) * align)
-        spans[i] = (pos, end)
-        pos = end
+        start = n_blocks * acc // total
+        acc += weights[k]
+        spans[i] = (min(numel, start * align), min(numel, n_blocks * acc // total * align))
     return spans
+
+
+def link_shares(infos: Sequence[pb.MemberInfo]) -> list[int]:
+    """Per member, its span share (``swarm.span_sizing = "links"``): a reducer receives ``n - 1`` parts of its span
+    and sends ``n - 1`` copies of its average, so a span that follows its reducer's link keeps a slow reducer from
+    holding up the round. The link is the declared uplink, or the declared download cap where that is lower, in
+    sixteenths of the group's lower median, within [MIN_SHARE, MAX_SHARE]; all equal while any is unknown (0:
+    not measured yet). Integer arithmetic on the values every member received."""
+    links = []
+    for info in infos:
+        up, down = info.upload_bytes_per_second, info.download_bytes_per_second
+        link = min(up, down) if down > 0 else up
+        links.append(int(min(link, 1e15)) if math.isfinite(link) and link >= 1 else 0)
+    if not links or min(links) <= 0:
+        return [SHARE_UNIT] * len(links)
+    median = sorted(links)[(len(links) - 1) // 2]
+    return [max(MIN_SHARE, min(MAX_SHARE, (SHARE_UNIT * link + median // 2) // median)) for link in links]
 
 
 def slot_bounds(numel: int, slots: int, align: int) -> list[tuple[int, int]]:
@@ -103,9 +129,10 @@ class GroupPlan:
 
     @classmethod
     def from_group(cls, group: GroupInfo, me: PeerID, codec: Codec, numel: int, label: str,
-                   rule: Optional[AggregationRule] = None, caps: Sequence[Optional[float]] = ()
-                   ) -> "GroupPlan":
-        """Parses and checks every member's MemberInfo. Raises GroupError when they disagree."""
+                   rule: Optional[AggregationRule] = None, caps: Sequence[Optional[float]] = (),
+                   span_sizing: str = "equal") -> "GroupPlan":
+        """Parses and checks every member's MemberInfo. Raises GroupError when they disagree. ``span_sizing``
+        (the run's ``swarm.span_sizing``): "links" (:func:`link_shares`) or "equal"."""
         if not 1 <= len(group.peer_ids) <= MAX_GROUP_SIZE or len(group.gathered) != len(group.peer_ids):
             raise GroupError(f"malformed group of {len(group.peer_ids)} peers")
         if me not in group.peer_ids:
@@ -131,6 +158,7 @@ class GroupPlan:
         if max(slots):
             spans, held = slot_spans(numel, max(slots), clients, codec.block_size)
         else:
-            spans, held = member_spans(numel, clients, codec.block_size), []
+            shares = link_shares(infos) if span_sizing == "links" else []
+            spans, held = member_spans(numel, clients, codec.block_size, shares), []
         return cls(group.group_id, tuple(group.peer_ids), infos, group.peer_ids.index(me), numel, spans,
                    codec, label, rule or AggregationRule(), tuple(caps), max(slots), tuple(held))

@@ -528,7 +528,8 @@ class Swarm:
             self._met(members - {self.peer_id})
             now = time.monotonic()
             caps = vouched_caps([self._speeds.vouched(str(p), now) for p in group.peer_ids], self.rule)
-            plan = GroupPlan.from_group(group, self.p2p.peer_id, self.codec, delta.numel(), label, self.rule, caps)
+            plan = GroupPlan.from_group(group, self.p2p.peer_id, self.codec, delta.numel(), label, self.rule, caps,
+                                        span_sizing=self.cfg.span_sizing)
             deadlines = plan_deadlines(plan, self.policy)  # the same for every member: from the group's infos
             out.deadline = deadlines.allreduce
             self._activity[(fragment, round_)] = RoundActivity(fragment, round_, RoundStage.ALLREDUCE,
