@@ -1,8 +1,6 @@
 """Defences against hostile peers, alone: the offence ledger (peer/net/exclusion.py), the member's scale check
 of a reducer's result, and the records the consensus rules act on (Swarm.vouched_peers)."""
 
-import time
-
 import torch
 
 from peer.net.span_checks import PLAUSIBLE, implausible
@@ -79,13 +77,13 @@ def test_forged_records_of_peers_that_never_took_part_do_not_move_a_running_peer
     entries = {pid.encode(): ValueWithExpiration(rec(pid, 5, "aa"), 1e12) for pid in honest}
     entries.update({pid.encode(): ValueWithExpiration(rec(pid, 50, "ff"), 1e12) for pid in sybils})
     swarm = Swarm(SwarmConfig(new_swarm=True), run_key="t", codec="fp32", identity_path=str(tmp_path / "id"))
-    swarm._view.merge(ValueWithExpiration(entries, 1e12), dht_now=100.0, local_now=time.monotonic())
+    swarm.roster.merge(ValueWithExpiration(entries, 1e12), dht_now=100.0, me="M" * 46)
     me = "M" * 46
     assert set(swarm.vouched_peers()) == set(honest + sybils)  # a joiner: no one vouched yet
     everyone = swarm.live_peers()
     assert plan_catch_up(everyone, me, [5], ["aa"], joining=False)[0].digest == "ff"  # what the forgery achieved
     assert launch_verdict(everyone, me, fragment=0, round_=6, expected_round=5, min_group_size=2) is not None
-    swarm._met(set(honest))  # we averaged with the two honest peers
+    swarm.roster.met(set(honest))  # we averaged with the two honest peers
     vouched = swarm.vouched_peers()
     assert set(vouched) == set(honest)
     assert plan_catch_up(vouched, me, [5], ["aa"], joining=False) == []

@@ -7,6 +7,11 @@ chaos bench's median), publishes its record at once (it counts as live again, so
 and downloads the state (``8 bytes x params``) from one random training peer at the slower of that donor's uplink
 and its own downlink; then it trains and joins rounds again. So the swarm keeps its size: every failure is a rejoin.
 Not modelled: the download's share of the donor's link during rounds, several joiners on one donor.
+
+Whom a round waits for (peer/net/attendance.py; design ``flat-attendance``): :attr:`Population.expected` counts the
+training peers and the crashed ones whose record is still live, until they missed ``MISSES`` rounds; a peer that
+downloads the state is catching up (its record's rounds are behind) and is not waited for. (Probes of an absent
+peer come after 1, 3 and 7 more rounds; a crashed peer's record expires before the first at these slot lengths.)
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from .events import EventQueue
 from .links import Links
 
 TRAINING, DOWN, JOINING = 0, 1, 2
+MISSES = 2  # attendance.MISSES
 
 
 class Population:
@@ -29,6 +35,8 @@ class Population:
         self.status = np.full(n, TRAINING, np.int8)
         self.record_until = np.full(n, np.inf)  # a DOWN peer's record counts as live until then
         self.death = np.full(n, np.inf)  # this slot's crash time per peer (inf: none)
+        self.missed = np.zeros(n, np.int32)  # rounds in a row a crashed peer with a live record was waited for
+        self.expected = n  # whom this slot's round waits for (attendance), set by round_start
         self.client = rng.random(n) < workload.client_fraction
         self.queue = EventQueue()
         self.failures = self.rejoins = 0
@@ -47,6 +55,7 @@ class Population:
         if self.status[peer] != DOWN:
             return
         self.status[peer] = JOINING
+        self.missed[peer] = 0
         donors = np.flatnonzero(self.status == TRAINING)
         if donors.size == 0:
             seconds = 0.0
@@ -68,6 +77,10 @@ class Population:
         self.queue.run_until(t)
         training = np.flatnonzero(self.status == TRAINING)
         live = int(np.sum((self.status != DOWN) | (self.record_until > t)))
+        ghosts = (self.status == DOWN) & (self.record_until > t)  # crashed, record still live
+        waited = ghosts & (self.missed < MISSES)
+        self.expected = int(training.size + np.sum(waited))
+        self.missed[waited] += 1
         self.death = np.full(len(self.links), np.inf)
         up = np.flatnonzero(self.status != DOWN)
         fails = up[self.rng.random(up.size) < self.p_fail]

@@ -18,7 +18,7 @@ DESIGNS = ("flat", "bounded")
 
 @dataclass(kw_only=True, frozen=True)
 class Config:
-    design: str  # flat, flat-ideal (no group-size or stream caps), bounded
+    design: str  # flat, flat-attendance (whom a round waits for), flat-ideal (no group-size or stream caps), bounded
     peers: int
     p_fail: float
     links: str = "fixed:100"
@@ -35,6 +35,8 @@ def run_round(cfg: Config, t0: float, pop: Population, wl: Workload, rng: np.ran
         members_only = pop.client | (pop.links.up < cfg.holder_min_mbit * MBIT)
         return bounded_round(t0, training, live, death, members_only, pop.links, wl, rng, cap=cfg.cap,
                              cutoff=cfg.cutoff)
+    if cfg.design == "flat-attendance":  # whom the round waits for (peer/net/attendance.py)
+        live = pop.expected
     return flat_round(t0, training, live, death, pop.client, pop.links, wl, rng, ideal=cfg.design == "flat-ideal",
                       waits_for_dead=cfg.design == "flat-waits")
 

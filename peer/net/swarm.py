@@ -41,7 +41,8 @@ from peer.net.limits import StreamGuard, cap_frame_size, frame_limit_for
 from peer.net.matchmaking import GaveUp, form_group, round_prefix
 from peer.outer.rounds import RoundOutcome, RoundStatus
 from peer.net.consensus import laggards, nobody_coming, swarm_is_past
-from peer.net.progress import LiveView, SpeedLedger, dht_security, progress_key
+from peer.net.progress import dht_security, progress_key
+from peer.net.roster import Roster
 from peer.net.records import MAX_PAST, ProgressRecord
 from peer.net.state_transfer import DownloadError, Snapshot, StateServicer, download
 from peer.proto import allreduce_pb2 as pb
@@ -52,9 +53,6 @@ log = logging.getLogger(__name__)
 PAST_ROUNDS = 4  # rounds per fragment a record remembers (consensus.digest_at): rounds may be faster than records
 # Heartbeats in flight at once: each is bounded by progress_ttl, so this bounds the DHT load of a stalled DHT.
 MAX_BEATS_IN_FLIGHT = 4
-# Peers remembered to reconnect to when we find ourselves alone: the most recently seen, for an hour.
-MAX_KNOWN_PEERS, KNOWN_PEER_TTL = 64, 3600.0
-MAX_PARTNERS = 1024  # peers we were in a group with, remembered for KNOWN_PEER_TTL (see vouched_peers)
 
 
 def swarm_key(run_id: str, run_hash: str, codec: str) -> str:
@@ -115,11 +113,9 @@ class Swarm:
         self._progress: tuple[int, int, float, Optional[float]] = (0, 0, 0.0, None)
         self.paused = False  # published by the heartbeat: the trainer sets it while its owner pauses it
         self.client_mode = cfg.client_mode  # or set at start when nobody outside can dial us (_check_reachability)
-        self._view = LiveView(cfg.progress_ttl)  # everyone's records, merged by the heartbeat
-        self._speeds = SpeedLedger()  # the speeds their records vouch for (the robust rule's caps)
+        # who we see: live records, vouched speeds, partners, known peers (peer/net/roster.py; fed by the heartbeat)
+        self.roster = Roster(ttl=cfg.progress_ttl, exclusions=self.exclusions, admitted=self.admission.admitted)
         self._first_read = threading.Event()  # set once the heartbeat's first read of the records ended
-        self._known: dict[str, float] = {}  # peer id -> when we last saw it live (pinged when we are alone)
-        self._partners: dict[str, float] = {}  # peer id -> when we last were in a group with it (vouched_peers)
         self.attendance = Attendance()  # whom our rounds wait for (peer/net/attendance.py; swarm-net only)
         self._reconnecting = False
         self._dht_revoked: frozenset[str] = frozenset()  # revocations our DHT process applies (auth.revoke_in_dht)
@@ -258,25 +254,19 @@ class Swarm:
         for what, result in (("store", stored), ("get", found)):
             if isinstance(result, BaseException):
                 log.debug("peer %s: progress %s failed: %s", short_id(self.peer_id), what, type(result).__name__)
-        if not isinstance(found, BaseException):
-            self._view.merge(found, dht_now=get_dht_time(), local_now=time.monotonic(),
-                             accept=None if self.admission.open else self.admission.accept_record)
-            self._speeds.observe(self._view.live(time.monotonic()), time.monotonic())
+        self.roster.merge(None if isinstance(found, BaseException) else found, dht_now=get_dht_time(), me=self.peer_id,
+                          accept=None if self.admission.open else self.admission.accept_record)
         self._first_read.set()
         others = [pid for pid in self.live_peers() if pid != self.peer_id]
         log.debug("peer %s: progress beat took %.1f s, %d others live", short_id(self.peer_id), time.monotonic() - t0,
                   len(others))
-        now = time.monotonic()
-        known = {**self._known, **{pid: now for pid in others}}
-        self._known = dict(sorted((kv for kv in known.items() if kv[1] + KNOWN_PEER_TTL >= now),
-                                  key=lambda kv: kv[1])[-MAX_KNOWN_PEERS:])
         if not others:
             await self._reconnect()
 
     async def _reconnect(self) -> None:
         """We see no other peer: ping the initial peers and the peers we saw before that our DHT node lost
         (see :func:`peer.dht_node.reconnect`). One at a time; bounded by 3 x ``dht_timeout``."""
-        peers = {**{pid: [] for pid in self._known}, **self._initial_peers}
+        peers = {**{pid: [] for pid in self.roster.known()}, **self._initial_peers}
         if self._reconnecting or not peers:
             return
         self._reconnecting = True
@@ -324,36 +314,16 @@ class Swarm:
         return str(peer) in self.exclusions or not self.admission.admitted(str(peer))
 
     def live_peers(self) -> dict[str, ProgressRecord]:
-        """Progress records of the peers of this run heard from within ``progress_ttl`` (see
-        :class:`~peer.progress.LiveView`), without the peers we excluded (:mod:`peer.net.exclusion`: they count
-        for no group, no state download and no vote) and those paused by their owners; never blocks: the
-        training thread calls it at every launch."""
-        return {pid: rec for pid, rec in self._view.live(time.monotonic()).items()
-                if pid not in self.exclusions and self.admission.admitted(pid) and not rec.paused}
+        """:meth:`Roster.live_peers`; never blocks: the training thread calls it at every launch."""
+        return self.roster.live_peers()
 
     def paused_peers(self) -> list[str]:
         """Ids of the peers of this run whose live records say they are paused (not in :meth:`live_peers`)."""
-        return sorted(pid for pid, rec in self._view.live(time.monotonic()).items()
-                      if rec.paused and pid != self.peer_id and self.admission.admitted(pid))
+        return self.roster.paused_peers(self.peer_id)
 
     def vouched_peers(self) -> dict[str, ProgressRecord]:
-        """The live records the consensus rules may act on (the swarm's state to adopt, whether a round is late,
-        where the swarm's step is): those of the peers we were in a group with within ``KNOWN_PEER_TTL``, when
-        any of them is live; otherwise every live record (a peer that has met no one yet, e.g. a joiner).
-
-        A record is self-declared: one peer can publish records under many made-up ids (sybils), each claiming
-        a "majority" state or a round far ahead. Only peers that took part in our rounds count, so such claims
-        cannot be manufactured without joining rounds (and being clipped and excluded there). A joiner has no
-        such anchor: in an open run it trusts the records it finds; in an authenticated run every record
-        carries a pass. (Whom a round waits for is :mod:`peer.net.attendance`'s call: a newcomer has met no one,
-        and a group that never waited for it would rarely let it in.)"""
-        live = self.live_peers()
-        vouched = {pid: rec for pid, rec in live.items() if self._partnered(pid)}
-        return vouched or live
-
-    def _partnered(self, peer: str) -> bool:
-        """Whether we were in a group with ``peer`` within ``KNOWN_PEER_TTL`` (else it is a stranger to us)."""
-        return peer in self._partners and self._partners[peer] + KNOWN_PEER_TTL >= time.monotonic()
+        """The live records the consensus rules may act on: :meth:`Roster.vouched_peers`."""
+        return self.roster.vouched_peers()
 
     def _applied_rounds(self) -> list[int]:
         """Our applied round per fragment, as our published snapshots say ([] before the trainer published all)."""
@@ -363,12 +333,6 @@ class Swarm:
     def _snapshots(self) -> list[Optional[Snapshot]]:
         """Our published snapshot per fragment (None: not published yet)."""
         return [self.state_servicer.snapshots.get(p) for p in range(len(self.state_servicer.snapshots))]
-
-    def _met(self, peers: set[str]) -> None:
-        """Remembers the members of a group we assembled with (at most MAX_PARTNERS, the latest)."""
-        now = time.monotonic()
-        self._partners = dict(sorted({**self._partners, **{p: now for p in peers}}.items(),
-                                     key=lambda kv: kv[1])[-MAX_PARTNERS:])
 
     def live_count(self) -> int:
         """Live peers of this run, ourselves always included."""
@@ -491,8 +455,8 @@ class Swarm:
         prefix = round_prefix(self.run_key, fragment, round_)
 
         def expected() -> frozenset[str]:  # whom this round waits for (asked at each join request, as records change)
-            return self.attendance.expected(self.live_peers(), self.peer_id, self._applied_rounds(), self._partnered,
-                                            here=(fragment, round_))
+            return self.attendance.expected(self.live_peers(), self.peer_id, self._applied_rounds(),
+                                            self.roster.partnered, here=(fragment, round_))
 
         log.debug("%s: looking for a group (weight %.0f, target %d)", label, weight,
                   levels.group_target if levels else target_group_size)
@@ -522,12 +486,13 @@ class Swarm:
             members = {str(pid) for pid in group.peer_ids}
             if not levels:  # one group of all: who did not come, stayed away (bounded groups are subsets by design)
                 out.absent = [(a.who, a.why) for a in self.attendance.record(
-                    live=self.live_peers(), expected=expected(), came=members, me=self.peer_id, met=self._partnered)]
+                    live=self.live_peers(), expected=expected(), came=members, me=self.peer_id,
+                    met=self.roster.partnered)]
                 for a in out.absent:
                     log.info("%s: peer %s %s", label, a[0] if a[0].startswith("(") else short_id(a[0]), a[1])
-            self._met(members - {self.peer_id})
+            self.roster.met(members - {self.peer_id})
             now = time.monotonic()
-            caps = vouched_caps([self._speeds.vouched(str(p), now) for p in group.peer_ids], self.rule)
+            caps = vouched_caps([self.roster.speeds.vouched(str(p), now) for p in group.peer_ids], self.rule)
             plan = GroupPlan.from_group(group, self.p2p.peer_id, self.codec, delta.numel(), label, self.rule, caps,
                                         span_sizing=self.cfg.span_sizing)
             deadlines = plan_deadlines(plan, self.policy)  # the same for every member: from the group's infos

@@ -1,0 +1,93 @@
+"""Who this peer sees in the swarm (a data structure: no I/O; the heartbeat in ``peer/net/swarm.py`` feeds it).
+
+- **Live**: the other peers' progress records as they arrive (:class:`~peer.net.progress.LiveView`), without the
+  peers we excluded (:mod:`peer.net.exclusion`), those without a valid pass (authenticated runs) and those their
+  owners paused. Every rule acts on these: group targets, donors, votes.
+- **Vouched speeds**: what their records claim over time (:class:`~peer.net.progress.SpeedLedger`, the robust
+  rule's caps).
+- **Partners**: the peers we were in a group with; their records are the ones the consensus rules trust
+  (:meth:`Roster.vouched_peers`), and whom a round waits for tells them from strangers (peer/net/attendance.py).
+- **Known**: the peers we saw lately, pinged when we find ourselves alone.
+
+Read from the training thread (never blocks) and written by the networking thread: each update swaps in a new
+dict.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+from peer.net.exclusion import Exclusions
+from peer.net.progress import LiveView, SpeedLedger
+from peer.net.records import ProgressRecord
+
+# Peers remembered to reconnect to when we find ourselves alone: the most recently seen, for an hour.
+MAX_KNOWN_PEERS, KNOWN_PEER_TTL = 64, 3600.0
+MAX_PARTNERS = 1024  # peers we were in a group with, remembered for KNOWN_PEER_TTL (see vouched_peers)
+
+
+class Roster:
+    """``me``: our peer id (never in our view of the others' records); ``admitted(peer)``: whether it may take
+    part (authenticated runs: its pass; always true in an open run); ``exclusions``: the peers we no longer work
+    with."""
+
+    def __init__(self, *, ttl: float, exclusions: Exclusions, admitted: Callable[[str], bool]):
+        self.view = LiveView(ttl)  # everyone's records, merged by the heartbeat
+        self.speeds = SpeedLedger()  # the speeds their records vouch for (the robust rule's caps)
+        self.exclusions, self.admitted = exclusions, admitted
+        self._known: dict[str, float] = {}  # peer id -> when we last saw it live (pinged when we are alone)
+        self._partners: dict[str, float] = {}  # peer id -> when we last were in a group with it
+
+    def merge(self, found, *, dht_now: float, me: str,
+              accept: Optional[Callable[[bytes, ProgressRecord], bool]] = None) -> None:
+        """Adds one read of the records (``dht.get(progress_key, latest=True)``; see :meth:`LiveView.merge`)."""
+        now = time.monotonic()
+        if found is not None:
+            self.view.merge(found, dht_now=dht_now, local_now=now, accept=accept)
+            self.speeds.observe(self.view.live(now), now)
+        known = {**self._known, **{pid: now for pid in self.live_peers() if pid != me}}
+        self._known = dict(sorted((kv for kv in known.items() if kv[1] + KNOWN_PEER_TTL >= now),
+                                  key=lambda kv: kv[1])[-MAX_KNOWN_PEERS:])
+
+    def live_peers(self) -> dict[str, ProgressRecord]:
+        """Progress records of the peers of this run heard from within ``progress_ttl``, without the peers we
+        excluded (they count for no group, no state download and no vote), those without a valid pass and those
+        paused by their owners."""
+        return {pid: rec for pid, rec in self.view.live(time.monotonic()).items()
+                if pid not in self.exclusions and self.admitted(pid) and not rec.paused}
+
+    def paused_peers(self, me: str) -> list[str]:
+        """Ids of the peers of this run whose live records say they are paused (not in :meth:`live_peers`)."""
+        return sorted(pid for pid, rec in self.view.live(time.monotonic()).items()
+                      if rec.paused and pid != me and self.admitted(pid))
+
+    def vouched_peers(self) -> dict[str, ProgressRecord]:
+        """The live records the consensus rules may act on (the swarm's state to adopt, whether a round is late,
+        where the swarm's step is): those of the peers we were in a group with within ``KNOWN_PEER_TTL``, when
+        any of them is live; otherwise every live record (a peer that has met no one yet, e.g. a joiner).
+
+        A record is self-declared: one peer can publish records under many made-up ids (sybils), each claiming
+        a "majority" state or a round far ahead. Only peers that took part in our rounds count, so such claims
+        cannot be manufactured without joining rounds (and being clipped and excluded there). A joiner has no
+        such anchor: in an open run it trusts the records it finds; in an authenticated run every record
+        carries a pass. (Whom a round waits for is :mod:`peer.net.attendance`'s call: a newcomer has met no one,
+        and a group that never waited for it would rarely let it in.)"""
+        live = self.live_peers()
+        vouched = {pid: rec for pid, rec in live.items() if self.partnered(pid)}
+        return vouched or live
+
+    def partnered(self, peer: str) -> bool:
+        """Whether we were in a group with ``peer`` within ``KNOWN_PEER_TTL`` (else it is a stranger to us)."""
+        seen = self._partners.get(peer)
+        return seen is not None and seen + KNOWN_PEER_TTL >= time.monotonic()
+
+    def met(self, peers: set[str]) -> None:
+        """Remembers the members of a group we assembled with (at most MAX_PARTNERS, the latest)."""
+        now = time.monotonic()
+        self._partners = dict(sorted({**self._partners, **{p: now for p in peers}}.items(),
+                                     key=lambda kv: kv[1])[-MAX_PARTNERS:])
+
+    def known(self) -> list[str]:
+        """The peers we saw live within ``KNOWN_PEER_TTL`` (at most MAX_KNOWN_PEERS, the latest)."""
+        return list(self._known)

@@ -1,0 +1,36 @@
+"""Whom a peer sees in the swarm (peer/net/roster.py): pure, no network."""
+
+from __future__ import annotations
+
+from hivemind.utils import ValueWithExpiration
+
+from peer.net.exclusion import Exclusions, Offence
+from peer.net.records import ProgressRecord
+from peer.net.roster import Roster
+
+ME, A, B, C, D = ("M" * 46, "A" * 46, "B" * 46, "C" * 46, "D" * 46)
+
+
+def entries(*recs: ProgressRecord):
+    return ValueWithExpiration({r.peer_id.encode(): ValueWithExpiration(r.model_dump(), 1e12) for r in recs}, 1e12)
+
+
+def rec(pid: str, paused: bool = False) -> ProgressRecord:
+    return ProgressRecord(peer_id=pid, step=1, round=0, tokens_per_second=1.0, client_mode=False, time=1.0,
+                          paused=paused)
+
+
+def test_live_peers_leave_out_the_excluded_the_unadmitted_and_the_paused_and_known_peers_are_remembered():
+    exclusions = Exclusions(threshold=1)
+    exclusions.report(C, Offence.BAD_PART, "a part that does not decode")
+    roster = Roster(ttl=30.0, exclusions=exclusions, admitted=lambda pid: pid != D)
+    roster.merge(entries(rec(ME), rec(A, paused=True), rec(B), rec(C), rec(D)), dht_now=100.0, me=ME)
+    assert set(roster.live_peers()) == {ME, B}
+    assert roster.paused_peers(ME) == [A]
+    assert roster.known() == [B]
+    roster.merge(None, dht_now=101.0, me=ME)  # a failed read forgets nothing
+    assert set(roster.live_peers()) == {ME, B} and roster.known() == [B]
+    # strangers until we were in a group with them; then their records are the ones the rules trust
+    assert not roster.partnered(B) and set(roster.vouched_peers()) == {ME, B}
+    roster.met({B})
+    assert roster.partnered(B) and set(roster.vouched_peers()) == {B}
