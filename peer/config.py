@@ -272,9 +272,9 @@ class SwarmConfig:
             "donor's follow the peers' measured uplinks and the fragment's size (peer/net/links.py), with "
             "part_timeout, allreduce_timeout and state_timeout as floors and deadline_max as ceiling; fixed: those "
             "settings, whatever the links.")
-    span_sizing: str = setting("links", help="links: each reducer's span follows its declared link (uplink, or "
-            "download cap where lower) relative to the group's median, from 1/8 to 2 times the median's share "
-            "(peer/net/group.py link_shares); equal: equal spans.")
+    span_sizing: str = setting("links", help="links: a reducer whose declared link (uplink, or download cap where "
+            "lower) is under half the group's median gets a span in proportion, down to 1/8 of an equal one, the "
+            "others equal spans (peer/net/group.py link_shares); equal: equal spans.")
     deadline_margin: float = setting(3.0, help="Measured deadlines: a stage may take this many times what the "
             "declared links predict.")
     deadline_max: float = setting(600.0, help="Measured deadlines: the longest any of them gets (a peer that "

@@ -21,9 +21,11 @@ from peer.proto import allreduce_pb2 as pb
 # 4: declared uplinks, and deadlines sized from them (peer/net/links.py); 5: spans sized by the declared links
 PROTOCOL_VERSION = 5
 MAX_GROUP_SIZE = 256
-# Span sizing by links (swarm.span_sizing = "links"): a reducer's share in sixteenths of the share of the group's
-# median link, from 1/8 to 2 times it (a member that claims a huge uplink gets at most twice the median's span).
-SHARE_UNIT, MIN_SHARE, MAX_SHARE = 16, 2, 32
+# Span sizing by links (swarm.span_sizing = "links"): a reducer whose link is under half the group's median gets a
+# share in proportion, in sixteenths of an equal one, down to 1/8 of it; the others get equal shares (a link
+# measured a little slower, as loopback and LAN timings wobble, changes nothing, and claiming a fast link gains no
+# span).
+SHARE_UNIT, MIN_SHARE = 16, 2
 
 
 def valid_weight(weight: float) -> bool:
@@ -61,9 +63,10 @@ def member_spans(numel: int, client_mode: Sequence[bool], align: int, shares: Se
 def link_shares(infos: Sequence[pb.MemberInfo]) -> list[int]:
     """Per member, its span share (``swarm.span_sizing = "links"``): a reducer receives ``n - 1`` parts of its span
     and sends ``n - 1`` copies of its average, so a span that follows its reducer's link keeps a slow reducer from
-    holding up the round. The link is the declared uplink, or the declared download cap where that is lower, in
-    sixteenths of the group's lower median, within [MIN_SHARE, MAX_SHARE]; all equal while any is unknown (0:
-    not measured yet). Integer arithmetic on the values every member received."""
+    holding up the round. The link is the declared uplink, or the declared download cap where that is lower; one
+    under half the group's lower median gets ``SHARE_UNIT x link / median`` (at least MIN_SHARE), the others
+    SHARE_UNIT; all equal while any is unknown (0: not measured yet). Integer arithmetic on the values every
+    member received."""
     links = []
     for info in infos:
         up, down = info.upload_bytes_per_second, info.download_bytes_per_second
@@ -72,7 +75,8 @@ def link_shares(infos: Sequence[pb.MemberInfo]) -> list[int]:
     if not links or min(links) <= 0:
         return [SHARE_UNIT] * len(links)
     median = sorted(links)[(len(links) - 1) // 2]
-    return [max(MIN_SHARE, min(MAX_SHARE, (SHARE_UNIT * link + median // 2) // median)) for link in links]
+    return [SHARE_UNIT if 2 * link >= median else max(MIN_SHARE, (SHARE_UNIT * link + median // 2) // median)
+            for link in links]
 
 
 def slot_bounds(numel: int, slots: int, align: int) -> list[tuple[int, int]]:

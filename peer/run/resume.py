@@ -29,7 +29,7 @@ def detached(value: Any) -> Any:
         return value.detach().to("cpu", copy=True)
     if isinstance(value, dict):
         return {k: detached(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
+    if type(value) in (list, tuple):  # (exactly: a named tuple's fields are not positional)
         return type(value)(detached(v) for v in value)
     return value
 
