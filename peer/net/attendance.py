@@ -118,7 +118,7 @@ class Attendance:
         return became
 
     def snapshot(self) -> dict[str, tuple[int, int]]:
-        """{who: (rounds missed in a row, rounds since last invited)} for the ones that missed (tests, status)."""
+        """{who: (rounds missed in a row, rounds since last invited)} for the ones that missed (tests)."""
         return {k: (v.missed, v.skipped) for k, v in self._absence.items()}
 
 

@@ -28,9 +28,8 @@ MAX_PARTNERS = 1024  # peers we were in a group with, remembered for KNOWN_PEER_
 
 
 class Roster:
-    """``me``: our peer id (never in our view of the others' records); ``admitted(peer)``: whether it may take
-    part (authenticated runs: its pass; always true in an open run); ``exclusions``: the peers we no longer work
-    with."""
+    """``admitted(peer)``: whether it may take part (authenticated runs: its pass; always true in an open run);
+    ``exclusions``: the peers we no longer work with."""
 
     def __init__(self, *, ttl: float, exclusions: Exclusions, admitted: Callable[[str], bool]):
         self.view = LiveView(ttl)  # everyone's records, merged by the heartbeat
