@@ -77,6 +77,12 @@ class LoopbackSwarm:
                      for n in self.names if n != victim)
         return key, rounds, done - back
 
+    def phase_log(self, lines: int = 15) -> str:
+        """Each peer's last lines about phase and attendance (for an assertion's message: why a rejoin was slow)."""
+        words = ("absent", "late", "caught up", "out of phase", "resumed", "no group")
+        return "\n".join(f"{name}: {line}" for name in self.names for line in
+                         [ln for ln in self.peer[name].lines() if any(w in ln for w in words)][-lines:])
+
     def stop_all(self) -> None:
         for proc in self.peer.values():
             proc.popen.send_signal(signal.SIGTERM)

@@ -16,7 +16,7 @@ def rec(pid: str, rounds=(5, 5), seeking=()) -> ProgressRecord:
 def play(att: Attendance, records: dict, came: set, met=lambda p: True, here=(0, 6)):
     """One round: whom it waits for, then what it learns when ``came`` (with us) formed the group."""
     wanted = att.expected(records, ME, [5, 5], met, here)
-    became = att.record(live=records, expected=wanted, came=came | {ME}, me=ME, met=met)
+    became = att.record(here=here, live=records, came=came | {ME}, me=ME, met=met)
     return wanted, became
 
 
@@ -52,6 +52,41 @@ def test_an_absent_partner_that_comes_is_forgiven_at_once_and_one_that_seeks_thi
     assert b not in att.expected(back, ME, [5, 5], lambda p: True, (1, 6))
     play(att, records, came={a, b})  # it came to a group of ours (not waited for, but in time): forgiven
     assert not att.absent(b) and att.snapshot() == {}
+
+
+def test_a_partner_that_comes_late_is_not_counted_absent_again_so_its_probe_comes_and_the_group_waits():
+    """An absent partner back from an outage, a little out of phase: its record seeks each round only after the
+    group assembled without it. Judged by whom the round waited for when it assembled, that is no miss, so its
+    probe comes on time and the group waits for it (CI: judged by the records after the group, each late round
+    counted as a miss and the probe never came)."""
+    att = Attendance(misses=2, max_interval=8)
+    a, b = "A" * 46, "B" * 46
+    on_time = {a: rec(a), b: rec(b)}
+    play(att, on_time, came={a})
+    play(att, on_time, came={a})
+    assert att.absent(b)
+    invited = []
+    for r in range(7, 12):
+        wanted = att.expected(on_time, ME, [5, 5], lambda p: True, (0, r))  # as the group assembles
+        invited.append(b in wanted)
+        if b in wanted:
+            break
+        late = {a: rec(a), b: rec(b, seeking=[(0, r)])}  # then B's record seeks the round: it is late
+        att.record(here=(0, r), live=late, came={a, ME}, me=ME, met=lambda p: True)
+    assert invited == [False, True], invited  # probed at the first interval (2 rounds), not pushed back
+    assert att.snapshot()[b][0] == 2  # late rounds were not counted as misses
+
+
+def test_record_judges_the_last_invitation_of_its_round_and_remembers_few():
+    att = Attendance(misses=1)
+    a = "A" * 46
+    att.expected({a: rec(a)}, ME, [5, 5], lambda p: True, (0, 6))
+    att.expected({}, ME, [5, 5], lambda p: True, (0, 6))  # A's record expired before the group assembled
+    assert att.record(here=(0, 6), live={a: rec(a)}, came={ME}, me=ME, met=lambda p: True) == []
+    assert att.record(here=(0, 7), live={a: rec(a)}, came={ME}, me=ME, met=lambda p: True) == []  # never asked
+    for r in range(1000):  # rounds that found no group are never recorded: their invitations do not pile up
+        att.expected({}, ME, [5, 5], lambda p: True, (1, r))
+    assert len(att._asked) <= 64
 
 
 def test_strangers_are_judged_together_so_fresh_ids_do_not_buy_fresh_waits():

@@ -34,6 +34,7 @@ STRANGERS = "(strangers)"  # the key under which peers we never were in a group 
 MISSES = 2  # rounds in a row a peer was invited to and did not come, before groups stop waiting for it
 MAX_INTERVAL = 8  # rounds between probes of an absent peer, at most
 MAX_TRACKED = 4096  # peers remembered (a record per live id; ids that are no longer live are forgotten)
+MAX_ROUNDS_ASKED = 64  # rounds whose invitation is remembered until record() (a few are in flight at a time)
 
 
 @dataclass
@@ -59,6 +60,8 @@ class Attendance:
             raise ValueError("misses and max_interval must be >= 1")
         self.misses, self.max_interval = misses, max_interval
         self._absence: dict[str, _Absence] = {}  # who -> its record, for those that missed at least once
+        # (fragment, round) -> whom expected() last said that round waits for: the invitation record() judges
+        self._asked: dict[tuple[int, int], frozenset[str]] = {}
 
     def _key(self, peer: str, met: Callable[[str], bool]) -> str:
         return peer if met(peer) else STRANGERS
@@ -76,21 +79,33 @@ class Attendance:
         and not absent here, unless probed this round or, for a peer we were in a group with (``met``), its
         record says it is looking for a group for this very round."""
         seeking = list(here)
-        return frozenset({me} | {pid for pid, rec in records.items() if pid != me
-                                 and not catching_up(rec, my_rounds)
-                                 and (self._invited(self._key(pid, met)) or met(pid) and seeking in rec.seeking)})
+        wanted = frozenset({me} | {pid for pid, rec in records.items() if pid != me
+                                   and not catching_up(rec, my_rounds)
+                                   and (self._invited(self._key(pid, met)) or met(pid) and seeking in rec.seeking)})
+        self._asked.pop(here, None)
+        self._asked[here] = wanted
+        while len(self._asked) > MAX_ROUNDS_ASKED:  # (rounds that found no group are never recorded)
+            del self._asked[next(iter(self._asked))]
+        return wanted
 
     def absent(self, who: str) -> bool:
         """Whether ``who`` (a peer id or :data:`STRANGERS`) is absent here now (invited at probes only)."""
         a = self._absence.get(who)
         return a is not None and a.missed >= self.misses
 
-    def record(self, *, live: Iterable[str], expected: Collection[str], came: Collection[str], me: str,
+    def record(self, *, here: tuple[int, int], live: Iterable[str], came: Collection[str], me: str,
                met: Callable[[str], bool]) -> list[Absent]:
-        """Learns from a group that assembled: ``live`` are the live peers, ``expected`` whom :meth:`expected` says
-        the round waited for, ``came`` the group's members. Call once per group that
-        holds every member we could have met (one group of all; not a level of bounded groups). Returns who
-        became absent at this round (for the log and the events)."""
+        """Learns from the group of round ``here`` that assembled: ``live`` are the live peers, ``came`` the
+        group's members. Call once per group that holds every member we could have met (one group of all; not a
+        level of bounded groups). Returns who became absent at this round (for the log and the events).
+
+        Must be called after :meth:`expected` for ``here``: a peer was *invited* if the last answer it gave for
+        that round (when the group assembled) named it. Not what :meth:`expected` would say now: a peer whose
+        record seeks the round only after the group assembled without it came *late* (a peer back from an
+        outage, a little out of phase), and counting that as a miss would double its probe interval at every
+        round it is late, so that it is never waited for again (CI saw a returning peer left out for 20 rounds
+        of each fragment). It is not invited, so its probes come on time; at a probe the group waits for it."""
+        expected = self._asked.pop(here, frozenset())
         keys: dict[str, list[str]] = {}
         for pid in live:
             if pid != me:

@@ -458,6 +458,8 @@ class Swarm:
             return self.attendance.expected(self.live_peers(), self.peer_id, self._applied_rounds(),
                                             self.roster.partnered, here=(fragment, round_))
 
+        if not levels:  # whom we invite as we start (a follower's invitation; a leader's is renewed at each join)
+            expected()
         log.debug("%s: looking for a group (weight %.0f, target %d)", label, weight,
                   levels.group_target if levels else target_group_size)
         try:
@@ -486,7 +488,7 @@ class Swarm:
             members = {str(pid) for pid in group.peer_ids}
             if not levels:  # one group of all: who did not come, stayed away (bounded groups are subsets by design)
                 out.absent = [(a.who, a.why) for a in self.attendance.record(
-                    live=self.live_peers(), expected=expected(), came=members, me=self.peer_id,
+                    here=(fragment, round_), live=self.live_peers(), came=members, me=self.peer_id,
                     met=self.roster.partnered)]
                 for a in out.absent:
                     log.info("%s: peer %s %s", label, a[0] if a[0].startswith("(") else short_id(a[0]), a[1])
