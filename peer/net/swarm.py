@@ -23,29 +23,25 @@ from hivemind.dht import DHT
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
-from peer.net.allreduce import AllReduceServicer, run_allreduce
+from peer.net.allreduce import AllReduceServicer
 from peer.net.auth import Admission, RunAccess, encode_pass, revocation_key, revoke_in_dht
 from peer.net.bandwidth import Bandwidth
 from peer.net.activity import RoundActivity, RoundStage
-from peer.net.attendance import Attendance, early_assembly
+from peer.net.attendance import Attendance
 from peer.net.dial_back import DialBackServicer, nat_verdict
-from peer.net.group import PROTOCOL_VERSION, GroupError, GroupPlan
-from peer.outer.aggregate import AggregationRule, vouched_caps
+from peer.outer.aggregate import AggregationRule
 from peer.outer.codec import codec_key, get_codec
 from peer.config import SwarmConfig
 from peer.net.dht import create_dht, peers_of, reconnect
 from peer.net.exclusion import Exclusions
-from peer.net.levels import plan_levels, swarm_lift
-from peer.net.links import DeadlinePolicy, LinkMeter, plan_deadlines, slow_donors_last, state_deadline
+from peer.net.links import DeadlinePolicy, LinkMeter, slow_donors_last, state_deadline
 from peer.net.limits import StreamGuard, cap_frame_size, frame_limit_for
-from peer.net.matchmaking import GaveUp, form_group, round_prefix
-from peer.outer.rounds import RoundOutcome, RoundStatus
-from peer.net.consensus import laggards, nobody_coming, swarm_is_past
+from peer.outer.rounds import RoundOutcome
 from peer.net.progress import dht_security, progress_key
 from peer.net.roster import Roster
+from peer.net.round_runner import RoundRunner
 from peer.net.records import MAX_PAST, ProgressRecord
 from peer.net.state_transfer import DownloadError, Snapshot, StateServicer, download
-from peer.proto import allreduce_pb2 as pb
 from peer.util import VERSION, Stopped, result_or_stop, short_id
 
 log = logging.getLogger(__name__)
@@ -120,7 +116,8 @@ class Swarm:
         self._reconnecting = False
         self._dht_revoked: frozenset[str] = frozenset()  # revocations our DHT process applies (auth.revoke_in_dht)
         self._initial_peers: dict[str, list[str]] = {}  # {peer id: its multiaddrs}, dialed by _reconnect
-        self._activity: dict[tuple[int, int], RoundActivity] = {}  # rounds in flight (written by swarm-net)
+        # rounds in flight, by (fragment, round): written by their RoundRunner on swarm-net, read by activity()
+        self.in_flight: dict[tuple[int, int], RoundActivity] = {}
         self._past: dict[int, dict[int, str]] = {}  # fragment -> {round: digest} of our last snapshots (replaced whole)
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -325,7 +322,7 @@ class Swarm:
         """The live records the consensus rules may act on: :meth:`Roster.vouched_peers`."""
         return self.roster.vouched_peers()
 
-    def _applied_rounds(self) -> list[int]:
+    def applied_rounds(self) -> list[int]:
         """Our applied round per fragment, as our published snapshots say ([] before the trainer published all)."""
         snaps = self._snapshots()
         return [s.round for s in snaps if s] if all(snaps) else []
@@ -411,8 +408,9 @@ class Swarm:
         (+ matchmaking_patience on the steps schedule) + the round's all-reduce deadline (allreduce_timeout, or
         with measured deadlines up to deadline_max) seconds.
         """
-        coro = self._round(fragment, round_, delta, weight, inner_step, target_group_size, sync_every)
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        runner = RoundRunner(self, fragment=fragment, round_=round_, inner_step=inner_step,
+                             target_group_size=target_group_size, sync_every=sync_every)
+        return asyncio.run_coroutine_threadsafe(runner.run(delta, weight), self._loop)
 
     def declared_uplink(self) -> float:
         """Our uplink in bytes/s as we declare it to groups and in our record: measured, at most the owner's upload
@@ -421,120 +419,5 @@ class Swarm:
 
     def activity(self) -> list[RoundActivity]:
         """The rounds in flight, by fragment and round (a snapshot; cheap, never blocks)."""
-        return [a for _, a in sorted(dict(self._activity).items())]
+        return [a for _, a in sorted(dict(self.in_flight).items())]
 
-    async def _round(self, fragment: int, round_: int, delta: torch.Tensor, weight: float, inner_step: int,
-                     target_group_size: int, sync_every: Optional[int]) -> RoundOutcome:
-        t0 = time.monotonic()
-        label = f"peer {short_id(self.peer_id)} fragment {fragment} round {round_}"
-        out = RoundOutcome(fragment, round_, RoundStatus.FAILED)
-        patience = self.cfg.matchmaking_patience if sync_every else 0.0
-        patience_end = t0 + self.cfg.matchmaking_timeout + patience
-
-        def keep_waiting() -> bool:
-            behind = laggards(self.live_peers(), self.peer_id, inner_step)
-            if behind and time.monotonic() > t0 + self.cfg.matchmaking_timeout:  # searching past the timeout
-                self._activity[(fragment, round_)] = RoundActivity(fragment, round_, RoundStage.PATIENT,
-                                                                   patience_end, tuple(behind))
-            return bool(behind)
-
-        def give_up() -> Optional[GaveUp]:
-            records = self.live_peers()
-            if late := swarm_is_past(self.vouched_peers(), self.peer_id, fragment, round_):
-                return GaveUp(late, RoundStatus.BEHIND)
-            if not any(pid != self.peer_id for pid in records):  # everyone left (a clean stop, or silent for ttl)
-                return GaveUp("no other peer is live any more", RoundStatus.ALONE)
-            if sync_every and (gone := nobody_coming(records, self.peer_id, launch_step=inner_step,
-                                                      fragment=fragment, round_=round_)):
-                return GaveUp(gone, RoundStatus.NO_GROUP)
-            return None
-
-        self._activity[(fragment, round_)] = RoundActivity(fragment, round_, RoundStage.MATCHMAKING,
-                                                 t0 + self.cfg.matchmaking_timeout)
-        levels = plan_levels(target_group_size, self.cfg.group_cap)  # None: one group of all
-        prefix = round_prefix(self.run_key, fragment, round_)
-
-        def expected() -> frozenset[str]:  # whom this round waits for (asked at each join request, as records change)
-            return self.attendance.expected(self.live_peers(), self.peer_id, self._applied_rounds(),
-                                            self.roster.partnered, here=(fragment, round_))
-
-        if not levels:  # whom we invite as we start (a follower's invitation; a leader's is renewed at each join)
-            expected()
-        log.debug("%s: looking for a group (weight %.0f, target %d)", label, weight,
-                  levels.group_target if levels else target_group_size)
-        try:
-            info = pb.MemberInfo(protocol_version=PROTOCOL_VERSION, weight=weight, inner_step=inner_step,
-                                 client_mode=self.client_mode, numel=delta.numel(),
-                                 download_bytes_per_second=self.bandwidth.download.rate(),
-                                 slots=levels.slots if levels else 0, upload_bytes_per_second=self.declared_uplink())
-            group = await form_group(
-                self.p2p, self.dht, prefix=prefix, gather=info.SerializeToString(),
-                target_group_size=levels.group_target if levels else target_group_size,
-                min_group_size=self.cfg.min_group_size, min_matchmaking_time=self.cfg.matchmaking_time,
-                request_timeout=self.cfg.request_timeout, client_mode=self.client_mode,
-                timeout=self.cfg.matchmaking_timeout, poll=min(1.0, self.cfg.progress_period),
-                give_up=give_up, keep_waiting=keep_waiting, patience=patience,
-                excluded=self.refused, guard=self.guard,
-                expected=lambda: None if levels else early_assembly(expected(), self.peer_id))
-            out.matchmaking_seconds = time.monotonic() - t0
-            if group is None:
-                waited = time.monotonic() - t0
-                out.status, out.error = RoundStatus.NO_GROUP, f"no other peer came to this round within {waited:.0f} s"
-                return out
-            out.group_size = len(group.peer_ids)
-            strangers = [str(p) for p in group.peer_ids if not self.admission.admitted(str(p))]
-            if strangers:  # (a leader with a pass that admitted a peer without one)
-                raise GroupError(f"the group includes peer(s) without a valid pass: {[short_id(p) for p in strangers]}")
-            members = {str(pid) for pid in group.peer_ids}
-            if not levels:  # one group of all: who did not come, stayed away (bounded groups are subsets by design)
-                out.absent = [(a.who, a.why) for a in self.attendance.record(
-                    here=(fragment, round_), live=self.live_peers(), came=members, me=self.peer_id,
-                    met=self.roster.partnered)]
-                for a in out.absent:
-                    log.info("%s: peer %s %s", label, a[0] if a[0].startswith("(") else short_id(a[0]), a[1])
-            self.roster.met(members - {self.peer_id})
-            now = time.monotonic()
-            caps = vouched_caps([self.roster.speeds.vouched(str(p), now) for p in group.peer_ids], self.rule)
-            plan = GroupPlan.from_group(group, self.p2p.peer_id, self.codec, delta.numel(), label, self.rule, caps,
-                                        span_sizing=self.cfg.span_sizing)
-            deadlines = plan_deadlines(plan, self.policy)  # the same for every member: from the group's infos
-            out.deadline = deadlines.allreduce
-            self._activity[(fragment, round_)] = RoundActivity(fragment, round_, RoundStage.ALLREDUCE,
-                                                               now + deadlines.allreduce)
-            log.debug("%s: group of %d assembled, all-reduce starting (parts due in %.0f s, averages in %.0f s; the "
-                      "declared links predict %.1f s)", label, out.group_size, deadlines.part, deadlines.allreduce,
-                      deadlines.expected)
-            lift = None
-            if plan.slots:  # two levels: our span's level 2 ends early enough to bring its average down
-                lift = swarm_lift(plan, p2p=self.p2p, dht=self.dht, servicer=self.servicer, cfg=self.cfg,
-                                  prefix=prefix, live=target_group_size,
-                                  deadline=now + deadlines.allreduce - deadlines.part / 2,
-                                  excluded=self.refused, guard=self.guard,
-                                  download_bytes_per_second=self.bandwidth.download.rate())
-            result = await run_allreduce(self.p2p, self.servicer, plan, delta, weight,
-                                         part_timeout=deadlines.part, allreduce_timeout=deadlines.allreduce,
-                                         connect_timeout=self.cfg.request_timeout, chunk_bytes=self.cfg.chunk_bytes,
-                                         lift=lift)
-            if result.uplink:
-                self.uplink.observe(*result.uplink)
-            if result.downlink:
-                self.downlink.observe(*result.downlink)
-            out.spans, out.contributors, out.total_weight = result.spans, result.contributors, result.total_weight
-            out.flagged = result.flagged
-            out.bytes_sent, out.bytes_received = result.traffic.sent, result.traffic.received
-            out.status = RoundStatus.OK if result.complete else RoundStatus.PARTIAL
-            return out
-        except GaveUp as e:
-            out.status, out.error = RoundStatus(e.status), str(e)
-            log.debug("%s: stopped looking for a group: %s", label, e)
-            return out
-        except GroupError as e:
-            out.error = f"group rejected: {e}"
-            return out
-        except Exception as e:  # never let a round crash the trainer
-            log.exception("%s failed", label)
-            out.error = f"{type(e).__name__}: {e}"
-            return out
-        finally:
-            out.seconds = time.monotonic() - t0
-            self._activity.pop((fragment, round_), None)

@@ -33,6 +33,7 @@ from peer.net.dht import check_maddrs, ensure_identity, relay_options
 from peer.control.controls import PeerState
 from peer.run.events import EventLog, setup_logging
 from peer.run.ledger import RoundLedger
+from peer.run.pace import PaceWatch
 from peer.run.resume import RunCheckpoints
 from peer.run.owner import REST_SLICE_S, OwnerLink
 from peer.outer.fragments import Fragment, partition
@@ -102,6 +103,7 @@ class Trainer:
         self.codec = codec
         self.swarm: Swarm  # created in _run, once the identity (and, in an authenticated run, our pass) is checked
         self.ledger = RoundLedger(self.events, aggregator=cfg.outer.aggregator)  # rounds counted and told
+        self.pace = PaceWatch(schedule=cfg.outer.schedule)  # whether we keep the swarm's pace (said when not)
         self.checkpoints = RunCheckpoints(cfg, self.run_dir, self.events)
         self.engine: Optional[StreamingEngine] = None  # set in _train
         self.found_late = False  # a round was late (launch_gate): catch up right after this step
@@ -460,9 +462,16 @@ class Trainer:
                      snap.digest[:12], time.monotonic() - t0, plan.reason)
             self.events.emit("catch_up", fragment=plan.fragment, round=snap.round, digest=snap.digest,
                              step=snap.step, seconds=time.monotonic() - t0, reason=plan.reason)
+            self.pace.caught_up(time.monotonic() - t0)
         if isinstance(engine.schedule, StepsSchedule):
             step = step_after_catch_up(step, donor_steps, records, self.swarm.peer_id, self.cfg.outer.sync_every)
         return step
+
+    def _tell_pace(self, step: int) -> None:
+        """Says once per streak that we do not keep the swarm's pace (peer/run/pace.py): console and event."""
+        if self.pace.out_of_pace and (why := self.pace.verdict(self.swarm.declared_uplink())) is not None:
+            log.warning("%s", why)
+            self.events.emit("out_of_pace", step=step, reason=why)
 
     def _schedule(self, num_fragments: int):
         cfg = self.cfg.outer
@@ -482,3 +491,5 @@ class Trainer:
         if self.auto_tau is not None and outcome.status in (RoundStatus.OK, RoundStatus.PARTIAL):
             self.auto_tau.observe_round(outcome.seconds)
         self.ledger.record(label, frag.index, frag.numel, outcome, step, digest)
+        self.pace.round(outcome.status)
+        self._tell_pace(step)

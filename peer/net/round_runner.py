@@ -1,0 +1,181 @@
+"""One outer round on the wire: find a group (:mod:`peer.net.matchmaking`), plan it (:mod:`peer.net.group`),
+and run the butterfly all-reduce (:mod:`peer.net.allreduce`), with two levels when groups are bounded
+(:mod:`peer.net.levels`).
+
+The rules the round follows are not here: whom it waits for is :mod:`peer.net.attendance`'s call, when to
+keep looking or give up is :mod:`peer.net.consensus`'s, its deadlines are :mod:`peer.net.links`'s. This module
+composes them with the swarm's state (records, partners, links measured so far) for one round, and records
+what the round taught: who stayed away, who we met, what our links did. It runs on the ``swarm-net`` loop
+only; :meth:`~peer.net.swarm.Swarm.run_round` is its entry point from the training thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
+
+from peer.net.activity import RoundActivity, RoundStage
+from peer.net.allreduce import run_allreduce
+from peer.net.attendance import early_assembly
+from peer.net.consensus import laggards, nobody_coming, swarm_is_past
+from peer.net.group import PROTOCOL_VERSION, GroupError, GroupPlan
+from peer.net.levels import Levels, plan_levels, swarm_lift
+from peer.net.links import plan_deadlines
+from peer.net.matchmaking import GaveUp, form_group, round_prefix
+from peer.outer.aggregate import vouched_caps
+from peer.outer.rounds import RoundOutcome, RoundStatus
+from peer.proto import allreduce_pb2 as pb
+from peer.util import short_id
+
+if TYPE_CHECKING:
+    from hivemind.averaging.group_info import GroupInfo
+
+    from peer.net.swarm import Swarm
+
+log = logging.getLogger(__name__)
+
+
+class RoundRunner:
+    """Runs one round of one fragment for ``swarm`` (which owns it and every state it reads and updates)."""
+
+    def __init__(self, swarm: "Swarm", *, fragment: int, round_: int, inner_step: int, target_group_size: int,
+                 sync_every: Optional[int]):
+        """``sync_every``: the steps schedule's H (None on the clock schedule: no patience, no phase rules)."""
+        self.swarm, self.cfg = swarm, swarm.cfg
+        self.fragment, self.round, self.inner_step = fragment, round_, inner_step
+        self.target_group_size, self.sync_every = target_group_size, sync_every
+        self.here = (fragment, round_)
+        self.label = f"peer {short_id(swarm.peer_id)} fragment {fragment} round {round_}"
+        self.t0 = time.monotonic()
+        self.patience = self.cfg.matchmaking_patience if sync_every else 0.0
+        self.levels: Optional[Levels] = plan_levels(target_group_size, self.cfg.group_cap)  # None: one group
+
+    async def run(self, delta: torch.Tensor, weight: float) -> RoundOutcome:
+        """The round's outcome; never raises. Must be called on the swarm's ``swarm-net`` loop; ``delta`` (fp32
+        CPU) must not be modified until it returns."""
+        out = RoundOutcome(self.fragment, self.round, RoundStatus.FAILED)
+        self._stage(RoundStage.MATCHMAKING, self.t0 + self.cfg.matchmaking_timeout)
+        try:
+            group = await self._find_group(delta, weight)
+            out.matchmaking_seconds = time.monotonic() - self.t0
+            if group is None:
+                waited = time.monotonic() - self.t0
+                out.status, out.error = RoundStatus.NO_GROUP, f"no other peer came to this round within {waited:.0f} s"
+                return out
+            await self._reduce(group, delta, weight, out)
+            return out
+        except GaveUp as e:
+            out.status, out.error = RoundStatus(e.status), str(e)
+            log.debug("%s: stopped looking for a group: %s", self.label, e)
+            return out
+        except GroupError as e:
+            out.error = f"group rejected: {e}"
+            return out
+        except Exception as e:  # never let a round crash the trainer
+            log.exception("%s failed", self.label)
+            out.error = f"{type(e).__name__}: {e}"
+            return out
+        finally:
+            out.seconds = time.monotonic() - self.t0
+            self.swarm.in_flight.pop(self.here, None)
+
+    def _stage(self, stage: RoundStage, until: float, waiting_for: tuple[str, ...] = ()) -> None:
+        self.swarm.in_flight[self.here] = RoundActivity(self.fragment, self.round, stage, until, waiting_for)
+
+    # ---- the search ----------------------------------------------------------------------------------------
+    def _keep_waiting(self) -> bool:
+        """Patience (steps schedule): a live peer's record shows it has not reached our launch step yet."""
+        behind = laggards(self.swarm.live_peers(), self.swarm.peer_id, self.inner_step)
+        if behind and time.monotonic() > self.t0 + self.cfg.matchmaking_timeout:  # searching past the timeout
+            self._stage(RoundStage.PATIENT, self.t0 + self.cfg.matchmaking_timeout + self.patience, tuple(behind))
+        return bool(behind)
+
+    def _give_up(self) -> Optional[GaveUp]:
+        """Why the search should end now (the swarm is past the round, no one is live, no one is coming)."""
+        sw = self.swarm
+        records = sw.live_peers()
+        if late := swarm_is_past(sw.vouched_peers(), sw.peer_id, self.fragment, self.round):
+            return GaveUp(late, RoundStatus.BEHIND)
+        if not any(pid != sw.peer_id for pid in records):  # everyone left (a clean stop, or silent for ttl)
+            return GaveUp("no other peer is live any more", RoundStatus.ALONE)
+        if self.sync_every and (gone := nobody_coming(records, sw.peer_id, launch_step=self.inner_step,
+                                                      fragment=self.fragment, round_=self.round)):
+            return GaveUp(gone, RoundStatus.NO_GROUP)
+        return None
+
+    def _expected(self) -> frozenset[str]:
+        """Whom this round waits for (asked at each join request a leader receives: records change)."""
+        sw = self.swarm
+        return sw.attendance.expected(sw.live_peers(), sw.peer_id, sw.applied_rounds(), sw.roster.partnered,
+                                      here=self.here)
+
+    async def _find_group(self, delta: torch.Tensor, weight: float) -> Optional["GroupInfo"]:
+        sw, levels = self.swarm, self.levels
+        if not levels:  # whom we invite as we start (a follower's invitation; a leader's is renewed at each join)
+            self._expected()
+        early: Callable[[], Optional[frozenset[str]]] = (
+            (lambda: None) if levels else (lambda: early_assembly(self._expected(), sw.peer_id)))
+        target = levels.group_target if levels else self.target_group_size
+        log.debug("%s: looking for a group (weight %.0f, target %d)", self.label, weight, target)
+        info = pb.MemberInfo(protocol_version=PROTOCOL_VERSION, weight=weight, inner_step=self.inner_step,
+                             client_mode=sw.client_mode, numel=delta.numel(),
+                             download_bytes_per_second=sw.bandwidth.download.rate(),
+                             slots=levels.slots if levels else 0, upload_bytes_per_second=sw.declared_uplink())
+        return await form_group(
+            sw.p2p, sw.dht, prefix=round_prefix(sw.run_key, self.fragment, self.round),
+            gather=info.SerializeToString(), target_group_size=target, min_group_size=self.cfg.min_group_size,
+            min_matchmaking_time=self.cfg.matchmaking_time, request_timeout=self.cfg.request_timeout,
+            client_mode=sw.client_mode, timeout=self.cfg.matchmaking_timeout, poll=min(1.0, self.cfg.progress_period),
+            give_up=self._give_up, keep_waiting=self._keep_waiting, patience=self.patience,
+            excluded=sw.refused, guard=sw.guard, expected=early)
+
+    # ---- the group -----------------------------------------------------------------------------------------
+    def _learn_from(self, members: set[str], out: RoundOutcome) -> None:
+        """Who stayed away (one group of all: bounded groups are subsets by design) and whom we met."""
+        sw = self.swarm
+        if not self.levels:
+            out.absent = [(a.who, a.why) for a in sw.attendance.record(
+                here=self.here, live=sw.live_peers(), came=members, me=sw.peer_id, met=sw.roster.partnered)]
+            for who, why in out.absent:
+                log.info("%s: peer %s %s", self.label, who if who.startswith("(") else short_id(who), why)
+        sw.roster.met(members - {sw.peer_id})
+
+    async def _reduce(self, group: "GroupInfo", delta: torch.Tensor, weight: float, out: RoundOutcome) -> None:
+        sw = self.swarm
+        out.group_size = len(group.peer_ids)
+        strangers = [str(p) for p in group.peer_ids if not sw.admission.admitted(str(p))]
+        if strangers:  # (a leader with a pass that admitted a peer without one)
+            raise GroupError(f"the group includes peer(s) without a valid pass: {[short_id(p) for p in strangers]}")
+        self._learn_from({str(pid) for pid in group.peer_ids}, out)
+        now = time.monotonic()
+        caps = vouched_caps([sw.roster.speeds.vouched(str(p), now) for p in group.peer_ids], sw.rule)
+        plan = GroupPlan.from_group(group, sw.p2p.peer_id, sw.codec, delta.numel(), self.label, sw.rule, caps,
+                                    span_sizing=self.cfg.span_sizing)
+        deadlines = plan_deadlines(plan, sw.policy)  # the same for every member: from the group's infos
+        out.deadline = deadlines.allreduce
+        self._stage(RoundStage.ALLREDUCE, now + deadlines.allreduce)
+        log.debug("%s: group of %d assembled, all-reduce starting (parts due in %.0f s, averages in %.0f s; the "
+                  "declared links predict %.1f s)", self.label, out.group_size, deadlines.part, deadlines.allreduce,
+                  deadlines.expected)
+        lift = None
+        if plan.slots:  # two levels: our span's level 2 ends early enough to bring its average down
+            lift = swarm_lift(plan, p2p=sw.p2p, dht=sw.dht, servicer=sw.servicer, cfg=self.cfg,
+                              prefix=round_prefix(sw.run_key, self.fragment, self.round),
+                              live=self.target_group_size, deadline=now + deadlines.allreduce - deadlines.part / 2,
+                              excluded=sw.refused, guard=sw.guard,
+                              download_bytes_per_second=sw.bandwidth.download.rate())
+        result = await run_allreduce(sw.p2p, sw.servicer, plan, delta, weight,
+                                     part_timeout=deadlines.part, allreduce_timeout=deadlines.allreduce,
+                                     connect_timeout=self.cfg.request_timeout, chunk_bytes=self.cfg.chunk_bytes,
+                                     lift=lift)
+        if result.uplink:
+            sw.uplink.observe(*result.uplink)
+        if result.downlink:
+            sw.downlink.observe(*result.downlink)
+        out.spans, out.contributors, out.total_weight = result.spans, result.contributors, result.total_weight
+        out.flagged = result.flagged
+        out.bytes_sent, out.bytes_received = result.traffic.sent, result.traffic.received
+        out.status = RoundStatus.OK if result.complete else RoundStatus.PARTIAL
