@@ -8,9 +8,12 @@ import json
 import socket
 import subprocess
 import sys
+from typing import AsyncIterator
+
+from hivemind.p2p import P2PContext
 
 from helpers import p2p_mesh, run_async
-from peer.net.dial_back import DialBackServicer, ask_dial_back, dialable, not_dialable, tcp_ip
+from peer.net.dial_back import DialBackServicer, ask_dial_back, ask_initial_peers, dialable, not_dialable, tcp_ip
 from peer.net.limits import StreamGuard
 from peer.proto import reachability_pb2 as pb
 from test_swarm import REPO, start_bootstrap
@@ -109,3 +112,40 @@ def test_a_peer_is_judged_behind_a_nat_when_a_dial_failed_or_the_swarm_sees_it_e
     assert seen and "10.77.0.4" in seen and "192.168.4.2" in seen and "NAT" in seen
     # busy, or refused, at our own IP: says nothing
     assert not_dialable(pb.DialBackReply(error="busy: try again in a minute", observed_ip="192.168.4.2"), mine) is None
+
+
+class _DropsFirst(DialBackServicer):
+    """A node whose first dial-back exchange ends with no reply (the stream closes), as CI once saw right after a
+    peer joined; it answers the next one."""
+
+    calls = 0
+
+    async def rpc_dial_back(self, requests: AsyncIterator[pb.DialBackRequest],
+                            context: P2PContext) -> AsyncIterator[pb.DialBackReply]:
+        type(self).calls += 1
+        if type(self).calls == 1:
+            return
+        async for reply in super().rpc_dial_back(requests, context):
+            yield reply
+
+
+_DropsFirst.__name__ = "DialBackServicer"  # (hivemind names a handler's protocol after its class)
+
+
+def test_an_exchange_that_ends_without_a_reply_is_asked_once_more():
+    async def main():
+        node, requester = await p2p_mesh(2)
+        try:
+            servicer = _DropsFirst(guard=StreamGuard(per_peer=2, total=8), timeout=5, request_timeout=5)
+            await servicer.add_p2p_handlers(node)
+            mine = [str(m).split("/p2p/")[0] for m in await requester.get_visible_maddrs()]
+            initial = [f"{m}/p2p/{node.peer_id}" for m in [str(a).split("/p2p/")[0]
+                                                          for a in await node.get_visible_maddrs()]][:1]
+            return mine, await ask_initial_peers(requester, initial, mine, timeout=5)
+        finally:
+            for p in (node, requester):
+                await p.shutdown()
+
+    mine, reply = run_async(main())
+    assert _DropsFirst.calls == 2
+    assert reply is not None and reply.dialed and reply.reachable and reply.address in mine, reply
