@@ -34,7 +34,8 @@ from peer.config import PeerConfig  # noqa: E402
 from peer.local.data import MarkovSource  # noqa: E402
 from peer.local.inner import InnerLoop  # noqa: E402
 from peer.local.model import build_model, count_parameters  # noqa: E402
-from peer.outer.engine import OuterSettings, StreamingEngine  # noqa: E402
+from peer.outer.engine import StreamingEngine  # noqa: E402
+from peer.outer.settings import OuterSettings  # noqa: E402
 from peer.outer.fragments import partition  # noqa: E402
 from peer.run.events import EventLog  # noqa: E402
 from peer.run.resume import RunCheckpoints  # noqa: E402

@@ -44,7 +44,8 @@ from peer.local.data import MarkovSource  # noqa: E402
 from peer.local.inner import InnerLoop, lr_at, split_decay_params  # noqa: E402
 from peer.local.model import PRESETS, build_model, count_parameters, lm_loss  # noqa: E402
 from peer.outer.codec import roundtrip  # noqa: E402
-from peer.outer.engine import OuterSettings, StreamingEngine  # noqa: E402
+from peer.outer.engine import StreamingEngine  # noqa: E402
+from peer.outer.settings import OuterSettings  # noqa: E402
 from peer.outer.fragments import partition  # noqa: E402
 from peer.outer.rounds import RoundOutcome, RoundStatus, Span  # noqa: E402
 from peer.util import host_peak_bytes  # noqa: E402

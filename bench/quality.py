@@ -72,7 +72,8 @@ from peer.local.inner import InnerLoop  # noqa: E402
 from peer.local.model import build_model, count_parameters, lm_loss  # noqa: E402
 from peer.outer.aggregate import AggregationRule  # noqa: E402
 from peer.outer.simulator import FakeTransport, Replica, run_lockstep  # noqa: E402
-from peer.outer.engine import OuterSettings, StreamingEngine  # noqa: E402
+from peer.outer.engine import StreamingEngine  # noqa: E402
+from peer.outer.settings import OuterSettings  # noqa: E402
 
 EVAL_SHARD = 10_000
 SHARD_STRIDE = 100  # replica m of seed s reads shard SHARD_STRIDE * s + m

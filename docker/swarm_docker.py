@@ -186,7 +186,7 @@ def prepare_peer(argv: Sequence[str], env: dict[str, str], *, resolve: Callable[
     """The environment to exec ``swarm-peer argv`` with, and the run slot's lock fd (or None)."""
     from peer.cli.swarm_peer import build_parser, parse_overrides
     from peer.config import ConfigError
-    from peer.config_load import build_config
+    from peer.config.load import build_config
 
     env = dict(env)
     try:
@@ -372,7 +372,7 @@ def check_peer(args: Sequence[str], env: dict[str, str], max_age: float,
     """The peer's run dir and event log, from its args and env (relative paths: relative to its cwd)."""
     from peer.cli.swarm_peer import build_parser, parse_overrides
     from peer.config import ConfigError
-    from peer.config_load import build_config
+    from peer.config.load import build_config
 
     base = Path(cwd) if cwd else Path.cwd()
     try:

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from peer.config import ConfigError
-from peer.config_load import build_config
+from peer.config.load import build_config
 from peer.cli.swarm_peer import main
 
 NEW = {("swarm", "new_swarm"): True}

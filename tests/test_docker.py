@@ -24,7 +24,7 @@ import yaml
 from bootstrap.cli import parse_args as bootstrap_parse_args
 from peer.cli.swarm_peer import build_parser, parse_overrides
 from peer.config import iter_fields
-from peer.config_load import build_config, env_name
+from peer.config.load import build_config, env_name
 
 REPO = Path(__file__).resolve().parent.parent
 DOCKER = REPO / "docker"
@@ -294,7 +294,7 @@ def test_dockerfile_image_settings():
     assert "SWARM_IDENTITY_PATH" not in env  # it would be shared by the peer and the bootstrap node
     base = next(v for k, v in instructions if k == "ARG" and v.startswith("BASE_IMAGE="))
     version = re.match(r"BASE_IMAGE=python:3\.(\d+)-slim$", base)
-    assert version and int(version[1]) >= 11, "peer/config.py needs tomllib (3.11)"
+    assert version and int(version[1]) >= 11, "peer/config/load.py needs tomllib (3.11)"
     assert ("FROM", "${BASE_IMAGE}") in instructions
 
 

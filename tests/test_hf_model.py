@@ -16,7 +16,7 @@ from torch import nn
 
 from helpers import Proc, events
 from peer.config import ConfigError
-from peer.config_load import build_config
+from peer.config.load import build_config
 from peer.errors import SetupError
 from peer.local.hf_model import HFCausalLM, find_blocks
 from peer.local.model import build_model, count_parameters, lm_loss

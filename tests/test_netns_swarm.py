@@ -28,7 +28,7 @@ H, TAU, MAX_STEPS = 20, 10, 60  # tiny preset: P = 2 fragments, offsets 0 and 10
 SLOW_MBIT = 3.0
 NAMES = ["p1", "p2", "p3"]  # peer i runs in lab host i (host 0: the bootstrap node)
 SLOW = "p3"
-# Every [swarm]/[run] key is a bare flag, other sections are prefixed (peer/config.py).
+# Every [swarm]/[run] key is a bare flag, other sections are prefixed (peer/config/load.py).
 FAST = ["--model-seq-len", "32", "--data-batch-size", "4", "--outer-sync-every", str(H), "--matchmaking-time", "5",
         "--matchmaking-timeout", "20", "--request-timeout", "2", "--progress-period", "1", "--progress-ttl", "8",
         "--dht-timeout", "3", "--status-interval", "0", "--inner-warmup-steps", "10", "--log-every", "1",

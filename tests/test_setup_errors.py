@@ -155,7 +155,7 @@ def test_unreadable_data_is_reported_before_joining(tmp_path, make, needle):
 
 
 def test_a_misspelt_environment_variable_is_named_with_the_nearest_key(tmp_path):
-    from peer.config_load import unknown_env
+    from peer.config.load import unknown_env
 
     assert unknown_env({"SWARM_OUTER_LRR": "0.5", "SWARM_OUTER_LR": "0.5", "HOME": "/"}) == [
         "environment variable SWARM_OUTER_LRR matches no config key and is ignored; did you mean SWARM_OUTER_LR?"]

@@ -7,7 +7,8 @@ import torch
 
 from peer.outer.fragments import Fragment
 from peer.outer.rounds import RoundOutcome, Span
-from peer.outer.engine import AutoTau, OuterSettings, StreamingEngine
+from peer.outer.engine import StreamingEngine
+from peer.outer.settings import AutoTau, OuterSettings
 
 
 class ScriptedTransport:

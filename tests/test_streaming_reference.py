@@ -13,7 +13,8 @@ import torch
 
 from peer.outer.fragments import partition
 from peer.outer.simulator import FakeTransport, Replica, run_lockstep
-from peer.outer.engine import OuterSettings, StreamingEngine
+from peer.outer.engine import StreamingEngine
+from peer.outer.settings import OuterSettings
 from reference_algorithms import (Params, ToyReplica, diloco, eager_one_outer_step, fragment_offsets,
                                   make_replicas, streaming_diloco, strided_fragments)
 

@@ -7,7 +7,7 @@ text into the shards of ``data.source = "tokens"`` (peer/cli/prepare_data.py); `
 resume | finish | limits | top --run-dir R`` control a running peer (peer/cli/control.py); ``swarm-peer doctor``
 checks a machine before it joins (peer/cli/doctor.py); ``swarm-peer monitor`` serves an operator's view of the
 run's swarm (peer/cli/monitor.py). Every config field has a
-flag and an ``SWARM_*`` env-var twin (see peer/config.py); invalid input exits with status 2 and one line.
+flag and an ``SWARM_*`` env-var twin (see peer/config/sections.py); invalid input exits with status 2 and one line.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 
 from peer.cli import control, doctor, monitor, prepare_data, take_home
 from peer.config import SECTIONS, ConfigError, default_of, iter_fields, iter_settings
-from peer.config_load import build_config, env_name, flag_name, parse_scalar, unknown_env
+from peer.config.load import build_config, env_name, flag_name, parse_scalar, unknown_env
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:

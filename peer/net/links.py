@@ -27,7 +27,7 @@ swarm waited the whole fixed time for a member that had gone silent.
   so the senders' uplinks bound both stages.
 
 ``tau = auto`` follows without more: it sizes the overlap from the rounds' measured wall time
-(:class:`peer.outer.engine.AutoTau`), which these deadlines let complete on slow links.
+(:class:`peer.outer.settings.AutoTau`), which these deadlines let complete on slow links.
 """
 
 from __future__ import annotations

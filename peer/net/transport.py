@@ -1,4 +1,4 @@
-"""The engine's transport over the swarm (:class:`peer.outer.engine.Transport`).
+"""The engine's transport over the swarm (:class:`peer.outer.rounds.Transport`).
 
 It depends on the swarm alone, never on the trainer: the engine passes what it knows into :meth:`launch`
 (its expected round), whether and why a round was not launched comes back only in the round's outcome

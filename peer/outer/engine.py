@@ -30,75 +30,23 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional
 
 import torch
 
-from peer.config import OuterConfig, default_of
 from peer.outer.codec import Codec, roundtrip
 from peer.outer.fragments import Fragment
 from peer.outer.offload import OuterWorker, device_of, gather, scatter, snapshot, to_device
-from peer.outer.rounds import RoundOutcome, RoundStatus
+from peer.outer.rounds import Handle, RoundOutcome, RoundStatus, Transport
 from peer.outer.state import ErrorFeedback, FragmentState, NesterovSGD, advance_shared, merge_into, merge_target
 from peer.outer.schedule import ClockSchedule, StepsSchedule
+from peer.outer.settings import OuterSettings
 from peer.util import time_left
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(kw_only=True)
-class OuterSettings:
-    """The engine's view of the ``[outer]`` settings. ``peer/config.py``'s :class:`~peer.config.OuterConfig` is
-    the one source of truth: it documents every field, and the defaults here are its defaults. ``H`` is its
-    ``sync_every``; ``tau`` is an integer (``auto`` is resolved round by round through the engine's
-    ``tau_fn``). Build it from a config with :meth:`from_config`; tests and the simulator set fields directly.
-    """
-
-    H: int
-    lr: float = default_of(OuterConfig, "lr")
-    momentum: float = default_of(OuterConfig, "momentum")
-    alpha: float = default_of(OuterConfig, "alpha")
-    tau: int = 0
-    eager: bool = default_of(OuterConfig, "eager")
-    merge: str = default_of(OuterConfig, "merge")
-    wait_timeout: float = default_of(OuterConfig, "wait_timeout")
-
-    def __post_init__(self) -> None:
-        if self.H < 1 or not 0 <= self.tau <= self.H:
-            raise ValueError(f"need H >= 1 and 0 <= tau <= H (got H={self.H}, tau={self.tau})")
-        if self.merge not in ("alpha", "replay") or not 0 <= self.alpha <= 1:
-            raise ValueError(f"merge must be alpha or replay and alpha in [0, 1] (got {self.merge}, {self.alpha})")
-
-    @classmethod
-    def from_config(cls, outer: OuterConfig) -> "OuterSettings":
-        """The settings of ``outer`` (``tau = auto`` starts at 0: the engine's ``tau_fn`` decides per round)."""
-        return cls(H=outer.sync_every, lr=outer.lr, momentum=outer.momentum, alpha=outer.alpha,
-                   tau=outer.tau if isinstance(outer.tau, int) else 0, eager=outer.eager, merge=outer.merge,
-                   wait_timeout=outer.wait_timeout)
-
-
-class Handle(Protocol):
-    """A launched round. ``result`` raises ``TimeoutError`` if it is not in within ``timeout``; ``done`` says
-    whether it is in (a round the transport decided not to launch is done at once)."""
-
-    def result(self, timeout: Optional[float] = None) -> RoundOutcome: ...
-
-    def done(self) -> bool: ...
-
-    def cancel(self) -> bool: ...
-
-
-class Transport(Protocol):
-    """Where rounds go. The engine passes what it knows: ``expected_round`` is the last round its state will
-    have applied once its rounds in flight land (a transport may decide not to launch a round the swarm is
-    past; that decision comes back only in the round's outcome, status ``alone`` or ``behind``)."""
-
-    def launch(self, *, fragment: int, round_: int, delta: torch.Tensor, weight: float, step: int,
-               expected_round: int) -> Handle: ...
 
 
 @dataclass
@@ -488,30 +436,3 @@ class StreamingEngine:
         for p, queue in enumerate(state["pending"]):
             for pend in queue:
                 self._forget(p, pend["weight"], pend["jump"])
-
-
-class AutoTau:
-    """``tau = auto``: enough inner steps to hide this peer's measured round time, at most ``tau_max``.
-
-    ``tau = ceil(round_seconds / step_seconds) + 1`` from exponential moving averages; ``tau_max``
-    until both have been measured (overlap as much as allowed while nothing is known).
-    """
-
-    def __init__(self, tau_max: int, smoothing: float = 0.3):
-        self.tau_max, self.smoothing = tau_max, smoothing
-        self.step_seconds: Optional[float] = None
-        self.round_seconds: Optional[float] = None
-
-    def _ema(self, old: Optional[float], new: float) -> float:
-        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
-
-    def observe_step(self, seconds: float) -> None:
-        self.step_seconds = self._ema(self.step_seconds, seconds)
-
-    def observe_round(self, seconds: float) -> None:
-        self.round_seconds = self._ema(self.round_seconds, seconds)
-
-    def __call__(self) -> int:
-        if not self.step_seconds or self.round_seconds is None:
-            return self.tau_max
-        return max(1, min(self.tau_max, math.ceil(self.round_seconds / self.step_seconds) + 1))

@@ -1,4 +1,5 @@
-"""What a round of one fragment produced: its status and the spans of its average (pure data).
+"""What a round of one fragment produced: its status and the spans of its average (pure data), and the contract
+of whatever carries rounds (:class:`Transport`, :class:`Handle`).
 
 A round's average may arrive incomplete (a reducer died): it is a list of spans, each either the decoded
 average or ``None``. The transport fills a :class:`RoundOutcome`; the engine applies it.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 
@@ -64,3 +65,23 @@ class RoundOutcome:
     matchmaking_seconds: float = 0.0  # from the search's start to its group (or to giving up)
     # (peer id or "(strangers)", why): who our rounds stopped waiting for at this round (peer/net/attendance.py)
     absent: list[tuple[str, str]] = field(default_factory=list)
+
+
+class Handle(Protocol):
+    """A launched round. ``result`` raises ``TimeoutError`` if it is not in within ``timeout``; ``done`` says
+    whether it is in (a round the transport decided not to launch is done at once)."""
+
+    def result(self, timeout: Optional[float] = None) -> RoundOutcome: ...
+
+    def done(self) -> bool: ...
+
+    def cancel(self) -> bool: ...
+
+
+class Transport(Protocol):
+    """Where rounds go. The engine passes what it knows: ``expected_round`` is the last round its state will
+    have applied once its rounds in flight land (a transport may decide not to launch a round the swarm is
+    past; that decision comes back only in the round's outcome, status ``alone`` or ``behind``)."""
+
+    def launch(self, *, fragment: int, round_: int, delta: torch.Tensor, weight: float, step: int,
+               expected_round: int) -> Handle: ...

@@ -3,63 +3,87 @@
 A member whose link is too slow for the run's rounds misses one, finds the swarm past it, downloads the
 swarm's state and, while it downloads, the swarm applies more rounds: it ends behind again and downloads
 again (docs/benchmarks.md, "Uneven links": a 1 Mbit/s member on the steps schedule spent most of the run so).
-Each of those lines is true and none says what is going on. :class:`PaceWatch` notices the pattern (a long run
-of rounds that averaged nothing, with repeated state downloads) and says it once, with what the owner and the
-operator can do about it.
+Each of those lines is true and none says what is going on. :class:`PaceWatch` notices the pattern and says it
+once, with what the owner and the operator can do about it. Since the last round that averaged something, either
+- ``ROUNDS`` rounds averaged nothing and the peer downloaded the swarm's state ``DOWNLOADS`` times or more, or
+- the peer went to catch up ``CATCH_UPS`` times (each a download of one fragment or more, delivered or not): where
+  a download takes longer than the swarm's rounds, the peer launches few rounds between downloads (in the
+  shaped-link bench a 1 Mbit/s member launched 5 rounds in 5 minutes, each download ~50 s, and later ones failed
+  as the swarm moved past the round it fetched), so the round count alone would take far too long.
+A peer that rejoins catches up once or twice, then averages; a peer that is alone or only finds no group never
+downloads: neither is out of pace. And it is said only when our measured uplink is under half the median of the
+other live peers' declared uplinks (or not measured yet): in the same bench a 50 Mbit/s peer went through the
+same pattern because the only donor of the swarm's state was a slow, busy peer, and telling it that its link is
+too slow would be wrong.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 from peer.outer.rounds import RoundStatus
 
 ROUNDS = 8  # rounds in a row (any fragment) that averaged nothing, before the peer is said to be out of pace
 DOWNLOADS = 2  # state downloads among them: a peer that is merely alone or unmatched is not out of pace
+CATCH_UPS = 3  # or this many catch-ups with no round averaged between them, whatever the round count
+SLOW_LINK = 0.5  # our uplink under this share of the others' median declared uplink: ours is the slow link
 
 
 @dataclass
 class PaceWatch:
-    """Fed by the trainer from the training thread: :meth:`round` with every round's status,
-    :meth:`caught_up` after every state download. :meth:`verdict` says it once per streak."""
+    """Fed from the training thread: :meth:`round` with every round's status, :meth:`caught_up` after every
+    catch-up. :meth:`verdict` says it once per streak."""
 
     schedule: str  # "steps" or "clock": what the operator can change differs
     rounds: int = ROUNDS
     downloads: int = DOWNLOADS
+    catch_ups: int = CATCH_UPS
     _missed: int = 0  # rounds in a row that applied nothing
     _download_seconds: list[float] = field(default_factory=list)  # the streak's state downloads
+    _catch_ups: int = 0  # the streak's catch-ups (each planned a download of one fragment or more)
     _said: bool = False
 
     def round(self, status: RoundStatus) -> None:
         """One round ended with ``status``; one that applied something (ok, partial) ends a streak."""
         if status in (RoundStatus.OK, RoundStatus.PARTIAL):
-            self._missed, self._download_seconds, self._said = 0, [], False
+            self._missed, self._download_seconds, self._catch_ups, self._said = 0, [], 0, False
         elif status != RoundStatus.ALONE:  # alone: nobody to keep pace with
             self._missed += 1
 
-    def caught_up(self, seconds: float) -> None:
-        """A state download of one fragment took ``seconds``."""
-        self._download_seconds.append(seconds)
+    def caught_up(self, seconds: list[float], failed: int = 0) -> None:
+        """One catch-up ended: its state downloads (one per fragment delivered) took ``seconds``; ``failed``
+        planned downloads delivered nothing."""
+        if not seconds and not failed:
+            return
+        self._catch_ups += 1
+        self._download_seconds.extend(seconds)
         del self._download_seconds[:-64]  # (the streak's last ones: bounded)
 
     @property
     def out_of_pace(self) -> bool:
-        return self._missed >= self.rounds and len(self._download_seconds) >= self.downloads
+        return ((self._missed >= self.rounds and len(self._download_seconds) >= self.downloads)
+                or self._catch_ups >= self.catch_ups)
 
-    def verdict(self, uplink_bytes_per_second: float = 0.0) -> Optional[str]:
-        """What to tell the owner (one line), the first time this streak is out of pace; else None.
-        ``uplink_bytes_per_second``: our measured uplink (0: not measured)."""
+    def verdict(self, uplink_bytes_per_second: float = 0.0, others_uplinks: Sequence[float] = ()) -> Optional[str]:
+        """What to tell the owner (one line), the first time this streak is out of pace and our link is the slow
+        one; else None. ``uplink_bytes_per_second``: our measured uplink (0: not measured); ``others_uplinks``: the
+        uplinks the other live peers' records declare (0s, not measured, are left out). The upper median: where half
+        the swarm is as slow as we are, the other half sets the pace."""
         if self._said or not self.out_of_pace:
             return None
+        known = sorted(u for u in others_uplinks if u > 0)
+        if uplink_bytes_per_second > 0 and known and uplink_bytes_per_second >= SLOW_LINK * known[len(known) // 2]:
+            return None  # (not our link: the donors', or the swarm's; the catch-up lines say what failed)
         self._said = True
-        seconds = sorted(self._download_seconds)[len(self._download_seconds) // 2]
+        times = sorted(self._download_seconds)
+        took = f", median {times[len(times) // 2]:.0f} s each" if times else ""
         link = f"; its measured uplink is {uplink_bytes_per_second * 8 / 1e6:.1f} Mbit/s" \
             if uplink_bytes_per_second > 0 else ""
         fix = ("a larger outer.sync_every, or outer.schedule = \"clock\" (the swarm's pace is then wall time)"
                if self.schedule == "steps" else "a longer outer.round_seconds")
         return (f"this peer is not keeping the swarm's pace: its last {self._missed} rounds averaged nothing and it "
-                f"downloaded the swarm's state {len(self._download_seconds)} times (median {seconds:.0f} s each), "
-                f"while the swarm went on{link}. Its link is likely too slow for this run's rounds: it keeps "
-                f"training and rejoins when a round lets it; a faster link helps, and the run's operator can "
-                f"choose {fix}")
+                f"went to download the swarm's state {self._catch_ups} times ({len(times)} fragments delivered"
+                f"{took}), while the swarm went on{link}. Its link is likely too slow "
+                f"for this run's rounds: it keeps training and rejoins when a round lets it; a faster link helps, and "
+                f"the run's operator can choose {fix}")

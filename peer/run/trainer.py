@@ -1,7 +1,7 @@
 """The training loop: the one place that composes model, data, inner loop, outer state and swarm.
 
 One peer, per inner step: take a batch from its own shard, step AdamW, then let the
-:class:`~peer.streaming.StreamingEngine` launch the fragments that are due (``(t - t_p) mod H == 0``)
+:class:`~peer.outer.engine.StreamingEngine` launch the fragments that are due (``(t - t_p) mod H == 0``)
 through the swarm and apply the aggregates that are due (``launch + tau``). The swarm's heartbeat
 publishes our progress. SIGINT/SIGTERM stop the loop between steps; a round in flight is abandoned
 (nothing of it is applied) and the peer leaves the swarm cleanly.
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import random
 import signal
 import threading
 import time
@@ -33,21 +32,21 @@ from peer.net.dht import check_maddrs, ensure_identity, relay_options
 from peer.control.controls import PeerState
 from peer.run.events import EventLog, setup_logging
 from peer.run.ledger import RoundLedger
+from peer.run.catch_up import StateSync
 from peer.run.pace import PaceWatch
 from peer.run.resume import RunCheckpoints
 from peer.run.owner import REST_SLICE_S, OwnerLink
 from peer.outer.fragments import Fragment, partition
 from peer.run.local_build import build_local
 from peer.outer.rounds import RoundOutcome, RoundStatus
-from peer.outer.state import FragmentState, block_digests, digest_of_blocks
+from peer.outer.state import FragmentState
 from peer.run.run_dir import RunDirLock
 from peer.outer.schedule import ClockSchedule, StepsSchedule
-from peer.net.consensus import plan_catch_up, step_after_catch_up
-from peer.net.state_transfer import DownloadError, Snapshot
 from peer.net.transport import SwarmTransport
 from peer.net.auth import fingerprint
 from peer.outer.aggregate import AggregationRule
-from peer.outer.engine import AutoTau, OuterSettings, StreamingEngine
+from peer.outer.engine import StreamingEngine
+from peer.outer.settings import AutoTau, OuterSettings
 from peer.run.status import StatusLine, describe
 from peer.net.swarm import Swarm
 from peer.net.bandwidth import Bandwidth
@@ -107,10 +106,7 @@ class Trainer:
         self.checkpoints = RunCheckpoints(cfg, self.run_dir, self.events)
         self.engine: Optional[StreamingEngine] = None  # set in _train
         self.found_late = False  # a round was late (launch_gate): catch up right after this step
-        self._suspect: set[int] = set()  # fragments whose last partial round left our state off the swarm's
-        # per fragment, the digest of its state as last published: every change of G, v is published (restore,
-        # rounds, adoption), so the drift check reads it here instead of hashing every fragment again
-        self._digests: dict[int, str] = {}
+        self.sync: Optional[StateSync] = None  # our fragments' states against the swarm's (set in _train)
         self.auto_tau: Optional[AutoTau] = None
         self.status: Optional[StatusLine] = None
         self._realigned: Optional[tuple[float, consensus.Realignment]] = None  # when and how we last moved up
@@ -241,17 +237,20 @@ class Trainer:
                                  error_feedback_codec=get_codec(cfg.outer.codec) if cfg.outer.error_feedback else None,
                                  tau_fn=self.auto_tau, schedule=schedule, on_wait=self._show_status)
         self.engine = engine
+        self.sync = StateSync(self.swarm, engine, events=self.events, pace=self.pace, stop=self.stop.event,
+                              sync_every=cfg.outer.sync_every, on_fragment=self.owner.note_fragment,
+                              show_status=self._show_status)
         self._floor = getattr(source, "entropy_floor", None)
         self.status = StatusLine(cfg.run.status_interval, label)
         parts = dict(model=model, inner=inner, source=source, engine=engine)
         self._device = str(next(model.parameters()).device)
         step = self._step = self.checkpoints.restore(**parts)
         for frag, st in zip(fragments, engine.states):
-            self._publish_snapshot(frag, st, step)
+            self.sync.publish(frag, st, step)
         self.owner.controls.enter(PeerState.STARTING, "waiting for peers")
         self._wait_for_peers()
         self.owner.controls.enter(PeerState.STARTING, "catching up with the swarm")
-        step = self._catch_up(engine, step, joining=True)
+        step = self.sync.catch_up(step, joining=True)
         controls = self.owner.controls
         controls.enter(PeerState.TRAINING)
         self._last_step_at = time.monotonic()
@@ -299,7 +298,7 @@ class Trainer:
             engine.apply_due(step)
             if self.found_late or (cfg.swarm.drift_check_period and
                                    time.monotonic() - last_drift_check >= cfg.swarm.drift_check_period):
-                step = self._catch_up(engine, step, joining=False, late=self.found_late)
+                step = self.sync.catch_up(step, joining=False, late=self.found_late)
                 self.found_late, last_drift_check = False, time.monotonic()
             every, minutes = cfg.run.checkpoint_rounds, cfg.run.checkpoint_minutes
             if (minutes and time.monotonic() - last_ckpt_time >= 60 * minutes) or self.checkpoints.retry_due() or \
@@ -360,7 +359,7 @@ class Trainer:
             return step
         log.info("resuming after %.0f s paused: meeting the swarm's state and phase", paused_s)
         controls.enter(PeerState.STARTING, "catching up with the swarm after a pause")
-        step = self._catch_up(engine, step, joining=True)
+        step = self.sync.catch_up(step, joining=True)
         controls.enter(PeerState.TRAINING)
         self._last_step_at = time.monotonic()
         return step
@@ -415,61 +414,12 @@ class Trainer:
             return None
         return self._realigned[1].behind_steps
 
-    # ---- state ---------------------------------------------------------------------------------
-    def _publish_snapshot(self, frag: Fragment, st: FragmentState, step: int, *, adopted: bool = False) -> str:
-        """Serves (and advertises) the fragment's shared state as it is now; returns its digest."""
-        G, v = st.G.clone(), st.v.clone()
-        blocks = block_digests(G, v)  # (served with every download: donors' parts are verified block by block)
-        digest = digest_of_blocks(blocks)
-        self.swarm.publish_snapshot(Snapshot(frag.index, st.last_applied, step, G, v, digest, blocks),
-                                    adopted=adopted)
-        self.owner.note_fragment(frag.index, st.last_applied, digest, frag.numel)
-        self._digests[frag.index] = digest
-        return digest
-
-    def _catch_up(self, engine: StreamingEngine, step: int, *, joining: bool, late: bool = False) -> int:
-        """Downloads the fragments where the swarm's majority state is ahead of or differs from ours
-        (see plan_catch_up; ``late``: a round was just found late, see launch_gate: then every fragment the
-        swarm is past, counting our rounds in flight, so that we rejoin with all of them at once); returns
-        the step to continue from (steps schedule: the donors').
-        Must be called after the step's launches and applies, so the adopted round is never re-launched."""
-        records = self.swarm.live_peers() if joining else self.swarm.vouched_peers()
-        plans = plan_catch_up(records, self.swarm.peer_id, [st.last_applied for st in engine.states],
-                              [self._digests.get(p) or st.digest() for p, st in enumerate(engine.states)],
-                              joining=joining,
-                              expected=[engine.expected_round(p) for p in range(len(engine.states))] if late else None,
-                              suspect=sorted(self._suspect),
-                              my_past=self.swarm.recent_digests(len(engine.states)))
-        donor_steps = []
-        for plan in plans:
-            frag, t0 = engine.fragments[plan.fragment], time.monotonic()
-            random.shuffle(plan.donors)  # joiners spread over the donors
-            self._show_status(f"catching up: downloading fragment {plan.fragment} round {plan.round}")
-            try:
-                snap = self.swarm.download_state(plan.fragment, plan.donors, round_=plan.round, numel=frag.numel,
-                                                 digest=plan.digest, stop=self.stop.event)
-            except DownloadError as e:
-                if self.stop.event.is_set():  # (a Ctrl-C does not wait out a download: the loop ends next)
-                    log.info("fragment %d: state download cancelled: the peer is stopping", plan.fragment)
-                    break
-                log.warning("fragment %d: could not catch up (%s): %s", plan.fragment, plan.reason, e)
-                continue
-            engine.adopt(plan.fragment, snap.G, snap.v, snap.round)
-            self._suspect.discard(plan.fragment)
-            donor_steps.append(snap.step)
-            self._publish_snapshot(frag, engine.states[plan.fragment], snap.step, adopted=True)
-            log.info("fragment %d: caught up to round %d (digest %s) in %.1fs; %s", plan.fragment, snap.round,
-                     snap.digest[:12], time.monotonic() - t0, plan.reason)
-            self.events.emit("catch_up", fragment=plan.fragment, round=snap.round, digest=snap.digest,
-                             step=snap.step, seconds=time.monotonic() - t0, reason=plan.reason)
-            self.pace.caught_up(time.monotonic() - t0)
-        if isinstance(engine.schedule, StepsSchedule):
-            step = step_after_catch_up(step, donor_steps, records, self.swarm.peer_id, self.cfg.outer.sync_every)
-        return step
-
     def _tell_pace(self, step: int) -> None:
         """Says once per streak that we do not keep the swarm's pace (peer/run/pace.py): console and event."""
-        if self.pace.out_of_pace and (why := self.pace.verdict(self.swarm.declared_uplink())) is not None:
+        if not self.pace.out_of_pace:
+            return
+        others = [r.upload_bytes_per_second for pid, r in self.swarm.live_peers().items() if pid != self.peer_id]
+        if (why := self.pace.verdict(self.swarm.declared_uplink(), others)) is not None:
             log.warning("%s", why)
             self.events.emit("out_of_pace", step=step, reason=why)
 
@@ -485,8 +435,8 @@ class Trainer:
         if outcome.status == RoundStatus.BEHIND:  # the swarm is past it: take its state right after this step
             self.found_late = True
         if outcome.status == RoundStatus.PARTIAL:  # a span we did not apply: our state of it is likely the odd one
-            self._suspect.add(frag.index)
-        digest = self._publish_snapshot(frag, st, step)
+            self.sync.suspect.add(frag.index)
+        digest = self.sync.publish(frag, st, step)
         self.owner.count_round(str(outcome.status))
         if self.auto_tau is not None and outcome.status in (RoundStatus.OK, RoundStatus.PARTIAL):
             self.auto_tau.observe_round(outcome.seconds)

@@ -1,56 +1,13 @@
-"""Typed, validated configuration of a peer: one ``kw_only`` dataclass per section, every field with its default,
-its help and whether it is local. Where the values come from (TOML, ``SWARM_*`` env vars, flags):
-:mod:`peer.config_load`. Any invalid value raises :class:`ConfigError` with one line naming the key and what is
-allowed; the CLI turns it into exit status 2.
-
-The *run hash* (:meth:`PeerConfig.run_hash`) covers every setting that changes the shared
-computation (model, outer optimizer, schedule, codec, inner hyper-parameters, vocabulary, run id);
-it is part of every DHT key and matchmaking key, so peers with different run configs never group.
-Local choices (network addresses, run dir, device, batch size, data files, tau, ...) are not in it: each field
-says so itself (``setting(..., local=True)``), next to its help text.
-"""
+"""The sections of a peer's configuration, one ``kw_only`` dataclass each: every field with its default, its help
+(``swarm-peer run --help``) and whether it is local; each section checks its own values as it is built."""
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 import math
-import typing
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Optional
+from dataclasses import dataclass
 
-
-CODEC_NAMES = ("e3m0", "fp8", "bf16", "fp32")  # peer/outer/codec.py's CODECS (a test keeps them equal)
-
-
-class ConfigError(ValueError):
-    """A configuration problem, reported to the user as one line (exit status 2)."""
-
-
-def _check(cond: bool, key: str, allowed: str, value: Any) -> None:
-    if not cond:
-        raise ConfigError(f"{key}: must be {allowed} (got {value!r})")
-
-
-def setting(default: Any = dataclasses.MISSING, *, help: str, local: bool = False,
-            factory: Optional[Callable[[], Any]] = None) -> Any:
-    """A config field: its default (or ``factory``), its ``help`` (shown by ``swarm-peer run --help``) and
-    whether it is ``local``: a per-peer choice that never changes the shared computation, so it is left out
-    of the run hash and may differ across the peers of one run (addresses, device, tau, ...)."""
-    metadata = {"help": help, "local": local}
-    if factory is not None:
-        return field(default_factory=factory, metadata=metadata)
-    return field(default=default, metadata=metadata)
-
-
-def default_of(cls: type, name: str) -> Any:
-    """The default of config field ``name`` of section class ``cls`` (for code that must agree with it)."""
-    f = {f.name: f for f in dataclasses.fields(cls)}[name]
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return f.default
+from peer.config.fields import (CODEC_NAMES, MAX_MBPS, MIN_MBPS, ConfigError, check, parse_active_hours, setting,
+                                valid_mbps)
 
 
 @dataclass(kw_only=True)
@@ -71,13 +28,13 @@ class ModelConfig:
             "``theta_0``.")
 
     def __post_init__(self) -> None:
-        _check(bool(self.preset), "model.preset", "a preset name", self.preset)
-        _check(self.factory == "" or ":" in self.factory, "model.factory", "'module:callable'", self.factory)
+        check(bool(self.preset), "model.preset", "a preset name", self.preset)
+        check(self.factory == "" or ":" in self.factory, "model.factory", "'module:callable'", self.factory)
         if self.hf_config and self.factory:
             raise ConfigError("model.hf_config and model.factory are exclusive: set one of them")
-        _check(not self.hf_blocks or bool(self.hf_config), "model.hf_blocks", "empty unless model.hf_config is set",
+        check(not self.hf_blocks or bool(self.hf_config), "model.hf_blocks", "empty unless model.hf_config is set",
                self.hf_blocks)
-        _check(self.seq_len >= 2, "model.seq_len", ">= 2", self.seq_len)
+        check(self.seq_len >= 2, "model.seq_len", ">= 2", self.seq_len)
 
 
 @dataclass(kw_only=True)
@@ -99,15 +56,15 @@ class DataConfig:
             "reads its own stream.")
 
     def __post_init__(self) -> None:
-        _check(self.source in ("synthetic", "text", "bin", "tokens"), "data.source",
+        check(self.source in ("synthetic", "text", "bin", "tokens"), "data.source",
                "one of synthetic, text, bin, tokens", self.source)
-        _check(self.source == "synthetic" or bool(self.paths), "data.paths", "non-empty for text/bin/tokens",
+        check(self.source == "synthetic" or bool(self.paths), "data.paths", "non-empty for text/bin/tokens",
                self.paths)
-        _check(2 <= self.vocab_size <= 1 << 20, "data.vocab_size", "in [2, 1048576]", self.vocab_size)
-        _check(self.batch_size >= 1, "data.batch_size", ">= 1", self.batch_size)
-        _check(0 <= self.micro_batch <= self.batch_size, "data.micro_batch", "in [0, data.batch_size]",
+        check(2 <= self.vocab_size <= 1 << 20, "data.vocab_size", "in [2, 1048576]", self.vocab_size)
+        check(self.batch_size >= 1, "data.batch_size", ">= 1", self.batch_size)
+        check(0 <= self.micro_batch <= self.batch_size, "data.micro_batch", "in [0, data.batch_size]",
                self.micro_batch)
-        _check(self.shard >= -1, "data.shard", ">= -1", self.shard)
+        check(self.shard >= -1, "data.shard", ">= -1", self.shard)
 
 
 @dataclass(kw_only=True)
@@ -128,18 +85,18 @@ class InnerConfig:
             "compiler). The weights, checkpoints and fragments are the uncompiled model's.")
 
     def __post_init__(self) -> None:
-        _check(self.lr > 0, "inner.lr", "> 0", self.lr)
-        _check(self.weight_decay >= 0, "inner.weight_decay", ">= 0", self.weight_decay)
-        _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "inner.beta1/beta2", "in [0, 1)", (self.beta1, self.beta2))
-        _check(self.warmup_steps >= 0, "inner.warmup_steps", ">= 0", self.warmup_steps)
-        _check(self.total_steps >= 1, "inner.total_steps", ">= 1", self.total_steps)
-        _check(self.warmup_steps <= self.total_steps, "inner.warmup_steps", "<= inner.total_steps", self.warmup_steps)
-        _check(0 <= self.min_lr_ratio <= 1, "inner.min_lr_ratio", "in [0, 1]", self.min_lr_ratio)
-        _check(self.grad_clip >= 0, "inner.grad_clip", ">= 0", self.grad_clip)
-        _check(self.z_loss >= 0, "inner.z_loss", ">= 0", self.z_loss)
+        check(self.lr > 0, "inner.lr", "> 0", self.lr)
+        check(self.weight_decay >= 0, "inner.weight_decay", ">= 0", self.weight_decay)
+        check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "inner.beta1/beta2", "in [0, 1)", (self.beta1, self.beta2))
+        check(self.warmup_steps >= 0, "inner.warmup_steps", ">= 0", self.warmup_steps)
+        check(self.total_steps >= 1, "inner.total_steps", ">= 1", self.total_steps)
+        check(self.warmup_steps <= self.total_steps, "inner.warmup_steps", "<= inner.total_steps", self.warmup_steps)
+        check(0 <= self.min_lr_ratio <= 1, "inner.min_lr_ratio", "in [0, 1]", self.min_lr_ratio)
+        check(self.grad_clip >= 0, "inner.grad_clip", ">= 0", self.grad_clip)
+        check(self.z_loss >= 0, "inner.z_loss", ">= 0", self.z_loss)
         ok = self.device in ("auto", "cpu", "cuda") or (self.device.startswith("cuda:") and self.device[5:].isdigit())
-        _check(ok, "inner.device", "auto, cpu, cuda or cuda:N", self.device)
-        _check(self.threads >= 0, "inner.threads", ">= 0", self.threads)
+        check(ok, "inner.device", "auto, cpu, cuda or cuda:N", self.device)
+        check(self.threads >= 0, "inner.threads", ">= 0", self.threads)
 
 
 @dataclass(kw_only=True)
@@ -190,29 +147,29 @@ class OuterConfig:
     clip_iterations: int = setting(1, help="clipped: CenteredClip steps (1-20).")
 
     def __post_init__(self) -> None:
-        _check(self.lr > 0, "outer.lr", "> 0", self.lr)
-        _check(0 <= self.momentum < 1, "outer.momentum", "in [0, 1)", self.momentum)
-        _check(self.sync_every >= 1, "outer.sync_every", ">= 1", self.sync_every)
-        _check(self.fragment_blocks >= 0, "outer.fragment_blocks", ">= 0", self.fragment_blocks)
-        _check(self.fragment_pattern in ("strided", "sequential"), "outer.fragment_pattern", "strided or sequential",
+        check(self.lr > 0, "outer.lr", "> 0", self.lr)
+        check(0 <= self.momentum < 1, "outer.momentum", "in [0, 1)", self.momentum)
+        check(self.sync_every >= 1, "outer.sync_every", ">= 1", self.sync_every)
+        check(self.fragment_blocks >= 0, "outer.fragment_blocks", ">= 0", self.fragment_blocks)
+        check(self.fragment_pattern in ("strided", "sequential"), "outer.fragment_pattern", "strided or sequential",
                self.fragment_pattern)
-        _check(self.schedule in ("steps", "clock"), "outer.schedule", "steps or clock", self.schedule)
-        _check(self.round_seconds > 0, "outer.round_seconds", "> 0", self.round_seconds)
-        _check(self.codec in CODEC_NAMES, "outer.codec", " or ".join(CODEC_NAMES), self.codec)
-        _check(self.tau == "auto" or (isinstance(self.tau, int) and 0 <= self.tau <= self.sync_every), "outer.tau",
+        check(self.schedule in ("steps", "clock"), "outer.schedule", "steps or clock", self.schedule)
+        check(self.round_seconds > 0, "outer.round_seconds", "> 0", self.round_seconds)
+        check(self.codec in CODEC_NAMES, "outer.codec", " or ".join(CODEC_NAMES), self.codec)
+        check(self.tau == "auto" or (isinstance(self.tau, int) and 0 <= self.tau <= self.sync_every), "outer.tau",
                "auto or an integer in [0, outer.sync_every]", self.tau)
-        _check(self.tau_max >= 1, "outer.tau_max", ">= 1 (auto tau is also kept below outer.sync_every)",
+        check(self.tau_max >= 1, "outer.tau_max", ">= 1 (auto tau is also kept below outer.sync_every)",
                self.tau_max)
-        _check(self.merge in ("alpha", "replay"), "outer.merge", "alpha or replay", self.merge)
-        _check(self.wait_timeout > 0, "outer.wait_timeout", "> 0 seconds", self.wait_timeout)
-        _check(0 <= self.alpha <= 1, "outer.alpha", "in [0, 1]", self.alpha)
-        _check(self.aggregator in ("clipped", "mean"), "outer.aggregator", "clipped or mean", self.aggregator)
-        _check(self.clip_factor >= 1, "outer.clip_factor", ">= 1", self.clip_factor)
-        _check(self.weight_cap >= 1, "outer.weight_cap", ">= 1", self.weight_cap)
-        _check(self.length_cap >= 1, "outer.length_cap", ">= 1", self.length_cap)
-        _check(self.max_weight_cap >= max(self.weight_cap, self.length_cap), "outer.max_weight_cap",
+        check(self.merge in ("alpha", "replay"), "outer.merge", "alpha or replay", self.merge)
+        check(self.wait_timeout > 0, "outer.wait_timeout", "> 0 seconds", self.wait_timeout)
+        check(0 <= self.alpha <= 1, "outer.alpha", "in [0, 1]", self.alpha)
+        check(self.aggregator in ("clipped", "mean"), "outer.aggregator", "clipped or mean", self.aggregator)
+        check(self.clip_factor >= 1, "outer.clip_factor", ">= 1", self.clip_factor)
+        check(self.weight_cap >= 1, "outer.weight_cap", ">= 1", self.weight_cap)
+        check(self.length_cap >= 1, "outer.length_cap", ">= 1", self.length_cap)
+        check(self.max_weight_cap >= max(self.weight_cap, self.length_cap), "outer.max_weight_cap",
                ">= outer.weight_cap and outer.length_cap", self.max_weight_cap)
-        _check(1 <= self.clip_iterations <= 20, "outer.clip_iterations", "in [1, 20]", self.clip_iterations)
+        check(1 <= self.clip_iterations <= 20, "outer.clip_iterations", "in [1, 20]", self.clip_iterations)
 
 
 @dataclass(kw_only=True)
@@ -303,44 +260,44 @@ class SwarmConfig:
             "(see peer/net/exclusion.py).")
 
     def __post_init__(self) -> None:
-        _check(bool(self.run_id) and "." not in self.run_id and " " not in self.run_id, "swarm.run_id",
+        check(bool(self.run_id) and "." not in self.run_id and " " not in self.run_id, "swarm.run_id",
                "a non-empty name without '.' or spaces", self.run_id)
-        _check(self.drift_check_period >= 0, "swarm.drift_check_period", ">= 0", self.drift_check_period)
-        _check(self.exclude_after >= 1, "swarm.exclude_after", ">= 1", self.exclude_after)
-        _check(not (self.relay_via and (self.client_mode or self.relay_service)), "swarm.relay_via",
+        check(self.drift_check_period >= 0, "swarm.drift_check_period", ">= 0", self.drift_check_period)
+        check(self.exclude_after >= 1, "swarm.exclude_after", ">= 1", self.exclude_after)
+        check(not (self.relay_via and (self.client_mode or self.relay_service)), "swarm.relay_via",
                "empty with swarm.client_mode or swarm.relay_service (a relayed peer is behind a NAT and dialed)",
                self.relay_via)
-        _check(self.group_cap == 0 or max(2, self.min_group_size) <= self.group_cap <= 256, "swarm.group_cap",
+        check(self.group_cap == 0 or max(2, self.min_group_size) <= self.group_cap <= 256, "swarm.group_cap",
                "0 or in [max(2, swarm.min_group_size), 256]", self.group_cap)
-        _check(1 <= self.state_donors <= 16, "swarm.state_donors", "in [1, 16]", self.state_donors)
-        _check(self.max_state_uploads >= 1, "swarm.max_state_uploads", ">= 1", self.max_state_uploads)
-        _check(self.max_streams_per_peer >= 4, "swarm.max_streams_per_peer", ">= 4 (rounds of several fragments, "
+        check(1 <= self.state_donors <= 16, "swarm.state_donors", "in [1, 16]", self.state_donors)
+        check(self.max_state_uploads >= 1, "swarm.max_state_uploads", ">= 1", self.max_state_uploads)
+        check(self.max_streams_per_peer >= 4, "swarm.max_streams_per_peer", ">= 4 (rounds of several fragments, "
                "a download and a join request at once)", self.max_streams_per_peer)
-        _check(self.max_streams >= self.max_streams_per_peer, "swarm.max_streams", ">= swarm.max_streams_per_peer",
+        check(self.max_streams >= self.max_streams_per_peer, "swarm.max_streams", ">= swarm.max_streams_per_peer",
                self.max_streams)
         for key in ("start_timeout", "state_timeout", "matchmaking_time", "matchmaking_timeout", "request_timeout",
                     "allreduce_timeout", "part_timeout", "progress_period", "progress_ttl", "startup_timeout",
                     "dht_timeout", "join_timeout"):
-            _check(getattr(self, key) > 0, f"swarm.{key}", "> 0 seconds", getattr(self, key))
-        _check(self.matchmaking_patience >= 0, "swarm.matchmaking_patience", ">= 0 seconds", self.matchmaking_patience)
-        _check(self.min_peers >= 1, "swarm.min_peers", ">= 1", self.min_peers)
-        _check(self.min_group_size >= 1, "swarm.min_group_size", ">= 1", self.min_group_size)
-        _check(self.part_timeout < self.allreduce_timeout, "swarm.part_timeout", "< swarm.allreduce_timeout",
+            check(getattr(self, key) > 0, f"swarm.{key}", "> 0 seconds", getattr(self, key))
+        check(self.matchmaking_patience >= 0, "swarm.matchmaking_patience", ">= 0 seconds", self.matchmaking_patience)
+        check(self.min_peers >= 1, "swarm.min_peers", ">= 1", self.min_peers)
+        check(self.min_group_size >= 1, "swarm.min_group_size", ">= 1", self.min_group_size)
+        check(self.part_timeout < self.allreduce_timeout, "swarm.part_timeout", "< swarm.allreduce_timeout",
                self.part_timeout)
-        _check(self.deadlines in ("measured", "fixed"), "swarm.deadlines", "measured or fixed", self.deadlines)
-        _check(self.span_sizing in ("links", "equal"), "swarm.span_sizing", "links or equal", self.span_sizing)
-        _check(self.deadline_margin >= 1, "swarm.deadline_margin", ">= 1", self.deadline_margin)
-        _check(self.deadline_max >= max(self.allreduce_timeout, self.state_timeout), "swarm.deadline_max",
+        check(self.deadlines in ("measured", "fixed"), "swarm.deadlines", "measured or fixed", self.deadlines)
+        check(self.span_sizing in ("links", "equal"), "swarm.span_sizing", "links or equal", self.span_sizing)
+        check(self.deadline_margin >= 1, "swarm.deadline_margin", ">= 1", self.deadline_margin)
+        check(self.deadline_max >= max(self.allreduce_timeout, self.state_timeout), "swarm.deadline_max",
                ">= swarm.allreduce_timeout and swarm.state_timeout", self.deadline_max)
-        _check(self.request_timeout < self.matchmaking_time, "swarm.request_timeout", "< swarm.matchmaking_time "
+        check(self.request_timeout < self.matchmaking_time, "swarm.request_timeout", "< swarm.matchmaking_time "
                "(hivemind's matchmaking can deadlock otherwise)", self.request_timeout)
-        _check(self.matchmaking_time < self.matchmaking_timeout, "swarm.matchmaking_time",
+        check(self.matchmaking_time < self.matchmaking_timeout, "swarm.matchmaking_time",
                "< swarm.matchmaking_timeout", self.matchmaking_time)
         # While a DHT node is unreachable a record reaches the DHT up to one dht_timeout late and is read up
         # to another one late: a record must outlive a period and both, or live peers drop out of view.
-        _check(self.progress_ttl > self.progress_period + 2 * self.dht_timeout, "swarm.progress_ttl",
+        check(self.progress_ttl > self.progress_period + 2 * self.dht_timeout, "swarm.progress_ttl",
                "> swarm.progress_period + 2 * swarm.dht_timeout", self.progress_ttl)
-        _check(4096 <= self.chunk_bytes <= 1 << 24, "swarm.chunk_bytes", "in [4096, 16777216]", self.chunk_bytes)
+        check(4096 <= self.chunk_bytes <= 1 << 24, "swarm.chunk_bytes", "in [4096, 16777216]", self.chunk_bytes)
 
 
 @dataclass(kw_only=True)
@@ -368,16 +325,16 @@ class RunConfig:
             "opens it to the network).")
 
     def __post_init__(self) -> None:
-        _check(bool(self.run_dir), "run.run_dir", "a directory path", self.run_dir)
-        _check(self.max_steps >= 0, "run.max_steps", ">= 0", self.max_steps)
-        _check(self.log_every >= 1, "run.log_every", ">= 1", self.log_every)
-        _check(self.status_interval >= 0, "run.status_interval", ">= 0", self.status_interval)
-        _check(self.checkpoint_minutes >= 0, "run.checkpoint_minutes", ">= 0", self.checkpoint_minutes)
-        _check(self.checkpoint_rounds >= 0, "run.checkpoint_rounds", ">= 0", self.checkpoint_rounds)
-        _check(self.checkpoint_keep >= 1, "run.checkpoint_keep", ">= 1", self.checkpoint_keep)
-        _check(0 <= self.metrics_port <= 65535, "run.metrics_port", "a TCP port in 0..65535 (0 = off)",
+        check(bool(self.run_dir), "run.run_dir", "a directory path", self.run_dir)
+        check(self.max_steps >= 0, "run.max_steps", ">= 0", self.max_steps)
+        check(self.log_every >= 1, "run.log_every", ">= 1", self.log_every)
+        check(self.status_interval >= 0, "run.status_interval", ">= 0", self.status_interval)
+        check(self.checkpoint_minutes >= 0, "run.checkpoint_minutes", ">= 0", self.checkpoint_minutes)
+        check(self.checkpoint_rounds >= 0, "run.checkpoint_rounds", ">= 0", self.checkpoint_rounds)
+        check(self.checkpoint_keep >= 1, "run.checkpoint_keep", ">= 1", self.checkpoint_keep)
+        check(0 <= self.metrics_port <= 65535, "run.metrics_port", "a TCP port in 0..65535 (0 = off)",
                self.metrics_port)
-        _check(self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "run.log_level",
+        check(self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "run.log_level",
                "DEBUG, INFO, WARNING or ERROR", self.log_level)
 
 
@@ -399,134 +356,13 @@ class LimitsConfig:
             "an out-of-memory error instead of taking the rest of the card. No effect on the CPU.")
 
     def __post_init__(self) -> None:
-        _check(1 <= self.duty_cycle <= 100, "limits.duty_cycle", "a percent in 1..100", self.duty_cycle)
+        check(1 <= self.duty_cycle <= 100, "limits.duty_cycle", "a percent in 1..100", self.duty_cycle)
         for name in ("upload_mbps", "download_mbps"):
-            _check(valid_mbps(getattr(self, name)), f"limits.{name}",
+            check(valid_mbps(getattr(self, name)), f"limits.{name}",
                    f"0 (no cap) or Mbit/s in {MIN_MBPS:g}..{MAX_MBPS:g}", getattr(self, name))
-        _check(math.isfinite(self.vram_gb) and 0 <= self.vram_gb <= 1e5, "limits.vram_gb", "GiB in 0..1e5 (0 = no cap)",
+        check(math.isfinite(self.vram_gb) and 0 <= self.vram_gb <= 1e5, "limits.vram_gb", "GiB in 0..1e5 (0 = no cap)",
                self.vram_gb)
         try:
             parse_active_hours(self.active_hours)
         except ValueError as e:
             raise ConfigError(f"limits.active_hours: {e}") from None
-
-
-MAX_MBPS = 1e6  # a terabit link: anything above is a typo
-MIN_MBPS = 0.1  # below this no round of any model completes; senders never pace a stream slower (net/bandwidth)
-MBIT = 1_000_000 / 8  # bytes per second in one Mbit/s (links are sold in Mbit/s)
-
-
-def valid_mbps(value: float) -> bool:
-    """Whether ``value`` is a bandwidth cap in Mbit/s (0 = no cap)."""
-    return value == 0 or (math.isfinite(value) and MIN_MBPS <= value <= MAX_MBPS)
-
-
-def parse_active_hours(text: str) -> Optional[tuple[int, int]]:
-    """``"HH:MM-HH:MM"`` (local time; the window may wrap midnight) as (start, end) minutes of the day, or None
-    for ``""`` (always active). Raises ValueError naming the expected form."""
-    import re
-
-    if not text:
-        return None
-    m = re.fullmatch(r"([01]\d|2[0-3]):([0-5]\d)-([01]\d|2[0-3]):([0-5]\d)", text.strip())
-    if not m:
-        raise ValueError(f"active hours must be HH:MM-HH:MM in 24-hour local time, e.g. 18:00-08:00 (got {text!r})")
-    h0, m0, h1, m1 = (int(g) for g in m.groups())
-    start, end = 60 * h0 + m0, 60 * h1 + m1
-    if start == end:
-        raise ValueError(f"active hours {text!r} are an empty window (use \"\" for always)")
-    return start, end
-
-
-SECTIONS: dict[str, type] = {
-    "model": ModelConfig, "data": DataConfig, "inner": InnerConfig, "outer": OuterConfig,
-    "swarm": SwarmConfig, "run": RunConfig, "limits": LimitsConfig,
-}
-
-
-@dataclass(kw_only=True)
-class PeerConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    inner: InnerConfig = field(default_factory=InnerConfig)
-    outer: OuterConfig = field(default_factory=OuterConfig)
-    swarm: SwarmConfig = field(default_factory=SwarmConfig)
-    run: RunConfig = field(default_factory=RunConfig)
-    limits: LimitsConfig = field(default_factory=LimitsConfig)
-
-    def to_dict(self) -> dict[str, dict[str, Any]]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: dict[str, dict[str, Any]]) -> "PeerConfig":
-        """The config :meth:`to_dict` returned (e.g. the one a checkpoint stores), validated again. Keys this
-        version does not know are dropped and missing ones take their defaults, so a run dir written by
-        another version still describes its run."""
-        sections = {}
-        for name, section_cls in SECTIONS.items():
-            known = {f.name for f in dataclasses.fields(section_cls)}
-            sections[name] = section_cls(**{k: v for k, v in values.get(name, {}).items() if k in known})
-        return cls(**sections)
-
-    def run_hash(self) -> str:
-        """Hex digest (16 chars) of every setting that must agree across the peers of one run (the fields not
-        marked ``local``)."""
-        local = {(section, f.name) for section, f in iter_settings() if f.metadata["local"]}
-        shared = {sec: {k: v for k, v in vals.items() if (sec, k) not in local}
-                  for sec, vals in self.to_dict().items()}
-        shared = {sec: vals for sec, vals in shared.items() if vals}  # (a section of local choices only: no trace)
-        if files := self.content_files():  # (absent otherwise: runs without such files keep their hash)
-            shared["content"] = {name: content_digest(path) for name, path in files.items()}
-        blob = json.dumps(shared, sort_keys=True, separators=(",", ":")).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
-
-    def content_files(self) -> dict[str, Path]:
-        """Files whose *content* every peer of a run must share, by the setting that names them: the Hugging Face
-        model config (``model.hf_config``) and the prepared data's manifest (``data.source = "tokens"``). Their
-        paths are local (each peer keeps its copy where it likes); :meth:`run_hash` covers their content."""
-        out: dict[str, Path] = {}
-        hf_config = getattr(self.model, "hf_config", "")
-        if hf_config:
-            path = Path(hf_config)
-            out["model.hf_config"] = path / "config.json" if path.is_dir() else path
-        if self.data.source == "tokens" and self.data.paths:
-            path = Path(self.data.paths[0])
-            out["data.manifest"] = path / "manifest.json" if path.is_dir() else path
-        return out
-
-    @property
-    def identity_path(self) -> Path:
-        return Path(self.swarm.identity_path or Path(self.run.run_dir) / "identity.key")
-
-    @property
-    def pass_path(self) -> Path:
-        return Path(self.swarm.pass_path or Path(self.run.run_dir) / "pass.txt")
-
-
-def content_digest(path: Path) -> str:
-    """sha256 of a JSON file's canonical form (key order and whitespace do not matter), or of its bytes when it is
-    not JSON; a file that cannot be read raises :class:`ConfigError` naming it."""
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
-    try:
-        data = json.dumps(json.loads(data), sort_keys=True, separators=(",", ":")).encode()
-    except ValueError:
-        pass
-    return hashlib.sha256(data).hexdigest()
-
-
-def iter_settings():
-    """Yields (section, dataclasses.Field) for every config field (``metadata``: ``help``, ``local``)."""
-    for section, cls in SECTIONS.items():
-        for f in dataclasses.fields(cls):
-            yield section, f
-
-
-def iter_fields():
-    """Yields (section, field_name, python_type) for every config field."""
-    for section, cls in SECTIONS.items():
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            yield section, f.name, hints[f.name]

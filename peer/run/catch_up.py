@@ -1,0 +1,99 @@
+"""Our fragments' shared state against the swarm's: every version we hold is published (served to peers that
+download it, its digest in our progress record), and where the swarm's majority is ahead of ours or differs,
+we download theirs (the catch-up; whom to ask and why: :func:`peer.net.consensus.plan_catch_up`).
+
+The trainer owns one :class:`StateSync` and calls :meth:`StateSync.publish` after every change of a fragment's
+``G, v`` (the restore, each round, an adoption) and :meth:`StateSync.catch_up` between steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from typing import Callable, Optional
+
+from peer.net.consensus import plan_catch_up, step_after_catch_up
+from peer.net.state_transfer import DownloadError, Snapshot
+from peer.net.swarm import Swarm
+from peer.outer.engine import StreamingEngine
+from peer.outer.fragments import Fragment
+from peer.outer.schedule import StepsSchedule
+from peer.outer.state import FragmentState, block_digests, digest_of_blocks
+from peer.run.events import EventLog
+from peer.run.pace import PaceWatch
+
+log = logging.getLogger(__name__)
+
+
+class StateSync:
+    """Publishes our fragments' states and brings them to the swarm's. Used from the training thread only."""
+
+    def __init__(self, swarm: Swarm, engine: StreamingEngine, *, events: EventLog, pace: PaceWatch,
+                 stop: threading.Event, sync_every: int, on_fragment: Callable[[int, int, str, int], None],
+                 show_status: Callable[[Optional[str]], None]):
+        self.swarm, self.engine, self.events, self.pace, self.stop = swarm, engine, events, pace, stop
+        self.sync_every = sync_every
+        self.on_fragment = on_fragment  # (fragment, round, digest, numel): the control API's view
+        self.show_status = show_status
+        # fragments whose last partial round left our state off the swarm's (the catch-up asks the majority)
+        self.suspect: set[int] = set()
+        # per fragment, the digest of its state as last published: every change of G, v is published (restore,
+        # rounds, adoption), so the drift check reads it here instead of hashing every fragment again
+        self._digests: dict[int, str] = {}
+
+    def publish(self, frag: Fragment, st: FragmentState, step: int, *, adopted: bool = False) -> str:
+        """Serves (and advertises) the fragment's shared state as it is now; returns its digest."""
+        G, v = st.G.clone(), st.v.clone()
+        blocks = block_digests(G, v)  # (served with every download: donors' parts are verified block by block)
+        digest = digest_of_blocks(blocks)
+        self.swarm.publish_snapshot(Snapshot(frag.index, st.last_applied, step, G, v, digest, blocks),
+                                    adopted=adopted)
+        self.on_fragment(frag.index, st.last_applied, digest, frag.numel)
+        self._digests[frag.index] = digest
+        return digest
+
+    def catch_up(self, step: int, *, joining: bool, late: bool = False) -> int:
+        """Downloads the fragments where the swarm's majority state is ahead of or differs from ours
+        (see plan_catch_up; ``late``: a round was just found late, see launch_gate: then every fragment the
+        swarm is past, counting our rounds in flight, so that we rejoin with all of them at once); returns
+        the step to continue from (steps schedule: the donors').
+        Must be called after the step's launches and applies, so the adopted round is never re-launched."""
+        engine = self.engine
+        records = self.swarm.live_peers() if joining else self.swarm.vouched_peers()
+        plans = plan_catch_up(records, self.swarm.peer_id, [st.last_applied for st in engine.states],
+                              [self._digests.get(p) or st.digest() for p, st in enumerate(engine.states)],
+                              joining=joining,
+                              expected=[engine.expected_round(p) for p in range(len(engine.states))] if late else None,
+                              suspect=sorted(self.suspect),
+                              my_past=self.swarm.recent_digests(len(engine.states)))
+        donor_steps, took, failed = [], [], 0
+        for plan in plans:
+            frag, t0 = engine.fragments[plan.fragment], time.monotonic()
+            random.shuffle(plan.donors)  # joiners spread over the donors
+            self.show_status(f"catching up: downloading fragment {plan.fragment} round {plan.round}")
+            try:
+                snap = self.swarm.download_state(plan.fragment, plan.donors, round_=plan.round, numel=frag.numel,
+                                                 digest=plan.digest, stop=self.stop)
+            except DownloadError as e:
+                if self.stop.is_set():  # (a Ctrl-C does not wait out a download: the loop ends next)
+                    log.info("fragment %d: state download cancelled: the peer is stopping", plan.fragment)
+                    break
+                log.warning("fragment %d: could not catch up (%s): %s", plan.fragment, plan.reason, e)
+                failed += 1
+                continue
+            engine.adopt(plan.fragment, snap.G, snap.v, snap.round)
+            self.suspect.discard(plan.fragment)
+            donor_steps.append(snap.step)
+            self.publish(frag, engine.states[plan.fragment], snap.step, adopted=True)
+            log.info("fragment %d: caught up to round %d (digest %s) in %.1fs; %s", plan.fragment, snap.round,
+                     snap.digest[:12], time.monotonic() - t0, plan.reason)
+            self.events.emit("catch_up", fragment=plan.fragment, round=snap.round, digest=snap.digest,
+                             step=snap.step, seconds=time.monotonic() - t0, reason=plan.reason)
+            took.append(time.monotonic() - t0)
+        if not self.stop.is_set():
+            self.pace.caught_up(took, failed)
+        if isinstance(engine.schedule, StepsSchedule):
+            step = step_after_catch_up(step, donor_steps, records, self.swarm.peer_id, self.sync_every)
+        return step
