@@ -106,7 +106,7 @@ class Trainer:
         self.checkpoints = RunCheckpoints(cfg, self.run_dir, self.events)
         self.engine: Optional[StreamingEngine] = None  # set in _train
         self.found_late = False  # a round was late (launch_gate): catch up right after this step
-        self.sync: Optional[StateSync] = None  # our fragments' states against the swarm's (set in _train)
+        self.sync: StateSync  # our fragments' states against the swarm's: created in _train, with the engine
         self.auto_tau: Optional[AutoTau] = None
         self.status: Optional[StatusLine] = None
         self._realigned: Optional[tuple[float, consensus.Realignment]] = None  # when and how we last moved up
