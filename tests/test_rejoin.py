@@ -43,8 +43,9 @@ def test_new_peer_joins_after_round_5_downloads_state_and_agrees(procs, tmp_path
     m = joiner.wait_for_line(r"fragment 0: caught up to round (\d+)", timeout=180)
     assert int(m.group(1)) >= 6
     joiner.wait_for_line(r"fragment 1: caught up to round \d+", timeout=60)
-    catch_up = events(tmp_path, "joiner", "catch_up")
-    assert {e["fragment"] for e in catch_up} == {0, 1}
+    # (the event is written just after the log line: wait for it, CI once read the file in between)
+    wait_for(lambda: {e["fragment"] for e in events(tmp_path, "joiner", "catch_up")} == {0, 1}, 10,
+             "the joiner's catch_up events of both fragments")
 
     agreed, differed = wait_for_agreement(tmp_path, names + ["joiner"], "joiner", 0, 180)
     # The download can race with the swarm's next round of each fragment (records lag a heartbeat: seen in CI,
