@@ -213,7 +213,10 @@ def _compile_unavailable() -> str:
 def test_compiled_inner_steps_match_the_eager_ones_and_keep_the_weights_names():
     """inner.compile: the compiled forward/backward give the eager steps within float tolerance (inductor fuses
     differently), and the loop's model, its state_dict and its parameters stay the uncompiled module's (no
-    ``_orig_mod.`` prefix in checkpoints or fragments). About 30-60 s on a 2-core CPU, most of it compiling."""
+    ``_orig_mod.`` prefix in checkpoints or fragments). About 30-60 s on a 2-core CPU, most of it compiling.
+    Gradients are compared from the same weights at every step, not weights after steps: Adam divides by |g|,
+    so an element whose gradient is near zero turns summation noise into an lr-sized move (CI: one weight of
+    blocks.4.mlp.down out of tolerance after three steps)."""
     torch._dynamo.reset()
     batches = [MarkovSource(256, seed=6).next_batch(4, 16) for _ in range(3)]
     eager, compiled = _tiny(seed=2), _tiny(seed=2)
@@ -222,10 +225,11 @@ def test_compiled_inner_steps_match_the_eager_ones_and_keep_the_weights_names():
     assert compiled_loop.model is compiled and list(compiled_loop.model.state_dict()) == keys
     assert compiled_loop.params == split_decay_params(compiled)[0] + split_decay_params(compiled)[1]
     for b in batches:
+        compiled.load_state_dict(eager.state_dict())  # the same weights before each step (copied in place)
         a, c = eager_loop.step(b), compiled_loop.step(b)
         assert (c.loss, c.ce, c.grad_norm) == pytest.approx((a.loss, a.ce, a.grad_norm), rel=1e-4)
-    for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
-        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5, msg=name)
+        for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-7, msg=name)
     assert list(compiled.state_dict()) == keys
     torch._dynamo.reset()
 

@@ -18,20 +18,27 @@ FLOORS = ["--part-timeout", "2", "--allreduce-timeout", "4", "--matchmaking-time
 
 
 def test_a_slow_uplink_gets_deadlines_its_parts_fit_and_every_round_completes(procs, tmp_path):
+    """Every round that all three peers were in completes ok with all three contributions, at a deadline sized
+    for the slow link. (A round one of them was not in is left out: hivemind's matchmaking can list a member
+    that never learned of its group, and the peer then catches up and may reach the next round just after the
+    others formed it, as CI saw once. That is matchmaking's doing, not a deadline's; with fixed deadlines every
+    round all three are in ends partial, the slow member's part and span missing.)"""
     initial = start_bootstrap(procs, tmp_path)
     names = ["p0", "p1", "p2"]
     slow = {"p2": ["--limits-upload-mbps", "0.5"]}
-    peers = [start_peer(procs, tmp_path, n, initial, 40, "--min-peers", "3", *FLOORS, *slow.get(n, []))
+    peers = [start_peer(procs, tmp_path, n, initial, 60, "--min-peers", "3", *FLOORS, *slow.get(n, []))
              for n in names]
     for name, proc in zip(names, peers):
-        assert wait_exit(proc, 400) == 0, f"{name}:\n{proc.tail()}"
+        assert wait_exit(proc, 500) == 0, f"{name}:\n{proc.tail()}"
     rounds = {n: {(e["fragment"], e["round"]): e for e in events(tmp_path, n, "round")} for n in names}
-    everyone = sorted(set.intersection(*(set(r) for r in rounds.values())))
-    assert len(everyone) >= 3, {n: sorted(r) for n, r in rounds.items()}  # H 20 over 40 steps: 2 + 1 rounds
+    everyone = sorted(k for k in set.intersection(*(set(r) for r in rounds.values()))
+                      if all(rounds[n][k]["group_size"] == 3 for n in names))
+    # H 20 over 60 steps: 3 + 2 rounds; at least two with all three in the group
+    assert len(everyone) >= 2, {n: [(k, e["status"], e["group_size"]) for k, e in r.items()] for n, r in rounds.items()}
     for key in everyone:
         got = [rounds[n][key] for n in names]
         summary = [(e["status"], e["group_size"], e["spans_missing"], round(e["deadline"], 1)) for e in got]
-        assert all(e["status"] == "ok" and e["group_size"] == 3 for e in got), (key, summary)
+        assert all(e["status"] == "ok" for e in got), (key, summary)
         assert len({e["digest"] for e in got}) == 1, (key, summary)
         assert all(len(c) == 3 for e in got for c in e["contributors"]), (key, summary)  # the slow part is in
         # the deadline followed the slow uplink: well above the 4 s setting, and the round took more than that
