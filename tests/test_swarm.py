@@ -79,8 +79,9 @@ def test_three_peers_agree_on_every_round_and_learn(procs, tmp_path):
             total = sum(e[what] for e in got)
             assert abs(total - 3 * expected) / (3 * expected) < 0.10, (key, what, [e[what] for e in got], expected)
     # peak bytes per sync: one fragment of k = 3 blocks out of L = 6 carries ~k/L of a whole-model sync
-    # (every fragment syncs once per H steps, so the fragments' bytes add up to one whole-model sync)
-    per_fragment = {f: rounds["p0"][(f, 2)]["bytes_sent"] for f in (0, 1)}
+    # (every fragment syncs once per H steps, so the fragments' bytes add up to one whole-model sync). Counted over
+    # the group: one peer's share of a round follows its span, which follows the links (swarm.span_sizing).
+    per_fragment = {f: sum(rounds[n][(f, 2)]["bytes_sent"] for n in names) for f in (0, 1)}
     share = max(per_fragment.values()) / sum(per_fragment.values())
     assert 0.45 < share < 0.5 + 0.03, per_fragment  # + the embedding that rides with fragment 0
     for n, proc in zip(names, peers):  # one console line per round at most: round detail is logged at DEBUG
@@ -190,22 +191,30 @@ def test_clock_schedule_peers_of_different_speeds_meet_every_round(procs, tmp_pa
     def ok_rounds(n):
         return {(e["fragment"], e["round"]): e for e in events(tmp_path, n, "round") if e["status"] == "ok"}
 
-    def all_agree_on_three():
+    def whole(rounds, key) -> bool:  # all three applied this round whole, in one group
+        return all(key in r and r[key]["group_size"] == 3 for r in rounds.values())
+
+    def clean(rounds) -> list:
+        """Rounds all three applied whole in one group, from a previous round of the fragment that they also
+        applied whole and agreed on. Only these must agree: on a loaded machine a peer may miss a round's group
+        (--min-peers 1: the others go on without it) and the states then differ until the drift check repairs."""
+        keys = set.union(*(set(r) for r in rounds.values()))
+        return [k for k in sorted(keys) if whole(rounds, k) and whole(rounds, prev := (k[0], k[1] - 1))
+                and len({r[prev]["digest"] for r in rounds.values()}) == 1]
+
+    def two_clean_rounds():
         for n, proc in peers.items():  # fail fast, with its log, if a peer died
             assert proc.returncode is None, f"{n} exited early:\n{proc.tail()}"
-        common = set.intersection(*(set(ok_rounds(n)) for n in batch))
-        return len([k for k in common if k[0] == 0]) >= 3
+        return len(clean({n: ok_rounds(n) for n in batch})) >= 2
 
-    wait_for(all_agree_on_three, 240, "three fragment-0 rounds completed by all peers")
+    wait_for(two_clean_rounds, 240, "two rounds all peers applied whole after a round they agreed on")
     for proc in peers.values():
         proc.popen.send_signal(signal.SIGTERM)
     for n, proc in peers.items():
         assert wait_exit(proc, 60) == 0, proc.tail()
     rounds = {n: ok_rounds(n) for n in batch}
-    common = set.intersection(*(set(r) for r in rounds.values()))
-    for key in sorted(common):
-        assert len({rounds[n][key]["digest"] for n in batch}) == 1, key
-        assert all(rounds[n][key]["group_size"] == 3 for n in batch)
+    for key in clean(rounds):
+        assert len({rounds[n][key]["digest"] for n in batch}) == 1, (key, {n: rounds[n][key] for n in batch})
     # the faster peer made more steps in the same wall time: nobody waited for the slow one
     last_step = {n: events(tmp_path, n, "step")[-1]["step"] for n in batch}
     assert last_step["fast"] > last_step["slow"], last_step
