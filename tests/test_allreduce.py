@@ -59,10 +59,11 @@ def test_group_plan_rejects_inconsistent_members():
 
 
 async def _run(n_members, alive, weights, deltas, part_timeout=1.0, allreduce_timeout=4.0, rule=None, caps=None,
-               numel=NUMEL, chunk_bytes=4096, uploads=None, links=None, span_sizing="equal"):
+               numel=NUMEL, chunk_bytes=4096, uploads=None, links=None, span_sizing="equal", elsewhere=()):
     """One round of ``n_members`` on loopback; ``caps``: each member's download cap in bytes/s (0: none), declared
     in its MemberInfo and enforced by its download pacer; ``uploads``: each one's upload cap (its pacer only);
-    ``links``: the uplinks they declare (MemberInfo.upload_bytes_per_second), ``span_sizing`` the run's."""
+    ``links``: the uplinks they declare (MemberInfo.upload_bytes_per_second), ``span_sizing`` the run's;
+    ``elsewhere``: members not in ``alive`` that serve (a live peer) but never learned of this group."""
     caps = caps or [0.0] * n_members
     uploads = uploads or [0.0] * n_members
     p2ps = await p2p_mesh(n_members)
@@ -74,7 +75,7 @@ async def _run(n_members, alive, weights, deltas, part_timeout=1.0, allreduce_ti
             s = AllReduceServicer(registration_timeout=1.0, part_timeout=part_timeout, stream_timeout=30.0,
                                   guard=StreamGuard(per_peer=16, total=64),
                                   bandwidth=Bandwidth(lambda up=uploads[i], cap=caps[i]: (up, cap)))
-            if i in alive:  # a dead member registers no handler and sends nothing
+            if i in alive or i in elsewhere:  # a dead member registers no handler and sends nothing
                 await s.add_p2p_handlers(p)
             servicers.append(s)
         plans = [GroupPlan.from_group(group, ids[i], get_codec("fp32"), numel, f"member {i}", rule,
@@ -251,6 +252,24 @@ def test_dead_reducer_span_is_missing_on_every_survivor():
         for j in (0, 1):
             s = res.spans[j]
             torch.testing.assert_close(s.average, expected_live[s.start:s.end])
+            assert res.contributors[j] == [0, 1]
+    for j in (0, 1):
+        assert torch.equal(results[0].spans[j].average, results[1].spans[j].average)
+
+
+def test_a_member_that_never_learned_of_the_group_is_not_waited_for():
+    """hivemind's matchmaking can list a member that had left (see test_matchmaking): it is alive and answers, but
+    says it does not know the group. Its part will not come: the others' spans end at that answer (after its
+    registration_timeout, 1 s here), not at part_timeout, with the same averages on both."""
+    torch.manual_seed(2)
+    deltas = [torch.randn(NUMEL) for _ in range(3)]
+    results, _ = run_async(_run(3, [0, 1], [1.0, 1.0, 1.0], deltas, part_timeout=20.0, allreduce_timeout=30.0,
+                                elsewhere=(2,)))
+    expected_live = (deltas[0] + deltas[1]) / 2
+    for res in results.values():
+        assert res.spans[2].average is None and res.seconds < 10.0, res.seconds  # (part_timeout: 20 s)
+        for j in (0, 1):
+            torch.testing.assert_close(res.spans[j].average, expected_live[res.spans[j].start:res.spans[j].end])
             assert res.contributors[j] == [0, 1]
     for j in (0, 1):
         assert torch.equal(results[0].spans[j].average, results[1].spans[j].average)

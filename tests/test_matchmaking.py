@@ -149,3 +149,55 @@ def test_a_leader_assembles_once_every_expected_peer_joined_and_takes_others_tha
     # the unexpected peer first: it is taken, and so is peer 1
     assert all(g is not None and sorted(g.gathered) == [b"\x00", b"\x01", b"\x02"] for g in both), both
     assert took_both < wait / 2, took_both
+
+
+@pytest.mark.timeout(120)
+def test_a_join_request_that_waited_for_the_leaders_lock_until_its_follower_gave_up_is_refused(tmp_path):
+    """Two peers that ask each other at once each hold their lock while waiting for the other's answer: both
+    requests time out, and the first leader to take its lock back used to accept the other's request, whose
+    follower had left. It then listed a member that never learned of its group (CI: the group waited out
+    part_timeout for that member's part, and the leader fell 16 rounds behind). A request that waited for the
+    lock past half of ``request_timeout`` is refused; a fresh one is accepted."""
+    from hivemind.p2p import P2PContext, PeerID
+    from hivemind.proto import averaging_pb2
+    from hivemind.utils import get_dht_time
+
+    from peer.net.matchmaking import JoinServicer, RoundStep, _Matchmaking
+
+    request_timeout = 1.0
+    follower = PeerID.from_base58("QmXjwQhdjyHKmDqtcgjWPodFqNYLCvQZrFrzKv3KrwNSvR")
+
+    async def main(dht):
+        p2p = await dht.replicate_p2p()
+        mm = _Matchmaking(p2p, b"S" * 32, dht, servicer_type=JoinServicer, prefix="stale", target_group_size=1000,
+                          min_group_size=2, min_matchmaking_time=3600.0, request_timeout=request_timeout,
+                          client_mode=False)
+        mm.cap = mm.target_group_size
+        search = asyncio.ensure_future(mm.look_for_group(RoundStep(get_dht_time() + 3600, get_dht_time() + 3600,
+                                                                   b"")))
+        deadline = time.monotonic() + 10
+        while mm.potential_leaders.declared_group_key is None:  # our declaration: we lead
+            assert time.monotonic() < deadline, "the leader never declared itself"
+            await asyncio.sleep(0.01)
+        context = P2PContext(handle_name="stale", local_id=p2p.peer_id, remote_id=follower)
+        request = averaging_pb2.JoinRequest(schema_hash=b"S" * 32, expiration=get_dht_time() + 7200,
+                                            group_key=mm.group_key_manager.current_key, client_mode=False)
+
+        async def first_reply():
+            async for message in mm.join(request, context, time.monotonic()):
+                return message.code
+
+        async with mm.lock_request_join_group:  # our own join request to another leader, waiting for its answer
+            late = asyncio.ensure_future(first_reply())
+            await asyncio.sleep(0.6 * request_timeout)  # the lock held (the scenario itself, not a synchronization)
+        stale = await asyncio.wait_for(late, timeout=10)
+        followers_after_stale = dict(mm.current_followers)
+        fresh = await asyncio.wait_for(first_reply(), timeout=10)
+        search.cancel()
+        await asyncio.gather(search, return_exceptions=True)
+        return stale, followers_after_stale, fresh
+
+    with dht_nodes(1, tmp_path) as (dht,):
+        stale, followers_after_stale, fresh = run_async(main(dht))
+    assert stale == averaging_pb2.BAD_EXPIRATION_TIME and not followers_after_stale, (stale, followers_after_stale)
+    assert fresh == averaging_pb2.ACCEPTED

@@ -19,7 +19,6 @@ import time
 import pytest
 import torch
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import P2PContext, PeerID
@@ -202,16 +201,17 @@ class _Loop:
 
 @pytest.fixture(scope="module")
 def leader(tmp_path_factory):
-    """A Matchmaking instance of a real DHT node, looking for a group (target size unreachable, so the
-    fuzzed requests meet a leader in the middle of a search), behind our JoinServicer."""
+    """Our Matchmaking (hivemind's, as form_group makes it) of a real DHT node, looking for a group (target size
+    unreachable, so the fuzzed requests meet a leader in the middle of a search), behind our JoinServicer."""
     with dht_nodes(1, tmp_path_factory.mktemp("join")) as (dht,):
         runner = _Loop()
 
         async def start():
             p2p = await dht.replicate_p2p()
-            mm = Matchmaking(p2p, b"S" * 32, dht, servicer_type=JoinServicer, prefix="fuzz", target_group_size=1000,
-                             min_group_size=2, min_matchmaking_time=3600.0, request_timeout=1.0, client_mode=False)
-            from peer.net.matchmaking import RoundStep
+            from peer.net.matchmaking import RoundStep, _Matchmaking
+            mm = _Matchmaking(p2p, b"S" * 32, dht, servicer_type=JoinServicer, prefix="fuzz", target_group_size=1000,
+                              min_group_size=2, min_matchmaking_time=3600.0, request_timeout=1.0, client_mode=False)
+            mm.cap = mm.target_group_size
             from hivemind.utils import get_dht_time
             search = asyncio.ensure_future(mm.look_for_group(RoundStep(get_dht_time() + 3600, get_dht_time() + 3600,
                                                                         b"")))

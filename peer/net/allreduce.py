@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -56,6 +57,8 @@ from peer.util import next_by, short_id, time_left
 
 log = logging.getLogger(__name__)
 Status = pb.ReduceResponse.Status
+# A reducer's answer when no reduction of the group registered within registration_timeout: it is not in the group
+UNKNOWN_GROUP = "unknown group"
 
 
 @dataclass
@@ -141,7 +144,7 @@ class AllReduceServicer(ServicerBase):
             header = await first_message(requests, self.part_timeout)
             red = await self._lookup(header.group_id)
             if red is None:
-                yield pb.ReduceResponse(status=Status.REJECTED, error="unknown group")
+                yield pb.ReduceResponse(status=Status.REJECTED, error=UNKNOWN_GROUP)
                 return
             plan = red.plan
             if context.remote_id not in plan.peer_ids:
@@ -388,6 +391,19 @@ def _note_silence(plan: GroupPlan, j: int, got: SpanResult, results: dict[int, S
         exclusions.silent(peer, f"{plan.label}: {got.why}")
 
 
+def _not_in_group(red: SpanReduction, j: int, answer: asyncio.Future) -> None:
+    """Stops our span waiting for member ``j``'s part when its reducer said it does not know our group: it never
+    learned of it (a leader listed a follower that had left, see :meth:`peer.net.matchmaking._Matchmaking.join`),
+    so its part will not come, and waiting for it would cost the whole group ``part_timeout``."""
+    if answer.cancelled() or answer.exception() is not None:
+        return
+    responses = answer.result()
+    if responses and responses[0].status == Status.REJECTED and responses[0].error == UNKNOWN_GROUP:
+        log.info("%s: member %s does not know this group (it never learned of it): its part is not waited for",
+                 red.plan.label, short_id(red.plan.peer_ids[j]))
+        red.give_up_on(j)
+
+
 def _check_spans(plan: GroupPlan, results: dict[int, SpanResult], delta: torch.Tensor) -> None:
     """Replaces, in ``results``, every remote span result that fails our checks (:mod:`peer.net.span_checks`:
     size, then direction) by a missing one marked as the reducer's offence."""
@@ -430,9 +446,11 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
             elif plan.peer_ids[j] in servicer.exclusions:
                 continue  # an excluded reducer: its span is missing (below), our part is not sent
             else:
-                tasks.append((j, asyncio.ensure_future(
-                    _remote_span(p2p, plan, j, values, weight, chunk_elems, deadline, connect_timeout, traffic,
-                                 servicer.bandwidth, timings, arrivals))))
+                task = asyncio.ensure_future(_remote_span(p2p, plan, j, values, weight, chunk_elems, deadline,
+                                                          connect_timeout, traffic, servicer.bandwidth, timings,
+                                                          arrivals))
+                task.add_done_callback(functools.partial(_not_in_group, red, j))
+                tasks.append((j, task))
         results: dict[int, SpanResult] = {}
         for j, task in tasks:
             try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 from typing import AsyncIterator, Callable, Optional
 
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 
 
 class _Matchmaking(Matchmaking):
-    """hivemind's Matchmaking with two changes.
+    """hivemind's Matchmaking with three changes.
 
     - A join request whose stream the leader closed or reset (a leader that just died, or refused us and
       closed first) is a failed request, as hivemind treats a daemon error, instead of an error that ends the
@@ -39,14 +40,40 @@ class _Matchmaking(Matchmaking):
       expected, while a peer that comes anyway before then is still taken. hivemind assembles a group right
       after it accepts a follower that brings it to ``target_group_size``: for the follower that completes the
       expected set, the size that triggers is lowered to the group it makes.
+    - A join request that waited for our lock until its follower likely gave up is refused (see :meth:`join`).
     """
 
     expected: Callable[[], Optional[frozenset]] = staticmethod(lambda: None)  # set per instance by form_group
     cap: int = 0
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._opened: dict[int, float] = {}  # id(P2PContext) -> when its join stream opened (see join)
+
+    async def join(self, request: averaging_pb2.JoinRequest, context: P2PContext,
+                   opened: float) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        """hivemind's ``rpc_join_group`` for a request whose stream opened at ``opened`` (``time.monotonic()``).
+
+        A request that waited for the leader's lock longer than half of ``request_timeout`` (the follower waits
+        that long for our answer) is refused: its follower has likely given up. Accepted, it would be listed in
+        our group while it searches elsewhere, and the group would wait out ``part_timeout`` for its part. That
+        is how two peers that ask each other at once (each holds its lock while it waits for the other's
+        answer) both time out, and the first to take its lock back accepted the other.
+        """
+        self._opened[id(context)] = opened
+        try:
+            async for message in self.rpc_join_group(request, context):
+                yield message
+        finally:
+            self._opened.pop(id(context), None)
+
     def _check_reasons_to_reject(self, request, context):
         self.target_group_size = self.cap  # the cap, whatever the last request lowered it to
         refusal = super()._check_reasons_to_reject(request, context)
+        waited = time.monotonic() - self._opened.get(id(context), time.monotonic())
+        if refusal is None and waited > self.request_timeout / 2:
+            log.debug("join request of %s refused: it waited %.1f s for us", context.remote_id, waited)
+            refusal = averaging_pb2.MessageFromLeader(code=averaging_pb2.BAD_EXPIRATION_TIME)
         wanted = self.expected() if refusal is None else None
         if wanted is not None:
             here = {str(self.peer_id), str(context.remote_id), *(str(p) for p in self.current_followers)}
@@ -68,7 +95,7 @@ class JoinServicer(ServicerBase):
     ``guard`` (streams per remote peer; the request within ``request_timeout``, the whole exchange within
     ``stream_timeout``: see :mod:`peer.net.limits`)."""
 
-    def __init__(self, matchmaking: Matchmaking, *, guard: StreamGuard, request_timeout: float,
+    def __init__(self, matchmaking: _Matchmaking, *, guard: StreamGuard, request_timeout: float,
                  stream_timeout: float, excluded: Callable[[str], bool] = lambda peer: False):
         self.matchmaking = matchmaking
         self.excluded = excluded
@@ -77,6 +104,7 @@ class JoinServicer(ServicerBase):
 
     async def rpc_join_group(self, requests: AsyncIterator[averaging_pb2.JoinRequest],
                              context: P2PContext) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        opened = time.monotonic()
         refuse = averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
         with self.guard.admit(str(context.remote_id), self.stream_timeout) as refusal:
             if refusal or self.excluded(str(context.remote_id)):
@@ -88,7 +116,7 @@ class JoinServicer(ServicerBase):
             except (asyncio.TimeoutError, StopAsyncIteration, ValueError):
                 yield refuse
                 return
-            async for message in self.matchmaking.rpc_join_group(request, context):
+            async for message in self.matchmaking.join(request, context, opened):
                 yield message
 
 
