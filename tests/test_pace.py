@@ -83,3 +83,17 @@ def test_a_member_whose_downloads_outlast_the_rounds_is_told_after_three_catch_u
         rejoin.caught_up([20.0])
         rejoin.round(S.OK)
         assert rejoin.verdict() is None
+
+
+def test_a_peer_whose_downloads_were_quick_is_not_told_its_link_is_slow():
+    """CI: a loopback peer left behind by one round (a group that listed a member that had left) caught up three
+    times in three seconds while the swarm moved on (5 fragments, ~0.1 s each), and was told its link was too
+    slow. Quick downloads are not the slow-link pattern; slow ones from the same peer are."""
+    for seconds, told in ((0.1, False), (12.0, True)):
+        watch = PaceWatch(schedule="steps")
+        watch.round(S.PARTIAL)
+        for _ in range(3):
+            watch.round(S.BEHIND)
+            watch.caught_up([seconds, seconds])
+        assert watch.out_of_pace
+        assert (watch.verdict(66.8e6 / 8, [300e6 / 8, 280e6 / 8]) is not None) == told, seconds
