@@ -118,6 +118,11 @@ class JoinServicer(ServicerBase):
                 return
             async for message in self.matchmaking.join(request, context, opened):
                 yield message
+            # Hold the stream until the follower closes it (hivemind then cancels this handler), for at most
+            # request_timeout: closing first can drop our last messages in the daemons. A leader that accepted a
+            # follower and at once assembled wrote ACCEPTED, BEGIN_ALLREDUCE and its close within a millisecond,
+            # and the follower read an empty stream: it never learned of the group that listed it.
+            await asyncio.sleep(self.request_timeout)
 
 
 @dataclass
