@@ -225,13 +225,13 @@ def test_the_leader_holds_a_join_stream_until_its_follower_closes_it():
     follower = PeerID.from_base58("QmXjwQhdjyHKmDqtcgjWPodFqNYLCvQZrFrzKv3KrwNSvR")
     context = P2PContext(handle_name="hold", local_id=follower, remote_id=follower)
     guard = StreamGuard(per_peer=4, total=16)
-    servicer = JoinServicer(AcceptsAndAssembles(), guard=guard, request_timeout=1.0, stream_timeout=30.0)
+    servicer = JoinServicer(AcceptsAndAssembles(), guard=guard, request_timeout=2.0, stream_timeout=30.0)
 
     async def main():
         stream = servicer.rpc_join_group(requests(), context)
         codes = [(await stream.__anext__()).code, (await stream.__anext__()).code]
         end = asyncio.ensure_future(stream.__anext__())
-        held = not (await asyncio.wait({end}, timeout=0.5))[0]  # still open half a request_timeout later
+        held = not (await asyncio.wait({end}, timeout=0.5))[0]  # still open a quarter request_timeout later
         t0 = time.monotonic()
         try:
             await asyncio.wait_for(end, timeout=10)

@@ -79,10 +79,11 @@ class PaceWatch:
         if uplink_bytes_per_second > 0 and known and uplink_bytes_per_second >= SLOW_LINK * known[len(known) // 2]:
             return None  # (not our link: the donors', or the swarm's; the catch-up lines say what failed)
         times = sorted(self._download_seconds)
-        if times and times[len(times) // 2] < QUICK_S:
+        median = times[len(times) // 2] if times else None
+        if median is not None and median < QUICK_S:
             return None  # (quick downloads: we caught up at once, the swarm's rounds moved on without us)
         self._said = True
-        took = f", median {times[len(times) // 2]:.0f} s each" if times else ""
+        took = f", median {median:.0f} s each" if median is not None else ""
         link = f"; its measured uplink is {uplink_bytes_per_second * 8 / 1e6:.1f} Mbit/s" \
             if uplink_bytes_per_second > 0 else ""
         fix = ("a larger outer.sync_every, or outer.schedule = \"clock\" (the swarm's pace is then wall time)"
