@@ -7,11 +7,13 @@ and ``session_pids`` tells whether anything is left. Waits are deadline-bounded 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Mapping, Sequence, TypeVar
@@ -243,30 +245,47 @@ def dht_nodes(n: int, tmp_path, *, validators: Callable[[int], Sequence] = lambd
             dht_node.shutdown_dht(node)
 
 
+_LOOP: asyncio.AbstractEventLoop | None = None
+_LOOP_LOCK = threading.Lock()
+
+
+def _tests_loop() -> asyncio.AbstractEventLoop:
+    """The test process's one event loop, started on first use and running in a daemon thread until exit."""
+    global _LOOP
+    with _LOOP_LOCK:
+        if _LOOP is None:
+            _LOOP = asyncio.new_event_loop()
+            threading.Thread(target=_LOOP.run_forever, name="tests-loop", daemon=True).start()
+        return _LOOP
+
+
 def run_async(coro):
-    """Runs ``coro`` in a fresh event loop, then cancels the tasks it left behind (hivemind leaves some, as
-    ``asyncio.run`` would); p2pd subprocess transports are closed at shutdown, so the loop stays open until
-    they are garbage-collected."""
-    import asyncio
-    import gc
+    """Runs ``coro`` on the tests' event loop and returns its result; then cancels the tasks it left behind
+    (hivemind leaves some, as ``asyncio.run`` would).
 
-    loop = asyncio.new_event_loop()
-    try:
-        return loop.run_until_complete(coro)
-    finally:
-        left = asyncio.all_tasks(loop)
-        for task in left:
-            task.cancel()
+    Why one loop that never stops, in its own thread (as ``SwarmNet`` runs its loop): hivemind's ``MPFuture``
+    (every DHT call) keeps the loop it was made in, and when its result comes after that loop stopped, its
+    background thread runs the loop itself (``run_until_complete``). A fresh loop per call raced that at its
+    close (CI: "Cannot close a running event loop"). A loop that is always running gets such results through
+    ``run_coroutine_threadsafe``, as in the peer. Must not be called from a coroutine on that loop."""
+    loop = _tests_loop()
 
-        async def drain():
+    async def run_then_cancel_leftovers():
+        try:
+            return await coro
+        finally:
+            me = asyncio.current_task()
+            left = [task for task in asyncio.all_tasks() if task is not me]
+            for task in left:
+                task.cancel()
             await asyncio.gather(*left, return_exceptions=True)
 
-        loop.run_until_complete(drain())
-        gc.collect()
-        # A finalizer run by that collection (hivemind's p2p handles) may still be driving the loop from
-        # another thread; closing it then raises. An unclosed loop is reclaimed with its last reference.
-        if not loop.is_running():
-            loop.close()
+    future = asyncio.run_coroutine_threadsafe(run_then_cancel_leftovers(), loop)
+    try:
+        return future.result()
+    except BaseException:
+        future.cancel()  # (the test's timeout fired in this thread: stop the coroutine too)
+        raise
 
 
 def events(run_root, name: str, kind: str) -> list[dict]:

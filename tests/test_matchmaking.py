@@ -95,9 +95,11 @@ def test_a_patient_search_waits_for_a_peer_on_its_way(dhts):
         second = await form_group(p2ps[1], dhts[1], prefix=prefix, **kwargs)
         return await first, second
 
-    patient = run_async(pair(patience=20.0, n=0))
+    async def both():  # (in one run: a DHT's P2P replica serves from the run it was made in)
+        return await pair(patience=20.0, n=0), await pair(patience=0.0, n=1)
+
+    patient, impatient = run_async(both())
     assert all(g is not None and len(g.peer_ids) == 2 for g in patient), patient
-    impatient = run_async(pair(patience=0.0, n=1))
     assert impatient == (None, None), impatient
 
 
