@@ -288,13 +288,14 @@ def run_async(coro):
         raise
 
 
-def events(run_root, name: str, kind: str) -> list[dict]:
-    """The JSON events of one kind from ``run_root/name/events.jsonl`` (a peer's ``--log-json``),
-    skipping a last line still being written."""
+def events(run_root, name: str, kind: str | tuple[str, ...]) -> list[dict]:
+    """The JSON events of one kind (or of several, in the order written) from ``run_root/name/events.jsonl`` (a
+    peer's ``--log-json``), skipping a last line still being written."""
     import json
 
     path = Path(run_root) / name / "events.jsonl"
     if not path.exists():
         return []
+    kinds = (kind,) if isinstance(kind, str) else kind
     lines = path.read_text().splitlines()
-    return [e for e in (json.loads(line) for line in lines if line.endswith("}")) if e["event"] == kind]
+    return [e for e in (json.loads(line) for line in lines if line.endswith("}")) if e["event"] in kinds]

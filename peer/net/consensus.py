@@ -148,13 +148,17 @@ def realign(records: Mapping[str, ProgressRecord], me: str, *, my_step: int, my_
 # ---- the swarm's state: catching up and launching ---------------------------------------------------------
 @dataclass(frozen=True)
 class CatchUp:
-    """Fragment ``fragment`` should be replaced by the majority's state ``(round, digest)`` held by ``donors``."""
+    """Fragment ``fragment`` should be replaced by the majority's state ``(round, digest)`` held by ``donors``.
+    ``wait``: not yet. Our state is off, but the records of the state's holders still show a round before ours
+    (records lag by up to a heartbeat); the caller checks again soon and downloads once they show where the
+    holders are now."""
 
     fragment: int
     round: int
     digest: str
     donors: list[str]
     reason: str
+    wait: bool = False
 
 
 def _others(records: Mapping[str, ProgressRecord], me: str, fragment: int) -> list[tuple[str, int, str]]:
@@ -223,7 +227,7 @@ def launch_gate(records: Mapping[str, ProgressRecord], me: str, fragment: int, r
     - *behind*: the swarm applied two or more rounds our state never will (our round counter ran on alone
       during a network outage, say): our outer gradient is relative to a state the swarm left long ago.
 
-    Both are repaired by downloading the swarm's state at once (``plan_catch_up`` with ``expected``),
+    Both are repaired by downloading the swarm's state at once (``plan_catch_up`` with ``late``),
     instead of waiting ``matchmaking_timeout`` for a group that never forms. One round behind
     (we missed the last one) we still launch: we join the swarm's current round, and the drift check
     replaces our state, which then differs, with the swarm's a round later. Skipping instead would leave
@@ -247,20 +251,23 @@ def swarm_is_past(records: Mapping[str, ProgressRecord], me: str, fragment: int,
 
 def plan_catch_up(records: Mapping[str, ProgressRecord], me: str, my_rounds: Sequence[int],
                   my_digests: Sequence[str], *, joining: bool,
-                  expected: Optional[Sequence[int]] = None, suspect: Sequence[int] = (),
+                  expected: Optional[Sequence[int]] = None, late: bool = False, suspect: Sequence[int] = (),
                   my_past: Sequence[Mapping[int, str]] = ()) -> list[CatchUp]:
     """Which fragments to download, from the other peers' progress records (pure; see below).
 
     Rounds here are *applied* rounds (a peer that trained alone does not advance). For each fragment,
-    the swarm's state is :func:`swarm_state`. We download it when we are behind: ``joining``, by any round;
-    with ``expected`` (per fragment, the round our state reaches once our rounds in flight land; given when
-    a round was just found late, see :func:`launch_gate`), when the swarm is past it; otherwise by two or
-    more, since a peer may see others a moment after they applied the round it is about to apply. Or when
-    no other peer that applied our round (its current one or one in its ``past``: :func:`digest_at`) holds
-    our digest there and theirs wins (we then download where its holders are now): it is held by two or
-    more, or it is the smaller of a tie once no other peer's record is behind our round (two survivors of a broken round
-    converge on one state; a record not yet updated cannot turn a tie against the majority), or any other
-    digest for a fragment in ``suspect`` (our own last round of it was partial: we are the likely odd one out).
+    the swarm's state is :func:`swarm_state`. ``expected``: per fragment, the round our state reaches once our
+    rounds in flight land (default: ``my_rounds``). We download the swarm's state when we are behind:
+    ``joining``, by any round; ``late`` (a round was just found late, see :func:`launch_gate`), when the swarm
+    is past ``expected``; otherwise by two or more, since a peer may see others a moment after they applied the
+    round it is about to apply. Or when no other peer that applied our round (its current one or one in its
+    ``past``: :func:`digest_at`) holds our digest there and theirs wins (we then download where its holders are
+    now): it is held by two or more, or it is the smaller of a tie once no other peer's record is behind our
+    round (two survivors of a broken round converge on one state; a record not yet updated cannot turn a tie
+    against the majority), or any other digest for a fragment in ``suspect`` (our own last round of it was
+    partial: we are the likely odd one out). Where the holders' records still show a round before ``expected``,
+    that plan ``wait``s: adopting it would drop our rounds since, and the next round would apply the swarm's
+    average to a state a round old, off again (CI saw a resumed peer adopt a round behind ours at every check).
 
     ``my_past``: per fragment, our own digests of earlier rounds ({round: digest}). When rounds come faster than
     records, no other record has reached our current round yet; the comparison is then made at our latest
@@ -277,7 +284,8 @@ def plan_catch_up(records: Mapping[str, ProgressRecord], me: str, my_rounds: Seq
         check_r, check_d, at_mine = _latest_covered(records, me, p, {**(my_past[p] if p < len(my_past) else {}),
                                                                      mine_r: mine_d})
         same_round = list(at_mine.values())
-        if best > mine_r and (joining or best >= mine_r + 2 or (expected is not None and best > expected[p])):
+        ours = expected[p] if expected is not None else mine_r
+        if best > mine_r and (joining or best >= mine_r + 2 or (late and best > ours)):
             plans.append(CatchUp(p, best, digest, donors, f"behind: round {mine_r}, swarm at {best}"))
         elif same_round and check_d not in same_round:
             # We disagree with everyone at our round. The most common digest there wins over ours when more
@@ -299,7 +307,8 @@ def plan_catch_up(records: Mapping[str, ProgressRecord], me: str, my_rounds: Seq
                         newest.setdefault((r, d), []).append(pid)
                 (round_, digest), holders = max(newest.items(), key=lambda kv: (len(kv[1]), kv[0][0]))
                 plans.append(CatchUp(p, round_, digest, servable(records, holders),
-                                     f"digest {check_d[:12]} disagrees with the swarm's at round {check_r}"))
+                                     f"digest {check_d[:12]} disagrees with the swarm's at round {check_r}",
+                                     wait=round_ < ours))
     return plans
 
 

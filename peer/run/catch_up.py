@@ -42,6 +42,10 @@ class StateSync:
         # per fragment, the digest of its state as last published: every change of G, v is published (restore,
         # rounds, adoption), so the drift check reads it here instead of hashing every fragment again
         self._digests: dict[int, str] = {}
+        # a drift found whose repair waits for the holders' records to reach our round (CatchUp.wait): the trainer
+        # checks again after every step until it is repaired or gone, instead of a drift_check_period later
+        self.recheck = False
+        self._waiting: dict[int, int] = {}  # per fragment, our round at the last such wait said (once per round)
 
     def publish(self, frag: Fragment, st: FragmentState, step: int, *, adopted: bool = False) -> str:
         """Serves (and advertises) the fragment's shared state as it is now; returns its digest."""
@@ -62,14 +66,20 @@ class StateSync:
         Must be called after the step's launches and applies, so the adopted round is never re-launched."""
         engine = self.engine
         records = self.swarm.live_peers() if joining else self.swarm.vouched_peers()
+        expected = [engine.expected_round(p) for p in range(len(engine.states))]
         plans = plan_catch_up(records, self.swarm.peer_id, [st.last_applied for st in engine.states],
                               [self._digests.get(p) or st.digest() for p, st in enumerate(engine.states)],
-                              joining=joining,
-                              expected=[engine.expected_round(p) for p in range(len(engine.states))] if late else None,
-                              suspect=sorted(self.suspect),
+                              joining=joining, expected=expected, late=late, suspect=sorted(self.suspect),
                               my_past=self.swarm.recent_digests(len(engine.states)))
-        donor_steps, took, failed = [], [], 0
+        self.recheck = any(plan.wait for plan in plans)
         for plan in plans:
+            if plan.wait and self._waiting.get(plan.fragment) != expected[plan.fragment]:
+                self._waiting[plan.fragment] = expected[plan.fragment]
+                log.info("fragment %d: %s; its holders' records still show round %d, before ours (%d): downloading "
+                         "once they show where the holders are now", plan.fragment, plan.reason, plan.round,
+                         expected[plan.fragment])
+        donor_steps, took, failed = [], [], 0
+        for plan in (plan for plan in plans if not plan.wait):
             frag, t0 = engine.fragments[plan.fragment], time.monotonic()
             random.shuffle(plan.donors)  # joiners spread over the donors
             self.show_status(f"catching up: downloading fragment {plan.fragment} round {plan.round}")

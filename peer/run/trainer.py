@@ -296,8 +296,8 @@ class Trainer:
             self.swarm.update_progress(step, engine.states[0].round, tok_s, self._loss)
             engine.launch_due(step)
             engine.apply_due(step)
-            if self.found_late or (cfg.swarm.drift_check_period and
-                                   time.monotonic() - last_drift_check >= cfg.swarm.drift_check_period):
+            period = cfg.swarm.drift_check_period
+            if self.found_late or self.sync.recheck or (period and time.monotonic() - last_drift_check >= period):
                 step = self.sync.catch_up(step, joining=False, late=self.found_late)
                 self.found_late, last_drift_check = False, time.monotonic()
             every, minutes = cfg.run.checkpoint_rounds, cfg.run.checkpoint_minutes
