@@ -43,7 +43,7 @@ class StateSync:
         # rounds, adoption), so the drift check reads it here instead of hashing every fragment again
         self._digests: dict[int, str] = {}
         # a drift found whose repair waits for the holders' records to reach our round (CatchUp.wait): the trainer
-        # checks again after every step until it is repaired or gone, instead of a drift_check_period later
+        # checks again a quarter heartbeat later until it is repaired or gone, not a drift_check_period later
         self.recheck = False
         self._waiting: dict[int, int] = {}  # per fragment, our round at the last such wait said (once per round)
 

@@ -1,0 +1,100 @@
+"""The drift repair's glue (peer/run/catch_up.py), with the swarm and the engine replaced by recorders: a repair
+whose holders' records still show a round before ours waits, asks to be checked again, says so once, and
+downloads our round once the records show it."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from peer.net.records import ProgressRecord
+from peer.net.state_transfer import Snapshot
+from peer.outer.state import FragmentState
+from peer.run.catch_up import StateSync
+from peer.run.events import EventLog
+from peer.run.pace import PaceWatch
+
+
+def record(pid: str, round_: int, digest: str, past=()) -> ProgressRecord:
+    return ProgressRecord(peer_id=pid, step=0, round=round_, tokens_per_second=0.0, client_mode=False, time=0.0,
+                          rounds=[round_], digests=[digest], past=list(past))
+
+
+class Swarm:
+    """What StateSync asks of peer.net.swarm.Swarm, answered from ``records``; downloads are recorded."""
+
+    peer_id = "me"
+
+    def __init__(self, records: dict, past: dict):
+        self.records, self.past, self.downloads = records, past, []
+
+    def vouched_peers(self):
+        return dict(self.records)
+
+    live_peers = vouched_peers
+
+    def recent_digests(self, num_fragments: int):
+        return [dict(self.past)]
+
+    def publish_snapshot(self, snap, adopted=False):
+        pass
+
+    def download_state(self, fragment, donors, *, round_, numel, digest, stop=None):
+        self.downloads.append((fragment, round_, digest, sorted(donors)))
+        return Snapshot(fragment, round_, 100, torch.ones(numel), torch.zeros(numel), digest)
+
+
+class Engine:
+    """A one-fragment engine whose state applied round 12; ``in_flight``: the round it has in flight, if any."""
+
+    schedule = None  # (not the steps schedule: the step is not moved)
+
+    def __init__(self, in_flight: int = 0):
+        state = FragmentState.from_params(torch.zeros(4))
+        state.applied_rounds = [12]
+        self.states, self.in_flight, self.adopted = [state], in_flight, []
+        self.fragments = [type("Frag", (), {"index": 0, "numel": 4})()]
+
+    def expected_round(self, p: int) -> int:
+        return max(self.states[p].last_applied, self.in_flight)
+
+    def adopt(self, p, G, v, round_):
+        self.adopted.append((p, round_))
+        self.states[p].applied_rounds = [round_]
+
+
+def sync_for(swarm: Swarm, engine: Engine) -> StateSync:
+    return StateSync(swarm, engine, events=EventLog(None), pace=PaceWatch("steps"), stop=threading.Event(),
+                     sync_every=20, on_fragment=lambda *a: None, show_status=lambda s: None)
+
+
+def test_a_repair_waits_for_the_holders_records_to_reach_our_round(caplog):
+    # our round 11 went off (bad11); the holders' records still show round 11 while we applied 12
+    swarm, engine = Swarm({p: record(p, 11, "good11") for p in ("x", "y")}, {11: "bad11"}), Engine()
+    sync = sync_for(swarm, engine)
+    with caplog.at_level(logging.INFO, logger="peer.run.catch_up"):
+        for _ in range(3):
+            assert sync.catch_up(50, joining=False) == 50
+            assert sync.recheck and not swarm.downloads and not engine.adopted
+    said = [r.message for r in caplog.records if "records still show round 11, before ours (12)" in r.message]
+    assert len(said) == 1, caplog.text  # once per round we wait at
+
+    # a heartbeat later the records show where the holders are: our round 12, which is downloaded and adopted
+    swarm.records = {p: record(p, 12, "good12", past=[(0, 11, "good11")]) for p in ("x", "y")}
+    sync.catch_up(51, joining=False)
+    assert swarm.downloads == [(0, 12, "good12", ["x", "y"])] and engine.adopted == [(0, 12)]
+    assert not sync.recheck
+
+
+def test_a_repair_waits_while_our_next_round_is_in_flight():
+    """Adopting round 12 would cancel our round 13 in flight while the swarm applies it: a round behind again."""
+    moved = {p: record(p, 12, "good12", past=[(0, 11, "good11")]) for p in ("x", "y")}
+    swarm, engine = Swarm(moved, {11: "bad11"}), Engine(in_flight=13)
+    sync = sync_for(swarm, engine)
+    sync.catch_up(60, joining=False)
+    assert sync.recheck and not swarm.downloads
+    engine.in_flight = 0  # (it ended without applying anything: our state is still at 12, the holders' round)
+    sync.catch_up(61, joining=False)
+    assert swarm.downloads == [(0, 12, "good12", ["x", "y"])] and not sync.recheck
