@@ -140,11 +140,11 @@ def _controls_with_the_monitor_watching(swarm: LoopbackSwarm, procs, tmp_path, s
         assert done.returncode == 0, done.stdout + done.stderr
     for name in ("p0", "p1"):
         assert wait_exit(swarm.peer[name], 120) == 0, swarm.peer[name].tail()
-    # Every round the three completed in one group, each from one state, has one digest on all of them. (A peer that
-    # joins the swarm's round one round behind, as CI saw p1 do at (1, 16) after it missed (1, 15) while it caught
-    # up fragment 0, applies the average to another state and differs until the drift check repairs it; CI once saw
-    # p2, resumed, stay off for two rounds: entered_alike. The waits above asked for rounds with one digest after
-    # each control.)
+    # Every round the three completed in one group, each from one state, has one digest on all of them (entered_alike).
+    # A peer that joins the swarm's round one round behind, as CI saw p1 do at (1, 16) after it missed (1, 15) while
+    # it caught up fragment 0, applies the average to another state and differs until the drift check repairs it, a
+    # round or more later where rounds come as fast as records (here, 1 s): CI saw p2, resumed, stay off for rounds
+    # (1, 16) to (1, 18). The waits above asked for rounds with one digest after each control.
     assert swarm.together(), "no round of all three with one digest"
     rounds = {n: swarm.ok_rounds(n) for n in swarm.names}
     alike = [key for key in set.intersection(*(set(r) for r in rounds.values()))
