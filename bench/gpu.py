@@ -69,7 +69,7 @@ class EchoTransport:
         return RoundOutcome(fragment, round_, RoundStatus.OK, group_size=2, spans=[Span(0, delta.numel(), average)],
                             total_weight=2 * weight)
 
-    def launch(self, *, fragment, round_, delta, weight, step, expected_round):
+    def launch(self, *, fragment, round_, delta, weight, step, expected_round, base=None):
         return self.pool.submit(self._round, fragment, round_, delta.clone(), weight)
 
 

@@ -299,3 +299,33 @@ def events(run_root, name: str, kind: str | tuple[str, ...]) -> list[dict]:
     kinds = (kind,) if isinstance(kind, str) else kind
     lines = path.read_text().splitlines()
     return [e for e in (json.loads(line) for line in lines if line.endswith("}")) if e["event"] in kinds]
+
+
+def applied_digests(run_root, names: Sequence[str]) -> dict[tuple[int, int], dict[str, str]]:
+    """Per (fragment, round), the digest after it of every peer in ``names`` that applied it (its ``round`` event
+    says ``applied``), from all of each peer's runs (a restarted peer appends to its events)."""
+    out: dict[tuple[int, int], dict[str, str]] = {}
+    for name in names:
+        for e in events(run_root, name, "round"):
+            if e.get("applied"):
+                out.setdefault((e["fragment"], e["round"]), {})[name] = e["digest"]
+    return out
+
+
+def assert_one_digest_per_applied_round(run_root, names: Sequence[str], *, shared: int = 1) -> int:
+    """The invariant (peer/net/agreement.py): every peer that applies a round holds the same digest after it, for
+    every round, no filter. Returns how many rounds more than one peer applied; at least ``shared``."""
+    applied = applied_digests(run_root, names)
+    off = {k: v for k, v in sorted(applied.items()) if len(set(v.values())) > 1}
+    assert not off, f"rounds whose appliers hold different digests: {off}"
+    many = sum(len(v) > 1 for v in applied.values())
+    assert many >= shared, f"only {many} round(s) applied by more than one peer: {sorted(applied)}"
+    return many
+
+
+def final_digests(run_root, name: str) -> dict[int, str]:
+    """Per fragment, the digest of the state a peer ended with: that of its last ``round`` or ``catch_up`` event."""
+    out: dict[int, str] = {}
+    for e in events(run_root, name, ("round", "catch_up")):
+        out[e["fragment"]] = e["digest"]
+    return out

@@ -58,33 +58,6 @@ class LoopbackSwarm:
         return sorted(k for k in common if len({rounds[n][k]["digest"] for n in self.names}) == 1
                       and all(rounds[n][k]["group_size"] == len(self.names) for n in self.names))
 
-    def entered_alike(self, key: tuple[int, int]) -> bool:
-        """Whether every peer applied round ``key`` (fragment, round) to one state: the digest each logged last for
-        the fragment before that round (its previous round's, or a download's) is one, or each applied it to the
-        initial state in its first run. Only such a round must end with one digest where all completed it ok in one
-        group: a peer that joined the swarm's round one round behind, after a download that landed late or a
-        partial round, applies the same average to another state, and differs until the drift check repairs it
-        (docs/architecture.md, "A round")."""
-        fragment = key[0]
-        before = set()
-        for n in self.names:
-            last, starts = None, 0
-            for e in events(self.tmp, n, ("start", "round", "catch_up")):
-                if e["event"] == "start":  # (a restart restores a checkpoint: its state is not in this log)
-                    last, starts = None, starts + 1
-                elif e["fragment"] != fragment:
-                    continue
-                elif e["event"] == "round" and e["round"] == key[1] and e["status"] == "ok":
-                    break
-                else:
-                    last = e["digest"]
-            else:
-                return False  # it never completed the round
-            if last is None and starts != 1:
-                return False
-            before.add(last or "initial")
-        return len(before) == 1
-
     def first_step_after(self, name: str, t: float) -> float:
         """When ``name`` logged its first step event after ``t`` (it is training again)."""
         def step_time():

@@ -24,6 +24,7 @@ from peer.outer.codec import get_codec
 from peer.proto import allreduce_pb2 as pb
 
 NUMEL = 1000
+BASE = "0" * 32  # a declared base digest (peer/net/agreement.py): every member the same
 
 
 def test_member_spans_cover_exactly_and_skip_client_mode():
@@ -40,7 +41,7 @@ def test_member_spans_cover_exactly_and_skip_client_mode():
 def _group(peer_ids, weights, numel=NUMEL, caps=None, links=None):
     caps = caps or [0.0] * len(weights)
     links = links or [0.0] * len(weights)
-    gathered = tuple(pb.MemberInfo(protocol_version=PROTOCOL_VERSION, weight=w, numel=numel,
+    gathered = tuple(pb.MemberInfo(protocol_version=PROTOCOL_VERSION, base=BASE, weight=w, numel=numel,
                                    download_bytes_per_second=cap, upload_bytes_per_second=up).SerializeToString()
                      for w, cap, up in zip(weights, caps, links))
     return GroupInfo(b"g" * 20, tuple(peer_ids), gathered)
@@ -324,7 +325,7 @@ def test_a_repeat_offender_is_excluded_then_refused_and_skipped():
                 await s.add_p2p_handlers(p)
             rounds = []
             for r in range(4):
-                gathered = tuple(pb.MemberInfo(protocol_version=PROTOCOL_VERSION, weight=w,
+                gathered = tuple(pb.MemberInfo(protocol_version=PROTOCOL_VERSION, base=BASE, weight=w,
                                                numel=NUMEL).SerializeToString() for w in weights)
                 group = GroupInfo(bytes([r + 1]) * 20, tuple(ids), gathered)
                 plans = [GroupPlan.from_group(group, ids[i], get_codec("fp32"), NUMEL, f"fragment 0 round {r}")

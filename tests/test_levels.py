@@ -20,6 +20,7 @@ from peer.outer.rounds import Span
 from peer.proto import allreduce_pb2 as pb
 
 NUMEL = 3000
+BASE = "0" * 32  # a declared base digest (peer/net/agreement.py): every member the same
 MEAN = AggregationRule(kind=Aggregator.MEAN)
 
 
@@ -59,7 +60,8 @@ def _group(gid: bytes, peer_ids, infos) -> GroupInfo:
 
 def test_group_plan_goes_two_level_when_a_member_declares_slots_and_refuses_mixed_slot_counts():
     ids = ["a", "b", "c"]
-    infos = [pb.MemberInfo(protocol_version=PROTOCOL_VERSION, weight=1.0, numel=NUMEL, slots=s) for s in (4, 0, 4)]
+    infos = [pb.MemberInfo(protocol_version=PROTOCOL_VERSION, base=BASE, weight=1.0, numel=NUMEL, slots=s)
+             for s in (4, 0, 4)]
     plan = GroupPlan.from_group(_group(b"g", ids, infos), "b", get_codec("fp32"), NUMEL, "t")
     assert plan.slots == 4 and [len(h) for h in plan.held] == [1, 1, 2]
     infos[1].slots = 8
@@ -110,8 +112,8 @@ async def _two_groups(deltas, weights, *, slots=3, alone=None, broken=None):
 
         async def member(i):
             g = i // 3
-            infos = [pb.MemberInfo(protocol_version=PROTOCOL_VERSION, weight=weights[m], numel=NUMEL, slots=slots)
-                     for m in groups[g]]
+            infos = [pb.MemberInfo(protocol_version=PROTOCOL_VERSION, base=BASE, weight=weights[m], numel=NUMEL,
+                                   slots=slots) for m in groups[g]]
             group = _group(b"level1-%d" % g, [ids[m] for m in groups[g]], infos)
             plan = GroupPlan.from_group(group, ids[i], get_codec("fp32"), NUMEL, f"member {i}", MEAN)
             lift = lift_for(i, plan)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import events
+from helpers import assert_one_digest_per_applied_round, events
 from test_swarm import start_bootstrap, start_peer, wait_exit
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(900)]
@@ -45,6 +45,7 @@ def agreed_rounds(rounds: dict) -> list:
 def test_eight_peers_with_a_group_cap_of_four_agree_in_two_levels(procs, tmp_path):
     rounds = run_swarm(procs, tmp_path, 8, cap=4)
     names = list(rounds)
+    assert_one_digest_per_applied_round(tmp_path, names, shared=3)  # every round, no filter
     agreed = agreed_rounds(rounds)
     launched = set().union(*rounds.values())
     summary = {k: sorted((rounds[n][k]["status"], rounds[n][k]["group_size"], int(rounds[n][k]["total_weight"]))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import events
+from helpers import assert_one_digest_per_applied_round, events
 from test_swarm import start_bootstrap, start_peer, wait_exit
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]
@@ -30,6 +30,7 @@ def test_a_slow_uplink_gets_deadlines_its_parts_fit_and_every_round_completes(pr
              for n in names]
     for name, proc in zip(names, peers):
         assert wait_exit(proc, 500) == 0, f"{name}:\n{proc.tail()}"
+    assert_one_digest_per_applied_round(tmp_path, names, shared=2)  # every round, no filter
     rounds = {n: {(e["fragment"], e["round"]): e for e in events(tmp_path, n, "round")} for n in names}
     everyone = sorted(k for k in set.intersection(*(set(r) for r in rounds.values()))
                       if all(rounds[n][k]["group_size"] == 3 for n in names))

@@ -22,7 +22,7 @@ import sys
 
 import pytest
 
-from helpers import events, wait_for
+from helpers import assert_one_digest_per_applied_round, events, wait_for
 from netns import PUBLIC_SUBNET, NetnsLab, nat_available, start_lab_swarm
 from test_netns_swarm import FAST
 
@@ -57,6 +57,7 @@ def finished_rounds(peers: dict, tmp_path) -> tuple[dict, list]:
     for name, proc in peers.items():
         wait_for(lambda: proc.returncode is not None, 180, f"{name} to exit:\n{proc.tail()}")
         assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{proc.tail()}"
+    assert_one_digest_per_applied_round(tmp_path, NAMES)  # every round, no filter
     rounds = {n: {(e["fragment"], e["round"]): e for e in events(tmp_path, n, "round")} for n in NAMES}
     together = sorted(set.intersection(*(set(k for k, e in rounds[n].items() if e["status"] == "ok")
                                          for n in NAMES)))

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import wait_for
+from helpers import assert_one_digest_per_applied_round, wait_for
 from lab_swarm import LoopbackSwarm, disturb_and_rejoin
 
 pytestmark = [pytest.mark.swarm]
@@ -77,3 +77,5 @@ def test_peers_average_together_again_after_a_restart_and_a_pause(procs, tmp_pat
         assert any("out of phase with the swarm: moved ahead" in line or "behind by wall time" in line
                    for line in status), "\n".join(status[-20:])
     swarm.stop_all()
+    # every round that more than one peer applied, before, during and after each disturbance: one digest
+    assert_one_digest_per_applied_round(tmp_path, swarm.names, shared=2)

@@ -17,7 +17,7 @@ class ScriptedTransport:
     def __init__(self, outcomes):
         self.outcomes, self.launched = outcomes, []
 
-    def launch(self, *, fragment, round_, delta, weight, step, expected_round):
+    def launch(self, *, fragment, round_, delta, weight, step, expected_round, base=None):
         self.launched.append((fragment, round_, delta.clone(), weight, step))
         outcome = self.outcomes(fragment, round_, delta)
 
@@ -57,9 +57,12 @@ def test_missed_round_keeps_progress_and_carries_tokens():
     torch.testing.assert_close(eng.states[0].outer_gradient(p.detach()), torch.full((8,), 2.0))
 
 
-def test_eager_jump_is_undone_where_the_aggregate_is_missing():
-    def half(f, r, d):  # the second span's reducer died
-        return RoundOutcome(f, r, "partial", spans=[Span(0, 4, d[:4].clone()), Span(4, 8, None)], total_weight=20.0)
+@pytest.mark.parametrize("status", ["partial", "minority"])
+def test_a_round_that_is_not_ok_is_applied_nowhere_and_its_eager_jump_is_undone(status):
+    """Only an ok round is applied (every peer that applies it then holds one state): a partial round (the second
+    span's reducer died) changes neither G nor v anywhere, and its progress and tokens are carried."""
+    def half(f, r, d):
+        return RoundOutcome(f, r, status, spans=[Span(0, 4, d[:4].clone()), Span(4, 8, None)], total_weight=20.0)
 
     p, eng, _ = one_param_engine(OuterSettings(H=4, tau=2, eager=True, lr=1.0, momentum=0.0, wait_timeout=0.01), half)
     for step in range(1, 7):
@@ -71,11 +74,72 @@ def test_eager_jump_is_undone_where_the_aggregate_is_missing():
             torch.testing.assert_close(p.detach(), torch.full((8,), -1.0))
         eng.apply_due(step)
     st = eng.states[0]
-    # span 0: G = 0 - 1*2 = -2, theta = G; span 1: G unchanged, jump undone -> local progress -2 kept
-    torch.testing.assert_close(st.G, torch.tensor([-2.0] * 4 + [0.0] * 4))
+    torch.testing.assert_close(st.G, torch.zeros(8))  # nothing applied, the jump undone: local progress -2 kept
     torch.testing.assert_close(p.detach(), torch.full((8,), -2.0))
     torch.testing.assert_close(st.E, torch.zeros(8))
-    torch.testing.assert_close(st.outer_gradient(p.detach())[4:], torch.full((4,), 2.0))
+    torch.testing.assert_close(st.outer_gradient(p.detach()), torch.full((8,), 2.0))
+    assert st.applied_rounds == [] and st.tokens_since_sync == 60  # 40 of round 1 carried, 20 since
+
+
+def test_an_off_base_round_applies_nothing_and_does_not_send_its_progress_again():
+    """off_base: our part went into an average the group applied to another base. Nothing is applied here (the
+    trainer downloads the group's result), and neither its tokens nor its error-feedback residual are carried: they
+    were delivered."""
+    from peer.outer.codec import get_codec, roundtrip
+
+    def off(f, r, d):
+        return RoundOutcome(f, r, "off_base", spans=[Span(0, 8, d.clone())], total_weight=20.0)
+
+    codec = get_codec("e3m0")
+    p = torch.nn.Parameter(torch.zeros(8))
+    tr = ScriptedTransport(off)
+    eng = StreamingEngine([Fragment(0, ["w"], [p])], OuterSettings(H=2, tau=1, eager=True, lr=1.0, momentum=0.0),
+                          tr, group_size_hint=lambda: 2, error_feedback_codec=codec)
+    for step in range(1, 4):
+        with torch.no_grad():
+            p -= torch.linspace(0.13, 0.97, 8)
+        eng.add_tokens(10)
+        eng.launch_due(step)
+        eng.apply_due(step)
+    st = eng.states[0]
+    sent = tr.launched[0][2]
+    torch.testing.assert_close(st.G, torch.zeros(8))
+    torch.testing.assert_close(p.detach(), -3 * torch.linspace(0.13, 0.97, 8))  # the eager jump undone
+    torch.testing.assert_close(eng.error_feedback[0].residual, sent - roundtrip(sent, codec))
+    assert st.applied_rounds == [] and st.tokens_since_sync == 10  # round 1's 20 tokens were delivered
+    eng.close()
+
+
+def test_each_launch_declares_the_base_its_average_is_applied_to():
+    """Streaming: the state at launch. tau = H: the state once the previous round is applied (right after the
+    launch, at the same sync event), so the base of round r is the digest after round r - 1."""
+    from peer.outer.state import digest_of
+
+    bases = []
+
+    class Recording(ScriptedTransport):
+        def launch(self, *, base, **kw):
+            bases.append(base)
+            return super().launch(**kw)
+
+    full = lambda f, r, d: RoundOutcome(f, r, "ok", spans=[Span(0, 8, d.clone())], total_weight=20.0)  # noqa: E731
+    for settings in (OuterSettings(H=2, tau=1, lr=1.0, momentum=0.5), OuterSettings(H=2, tau=2, lr=1.0, momentum=0.5)):
+        bases.clear()
+        p = torch.nn.Parameter(torch.zeros(8))
+        eng = StreamingEngine([Fragment(0, ["w"], [p])], settings, Recording(full), group_size_hint=lambda: 2)
+        after = {}
+        for step in range(1, 8):
+            with torch.no_grad():
+                p -= 0.25
+            eng.launch_due(step)
+            if bases and settings.tau == 1:
+                assert bases[-1].done()  # (streaming: known at launch)
+            eng.apply_due(step)
+            st = eng.states[0]
+            after[st.last_applied] = digest_of(st.G, st.v)
+        assert len(bases) == 3 and all(b.done() for b in bases)
+        assert [b.result() for b in bases] == [(r, after[r]) for r in range(3)]
+        eng.close()
 
 
 def test_replay_merge_keeps_the_local_steps_made_during_overlap():
@@ -189,8 +253,9 @@ def test_cuda_engine_gives_the_cpu_engine_bit_for_bit_and_applies_without_waitin
     """The same rounds (half of each aggregate missing, eager jumps undone there) on a CUDA parameter and a CPU
     one: the weights and G agree bit for bit (the merge runs on the device with the same elementwise operations).
     The applies, which come after the aggregate is in, make no synchronizing call."""
-    def half(f, r, d):
-        return RoundOutcome(f, r, "partial", spans=[Span(0, 4, d[:4].clone()), Span(4, 8, None)], total_weight=20.0)
+    def half(f, r, d):  # (odd rounds ok, even ones partial: applied nowhere, the jump undone)
+        return RoundOutcome(f, r, "ok" if r % 2 else "partial", spans=[Span(0, 4, d[:4].clone()), Span(4, 8, None)],
+                            total_weight=20.0)
 
     settings = OuterSettings(H=4, tau=2, eager=True, lr=0.7, momentum=0.9, alpha=0.25, merge=merge,
                              wait_timeout=0.01)
@@ -215,9 +280,9 @@ def test_cuda_engine_gives_the_cpu_engine_bit_for_bit_and_applies_without_waitin
 
 
 def test_error_feedback_residual_is_put_back_where_a_launched_round_delivered_nothing():
-    """Error feedback: what we sent where a span never arrived was not received by anyone; its progress is carried
-    in S - theta to the next round, so the residual there must be the one from before that launch (else the
-    next round sends that quantization error twice), and the new one where the round was applied."""
+    """Error feedback: a round that is not applied (partial) carries its progress in S - theta to the next round, so
+    the residual must be the one from before that launch (else the next round sends that quantization error
+    twice)."""
     from peer.outer.codec import get_codec, roundtrip
 
     def script(f, r, d):
@@ -240,12 +305,8 @@ def test_error_feedback_residual_is_put_back_where_a_launched_round_delivered_no
             sent1 = tr.launched[0][2]
             first = sent1 - roundtrip(sent1, codec)
             torch.testing.assert_close(eng.error_feedback[0].residual, first)
-    sent2 = tr.launched[1][2]  # round 2: half of it arrived
-    second = sent2 - roundtrip(sent2, codec)
-    eng.close()
-    residual = eng.error_feedback[0].residual
-    torch.testing.assert_close(residual[:4], second[:4])
-    torch.testing.assert_close(residual[4:], first[4:])  # as before round 2's launch
+    eng.close()  # round 2 was partial: applied nowhere, its residual is the one from before its launch
+    torch.testing.assert_close(eng.error_feedback[0].residual, first)
 
 
 def test_error_feedback_residual_goes_with_an_adopted_state_and_comes_back_when_rounds_are_given_up():

@@ -45,6 +45,7 @@ from peer.proto import codec_pb2, state_pb2
 pytestmark = pytest.mark.timeout(600)
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 NUMEL = 512
+BASE = "0" * 32  # a declared base digest (peer/net/agreement.py): every member the same
 HANDLER_DEADLINE = 10.0  # every handler call below must end within this (its own deadlines are ~1 s)
 
 ME, MEMBER, STRANGER = (PeerID(b"\x00\x24" + bytes([i]) * 36) for i in (1, 2, 3))
@@ -82,7 +83,7 @@ pieces = st.builds(
 
 # ---- rpc_reduce ---------------------------------------------------------------------------------------------
 def _plan(group_id: bytes) -> GroupPlan:
-    info = pb.MemberInfo(protocol_version=PROTOCOL_VERSION, weight=1.0, numel=NUMEL).SerializeToString()
+    info = pb.MemberInfo(protocol_version=PROTOCOL_VERSION, base=BASE, weight=1.0, numel=NUMEL).SerializeToString()
     return GroupPlan.from_group(GroupInfo(group_id, (ME, MEMBER), (info, info)), ME, CODEC, NUMEL, "fuzz")
 
 

@@ -312,6 +312,23 @@ def plan_catch_up(records: Mapping[str, ProgressRecord], me: str, my_rounds: Seq
     return plans
 
 
+def plan_owed(records: Mapping[str, ProgressRecord], fragment: int, round_: int, appliers: Sequence[str],
+              reason: str) -> CatchUp:
+    """The download owed after an ``off_base`` round: our part went into round ``round_`` of ``fragment``, which
+    ``appliers`` applied to a base other than ours. Their state is ours to take: the (round, digest) most of them
+    hold now, at ``round_`` or later (ties: the later round). ``wait`` until one of their records shows it."""
+    held: dict[tuple[int, str], list[str]] = {}
+    for pid in appliers:
+        rec = records.get(pid)
+        if rec is not None and len(rec.rounds) > fragment and len(rec.digests) > fragment \
+                and rec.rounds[fragment] >= round_:
+            held.setdefault((rec.rounds[fragment], rec.digests[fragment]), []).append(pid)
+    if not held:
+        return CatchUp(fragment, round_, "", [], reason, wait=True)
+    (best, digest), holders = max(held.items(), key=lambda kv: (len(kv[1]), kv[0][0]))
+    return CatchUp(fragment, best, digest, servable(records, holders), reason)
+
+
 def _latest_covered(records: Mapping[str, ProgressRecord], me: str, fragment: int,
                     history: Mapping[int, str]) -> tuple[int, str, dict[str, str]]:
     """Our latest round in ``history`` ({round: our digest}) at which other records tell their digest, with

@@ -13,13 +13,15 @@ from google.protobuf.message import DecodeError
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.p2p import PeerID
 
+from peer.net.agreement import Verdict, agree, valid_base
 from peer.outer.aggregate import MAX_WEIGHT, AggregationRule
 from peer.outer.codec import Codec
 from peer.proto import allreduce_pb2 as pb
 
 # 2: credit on the streams to a peer with a download cap (peer/net/credit.py); 3: two-level rounds (slots);
-# 4: declared uplinks, and deadlines sized from them (peer/net/links.py); 5: spans sized by the declared links
-PROTOCOL_VERSION = 5
+# 4: declared uplinks, and deadlines sized from them (peer/net/links.py); 5: spans sized by the declared links;
+# 6: declared bases and expected counts (peer/net/agreement.py)
+PROTOCOL_VERSION = 6
 MAX_GROUP_SIZE = 256
 # Span sizing by links (swarm.span_sizing = "links"): a reducer whose link is under half the group's median gets a
 # share in proportion, in sixteenths of an equal one, down to 1/8 of it; the others get equal shares (a link
@@ -125,6 +127,12 @@ class GroupPlan:
     slots: int = 0
     held: tuple[range, ...] = ()
     part_codec: Optional[Codec] = None  # how members encode their parts (None: ``codec``; level 2 uses fp8)
+    verdict: Optional[Verdict] = None  # which members apply the average (peer/net/agreement.py); None: level 2
+
+    @property
+    def applies(self) -> bool:
+        """Whether this member applies the group's average (the group has its quorum and our base is its)."""
+        return self.verdict is None or self.verdict.quorum and self.my_index in self.verdict.appliers
 
     @property
     def parts(self) -> Codec:
@@ -152,6 +160,8 @@ class GroupPlan:
                                  f"expected {PROTOCOL_VERSION}/{numel}")
             if not valid_weight(info.weight):
                 raise GroupError(f"peer {peer_id} declared weight {info.weight}")
+            if not valid_base(info):
+                raise GroupError(f"peer {peer_id} declared a malformed base digest")
             infos.append(info)
         clients = [i.client_mode for i in infos]
         slots = {i.slots for i in infos}
@@ -165,4 +175,5 @@ class GroupPlan:
             shares = link_shares(infos) if span_sizing == "links" else []
             spans, held = member_spans(numel, clients, codec.block_size, shares), []
         return cls(group.group_id, tuple(group.peer_ids), infos, group.peer_ids.index(me), numel, spans,
-                   codec, label, rule or AggregationRule(), tuple(caps), max(slots), tuple(held))
+                   codec, label, rule or AggregationRule(), tuple(caps), max(slots), tuple(held),
+                   verdict=agree(infos, two_level=bool(max(slots))))

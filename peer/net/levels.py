@@ -126,8 +126,9 @@ class SlotLift:
 
     async def _slot(self, slot: int, part: torch.Tensor, weight: float, groups: int) -> Lifted:
         """One slot's level 2: its group, the all-reduce, and the pieces that tile it (LiftError otherwise)."""
-        info = pb.MemberInfo(protocol_version=self.plan.infos[self.plan.my_index].protocol_version, weight=weight,
-                             numel=part.numel(), download_bytes_per_second=self.download)
+        mine = self.plan.infos[self.plan.my_index]  # (level 2 applies nothing itself: its base is level 1's)
+        info = pb.MemberInfo(protocol_version=mine.protocol_version, weight=weight, numel=part.numel(),
+                             download_bytes_per_second=self.download, base=mine.base, base_round=mine.base_round)
         group = await self.form(slot, info.SerializeToString(), time_left(self.deadline) * self.matchmaking_share,
                                 groups)
         if group is None:  # no other group's holder came: the slot holds our group's result (as a group of one)

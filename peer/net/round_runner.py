@@ -11,6 +11,8 @@ only; :meth:`~peer.net.swarm.Swarm.run_round` is its entry point from the traini
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import time
 from typing import TYPE_CHECKING, Callable, Optional
@@ -53,13 +55,20 @@ class RoundRunner:
         self.patience = self.cfg.matchmaking_patience if sync_every else 0.0
         self.levels: Optional[Levels] = plan_levels(target_group_size, self.cfg.group_cap)  # None: one group
 
-    async def run(self, delta: torch.Tensor, weight: float) -> RoundOutcome:
+    async def run(self, delta: torch.Tensor, weight: float,
+                  base: "concurrent.futures.Future[tuple[int, str]]") -> RoundOutcome:
         """The round's outcome; never raises. Must be called on the swarm's ``swarm-net`` loop; ``delta`` (fp32
-        CPU) must not be modified until it returns."""
+        CPU) must not be modified until it returns; ``base``: see :meth:`peer.net.swarm.Swarm.run_round`."""
         out = RoundOutcome(self.fragment, self.round, RoundStatus.FAILED)
         self._stage(RoundStage.MATCHMAKING, self.t0 + self.cfg.matchmaking_timeout)
         try:
-            group = await self._find_group(delta, weight)
+            try:  # (tau = H: the previous round of the fragment is applied first)
+                base_round, out.base = await asyncio.wait_for(asyncio.wrap_future(base),
+                                                              self.cfg.matchmaking_timeout)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                out.error = "the state this round applies to was not settled (the previous round never applied)"
+                return out
+            group = await self._find_group(delta, weight, base_round, out.base)
             out.matchmaking_seconds = time.monotonic() - self.t0
             if group is None:
                 waited = time.monotonic() - self.t0
@@ -112,10 +121,10 @@ class RoundRunner:
         return sw.attendance.expected(sw.live_peers(), sw.peer_id, sw.applied_rounds(), sw.roster.partnered,
                                       here=self.here)
 
-    async def _find_group(self, delta: torch.Tensor, weight: float) -> Optional["GroupInfo"]:
+    async def _find_group(self, delta: torch.Tensor, weight: float, base_round: int, base: str
+                          ) -> Optional["GroupInfo"]:
         sw, levels = self.swarm, self.levels
-        if not levels:  # whom we invite as we start (a follower's invitation; a leader's is renewed at each join)
-            self._expected()
+        expected = self._expected()  # whom we invite as we start (a leader's invitation is renewed at each join)
         early: Callable[[], Optional[frozenset[str]]] = (
             (lambda: None) if levels else (lambda: early_assembly(self._expected(), sw.peer_id)))
         target = levels.group_target if levels else self.target_group_size
@@ -123,7 +132,8 @@ class RoundRunner:
         info = pb.MemberInfo(protocol_version=PROTOCOL_VERSION, weight=weight, inner_step=self.inner_step,
                              client_mode=sw.client_mode, numel=delta.numel(),
                              download_bytes_per_second=sw.bandwidth.download.rate(),
-                             slots=levels.slots if levels else 0, upload_bytes_per_second=sw.declared_uplink())
+                             slots=levels.slots if levels else 0, upload_bytes_per_second=sw.declared_uplink(),
+                             base=base, base_round=base_round, expected=len(expected | {sw.peer_id}))
         return await form_group(
             sw.p2p, sw.dht, prefix=round_prefix(sw.run_key, self.fragment, self.round),
             gather=info.SerializeToString(), target_group_size=target, min_group_size=self.cfg.min_group_size,
@@ -154,6 +164,15 @@ class RoundRunner:
         caps = vouched_caps([sw.roster.speeds.vouched(str(p), now) for p in group.peer_ids], sw.rule)
         plan = GroupPlan.from_group(group, sw.p2p.peer_id, sw.codec, delta.numel(), self.label, sw.rule, caps,
                                     span_sizing=self.cfg.span_sizing)
+        verdict = plan.verdict
+        if verdict is not None:
+            out.group_base = verdict.base
+            out.appliers = [str(plan.peer_ids[i]) for i in verdict.appliers]
+            if not verdict.quorum:  # (every member concludes the same: none reduces, none applies)
+                out.status = RoundStatus.MINORITY
+                out.error = (f"a group of {out.group_size} does not hold more than half of the "
+                             f"{verdict.expected} peers its members expected: another group may apply this round")
+                return
         deadlines = plan_deadlines(plan, sw.policy)  # the same for every member: from the group's infos
         out.deadline = deadlines.allreduce
         self._stage(RoundStage.ALLREDUCE, now + deadlines.allreduce)
@@ -179,3 +198,7 @@ class RoundRunner:
         out.flagged = result.flagged
         out.bytes_sent, out.bytes_received = result.traffic.sent, result.traffic.received
         out.status = RoundStatus.OK if result.complete else RoundStatus.PARTIAL
+        if not plan.applies:
+            out.status = RoundStatus.OFF_BASE
+            out.error = (f"our base {out.base[:12]} differs from the group's {out.group_base[:12]} (round "
+                         f"{verdict.base_round if verdict else '?'}): our part counted, nothing applied")

@@ -394,10 +394,11 @@ class Swarm:
             raise DownloadError("cancelled: the peer is stopping") from None
 
     # ---- rounds ----------------------------------------------------------------------------
-    def run_round(self, *, fragment: int, round_: int, delta: torch.Tensor, weight: float, inner_step: int,
-                  target_group_size: int, sync_every: Optional[int] = None
-                  ) -> "concurrent.futures.Future[RoundOutcome]":
-        """Starts round ``round_`` of ``fragment`` in the background; the future never raises.
+    def run_round(self, *, fragment: int, round_: int, delta: torch.Tensor, weight: float,
+                  base: "concurrent.futures.Future[tuple[int, str]]", inner_step: int, target_group_size: int,
+                  sync_every: Optional[int] = None) -> "concurrent.futures.Future[RoundOutcome]":
+        """Starts round ``round_`` of ``fragment`` in the background; the future never raises. ``base`` resolves to
+        the (round, digest) of the state the round's average will be applied to (declared to the group).
 
         ``delta`` (fp32 CPU, the outer gradient) must not be modified until the future is done.
         ``sync_every``: the steps schedule's H (None on the clock schedule). The phase rules of
@@ -410,7 +411,7 @@ class Swarm:
         """
         runner = RoundRunner(self, fragment=fragment, round_=round_, inner_step=inner_step,
                              target_group_size=target_group_size, sync_every=sync_every)
-        return asyncio.run_coroutine_threadsafe(runner.run(delta, weight), self._loop)
+        return asyncio.run_coroutine_threadsafe(runner.run(delta, weight, base), self._loop)
 
     def declared_uplink(self) -> float:
         """Our uplink in bytes/s as we declare it to groups and in our record: measured, at most the owner's upload

@@ -8,6 +8,7 @@ count is a read-only property.
 
 from __future__ import annotations
 
+import concurrent.futures
 from typing import Optional
 
 import torch
@@ -50,13 +51,14 @@ class SwarmTransport:
         return self.swarm.live_count()
 
     def launch(self, *, fragment: int, round_: int, delta: torch.Tensor, weight: float, step: int,
-               expected_round: int):
+               expected_round: int, base: "concurrent.futures.Future[tuple[int, str]]"):
         records, me = self.swarm.live_peers(), self.swarm.peer_id  # as of the last heartbeat: never blocks
         verdict = launch_verdict(records, me, vouched=self.swarm.vouched_peers(), fragment=fragment, round_=round_,
                                  expected_round=expected_round, min_group_size=self.min_group_size)
         if verdict is not None:
             status, why = verdict
             return Done(RoundOutcome(fragment, round_, status, group_size=1, error=why))
-        return self.swarm.run_round(fragment=fragment, round_=round_, delta=delta, weight=weight, inner_step=step,
+        return self.swarm.run_round(fragment=fragment, round_=round_, delta=delta, weight=weight, base=base,
+                                    inner_step=step,
                                     target_group_size=1 + sum(pid != me for pid in records),
                                     sync_every=self.sync_every)

@@ -21,9 +21,11 @@ Modes (docs/algorithm.md sections 4-5):
   gradient sequence, so ``G + E`` equals Alg. 3's per-replica outer parameters exactly. At the
   first event nothing is applied (Alg. 3's ``t > H``): ``E <- theta - G``, ``S <- theta``.
 
-Failure semantics: a missing span (or a whole missed round) changes neither G nor v there; the
-eager jump is undone there, so the peer's progress stays in ``S - theta`` for its next round, and
-the round's tokens are carried into the next weight.
+Failure semantics: only an ``ok`` round is applied (:meth:`RoundOutcome.applied_spans`); any other changes
+neither G nor v, the eager jump is undone, so the peer's progress stays in ``S - theta`` for its next round, and
+the round's tokens are carried into the next weight. Except ``off_base``: our part went into an average the
+group applied to another base, so its progress and tokens are not sent again; the trainer downloads the group's
+result. Every launch declares its base, ``(round, digest)`` of the state the round is applied to.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -65,6 +67,9 @@ class Pending:
     # error feedback: the residual before this launch, put back where nothing of the round arrives (what we sent
     # there was never received: its progress is carried in S - theta, and so must its residual be, once)
     residual_before: Optional[torch.Tensor] = None
+    # (round, digest) of the state this round's average is applied to; resolved by the engine (tau = H: once the
+    # previous round is applied), cancelled when that never happens
+    base: "concurrent.futures.Future[tuple[int, str]]" = field(default_factory=concurrent.futures.Future)
 
 
 @dataclass
@@ -89,7 +94,9 @@ class StreamingEngine:
                  on_outcome: Callable[[Fragment, FragmentState, RoundOutcome, int], None] = lambda *a: None,
                  error_feedback_codec: Optional[Codec] = None, tau_fn: Optional[Callable[[], int]] = None,
                  schedule: Optional[StepsSchedule | ClockSchedule] = None,
-                 on_wait: Callable[[], None] = lambda: None):
+                 on_wait: Callable[[], None] = lambda: None, digest_of: Optional[Callable[[int], str]] = None):
+        """``digest_of(p)``: the digest of fragment p's ``G, v`` as they are now (default: hashed here; the trainer
+        passes the one it published after the last change)."""
         self.fragments = fragments
         self.cfg = settings
         self.transport = transport
@@ -111,6 +118,7 @@ class StreamingEngine:
         self.error_feedback = [ErrorFeedback() for _ in fragments] if error_feedback_codec is not None else None
         self._ef_updates: list[Optional[concurrent.futures.Future]] = [None] * len(fragments)
         self.worker = OuterWorker()  # the host math of arrived aggregates and error feedback (stopped by close)
+        self.digest_of = digest_of or (lambda p: self.states[p].digest())
 
     def close(self) -> None:
         """Stops the engine's worker thread (its state stays readable). Must be called once the engine is done."""
@@ -163,9 +171,13 @@ class StreamingEngine:
                 self._settle_error_feedback(p)
                 residual_before = self.error_feedback[p].residual
                 delta = self.error_feedback[p].compensate(delta)
+            base: concurrent.futures.Future[tuple[int, str]] = concurrent.futures.Future()
+            if not self.pending[p]:  # (tau = H: the previous round in flight is applied first, see _apply_next)
+                base.set_result((st.last_applied, self.digest_of(p)))
             handle = self.transport.launch(fragment=p, round_=r, delta=delta, weight=weight, step=step,
-                                           expected_round=self.expected_round(p))
+                                           expected_round=self.expected_round(p), base=base)
             if not self.one_outer_step and handle.done() and self._not_launched(p, r, weight, handle, step):
+                base.cancel()
                 continue
             if self.error_feedback is not None and self.ef_codec is not None:  # what the peers will decode
                 self._ef_updates[p] = self.worker.submit(self._update_error_feedback, p, delta)
@@ -180,7 +192,7 @@ class StreamingEngine:
                 theta = merged
             theta_at_launch = theta if self.cfg.merge == "replay" else None
             self.pending[p].append(Pending(r, step, delta, weight, handle, tau, theta_at_launch, jump,
-                                           residual_before=residual_before))
+                                           residual_before=residual_before, base=base))
 
     def _update_error_feedback(self, p: int, sent: torch.Tensor) -> None:
         """(On the worker.) The codec's rounding error of what we sent, for our next Delta."""
@@ -248,6 +260,8 @@ class StreamingEngine:
             self._apply_streaming(p, pend, outcome, prepared)
         self.states[p].round = pend.round
         self.on_outcome(self.fragments[p], self.states[p], outcome, step)
+        if queue and not queue[0].base.done():  # tau = H: the next round's base is the state now
+            queue[0].base.set_result((self.states[p].last_applied, self.digest_of(p)))
 
     def _prefetch(self) -> None:
         """Hands every aggregate that is in but not yet due to the worker (streaming modes: the tau = H machine
@@ -264,7 +278,7 @@ class StreamingEngine:
     def _prepare(self, outcome: RoundOutcome, base: torch.Tensor, base_v: torch.Tensor) -> Prepared:
         """The aggregate applied to copies of ``G, v`` (the worker, or the training thread where it came late)."""
         G, v = base.clone(), base_v.clone()
-        applied = advance_shared(G, v, outcome.spans, self.opt)
+        applied = advance_shared(G, v, outcome.applied_spans(), self.opt)
         return Prepared(outcome, base, G, v, applied, merge_target(G, self.cfg.alpha, self.cfg.merge == "replay"))
 
     def _first_events(self, step: int) -> None:
@@ -310,7 +324,7 @@ class StreamingEngine:
         device = device_of(frag)
         theta = gather(frag)
         replay = pend.theta_at_launch if self.cfg.merge == "replay" else None
-        merge_into(theta, to_device(prepared.target, device), outcome.spans, self.cfg.alpha,
+        merge_into(theta, to_device(prepared.target, device), outcome.applied_spans(), self.cfg.alpha,
                    replay_from=None if replay is None else to_device(replay, device))
         if pend.jump is not None:  # nothing arrived there: undo our eager jump, keep the progress
             missing = ~applied
@@ -318,17 +332,18 @@ class StreamingEngine:
             if st.E is not None:
                 st.E[missing] = 0
         scatter(frag, theta)
-        if not bool(applied.all()):
+        delivered = outcome.status == RoundStatus.OFF_BASE  # (our part is in the group's result: not sent again)
+        if not bool(applied.all()) and not delivered:
             self._restore_residual(p, pend, ~applied)
         if bool(applied.any()):
             st.applied_rounds.append(pend.round)
             self._record_share(p, pend, outcome)
-        else:
+        elif not delivered:
             st.tokens_since_sync += int(pend.weight)
 
     def _apply_one_outer_step(self, p: int, prev: Pending, fresh: Pending, outcome: RoundOutcome) -> None:
         frag, st = self.fragments[p], self.states[p]
-        arrived = [(s, s.average) for s in outcome.spans if s.average is not None]
+        arrived = [(s, s.average) for s in outcome.applied_spans() if s.average is not None]
         for span, average in arrived:
             sl = slice(span.start, span.end)
             self.opt.step_(st.G[sl], st.v[sl], average)
@@ -347,6 +362,7 @@ class StreamingEngine:
             oldest = queue[0] if queue else None
             for pend in queue:
                 pend.handle.cancel()
+                pend.base.cancel()
                 self._forget(p, pend.weight, pend.jump)
             queue.clear()
             if oldest is not None:
@@ -381,6 +397,7 @@ class StreamingEngine:
         from a state the swarm no longer holds."""
         for pend in self.pending[p]:
             pend.handle.cancel()
+            pend.base.cancel()
         self.pending[p].clear()
         st = self.states[p]
         st.G, st.v = G.clone(), v.clone()

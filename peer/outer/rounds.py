@@ -2,11 +2,14 @@
 of whatever carries rounds (:class:`Transport`, :class:`Handle`).
 
 A round's average may arrive incomplete (a reducer died): it is a list of spans, each either the decoded
-average or ``None``. The transport fills a :class:`RoundOutcome`; the engine applies it.
+average or ``None``. The transport fills a :class:`RoundOutcome`; the engine applies it only when its status is
+``ok`` (:meth:`RoundOutcome.applied_spans`): every peer that applies a round then holds the same state after it
+(:mod:`peer.net.agreement`).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import enum
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
@@ -17,13 +20,20 @@ import torch
 class RoundStatus(enum.StrEnum):
     """How a round ended for this peer (written as its value in the JSON ``round`` events)."""
 
-    OK = "ok"  # every span of the average arrived
-    PARTIAL = "partial"  # some spans are missing (a reducer died): the others are applied
+    OK = "ok"  # every span of the average arrived: the one status that applies it
+    PARTIAL = "partial"  # some spans are missing (a reducer died): nothing is applied, the progress is carried
+    OFF_BASE = "off_base"  # our base differed from the group's: our part counted, nothing applied; catch up
+    MINORITY = "minority"  # the group held too few of the round's peers to apply (another may): carried
     NO_GROUP = "no_group"  # no group formed: nobody came, or everyone left the round
     ALONE = "alone"  # fewer live peers than min_group_size: not launched
     BEHIND = "behind"  # the swarm is past this round, or our state is 2+ rounds behind: not launched, catch up
     FAILED = "failed"  # the round broke (an error in matchmaking or the all-reduce)
     MISSED = "missed"  # not in within wait_timeout, or abandoned at a stop
+
+    @property
+    def averaged(self) -> bool:
+        """Whether our part went into an average that a group applied (ours, or the group's from another base)."""
+        return self in (RoundStatus.OK, RoundStatus.PARTIAL, RoundStatus.OFF_BASE)
 
     @property
     def launched(self) -> bool:
@@ -65,6 +75,18 @@ class RoundOutcome:
     matchmaking_seconds: float = 0.0  # from the search's start to its group (or to giving up)
     # (peer id or "(strangers)", why): who our rounds stopped waiting for at this round (peer/net/attendance.py)
     absent: list[tuple[str, str]] = field(default_factory=list)
+    base: str = ""  # the digest of the state we declared we would apply the round to ("": not declared)
+    group_base: str = ""  # the group's base (peer/net/agreement.py); differs from ``base`` when off_base
+    appliers: list[str] = field(default_factory=list)  # peer ids that applied the average (off_base: our donors)
+
+    @property
+    def applied(self) -> bool:
+        """Whether the round's average is applied (status ``ok``)."""
+        return self.status == RoundStatus.OK
+
+    def applied_spans(self) -> list[Span]:
+        """The spans the engine applies: all of them when ``ok``, none otherwise."""
+        return self.spans if self.applied else []
 
 
 class Handle(Protocol):
@@ -81,7 +103,9 @@ class Handle(Protocol):
 class Transport(Protocol):
     """Where rounds go. The engine passes what it knows: ``expected_round`` is the last round its state will
     have applied once its rounds in flight land (a transport may decide not to launch a round the swarm is
-    past; that decision comes back only in the round's outcome, status ``alone`` or ``behind``)."""
+    past; that decision comes back only in the round's outcome, status ``alone`` or ``behind``), and ``base``
+    resolves to ``(round, digest)`` of the state the round's average will be applied to: at once, or (tau = H)
+    once the previous round of the fragment is applied; cancelled if that never happens."""
 
     def launch(self, *, fragment: int, round_: int, delta: torch.Tensor, weight: float, step: int,
-               expected_round: int) -> Handle: ...
+               expected_round: int, base: "concurrent.futures.Future[tuple[int, str]]") -> Handle: ...

@@ -51,7 +51,7 @@ class _Endpoint:
         self._transport, self._index = transport, index
 
     def launch(self, *, fragment: int, round_: int, delta: torch.Tensor, weight: float, step: int,
-               expected_round: int) -> _Handle:
+               expected_round: int, base=None) -> _Handle:
         self._transport.submit((fragment, round_), self._index, delta, weight)
         return _Handle(self._transport, (fragment, round_))
 

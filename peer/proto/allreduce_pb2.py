@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import codec_pb2 as codec__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0f\x61llreduce.proto\x12\tswarmloco\x1a\x0b\x63odec.proto\"\xc1\x01\n\nMemberInfo\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06weight\x18\x02 \x01(\x01\x12\x12\n\ninner_step\x18\x03 \x01(\x04\x12\x13\n\x0b\x63lient_mode\x18\x04 \x01(\x08\x12\r\n\x05numel\x18\x05 \x01(\x04\x12!\n\x19\x64ownload_bytes_per_second\x18\x06 \x01(\x01\x12\r\n\x05slots\x18\x07 \x01(\r\x12\x1f\n\x17upload_bytes_per_second\x18\x08 \x01(\x01\"\x94\x01\n\rReduceRequest\x12\x10\n\x08group_id\x18\x01 \x01(\x0c\x12\x12\n\nspan_index\x18\x02 \x01(\r\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\'\n\x05piece\x18\x05 \x01(\x0b\x32\x18.swarmloco.EncodedTensor\x12\x14\n\x0c\x61\x63knowledged\x18\x06 \x01(\r\"\xa2\x02\n\x0eReduceResponse\x12\x30\n\x06status\x18\x01 \x01(\x0e\x32 .swarmloco.ReduceResponse.Status\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x14\n\x0c\x63ontributors\x18\x03 \x03(\r\x12\x14\n\x0ctotal_weight\x18\x04 \x01(\x01\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\'\n\x05piece\x18\x06 \x01(\x0b\x32\x18.swarmloco.EncodedTensor\x12\x14\n\x0c\x61\x63knowledged\x18\x07 \x01(\r\x12\x14\n\x0cpart_seconds\x18\x08 \x01(\x01\x12\x12\n\npart_bytes\x18\t \x01(\x04\"*\n\x06Status\x12\x06\n\x02OK\x10\x00\x12\x0c\n\x08REJECTED\x10\x01\x12\n\n\x06\x46\x41ILED\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0f\x61llreduce.proto\x12\tswarmloco\x1a\x0b\x63odec.proto\"\xf5\x01\n\nMemberInfo\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06weight\x18\x02 \x01(\x01\x12\x12\n\ninner_step\x18\x03 \x01(\x04\x12\x13\n\x0b\x63lient_mode\x18\x04 \x01(\x08\x12\r\n\x05numel\x18\x05 \x01(\x04\x12!\n\x19\x64ownload_bytes_per_second\x18\x06 \x01(\x01\x12\r\n\x05slots\x18\x07 \x01(\r\x12\x1f\n\x17upload_bytes_per_second\x18\x08 \x01(\x01\x12\x0c\n\x04\x62\x61se\x18\t \x01(\t\x12\x12\n\nbase_round\x18\n \x01(\x04\x12\x10\n\x08\x65xpected\x18\x0b \x01(\r\"\x94\x01\n\rReduceRequest\x12\x10\n\x08group_id\x18\x01 \x01(\x0c\x12\x12\n\nspan_index\x18\x02 \x01(\r\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\'\n\x05piece\x18\x05 \x01(\x0b\x32\x18.swarmloco.EncodedTensor\x12\x14\n\x0c\x61\x63knowledged\x18\x06 \x01(\r\"\xa2\x02\n\x0eReduceResponse\x12\x30\n\x06status\x18\x01 \x01(\x0e\x32 .swarmloco.ReduceResponse.Status\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x14\n\x0c\x63ontributors\x18\x03 \x03(\r\x12\x14\n\x0ctotal_weight\x18\x04 \x01(\x01\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\'\n\x05piece\x18\x06 \x01(\x0b\x32\x18.swarmloco.EncodedTensor\x12\x14\n\x0c\x61\x63knowledged\x18\x07 \x01(\r\x12\x14\n\x0cpart_seconds\x18\x08 \x01(\x01\x12\x12\n\npart_bytes\x18\t \x01(\x04\"*\n\x06Status\x12\x06\n\x02OK\x10\x00\x12\x0c\n\x08REJECTED\x10\x01\x12\n\n\x06\x46\x41ILED\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,11 +33,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'allreduce_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_MEMBERINFO']._serialized_start=44
-  _globals['_MEMBERINFO']._serialized_end=237
-  _globals['_REDUCEREQUEST']._serialized_start=240
-  _globals['_REDUCEREQUEST']._serialized_end=388
-  _globals['_REDUCERESPONSE']._serialized_start=391
-  _globals['_REDUCERESPONSE']._serialized_end=681
-  _globals['_REDUCERESPONSE_STATUS']._serialized_start=639
-  _globals['_REDUCERESPONSE_STATUS']._serialized_end=681
+  _globals['_MEMBERINFO']._serialized_end=289
+  _globals['_REDUCEREQUEST']._serialized_start=292
+  _globals['_REDUCEREQUEST']._serialized_end=440
+  _globals['_REDUCERESPONSE']._serialized_start=443
+  _globals['_REDUCERESPONSE']._serialized_end=733
+  _globals['_REDUCERESPONSE_STATUS']._serialized_start=691
+  _globals['_REDUCERESPONSE_STATUS']._serialized_end=733
 # @@protoc_insertion_point(module_scope)

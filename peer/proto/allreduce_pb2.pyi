@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class MemberInfo(_message.Message):
-    __slots__ = ("protocol_version", "weight", "inner_step", "client_mode", "numel", "download_bytes_per_second", "slots", "upload_bytes_per_second")
+    __slots__ = ("protocol_version", "weight", "inner_step", "client_mode", "numel", "download_bytes_per_second", "slots", "upload_bytes_per_second", "base", "base_round", "expected")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     INNER_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,9 @@ class MemberInfo(_message.Message):
     DOWNLOAD_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     UPLOAD_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    BASE_ROUND_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     weight: float
     inner_step: int
@@ -26,7 +29,10 @@ class MemberInfo(_message.Message):
     download_bytes_per_second: float
     slots: int
     upload_bytes_per_second: float
-    def __init__(self, protocol_version: _Optional[int] = ..., weight: _Optional[float] = ..., inner_step: _Optional[int] = ..., client_mode: _Optional[bool] = ..., numel: _Optional[int] = ..., download_bytes_per_second: _Optional[float] = ..., slots: _Optional[int] = ..., upload_bytes_per_second: _Optional[float] = ...) -> None: ...
+    base: str
+    base_round: int
+    expected: int
+    def __init__(self, protocol_version: _Optional[int] = ..., weight: _Optional[float] = ..., inner_step: _Optional[int] = ..., client_mode: _Optional[bool] = ..., numel: _Optional[int] = ..., download_bytes_per_second: _Optional[float] = ..., slots: _Optional[int] = ..., upload_bytes_per_second: _Optional[float] = ..., base: _Optional[str] = ..., base_round: _Optional[int] = ..., expected: _Optional[int] = ...) -> None: ...
 
 class ReduceRequest(_message.Message):
     __slots__ = ("group_id", "span_index", "weight", "offset", "piece", "acknowledged")

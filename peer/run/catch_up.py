@@ -3,7 +3,9 @@ download it, its digest in our progress record), and where the swarm's majority 
 we download theirs (the catch-up; whom to ask and why: :func:`peer.net.consensus.plan_catch_up`).
 
 The trainer owns one :class:`StateSync` and calls :meth:`StateSync.publish` after every change of a fragment's
-``G, v`` (the restore, each round, an adoption) and :meth:`StateSync.catch_up` between steps.
+``G, v`` (the restore, each round, an adoption), :meth:`StateSync.owe` after an ``off_base`` round (the group
+applied our part to another base: we download its result from the members that applied it) and
+:meth:`StateSync.catch_up` between steps.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from peer.net.consensus import plan_catch_up, step_after_catch_up
+from peer.net.consensus import CatchUp, plan_catch_up, plan_owed, step_after_catch_up
 from peer.net.state_transfer import DownloadError, Snapshot
 from peer.net.swarm import Swarm
 from peer.outer.engine import StreamingEngine
@@ -32,7 +34,9 @@ class StateSync:
 
     def __init__(self, swarm: Swarm, engine: StreamingEngine, *, events: EventLog, pace: PaceWatch,
                  stop: threading.Event, sync_every: int, on_fragment: Callable[[int, int, str, int], None],
-                 show_status: Callable[[Optional[str]], None]):
+                 show_status: Callable[[Optional[str]], None], owed_timeout: float = 10.0):
+        """``owed_timeout``: how long a download owed after an ``off_base`` round waits for its donors' records
+        (then the drift check takes over)."""
         self.swarm, self.engine, self.events, self.pace, self.stop = swarm, engine, events, pace, stop
         self.sync_every = sync_every
         self.on_fragment = on_fragment  # (fragment, round, digest, numel): the control API's view
@@ -44,8 +48,41 @@ class StateSync:
         self._digests: dict[int, str] = {}
         # a drift found whose repair waits for the holders' records to reach our round (CatchUp.wait): the trainer
         # checks again a quarter heartbeat later until it is repaired or gone, not a drift_check_period later
-        self.recheck = False
+        self._recheck = False
         self._waiting: dict[int, int] = {}  # per fragment, our round at the last such wait said (once per round)
+        # per fragment, the download an off_base round left us: (its round, the members that applied it, until when)
+        self.owed: dict[int, tuple[int, list[str], float]] = {}
+        self.owed_timeout = owed_timeout
+
+    @property
+    def recheck(self) -> bool:
+        """Whether a catch-up is waiting for records (check again a quarter heartbeat later)."""
+        return self._recheck or bool(self.owed)
+
+    def digest(self, p: int) -> str:
+        """The digest of fragment ``p``'s state as last published (every change of it is published)."""
+        return self._digests.get(p) or self.engine.states[p].digest()
+
+    def owe(self, fragment: int, round_: int, appliers: list[str]) -> None:
+        """Round ``round_`` of ``fragment`` was ``off_base``: download what ``appliers`` applied, once their records
+        show it (within ``owed_timeout``)."""
+        self.owed[fragment] = (round_, list(appliers), time.monotonic() + self.owed_timeout)
+
+    def _owed_plans(self, records) -> dict[int, CatchUp]:
+        plans = {}
+        for p, (round_, appliers, until) in list(self.owed.items()):
+            if self.engine.states[p].last_applied >= round_:
+                del self.owed[p]  # (adopted since, or applied a later round from the group's base)
+                continue
+            plan = plan_owed(records, p, round_, appliers, f"off base at round {round_}: the group applied it to "
+                                                              f"another state")
+            if plan.wait and time.monotonic() > until:
+                log.info("fragment %d: no record of the %d peer(s) that applied round %d shows it after %.0f s; the "
+                         "drift check takes over", p, len(appliers), round_, self.owed_timeout)
+                del self.owed[p]
+                continue
+            plans[p] = plan
+        return plans
 
     def publish(self, frag: Fragment, st: FragmentState, step: int, *, adopted: bool = False) -> str:
         """Serves (and advertises) the fragment's shared state as it is now; returns its digest."""
@@ -68,12 +105,14 @@ class StateSync:
         records = self.swarm.live_peers() if joining else self.swarm.vouched_peers()
         expected = [engine.expected_round(p) for p in range(len(engine.states))]
         plans = plan_catch_up(records, self.swarm.peer_id, [st.last_applied for st in engine.states],
-                              [self._digests.get(p) or st.digest() for p, st in enumerate(engine.states)],
+                              [self.digest(p) for p in range(len(engine.states))],
                               joining=joining, expected=expected, late=late, suspect=sorted(self.suspect),
                               my_past=self.swarm.recent_digests(len(engine.states)))
-        self.recheck = any(plan.wait for plan in plans)
+        owed = self._owed_plans(self.swarm.live_peers())
+        plans = [plan for plan in plans if plan.fragment not in owed] + list(owed.values())
+        self._recheck = any(plan.wait for plan in plans if plan.fragment not in owed)
         for plan in plans:
-            if plan.wait and self._waiting.get(plan.fragment) != expected[plan.fragment]:
+            if plan.wait and plan.fragment not in owed and self._waiting.get(plan.fragment) != expected[plan.fragment]:
                 self._waiting[plan.fragment] = expected[plan.fragment]
                 log.info("fragment %d: %s; its holders' records still show round %d, before ours (%d): downloading "
                          "once they show where the holders are now", plan.fragment, plan.reason, plan.round,
@@ -95,6 +134,7 @@ class StateSync:
                 continue
             engine.adopt(plan.fragment, snap.G, snap.v, snap.round)
             self.suspect.discard(plan.fragment)
+            self.owed.pop(plan.fragment, None)
             donor_steps.append(snap.step)
             self.publish(frag, engine.states[plan.fragment], snap.step, adopted=True)
             log.info("fragment %d: caught up to round %d (digest %s) in %.1fs; %s", plan.fragment, snap.round,

@@ -22,14 +22,16 @@ class RoundLedger:
         self.aggregator = aggregator
         self.done = 0  # rounds of which at least one span was applied
         self.ok = self.total = 0  # rounds ok, rounds in all
+        self.off_base = 0  # rounds our part went into while our base differed from the group's (nothing applied)
         self.bytes_up = self.bytes_down = 0
         self._last_status: Optional[RoundStatus] = None  # the previous round's (its repeats are logged at DEBUG)
 
     def record(self, label: str, fragment: int, numel: int, outcome: RoundOutcome, step: int, digest: str) -> int:
         """Counts and tells one round whose outcome was applied (``digest``: our state after it); returns the
         spans applied."""
-        applied = sum(s.average is not None for s in outcome.spans)
+        applied = sum(s.average is not None for s in outcome.applied_spans())
         self.done += applied > 0
+        self.off_base += outcome.status == RoundStatus.OFF_BASE
         self.total += 1
         self.ok += outcome.status == RoundStatus.OK
         self.bytes_up += outcome.bytes_sent
@@ -38,7 +40,7 @@ class RoundLedger:
                f"{applied}/{len(outcome.spans)} spans applied, up {outcome.bytes_sent} B down "
                f"{outcome.bytes_received} B in {outcome.seconds:.2f}s, digest {digest[:12]}")
         msg += f" ({outcome.error})" if outcome.error else ""
-        if outcome.status in (RoundStatus.PARTIAL, RoundStatus.FAILED, RoundStatus.MISSED):
+        if outcome.status in (RoundStatus.PARTIAL, RoundStatus.FAILED, RoundStatus.MISSED, RoundStatus.OFF_BASE):
             log.warning(msg)
         elif outcome.status == RoundStatus.OK and self._last_status not in (None, RoundStatus.OK):
             log.info("%s: averaging with the swarm again", msg)
@@ -53,7 +55,8 @@ class RoundLedger:
                          bytes_received=outcome.bytes_received, seconds=outcome.seconds, digest=digest,
                          spans_applied=applied, spans_missing=len(outcome.spans) - applied,
                          total_weight=outcome.total_weight, contributors=outcome.contributors, error=outcome.error,
-                         deadline=outcome.deadline, matchmaking_seconds=outcome.matchmaking_seconds)
+                         deadline=outcome.deadline, matchmaking_seconds=outcome.matchmaking_seconds,
+                         applied=outcome.applied, base=outcome.base, group_base=outcome.group_base)
         for peer, why in outcome.absent:  # (the console line is the swarm's, in peer.net.swarm)
             self.events.emit("peer_absent", fragment=fragment, round=outcome.round, peer=peer, reason=why)
         for peer, why in outcome.flagged:  # (the console line is the reducer's warning, in peer.net.allreduce)

@@ -49,7 +49,7 @@ class PaceWatch:
 
     def round(self, status: RoundStatus) -> None:
         """One round ended with ``status``; one that applied something (ok, partial) ends a streak."""
-        if status in (RoundStatus.OK, RoundStatus.PARTIAL):
+        if RoundStatus(status).averaged:
             self._missed, self._download_seconds, self._catch_ups, self._said = 0, [], 0, False
         elif status != RoundStatus.ALONE:  # alone: nobody to keep pace with
             self._missed += 1

@@ -235,11 +235,12 @@ class Trainer:
                                  stop=self.stop.event, on_outcome=lambda f, st, o, step: self._report(label, f, st, o,
                                                                                                     step),
                                  error_feedback_codec=get_codec(cfg.outer.codec) if cfg.outer.error_feedback else None,
-                                 tau_fn=self.auto_tau, schedule=schedule, on_wait=self._show_status)
+                                 tau_fn=self.auto_tau, schedule=schedule, on_wait=self._show_status,
+                                 digest_of=lambda p: self.sync.digest(p))
         self.engine = engine
         self.sync = StateSync(self.swarm, engine, events=self.events, pace=self.pace, stop=self.stop.event,
                               sync_every=cfg.outer.sync_every, on_fragment=self.owner.note_fragment,
-                              show_status=self._show_status)
+                              show_status=self._show_status, owed_timeout=4 * cfg.swarm.progress_period + 2)
         self._floor = getattr(source, "entropy_floor", None)
         self.status = StatusLine(cfg.run.status_interval, label)
         parts = dict(model=model, inner=inner, source=source, engine=engine)
@@ -439,9 +440,11 @@ class Trainer:
             self.found_late = True
         if outcome.status == RoundStatus.PARTIAL:  # a span we did not apply: our state of it is likely the odd one
             self.sync.suspect.add(frag.index)
+        if outcome.status == RoundStatus.OFF_BASE:  # the group applied our part to its base: take its result
+            self.sync.owe(frag.index, outcome.round, outcome.appliers)
         digest = self.sync.publish(frag, st, step)
         self.owner.count_round(str(outcome.status))
-        if self.auto_tau is not None and outcome.status in (RoundStatus.OK, RoundStatus.PARTIAL):
+        if self.auto_tau is not None and RoundStatus(outcome.status).averaged:
             self.auto_tau.observe_round(outcome.seconds)
         self.ledger.record(label, frag.index, frag.numel, outcome, step, digest)
         self.pace.round(outcome.status)

@@ -1,0 +1,57 @@
+"""Which members of an assembled group apply its average (pure: no I/O, no torch).
+
+Invariant: every peer that applies round r of fragment f holds the same digest after it. The digest covers
+``G, v``; the update is a deterministic function of ``(G, v)`` and the group's average, which reaches every
+member as the same bytes. So it holds when (1) all appliers start from one base, (2) each applies the whole
+average (a partial round is applied by nobody: the engine applies only ``ok``), and (3) only one group of
+the round applies. :func:`agree` decides (1) and (3) from the members' ``MemberInfo`` alone, so every member
+reaches the same verdict:
+
+- the group's base is the one most members declared (ties: the later round, then the smaller digest); a
+  member with another base still contributes its part, but applies nothing and downloads the group's result
+  from the members that applied it (status ``off_base``);
+- a one-level group applies only if it holds more than half of the upper median of its members' declared
+  ``expected`` counts (whom their rounds wait for). Two groups of one round cannot both hold more than half of
+  the same peers, so at most one applies; a group without that quorum skips the all-reduce (``minority``), its
+  members' progress carried to their next round. Two-level rounds are bounded groups joined at level 2: no
+  quorum there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from peer.proto import allreduce_pb2 as pb
+
+DIGEST_CHARS = 64  # at most, hex (a blake2b-128 digest is 32)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What every member of one group concludes from the same infos."""
+
+    base: str  # the group's base digest
+    base_round: int
+    appliers: tuple[int, ...]  # member indices (group order) whose base is the group's
+    quorum: bool  # the group may apply its average
+    expected: int  # the quorum's denominator (the upper median of the declared counts)
+
+
+def valid_base(info: pb.MemberInfo) -> bool:
+    """A declared base the protocol accepts: a lowercase hex digest of at most DIGEST_CHARS characters."""
+    return 0 < len(info.base) <= DIGEST_CHARS and all(c in "0123456789abcdef" for c in info.base)
+
+
+def agree(infos: Sequence[pb.MemberInfo], *, two_level: bool) -> Verdict:
+    """The group's verdict from its members' infos (checked by :meth:`peer.net.group.GroupPlan.from_group`)."""
+    holders: dict[str, list[int]] = {}
+    for i, info in enumerate(infos):
+        holders.setdefault(info.base, []).append(i)
+    # the round of a base: the smallest any holder declared (a member cannot lift a base by claiming a later one)
+    rounds = {base: min(infos[i].base_round for i in held) for base, held in holders.items()}
+    base = min(holders, key=lambda b: (-len(holders[b]), -rounds[b], b))
+    declared = sorted(max(1, info.expected) for info in infos)
+    expected = declared[len(declared) // 2]
+    quorum = two_level or 2 * len(infos) > expected
+    return Verdict(base, rounds[base], tuple(holders[base]), quorum, expected)

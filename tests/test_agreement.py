@@ -1,0 +1,90 @@
+"""Which members of a group apply its average (peer/net/agreement.py): one base per group, one group per round."""
+
+from hivemind.averaging.group_info import GroupInfo
+from hypothesis import given
+from hypothesis import strategies as st
+
+from peer.net.agreement import agree
+from peer.net.consensus import plan_owed
+from peer.net.group import PROTOCOL_VERSION, GroupError, GroupPlan
+from peer.net.records import ProgressRecord
+from peer.outer.codec import get_codec
+from peer.proto import allreduce_pb2 as pb
+
+A, B, C = "a" * 32, "b" * 32, "c" * 32
+
+
+def infos(bases, expected=None, rounds=None):
+    n = len(bases)
+    return [pb.MemberInfo(protocol_version=PROTOCOL_VERSION, weight=1.0, numel=10, base=b,
+                          base_round=(rounds or [0] * n)[i], expected=(expected or [n] * n)[i])
+            for i, b in enumerate(bases)]
+
+
+def test_the_base_most_members_declared_applies_and_the_others_only_contribute():
+    v = agree(infos([A, B, A]), two_level=False)
+    assert (v.base, v.appliers, v.quorum) == (A, (0, 2), True)
+    # a tie goes to the later round (a peer resumed from an old checkpoint is the one that catches up) ...
+    v = agree(infos([A, B], rounds=[4, 5]), two_level=False)
+    assert (v.base, v.base_round, v.appliers) == (B, 5, (1,))
+    # ... then to the smaller digest; a base's round is the smallest its holders declared (no lifting it)
+    assert agree(infos([B, A]), two_level=False).appliers == (1,)
+    v = agree(infos([A, B, B], rounds=[9, 3, 99]), two_level=False)
+    assert (v.base, v.base_round) == (B, 3)
+
+
+def test_a_group_applies_only_with_more_than_half_of_the_peers_its_members_expected():
+    assert agree(infos([A, A], expected=[3, 3]), two_level=False).quorum  # 2 of 3
+    v = agree(infos([A, A], expected=[4, 4]), two_level=False)  # 2 of 4: the other half may apply it
+    assert not v.quorum and v.expected == 4
+    # the upper median of the declared counts: one member with a stale view does not decide ...
+    assert not agree(infos([A, A], expected=[2, 16]), two_level=False).quorum
+    # ... nor does one that declares an absurd count in a larger group
+    assert agree(infos([A, A, A], expected=[3, 3, 10 ** 9]), two_level=False).quorum
+    assert agree(infos([A, A], expected=[16, 16]), two_level=True).quorum  # bounded groups meet at level 2
+
+
+@given(n=st.integers(2, 40), cut=st.integers(1, 39), bases=st.lists(st.sampled_from([A, B, C]), min_size=40,
+                                                                   max_size=40))
+def test_two_groups_of_one_round_never_both_apply_and_every_applier_has_the_groups_base(n, cut, bases):
+    """Peers that agree on how many the round waits for (n) split into two groups: at most one applies, and inside
+    it every member that applies declared the one base."""
+    cut = min(cut, n - 1)
+    groups = [bases[:cut], bases[cut:n]]
+    verdicts = [agree(infos(g, expected=[n] * len(g)), two_level=False) for g in groups]
+    assert sum(v.quorum for v in verdicts) <= 1
+    for g, v in zip(groups, verdicts):
+        assert {g[i] for i in v.appliers} == {v.base}
+        assert len(v.appliers) == max(g.count(b) for b in set(g))
+
+
+def test_group_plan_checks_the_declared_base_and_says_whether_we_apply():
+    ids = ["p0", "p1", "p2"]
+    gathered = [i.SerializeToString() for i in infos([A, B, A])]
+    plans = [GroupPlan.from_group(GroupInfo(b"g" * 20, tuple(ids), tuple(gathered)), me, get_codec("fp32"), 10, "t")
+             for me in ids]
+    assert [p.applies for p in plans] == [True, False, True]
+    for bad in ("", "ZZ" * 16, "a" * 65):
+        gathered[1] = infos([bad])[0].SerializeToString()
+        try:
+            GroupPlan.from_group(GroupInfo(b"g" * 20, tuple(ids), tuple(gathered)), "p0", get_codec("fp32"), 10, "t")
+        except GroupError as e:
+            assert "base" in str(e)
+        else:
+            raise AssertionError(f"base {bad!r} accepted")
+
+
+def _rec(pid, round_, digest):
+    return ProgressRecord(peer_id=pid, step=10, round=round_, rounds=[round_], digests=[digest], tokens_per_second=1.0,
+                          client_mode=False, time=100.0)
+
+
+def test_an_off_base_member_downloads_what_the_appliers_hold_once_their_records_show_it():
+    ids = ["12D3KooW" + c * 44 for c in "xyz"]
+    records = {ids[0]: _rec(ids[0], 6, "d" * 32), ids[1]: _rec(ids[1], 6, "d" * 32), ids[2]: _rec(ids[2], 9, "e" * 32)}
+    plan = plan_owed(records, 0, 7, ids[:2], "off base")
+    assert plan.wait  # their records still show round 6
+    records[ids[0]] = _rec(ids[0], 7, "f" * 32)
+    records[ids[1]] = _rec(ids[1], 7, "f" * 32)
+    plan = plan_owed(records, 0, 7, ids[:2], "off base")  # (the third peer, not an applier, is not asked)
+    assert (plan.wait, plan.round, plan.digest, sorted(plan.donors)) == (False, 7, "f" * 32, sorted(ids[:2]))
