@@ -267,7 +267,7 @@ def plan_catch_up(records: Mapping[str, ProgressRecord], me: str, my_rounds: Seq
     against the majority), or any other digest for a fragment in ``suspect`` (our own last round of it was
     partial: we are the likely odd one out). Where the holders' records still show a round before ``expected``,
     that plan ``wait``s: adopting it would drop our rounds since, and the next round would apply the swarm's
-    average to a state a round old, off again (CI saw a resumed peer adopt a round behind ours at every check).
+    average to a state a round old, off again.
 
     ``my_past``: per fragment, our own digests of earlier rounds ({round: digest}). When rounds come faster than
     records, no other record has reached our current round yet; the comparison is then made at our latest
