@@ -1,6 +1,6 @@
 """Runs swarm test modules again and again, two at a time (CI's load), and prints how often each passed.
 
-    .venv/bin/python bench/flaky.py tests/test_swarm.py tests/test_rejoin.py --runs 5 [--parallel 2]
+    .venv/bin/python bench/flaky.py tests/test_swarm.py tests/test_phase_swarm.py --runs 5 [--parallel 2]
 
 Each run is ``pytest -q -p no:cacheprovider MODULE`` in its own process with its own ``--basetemp`` (kept under
 ``--out-dir`` for the logs of a failure); a run that exceeds ``--timeout`` counts as failed and is killed with its

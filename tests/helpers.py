@@ -329,3 +329,21 @@ def final_digests(run_root, name: str) -> dict[int, str]:
     for e in events(run_root, name, ("round", "catch_up")):
         out[e["fragment"]] = e["digest"]
     return out
+
+
+def assert_learned(run_root, name: str, *, closed: float) -> float:
+    """``name`` learned: the mean of its last two logged losses closed at least ``closed`` of the gap between the
+    mean of its first two and the corpus' entropy floor (the cross-entropy no model can beat), and is not below
+    the floor by more than a batch's noise (0.1 nats). Returns the fraction closed. Two logs each, not one: a
+    single batch's loss moves by ~0.2 nats at the tests' sizes."""
+    steps = events(run_root, name, "step")
+    assert len(steps) >= 4, f"{name}: only {len(steps)} step events"
+    floor = steps[-1]["floor"]
+    assert floor is not None, f"{name}: the corpus has no entropy floor"
+    first = (steps[0]["loss"] + steps[1]["loss"]) / 2
+    last = (steps[-2]["loss"] + steps[-1]["loss"]) / 2
+    fraction = (first - last) / (first - floor)
+    assert fraction >= closed and last > floor - 0.1, (
+        f"{name}: loss {first:.3f} -> {last:.3f} against a floor of {floor:.3f}: closed {fraction:.0%} of the gap, "
+        f"expected at least {closed:.0%}")
+    return fraction

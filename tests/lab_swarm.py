@@ -1,9 +1,10 @@
 """A loopback swarm of named peer processes, and the disturbances of drop and rejoin: a peer stopped with
-SIGINT or SIGKILL and restarted with its run dir, or paused with SIGSTOP (a laptop that sleeps). Used by
-``tests/test_phase_swarm.py`` and ``bench/phase.py``.
+SIGINT or SIGKILL and restarted with its run dir, paused with SIGSTOP (a laptop that sleeps), or a new peer that
+joins the run in progress. Used by ``tests/test_phase_swarm.py`` and ``bench/phase.py``.
 
-A disturbed peer is *back* at its first step event after its restart or SIGCONT; from there the swarm has
-*rejoined* at the first round every peer completed ok, in a group of all, with one digest.
+A disturbed peer is *back* at its first step event after its restart or SIGCONT (a new peer: after its state
+download); from there the swarm has *rejoined* at the first round every peer completed ok, in a group of all,
+with one digest.
 """
 
 from __future__ import annotations
@@ -93,9 +94,14 @@ class LoopbackSwarm:
 def disturb_and_rejoin(swarm: LoopbackSwarm, kind: str, victim: str, *, down_s: float = DOWN_S,
                        pause_s: float = PAUSE_S) -> dict:
     """Disturbs ``victim`` (``sigint``, ``sigkill``: restarted ``down_s`` later; ``pause``: SIGSTOP for
-    ``pause_s``), waits until the swarm rejoined, and returns what it took (rounds, seconds)."""
+    ``pause_s``; ``join``: a new peer of that name joins the run in progress), waits until the swarm rejoined,
+    and returns what it took (rounds, seconds)."""
     t0 = time.time()  # (wall clock, as in the events)
-    if kind in ("sigint", "sigkill"):
+    if kind == "join":
+        swarm.names.append(victim)
+        swarm.peer[victim] = swarm.start(victim, "--min-peers", "1")
+        t = time.time()
+    elif kind in ("sigint", "sigkill"):
         if kind == "sigint":
             swarm.peer[victim].popen.send_signal(signal.SIGINT)
             assert wait_exit(swarm.peer[victim], 90) == 0, swarm.peer[victim].tail()

@@ -1,11 +1,11 @@
-"""A peer behind a home router (NAT, no port forward) in a real swarm across network namespaces.
+"""Peers behind home routers (NAT, no port forward) in a real swarm across network namespaces.
 
-A bootstrap node in host 0, two peers in hosts 1-2 with public lab addresses, and peer 3 in host 3 behind a home
-router of its own (:class:`netns.NetnsLab` ``nat=[3]``: iptables masquerade, replies only). Peer 3 runs in client
-mode, as the README tells a volunteer behind a NAT to, or finds at start that it must: it dials out only, reduces
-no span, and serves no state.
-What must hold: nobody can dial it (checked on its real port), and yet its outer gradient is in every average it
-takes part in (every span of its rounds lists three contributors), with one digest across the three.
+A bootstrap node in host 0, two peers in hosts 1-2 with public lab addresses, and peers 3 and 4 in hosts 3-4,
+each behind a home router of its own (:class:`netns.NetnsLab` ``nat=[3, 4]``: iptables masquerade, replies only).
+Peer 3 runs in client mode, as the README tells a volunteer behind a NAT to; peer 4 finds at start that it must.
+Both dial out only, reduce no span, and serve no state. What must hold: nobody can dial them (checked on their
+real ports), and yet their outer gradients are in every average they take part in (every span of their rounds
+lists four contributors), with one digest across the four.
 
 Relayed reducers: peers 2 and 3 both behind home routers, *not* in client mode, dialable only through the bootstrap
 node (``swarm-bootstrap --relay-service``, ``--relay-via`` on their side: libp2p circuit relay). Each reduces a span
@@ -29,8 +29,8 @@ from test_netns_swarm import FAST
 pytestmark = pytest.mark.swarm
 
 MAX_STEPS = 60  # fragment 0 launches at 20 and 40, fragment 1 at 30 and 50 (H = 20, tau = 10)
-NAMES = ["p1", "p2", "p3"]
-NATTED = 3  # host (and peer p3) behind the home router
+NAMES = ["p1", "p2", "p3", "p4"]
+CLIENT, FINDS = 3, 4  # hosts (and peers p3, p4) behind home routers: in client mode, and finding out at start
 
 
 @pytest.fixture
@@ -38,7 +38,7 @@ def lab():
     ok, reason = nat_available()
     if not ok:
         pytest.skip(reason)
-    with NetnsLab(4, nat=[NATTED]) as lab:
+    with NetnsLab(5, nat=[CLIENT, FINDS]) as lab:
         yield lab
     assert not lab.namespaces(), f"namespaces left behind: {lab.namespaces()}"
 
@@ -53,46 +53,47 @@ def dial(lab: NetnsLab, host: int, addr: str, port: int) -> str:
 
 def finished_rounds(peers: dict, tmp_path) -> tuple[dict, list]:
     """Waits for every peer to exit 0; returns each one's round events by (fragment, round) and the rounds all
-    of NAMES completed ok."""
+    of them completed ok."""
     for name, proc in peers.items():
         wait_for(lambda: proc.returncode is not None, 180, f"{name} to exit:\n{proc.tail()}")
         assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{proc.tail()}"
-    assert_one_digest_per_applied_round(tmp_path, NAMES)  # every round, no filter
-    rounds = {n: {(e["fragment"], e["round"]): e for e in events(tmp_path, n, "round")} for n in NAMES}
+    names = list(peers)
+    assert_one_digest_per_applied_round(tmp_path, names)  # every round, no filter
+    rounds = {n: {(e["fragment"], e["round"]): e for e in events(tmp_path, n, "round")} for n in names}
     together = sorted(set.intersection(*(set(k for k, e in rounds[n].items() if e["status"] == "ok")
-                                         for n in NAMES)))
+                                         for n in names)))
     return rounds, together
 
 
-@pytest.mark.parametrize("mode", ["client mode", "found at start"])
-def test_a_peer_behind_nat_in_client_mode_is_in_every_average(lab, procs, tmp_path, mode):
-    """``client mode``: p3 runs with --client-mode. ``found at start``: it does not, and finds out at start that
-    the swarm sees it at its router's address, none of its own (swarm.reachability_check), then goes on in client
-    mode and says so in one line."""
-    natted = ["--max-steps", str(MAX_STEPS), *FAST] + (["--client-mode"] if mode == "client mode" else
-                                                         ["--reachability-check"])  # (the lab turns it off)
-    boot, _, peers = start_lab_swarm(lab, procs, tmp_path, [["--max-steps", str(MAX_STEPS), *FAST]] * 2 + [natted])
-    if mode == "found at start":
-        line = peers["p3"].wait_for_line(r"nobody outside can dial this peer: (.*)", timeout=60)
-        assert lab.public_addr(NATTED) in line.group(1), line.group(0)
-        assert not events(tmp_path, "p3", "round"), "the check must answer before the first round"
+def test_peers_behind_nat_in_client_mode_are_in_every_average(lab, procs, tmp_path):
+    """p3 runs with --client-mode. p4 does not, and finds out at start that the swarm sees it at its router's
+    address, none of its own (swarm.reachability_check), then goes on in client mode and says so in one line."""
+    public = ["--max-steps", str(MAX_STEPS), *FAST]
+    finds = [*public, "--reachability-check"]  # (the lab turns it off)
+    boot, _, peers = start_lab_swarm(lab, procs, tmp_path, [public, public, [*public, "--client-mode"], finds])
+    assert list(peers) == NAMES
+    line = peers["p4"].wait_for_line(r"nobody outside can dial this peer: (.*)", timeout=60)
+    assert lab.public_addr(FINDS) in line.group(1), line.group(0)
+    assert not events(tmp_path, "p4", "round"), "the check must answer before the first round"
 
-    # p3 listens on its private address; from outside neither that address nor its router's port answers
-    start = wait_for(lambda: events(tmp_path, "p3", "start"), 90, "p3's start event")[0]
-    assert all(m.startswith(f"/ip4/{lab.addr(NATTED)}/") for m in start["maddrs"]), start["maddrs"]
-    port = int(start["maddrs"][0].split("/tcp/")[1].split("/")[0])
-    assert dial(lab, NATTED, lab.addr(NATTED), port) == "connected"  # it does listen
-    for addr in (lab.addr(NATTED), lab.public_addr(NATTED)):
-        assert dial(lab, 1, addr, port) != "connected", f"{addr}:{port} answered from outside the NAT"
+    # each listens on its private address; from outside neither that address nor its router's port answers
+    for host in (CLIENT, FINDS):
+        start = wait_for(lambda: events(tmp_path, f"p{host}", "start"), 90, f"p{host}'s start event")[0]
+        assert all(m.startswith(f"/ip4/{lab.addr(host)}/") for m in start["maddrs"]), start["maddrs"]
+        port = int(start["maddrs"][0].split("/tcp/")[1].split("/")[0])
+        assert dial(lab, host, lab.addr(host), port) == "connected"  # it does listen
+        for addr in (lab.addr(host), lab.public_addr(host)):
+            assert dial(lab, 1, addr, port) != "connected", f"{addr}:{port} answered from outside the NAT"
 
     rounds, together = finished_rounds(peers, tmp_path)
-    # every round of the run but at most one (e.g. a slow start) averaged the three, p3's part in every span
+    # every round of the run but at most one (e.g. a slow start) averaged the four, p3's and p4's parts in every
+    # span
     assert len(together) >= 3, {n: {k: e["status"] for k, e in r.items()} for n, r in rounds.items()}
     for key in together:
         got = [rounds[n][key] for n in NAMES]
-        assert all(e["group_size"] == 3 and e["spans_missing"] == 0 for e in got), got
-        assert all(len(span) == 3 for span in got[0]["contributors"] if span), got[0]["contributors"]
-        assert len([span for span in got[0]["contributors"] if span]) == 2  # p1 and p2 reduce; p3 reduces none
+        assert all(e["group_size"] == 4 and e["spans_missing"] == 0 for e in got), got
+        assert all(len(span) == 4 for span in got[0]["contributors"] if span), got[0]["contributors"]
+        assert len([span for span in got[0]["contributors"] if span]) == 2  # p1 and p2 reduce; p3, p4 none
         assert len({e["digest"] for e in got}) == 1, f"{key}: digests differ"
     assert boot.terminate(timeout=30) == 0
 
@@ -130,7 +131,7 @@ def test_two_peers_behind_nat_reduce_spans_through_a_relay(relay_lab, procs, tmp
     rounds, together = finished_rounds(peers, tmp_path)
     assert len(together) >= 2, {n: {k: e["status"] for k, e in r.items()} for n, r in rounds.items()}
     for key in together:
-        got = [rounds[n][key] for n in NAMES]
+        got = [rounds[n][key] for n in peers]
         assert all(e["group_size"] == 3 and e["spans_missing"] == 0 for e in got), got
         spans = [span for span in got[0]["contributors"] if span]
         assert len(spans) == 3 and all(len(span) == 3 for span in spans), got[0]["contributors"]  # all reduce

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (Proc, applied_digests, assert_one_digest_per_applied_round, events, final_digests,
-                     wait_for)
+from helpers import (Proc, applied_digests, assert_learned, assert_one_digest_per_applied_round, events,
+                     final_digests, wait_for)
 from test_export import assert_exports_agree_and_load_plainly
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]
@@ -55,10 +55,14 @@ def wait_exit(proc: Proc, timeout: float) -> int:
     return proc.returncode
 
 
-def test_three_peers_agree_on_every_round_and_learn(procs, tmp_path):
+def test_three_peers_of_different_tau_agree_on_every_round_and_learn(procs, tmp_path):
+    """Overlap is per peer: tau 0, 2 and 5 (eager on for the overlapping two) apply the same aggregates at
+    different steps, so the shared outer parameters stay identical on every round while local weights differ."""
     initial = start_bootstrap(procs, tmp_path)
-    names = ["p0", "p1", "p2"]
-    peers = [start_peer(procs, tmp_path, n, initial, 100) for n in names]
+    taus = {"p0": ["--outer-tau", "0"], "p1": ["--outer-tau", "2", "--outer-eager"],
+            "p2": ["--outer-tau", "5", "--outer-eager"]}
+    names = list(taus)
+    peers = [start_peer(procs, tmp_path, n, initial, 100, *taus[n]) for n in names]
     for name, proc in zip(names, peers):
         assert wait_exit(proc, 300) == 0, proc.tail()
         assert not proc.session_pids(), f"{name} left processes behind: {proc.session_pids()}"
@@ -72,6 +76,8 @@ def test_three_peers_agree_on_every_round_and_learn(procs, tmp_path):
         got = [rounds[n][key] for n in names]
         assert all(e["status"] == "ok" and e["group_size"] == 3 for e in got), got
         assert len({e["digest"] for e in got}) == 1, f"{key}: digests differ: {[e['digest'] for e in got]}"
+        for n, e in zip(names, got):  # applied tau steps after its launch; the last at max_steps (drained)
+            assert e["applied"] and e["step"] == min(e["launch_step"] + int(taus[n][1]), 100), (n, e)
         # FP4 E3M0 both ways: with equal spans each peer sends (M-1)/M of its parts and its span's average to M-1
         # peers, i.e. 2*(M-1)/M elements per fragment element, at 4.5 bits each (+ a few bytes per message). Spans
         # that follow the links (swarm.span_sizing) move bytes between peers, not in all: the group's sum is
@@ -89,10 +95,8 @@ def test_three_peers_agree_on_every_round_and_learn(procs, tmp_path):
     for n, proc in zip(names, peers):  # one console line per round at most: round detail is logged at DEBUG
         round_lines = [line for line in proc.lines() if re.search(r"^\S+ (INFO|WARN\w*) .*round \d+", line)]
         assert len(round_lines) <= len(rounds[n]), "\n".join(round_lines)
-    for n in names:
-        steps = events(tmp_path, n, "step")
-        assert steps[-1]["loss"] < steps[0]["loss"] - 0.5, (n, steps[0]["loss"], steps[-1]["loss"])
-        assert steps[-1]["floor"] is not None and steps[-1]["loss"] > steps[-1]["floor"] - 0.05
+    for n in names:  # 100 steps of 4 x 32 tokens: measured 45-50% of the gap to the floor closed on every peer
+        assert_learned(tmp_path, n, closed=0.3)
     # the bootstrap node leaves cleanly too
     assert procs[0].terminate(timeout=30) == 0
     assert not procs[0].session_pids()
@@ -148,26 +152,6 @@ def test_sigterm_leaves_cleanly_with_exit_0(procs, tmp_path):
     stop = events(tmp_path, "solo", "stop")
     assert stop and stop[-1]["reason"] == "stop signal" and stop[-1]["step"] >= 20
     assert any("left the swarm" in line for line in proc.lines())
-
-
-def test_peers_with_different_tau_and_eager_agree_on_every_round(procs, tmp_path):
-    """Overlap is per peer: tau 0, 2 and 5 (eager on) apply the same aggregates at different steps,
-    so the shared outer parameters stay identical while each peer's local weights differ."""
-    initial = start_bootstrap(procs, tmp_path)
-    taus = {"t0": "0", "t2": "2", "t5": "5"}
-    peers = {n: start_peer(procs, tmp_path, n, initial, 100, "--outer-tau", tau, "--outer-eager")
-             for n, tau in taus.items()}
-    for n, proc in peers.items():
-        assert wait_exit(proc, 300) == 0, proc.tail()
-    rounds = {n: {(e["fragment"], e["round"]): e for e in events(tmp_path, n, "round")} for n in taus}
-    common = set.intersection(*(set(r) for r in rounds.values()))
-    assert len(common) >= 7, {n: sorted(r) for n, r in rounds.items()}
-    # every round that more than one peer applied agrees, whatever the others did; all three applied most
-    assert assert_one_digest_per_applied_round(tmp_path, list(taus), shared=7) >= 7
-    for n, tau in taus.items():  # applied exactly tau steps after launch
-        for e in rounds[n].values():
-            if e["applied"]:
-                assert e["step"] - e["launch_step"] == int(tau), (n, e)
 
 
 def test_clock_schedule_peers_of_different_speeds_meet_every_round(procs, tmp_path):

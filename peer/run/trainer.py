@@ -316,6 +316,8 @@ class Trainer:
             controls.enter(PeerState.FINISHING, "completing the rounds in flight")
             log.info("finishing (asked by the owner): completing the rounds in flight, then a checkpoint")
             engine.drain(step)
+        elif self._reached_max_steps(step):  # the last rounds were launched with the others: complete them
+            engine.drain(step)
         else:
             engine.abandon()
         self.checkpoints.save(step, **parts, wait=True)
@@ -332,6 +334,13 @@ class Trainer:
         return EXIT_PASS_ENDED if ended else 0
 
     # ---- the owner's controls ------------------------------------------------------------------
+    def _reached_max_steps(self, step: int) -> bool:
+        """The loop ended at ``run.max_steps`` (not a stop signal, a finish or the end of the pass): the peers
+        that run the same number of steps launched their last rounds together, so they complete them."""
+        max_steps = self.cfg.run.max_steps
+        return (not self.stop.event.is_set() and not self.swarm.pass_ended and max_steps > 0
+                and step >= max_steps)
+
     def _pause(self, step: int, why: str, parts: dict) -> int:
         """Pauses until the owner resumes (or the active hours begin), a stop or a finish; returns the step to
         go on from. Must be called between steps. The rounds in flight complete first and a checkpoint is
