@@ -26,7 +26,9 @@ public-looking addresses that exist only inside the lab's namespaces as well (no
 
 ``shape(i, rate_mbit)`` puts a token-bucket filter (``tc ... tbf``) on both directions of host i's link:
 egress of its ``eth0`` (upload) and egress of the bridge-side ``vh<i>`` (download). ``cut(i)`` /
-``restore(i)`` take the link down/up (a "pulled cable"; the host keeps its address).
+``restore(i)`` take the link down/up (a "pulled cable"; the host keeps its address). ``partition(a, b)`` /
+``heal()``: the hosts of ``a`` and of ``b`` drop each other's packets (iptables in each host), each still reaching
+everyone else.
 
 Every namespace name carries a per-run prefix ``swlab-<creator pid>-<random>-``; deleting the
 namespaces deletes every veth and the bridge with them. :meth:`NetnsLab.close` (also on ``__exit__``)
@@ -130,6 +132,7 @@ class NetnsLab:
         self._ip, self._tc = _tool("ip"), _tool("tc")
         self._created: list[str] = []  # namespaces, in creation order
         self._shaped: dict[int, tuple[float, float, float]] = {}
+        self._dropped: list[tuple[int, int]] = []  # (host, the host whose packets it drops): partition()
 
     # ---- lifecycle -------------------------------------------------------------------------
     def __enter__(self) -> "NetnsLab":
@@ -241,6 +244,25 @@ class NetnsLab:
     def restore(self, i: int) -> None:
         """Brings host ``i``'s link back up after :meth:`cut`."""
         self._ipn(self.bridge_ns, "link", "set", self._bridge_if(self._check(i)), "up")
+
+    def partition(self, side_a: Sequence[int], side_b: Sequence[int]) -> None:
+        """Drops every packet between the hosts of ``side_a`` and those of ``side_b`` (each host's firewall drops
+        what arrives from the other side, silently, as a broken route would); both sides still reach every other
+        host. :meth:`heal` undoes it. Needs iptables (:func:`nat_available`)."""
+        for a in side_a:
+            for b in side_b:
+                for i, j in ((a, b), (b, a)):
+                    self._drop_from(i, j, "-I")
+                    self._dropped.append((i, j))
+
+    def heal(self) -> None:
+        """Undoes every :meth:`partition`."""
+        while self._dropped:
+            self._drop_from(*self._dropped.pop(), "-D")
+
+    def _drop_from(self, i: int, j: int, op: str) -> None:
+        _run([self._ip, "netns", "exec", self.host(i), _tool("iptables"), op, "INPUT", "-s", self.public_addr(j),
+              "-j", "DROP"])
 
     # ---- traffic counters (home routers) ------------------------------------------------------
     def count_packets(self, i: int, addr: str) -> None:

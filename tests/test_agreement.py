@@ -4,7 +4,7 @@ from hivemind.averaging.group_info import GroupInfo
 from hypothesis import given
 from hypothesis import strategies as st
 
-from peer.net.agreement import agree
+from peer.net.agreement import agree, quorum_count
 from peer.net.consensus import plan_owed
 from peer.net.group import PROTOCOL_VERSION, GroupError, GroupPlan
 from peer.net.records import ProgressRecord
@@ -56,6 +56,23 @@ def test_two_groups_of_one_round_never_both_apply_and_every_applier_has_the_grou
     for g, v in zip(groups, verdicts):
         assert {g[i] for i in v.appliers} == {v.base}
         assert len(v.appliers) == max(g.count(b) for b in set(g))
+
+
+def test_partners_that_stay_live_keep_counting_so_the_smaller_side_of_a_split_never_holds_a_majority():
+    five = ["p1", "p2", "p3", "p4", "p5"]
+    partnered = set(five).__contains__
+    # split 3 | 2: each side's rounds stopped waiting for the other (absent), whose records still arrive
+    major = quorum_count(["p2", "p3"], five, partnered, "p1")
+    minor = quorum_count(["p5"], five, partnered, "p4")
+    assert (major, minor) == (5, 5)
+    assert agree(infos([A] * 3, expected=[major] * 3), two_level=False).quorum
+    assert not agree(infos([B] * 2, expected=[minor] * 2), two_level=False).quorum
+    # the other side crashed: its records expired, the survivors go on
+    assert quorum_count(["p5"], ["p4", "p5"], partnered, "p4") == 2
+    # made-up ids that never were in a group count only while the round waits for them
+    sybils = [f"s{i}" for i in range(20)]
+    assert quorum_count(["p2"], ["p2", *sybils], partnered, "p1") == 2
+    assert quorum_count(["p2", *sybils], ["p2", *sybils], partnered, "p1") == 22
 
 
 def test_group_plan_checks_the_declared_base_and_says_whether_we_apply():

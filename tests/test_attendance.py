@@ -54,6 +54,25 @@ def test_an_absent_partner_that_comes_is_forgiven_at_once_and_one_that_seeks_thi
     assert not att.absent(b) and att.snapshot() == {}
 
 
+def test_an_absent_partner_that_came_to_our_state_is_waited_for_until_it_misses_again():
+    """The two sides of a healed partition: each absent for the other, their states apart (behind or ahead);
+    once one downloaded the other's state and the records show one state, each side's groups wait for the
+    other again. A record that never moves (a stuck process) is not back, and one back that still does not come
+    must drift apart again."""
+    a, b = "A" * 46, "B" * 46
+    stuck = {a: rec(a), b: rec(b)}  # in step with us all along, and never comes
+    for apart in ((3, 5), (5, 7)):  # B behind us (we are the larger side), or ahead (we are the smaller one)
+        att = Attendance(misses=2, max_interval=8)
+        play(att, stuck, came={a})
+        play(att, stuck, came={a})
+        assert att.absent(b) and b not in att.expected(stuck, ME, [5, 5], lambda p: True, (0, 6))
+        assert b not in att.expected({a: rec(a), b: rec(b, rounds=apart)}, ME, [5, 5], lambda p: True, (0, 6))
+        assert b not in att.expected({a: rec(a), b: rec(b, rounds=(5, 3))}, ME, [5, 5], lambda p: True, (0, 6))
+        assert b in att.expected({a: rec(a), b: rec(b, rounds=(5, 4))}, ME, [5, 5], lambda p: True, (0, 6))
+        play(att, stuck, came={a})  # ... and it did not come: a miss
+        assert b not in att.expected(stuck, ME, [5, 5], lambda p: True, (0, 6))
+
+
 def test_a_partner_that_comes_late_is_not_counted_absent_again_so_its_probe_comes_and_the_group_waits():
     """An absent partner back from an outage, a little out of phase: its record seeks each round only after the
     group assembled without it. Judged by whom the round waited for when it assembled, that is no miss, so its

@@ -11,7 +11,7 @@ reaches the same verdict:
   member with another base still contributes its part, but applies nothing and downloads the group's result
   from the members that applied it (status ``off_base``);
 - a one-level group applies only if it holds more than half of the upper median of its members' declared
-  ``expected`` counts (whom their rounds wait for). Two groups of one round cannot both hold more than half of
+  ``expected`` counts (:func:`quorum_count`). Two groups of one round cannot both hold more than half of
   the same peers, so at most one applies; a group without that quorum skips the all-reduce (``minority``), its
   members' progress carried to their next round. Two-level rounds are bounded groups joined at level 2: no
   quorum there.
@@ -20,7 +20,7 @@ reaches the same verdict:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Collection, Iterable, Sequence
 
 from peer.proto import allreduce_pb2 as pb
 
@@ -55,3 +55,12 @@ def agree(infos: Sequence[pb.MemberInfo], *, two_level: bool) -> Verdict:
     expected = declared[len(declared) // 2]
     quorum = two_level or 2 * len(infos) > expected
     return Verdict(base, rounds[base], tuple(holders[base]), quorum, expected)
+
+
+def quorum_count(expected: Collection[str], live: Iterable[str], partnered: Callable[[str], bool], me: str) -> int:
+    """The count a member declares (``MemberInfo.expected``): the peers its round waits for, and every live peer
+    it was in a group with, waited for or not, and itself. A partner that stays live but stopped coming (the
+    other side of a partition, whose records still reach us) keeps counting, so the smaller side of a split never
+    holds a majority however long the split lasts; a partner that crashed stops counting when its record
+    expires, so survivors go on; strangers (made-up ids) count only while the round waits for them."""
+    return len(set(expected) | {p for p in live if partnered(p)} | {me})

@@ -14,8 +14,8 @@ a round waits for (:meth:`Attendance.expected`); the group then assembles as soo
   It is invited again at probes, every 2, 4, .. up to ``max_interval`` rounds (its further misses double the
   interval), so a peer that comes back is waited for again within ``max_interval`` rounds; one that joins
   a group of ours before that is forgiven at once. A peer we were in a group with is also waited for as
-  soon as its record says it is looking for a group for the round (it is back: a restart, the end of a
-  download).
+  soon as its record says it is looking for a group for the round, or that it caught up with our state
+  (it is back: a restart, the end of a download, a healed partition).
 
 Peers we never were in a group with are judged together, as *strangers* (:data:`STRANGERS`): fresh ids cost
 nothing to make, so per-id bookkeeping alone would let a sybil factory make every round wait. A genuine
@@ -41,6 +41,7 @@ MAX_ROUNDS_ASKED = 64  # rounds whose invitation is remembered until record() (a
 class _Absence:
     missed: int = 0  # rounds in a row it was invited to and did not come
     skipped: int = 0  # rounds since it was last invited (while absent)
+    apart: bool = False  # its record showed another state than ours since its last miss (see _caught_up)
 
 
 @dataclass(frozen=True)
@@ -81,12 +82,30 @@ class Attendance:
         seeking = list(here)
         wanted = frozenset({me} | {pid for pid, rec in records.items() if pid != me
                                    and not catching_up(rec, my_rounds)
-                                   and (self._invited(self._key(pid, met)) or met(pid) and seeking in rec.seeking)})
+                                   and (self._invited(self._key(pid, met)) or met(pid) and (
+                                       seeking in rec.seeking or self._caught_up(pid, rec, my_rounds)))})
         self._asked.pop(here, None)
         self._asked[here] = wanted
         while len(self._asked) > MAX_ROUNDS_ASKED:  # (rounds that found no group are never recorded)
             del self._asked[next(iter(self._asked))]
         return wanted
+
+    def _caught_up(self, peer: str, rec: ProgressRecord, my_rounds: Sequence[int]) -> bool:
+        """Whether absent partner ``peer`` and we have just come to one state: its record showed rounds two or
+        more from ours since its last miss (behind or ahead) and now holds ours (one side downloaded the other's
+        state: a partition healed, an outage ended). Each side waits for the other again, so the two meet at the
+        next round instead of each going on in its own groups. A record that never moves (a stuck process) does
+        not catch up; one that caught up and still does not come is a miss, and must drift apart and catch up
+        again to be waited for outside probes."""
+        a = self._absence.get(peer)
+        if a is None:
+            return False
+        # within a round of ours in every fragment is one state: records lag by a heartbeat, and a fragment's
+        # rounds can be faster than that
+        if len(rec.rounds) != len(my_rounds) or any(abs(r - m) > 1 for r, m in zip(rec.rounds, my_rounds)):
+            a.apart = True
+            return False
+        return a.apart
 
     def absent(self, who: str) -> bool:
         """Whether ``who`` (a peer id or :data:`STRANGERS`) is absent here now (invited at probes only)."""
@@ -119,7 +138,7 @@ class Attendance:
                 continue
             a = self._absence.setdefault(key, _Absence())
             if any(p in expected for p in pids):  # invited, and none came
-                a.missed, a.skipped = a.missed + 1, 0
+                a.missed, a.skipped, a.apart = a.missed + 1, 0, False
                 if a.missed == self.misses:
                     became.append(Absent(key, f"invited to {a.missed} rounds in a row, came to none: groups no "
                                               f"longer wait for it (it is still welcome, and invited again "

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 
 from peer.net.activity import RoundActivity, RoundStage
+from peer.net.agreement import quorum_count
 from peer.net.allreduce import run_allreduce
 from peer.net.attendance import early_assembly
 from peer.net.consensus import laggards, nobody_coming, swarm_is_past
@@ -133,7 +134,8 @@ class RoundRunner:
                              client_mode=sw.client_mode, numel=delta.numel(),
                              download_bytes_per_second=sw.bandwidth.download.rate(),
                              slots=levels.slots if levels else 0, upload_bytes_per_second=sw.declared_uplink(),
-                             base=base, base_round=base_round, expected=len(expected | {sw.peer_id}))
+                             base=base, base_round=base_round,
+                             expected=quorum_count(expected, sw.live_peers(), sw.roster.partnered, sw.peer_id))
         return await form_group(
             sw.p2p, sw.dht, prefix=round_prefix(sw.run_key, self.fragment, self.round),
             gather=info.SerializeToString(), target_group_size=target, min_group_size=self.cfg.min_group_size,
