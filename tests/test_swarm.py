@@ -95,6 +95,7 @@ def test_three_peers_of_different_tau_agree_on_every_round_and_learn(procs, tmp_
     for n, proc in zip(names, peers):  # one console line per round at most: round detail is logged at DEBUG
         round_lines = [line for line in proc.lines() if re.search(r"^\S+ (INFO|WARN\w*) .*round \d+", line)]
         assert len(round_lines) <= len(rounds[n]), "\n".join(round_lines)
+    assert all(final_digests(tmp_path, n) == final_digests(tmp_path, "p0") for n in names)  # one final state
     for n in names:  # 100 steps of 4 x 32 tokens: measured 45-50% of the gap to the floor closed on every peer
         assert_learned(tmp_path, n, closed=0.3)
     # the bootstrap node leaves cleanly too
