@@ -47,16 +47,30 @@ def _group(peer_ids, weights, numel=NUMEL, caps=None, links=None):
     return GroupInfo(b"g" * 20, tuple(peer_ids), gathered)
 
 
-def test_group_plan_rejects_inconsistent_members():
+def test_group_plan_leaves_out_members_whose_info_is_bad_and_names_them():
+    """A member one element off, of another protocol, with a bad weight or an unparsable info is left out of the
+    plan by every member alike (named, for the exclusion ledger); the others reduce without it."""
     codec = get_codec("fp32")
-    ids = ["a", "b"]
-    with pytest.raises(GroupError, match="numel"):
-        GroupPlan.from_group(_group(ids, [1.0, 1.0], numel=5), "a", codec, NUMEL, "t")
-    with pytest.raises(GroupError, match="weight"):
-        GroupPlan.from_group(_group(ids, [1.0, float("nan")]), "a", codec, NUMEL, "t")
-    bad = GroupInfo(b"g", ("a", "b"), (b"\xff\xff\xff", b""))
-    with pytest.raises(GroupError):
-        GroupPlan.from_group(bad, "a", codec, NUMEL, "t")
+    ids = ["a", "b", "c"]
+    good = _group(ids, [1.0, 1.0, 1.0]).gathered
+    bad_infos = {"numel": _group(["b"], [1.0], numel=NUMEL + 1).gathered[0],
+                 "protocol": pb.MemberInfo(protocol_version=PROTOCOL_VERSION - 1, base=BASE, weight=1.0,
+                                           numel=NUMEL).SerializeToString(),
+                 "weight": _group(["b"], [float("nan")]).gathered[0],
+                 "unparsable": b"\xff\xff\xff"}
+    for what, blob in bad_infos.items():
+        group = GroupInfo(b"g" * 20, tuple(ids), (good[0], blob, good[2]))
+        plans = [GroupPlan.from_group(group, me, codec, NUMEL, "t") for me in ("a", "c")]
+        for plan in plans:
+            assert plan.peer_ids == ("a", "c") and len(plan.dropped) == 1 and plan.dropped[0][0] == "b", what
+            assert what in plan.dropped[0][1] or what == "protocol" and "protocol" in plan.dropped[0][1]
+        assert plans[0].spans == plans[1].spans and [p.my_index for p in plans] == [0, 1]
+    with pytest.raises(GroupError, match="no other member"):  # nobody left to reduce with
+        GroupPlan.from_group(GroupInfo(b"g" * 20, ("a", "b"), (good[0], b"")), "a", codec, NUMEL, "t")
+    with pytest.raises(GroupError, match="our own member info"):  # (we are the odd one out)
+        GroupPlan.from_group(_group(["a", "b"], [1.0, 1.0], numel=5), "a", codec, NUMEL, "t")
+    with pytest.raises(GroupError, match="malformed group"):
+        GroupPlan.from_group(GroupInfo(b"g", ("a", "b"), (good[0],)), "a", codec, NUMEL, "t")
 
 
 async def _run(n_members, alive, weights, deltas, part_timeout=1.0, allreduce_timeout=4.0, rule=None, caps=None,

@@ -7,10 +7,17 @@ import pytest
 from hivemind.averaging.key_manager import GroupKeyManager
 
 from helpers import dht_nodes, run_async
+from peer.net.group import PROTOCOL_VERSION
 from peer.net.limits import StreamGuard
 from peer.net.matchmaking import GaveUp, form_group, round_prefix
+from peer.proto import allreduce_pb2 as pb
 
 GUARD = StreamGuard(per_peer=16, total=64)
+
+
+def info(i: int) -> bytes:
+    """Member ``i``'s gathered MemberInfo (a leader refuses a join request whose info the plan would drop)."""
+    return pb.MemberInfo(protocol_version=PROTOCOL_VERSION, weight=i + 1.0, numel=10, base="a" * 32).SerializeToString()
 
 
 @pytest.fixture
@@ -31,7 +38,7 @@ def test_followers_whose_view_is_smaller_join_the_leaders_larger_group(dhts):
 
         def join(i: int, target: int):
             return asyncio.ensure_future(form_group(
-                p2ps[i], dhts[i], prefix=prefix, gather=bytes([i]), target_group_size=target, min_group_size=2,
+                p2ps[i], dhts[i], prefix=prefix, gather=info(i), target_group_size=target, min_group_size=2,
                 min_matchmaking_time=5.0, request_timeout=2.0, client_mode=False, timeout=30.0, guard=GUARD))
 
         leader = join(0, 3)
@@ -45,7 +52,7 @@ def test_followers_whose_view_is_smaller_join_the_leaders_larger_group(dhts):
     groups = run_async(main())
     assert all(g is not None for g in groups), groups
     assert len({g.group_id for g in groups}) == 1
-    assert all(sorted(g.gathered) == [b"\x00", b"\x01", b"\x02"] for g in groups)
+    assert all(sorted(g.gathered) == sorted(map(info, range(3))) for g in groups)
     assert all(len(g.peer_ids) == 3 for g in groups)
 
 
@@ -61,7 +68,7 @@ def test_a_search_gives_up_when_told_why(dhts):
 
     async def main():
         p2p = await dhts[0].replicate_p2p()
-        kwargs = dict(gather=b"x", target_group_size=2, min_group_size=2, min_matchmaking_time=1.0,
+        kwargs = dict(gather=info(0), target_group_size=2, min_group_size=2, min_matchmaking_time=1.0,
                       request_timeout=0.5, client_mode=False, poll=0.2, guard=GUARD)
         t0 = time.monotonic()
         with pytest.raises(GaveUp, match="already applied"):
@@ -84,7 +91,7 @@ def test_a_patient_search_waits_for_a_peer_on_its_way(dhts):
 
     async def pair(patience: float, n: int):
         p2ps = [await d.replicate_p2p() for d in dhts[:2]]
-        kwargs = dict(gather=b"x", target_group_size=2, min_group_size=2, min_matchmaking_time=1.0,
+        kwargs = dict(gather=info(0), target_group_size=2, min_group_size=2, min_matchmaking_time=1.0,
                       request_timeout=0.5, client_mode=False, poll=0.2, timeout=timeout,
                       guard=GUARD)
         prefix = round_prefix("patience", n, 1)
@@ -122,7 +129,7 @@ def test_a_leader_assembles_once_every_expected_peer_joined_and_takes_others_tha
 
         def join(i: int, **kwargs):
             return asyncio.ensure_future(form_group(
-                p2ps[i], dhts[i], prefix=prefix, gather=bytes([i]), target_group_size=4, min_group_size=2,
+                p2ps[i], dhts[i], prefix=prefix, gather=info(i), target_group_size=4, min_group_size=2,
                 min_matchmaking_time=wait, request_timeout=2.0, client_mode=False, timeout=2 * wait, guard=GUARD,
                 **kwargs))
 
@@ -146,10 +153,11 @@ def test_a_leader_assembles_once_every_expected_peer_joined_and_takes_others_tha
         return await round_(p2ps, 0, [1]), await round_(p2ps, 1, [2, 1])
 
     (only_expected, took), (both, took_both) = run_async(main())
-    assert all(g is not None and sorted(g.gathered) == [b"\x00", b"\x01"] for g in only_expected), only_expected
+    assert all(g is not None and sorted(g.gathered) == sorted(map(info, range(2))) for g in only_expected), \
+        only_expected
     assert took < wait / 2, took  # not min_matchmaking_time: the others were not expected
     # the unexpected peer first: it is taken, and so is peer 1
-    assert all(g is not None and sorted(g.gathered) == [b"\x00", b"\x01", b"\x02"] for g in both), both
+    assert all(g is not None and sorted(g.gathered) == sorted(map(info, range(3))) for g in both), both
     assert took_both < wait / 2, took_both
 
 
@@ -174,7 +182,7 @@ def test_a_join_request_that_waited_for_the_leaders_lock_until_its_follower_gave
         mm = _Matchmaking(p2p, b"S" * 32, dht, servicer_type=JoinServicer, prefix="stale", target_group_size=1000,
                           min_group_size=2, min_matchmaking_time=3600.0, request_timeout=request_timeout,
                           client_mode=False)
-        mm.cap = mm.target_group_size
+        mm.cap, mm.horizon, mm.numel = mm.target_group_size, 7200.0, 10
         search = asyncio.ensure_future(mm.look_for_group(RoundStep(get_dht_time() + 3600, get_dht_time() + 3600,
                                                                    b"")))
         deadline = time.monotonic() + 10
@@ -183,7 +191,8 @@ def test_a_join_request_that_waited_for_the_leaders_lock_until_its_follower_gave
             await asyncio.sleep(0.01)
         context = P2PContext(handle_name="stale", local_id=p2p.peer_id, remote_id=follower)
         request = averaging_pb2.JoinRequest(schema_hash=b"S" * 32, expiration=get_dht_time() + 7200,
-                                            group_key=mm.group_key_manager.current_key, client_mode=False)
+                                            group_key=mm.group_key_manager.current_key, client_mode=False,
+                                            gather=info(1))
 
         async def first_reply():
             async for message in mm.join(request, context, time.monotonic()):

@@ -23,6 +23,7 @@ from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
+from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -212,7 +213,7 @@ def leader(tmp_path_factory):
             from peer.net.matchmaking import RoundStep, _Matchmaking
             mm = _Matchmaking(p2p, b"S" * 32, dht, servicer_type=JoinServicer, prefix="fuzz", target_group_size=1000,
                               min_group_size=2, min_matchmaking_time=3600.0, request_timeout=1.0, client_mode=False)
-            mm.cap = mm.target_group_size
+            mm.cap, mm.horizon, mm.numel = mm.target_group_size, 3600.0, 10
             from hivemind.utils import get_dht_time
             search = asyncio.ensure_future(mm.look_for_group(RoundStep(get_dht_time() + 3600, get_dht_time() + 3600,
                                                                         b"")))
@@ -288,6 +289,42 @@ def test_rpc_join_group_refuses_a_peer_without_a_pass_in_an_authenticated_run(le
     assert guard.unadmitted == 1
     runner.run(ask(MEMBER))
     assert guard.unadmitted == 1  # the admitted member went on to hivemind's matchmaking
+
+
+def test_a_join_request_with_an_absurd_expiration_or_member_info_is_refused(leader):
+    """What would get a member into a group only to fail it is refused at the join: an expiration of 0.0
+    (hivemind reads it as never), NaN or far past the round's longest search, a member info the group plan
+    would leave out (empty, another size). The same request with sane fields gets hivemind's own answer."""
+    runner, mm = leader
+    servicer = JoinServicer(mm, guard=StreamGuard(per_peer=4, total=16), request_timeout=0.2, stream_timeout=2.0)
+    good = pb.MemberInfo(protocol_version=PROTOCOL_VERSION, weight=1.0, numel=10, base="a" * 32).SerializeToString()
+    other_size = pb.MemberInfo(protocol_version=PROTOCOL_VERSION, weight=1.0, numel=11,
+                               base="a" * 32).SerializeToString()
+
+    def ask(expiration: float, gather: bytes) -> list:
+        request = averaging_pb2.JoinRequest(schema_hash=b"S" * 32, expiration=expiration, gather=gather,
+                                            group_key=mm.group_key_manager.current_key)
+
+        async def replies():
+            return [r async for r in servicer.rpc_join_group(_stream([request]), _context(STRANGER))]
+
+        async def bounded():
+            try:
+                return await asyncio.wait_for(asyncio.ensure_future(replies()), timeout=HANDLER_DEADLINE)
+            except asyncio.TimeoutError:  # an accepted follower waits for its group
+                return ["waited"]
+        return runner.run(bounded())
+
+    bad_time = [averaging_pb2.MessageFromLeader(code=averaging_pb2.BAD_EXPIRATION_TIME)]
+    violation = [averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)]
+    sane = get_dht_time() + mm.horizon  # (not before the leader's own expiration: hivemind's rule)
+    assert ask(0.0, good) == bad_time
+    assert ask(float("nan"), good) == violation  # (hivemind refuses it itself)
+    assert ask(1e300, good) == bad_time
+    assert ask(sane + 3600, good) == bad_time
+    assert ask(sane, b"") == violation
+    assert ask(sane, other_size) == violation
+    assert ask(sane, good) not in (bad_time, violation)
 
 
 # ---- DHT record validator -----------------------------------------------------------------------------------

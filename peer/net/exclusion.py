@@ -2,7 +2,9 @@
 
 An *offence* is something only a faulty or hostile peer does: a part that does not decode or whose header
 is invalid (seen by the reducer), a part the robust aggregation rule had to cut to less than a tenth of its
-distance from the group's center (the reducer), an average that fails a member's checks (the member). A slow
+distance from the group's center (the reducer), an average that fails a member's checks (the member), a member
+info the group plan leaves out (every member; a peer of another protocol version counts too: it cannot take
+part either). A slow
 or dead peer commits none: timeouts and dropped connections are the network's, not offences.
 
 After ``threshold`` offences a peer is *excluded* for the rest of the run (this process): it is invisible
@@ -32,6 +34,7 @@ class Offence(enum.StrEnum):
     BAD_PART = "bad_part"  # a part that does not decode, or a header with a wrong span or an invalid weight
     CLIPPED = "clipped"  # a part the robust rule cut to less than OFFENCE_CLIP of its distance from the center
     BAD_AVERAGE = "bad_average"  # a reducer's result that failed our checks (metadata, decoding, size, direction)
+    BAD_INFO = "bad_info"  # a member info the group plan left out (unparsable, another protocol or size, malformed)
 
 
 @dataclass

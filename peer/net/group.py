@@ -39,6 +39,23 @@ class GroupError(ValueError):
     """The assembled group's metadata is inconsistent or malformed; the round is skipped."""
 
 
+def member_info(blob: bytes, numel: int) -> tuple[Optional[pb.MemberInfo], str]:
+    """A member's gathered MemberInfo if the protocol accepts it (our version and fragment size, a valid weight
+    and base), else None and why."""
+    try:
+        info = pb.MemberInfo.FromString(blob)
+    except DecodeError:
+        return None, "unparsable member info"
+    if info.protocol_version != PROTOCOL_VERSION or info.numel != numel:
+        return None, (f"protocol {info.protocol_version}/numel {info.numel}, expected "
+                      f"{PROTOCOL_VERSION}/{numel}")
+    if not valid_weight(info.weight):
+        return None, f"declared weight {info.weight}"
+    if not valid_base(info):
+        return None, "a malformed base digest"
+    return info, ""
+
+
 def member_spans(numel: int, client_mode: Sequence[bool], align: int, shares: Sequence[int] = ()
                  ) -> list[tuple[int, int]]:
     """Splits ``[0, numel)`` into one span per member, in blocks of ``align`` elements: empty spans for
@@ -128,6 +145,7 @@ class GroupPlan:
     held: tuple[range, ...] = ()
     part_codec: Optional[Codec] = None  # how members encode their parts (None: ``codec``; level 2 uses fp8)
     verdict: Optional[Verdict] = None  # which members apply the average (peer/net/agreement.py); None: level 2
+    dropped: tuple[tuple[str, str], ...] = ()  # (peer id, why): members of the group left out of the plan
 
     @property
     def applies(self) -> bool:
@@ -143,26 +161,29 @@ class GroupPlan:
     def from_group(cls, group: GroupInfo, me: PeerID, codec: Codec, numel: int, label: str,
                    rule: Optional[AggregationRule] = None, caps: Sequence[Optional[float]] = (),
                    span_sizing: str = "equal") -> "GroupPlan":
-        """Parses and checks every member's MemberInfo. Raises GroupError when they disagree. ``span_sizing``
-        (the run's ``swarm.span_sizing``): "links" (:func:`link_shares`) or "equal"."""
+        """Parses and checks every member's MemberInfo. A member whose info is unparsable or disagrees with ours
+        (protocol, size) or is malformed (weight, base) is left out of the plan and named in ``dropped``: every
+        member drops the same ones (the same infos), and the round goes on without them. Raises GroupError when
+        the group itself is malformed or no other member is left. ``caps``: per member of ``group``.
+        ``span_sizing`` (the run's ``swarm.span_sizing``): "links" (:func:`link_shares`) or "equal"."""
         if not 1 <= len(group.peer_ids) <= MAX_GROUP_SIZE or len(group.gathered) != len(group.peer_ids):
             raise GroupError(f"malformed group of {len(group.peer_ids)} peers")
         if me not in group.peer_ids:
             raise GroupError("this peer is not in its own group")
-        infos = []
-        for peer_id, blob in zip(group.peer_ids, group.gathered):
-            try:
-                info = pb.MemberInfo.FromString(blob)
-            except DecodeError:
-                raise GroupError(f"peer {peer_id} sent unparsable member info") from None
-            if info.protocol_version != PROTOCOL_VERSION or info.numel != numel:
-                raise GroupError(f"peer {peer_id} has protocol {info.protocol_version}/numel {info.numel}, "
-                                 f"expected {PROTOCOL_VERSION}/{numel}")
-            if not valid_weight(info.weight):
-                raise GroupError(f"peer {peer_id} declared weight {info.weight}")
-            if not valid_base(info):
-                raise GroupError(f"peer {peer_id} declared a malformed base digest")
-            infos.append(info)
+        infos, kept, dropped = [], [], []
+        for i, (peer_id, blob) in enumerate(zip(group.peer_ids, group.gathered)):
+            info, why = member_info(blob, numel)
+            if info is None:
+                dropped.append((str(peer_id), why))
+            else:
+                infos.append(info)
+                kept.append(i)
+        if group.peer_ids.index(me) not in kept:
+            raise GroupError(f"our own member info was refused: {dict(dropped)[str(me)]}")
+        if dropped and len(kept) < 2:
+            raise GroupError(f"no other member sent a valid member info ({len(dropped)} dropped)")
+        peer_ids = tuple(group.peer_ids[i] for i in kept)
+        caps = tuple(caps[i] for i in kept) if caps else ()
         clients = [i.client_mode for i in infos]
         slots = {i.slots for i in infos}
         if len(slots - {0}) > 1 or max(slots) > MAX_GROUP_SIZE:
@@ -174,6 +195,6 @@ class GroupPlan:
         else:
             shares = link_shares(infos) if span_sizing == "links" else []
             spans, held = member_spans(numel, clients, codec.block_size, shares), []
-        return cls(group.group_id, tuple(group.peer_ids), infos, group.peer_ids.index(me), numel, spans,
-                   codec, label, rule or AggregationRule(), tuple(caps), max(slots), tuple(held),
-                   verdict=agree(infos, two_level=bool(max(slots))))
+        return cls(group.group_id, peer_ids, infos, peer_ids.index(me), numel, spans,
+                   codec, label, rule or AggregationRule(), caps, max(slots), tuple(held),
+                   verdict=agree(infos, two_level=bool(max(slots))), dropped=tuple(dropped))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import time
 from typing import AsyncIterator, Callable, Optional
 
@@ -22,8 +23,11 @@ from hivemind.dht import DHT
 from hivemind.p2p import P2P, P2PContext, ServicerBase
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
+from hivemind.utils.timed_storage import MAX_DHT_TIME_DISCREPANCY_SECONDS
 
+from peer.net.group import member_info
 from peer.net.limits import StreamGuard, drain, single_request
+from peer.proto import allreduce_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +44,15 @@ class _Matchmaking(Matchmaking):
       expected, while a peer that comes anyway before then is still taken. hivemind assembles a group right
       after it accepts a follower that brings it to ``target_group_size``: for the follower that completes the
       expected set, the size that triggers is lowered to the group it makes.
-    - A join request that waited for our lock until its follower likely gave up is refused (see :meth:`join`).
+    - A join request that waited for our lock until its follower likely gave up is refused (see :meth:`join`),
+      and so is one whose expiration is absurd (:meth:`_sane_expiration`) or whose member info the group plan
+      would leave out (:func:`~peer.net.group.member_info`): it never gets into a group to fail it.
     """
 
     expected: Callable[[], Optional[frozenset]] = staticmethod(lambda: None)  # set per instance by form_group
     cap: int = 0
+    horizon: float = 0.0  # the longest a follower of this round searches (s), set by form_group
+    numel: int = 0  # the fragment's size, from our own member info (set by form_group)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -75,12 +83,25 @@ class _Matchmaking(Matchmaking):
         if refusal is None and waited > self.request_timeout / 2:
             log.debug("join request of %s refused: it waited %.1f s for us", context.remote_id, waited)
             refusal = averaging_pb2.MessageFromLeader(code=averaging_pb2.BAD_EXPIRATION_TIME)
+        if refusal is None and not self._sane_expiration(request.expiration):
+            log.debug("join request of %s refused: expiration %r", context.remote_id, request.expiration)
+            refusal = averaging_pb2.MessageFromLeader(code=averaging_pb2.BAD_EXPIRATION_TIME)
+        if refusal is None and (why := member_info(request.gather, self.numel)[1]):
+            log.debug("join request of %s refused: %s", context.remote_id, why)
+            refusal = averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
         wanted = self.expected() if refusal is None else None
         if wanted is not None:
             here = {str(self.peer_id), str(context.remote_id), *(str(p) for p in self.current_followers)}
             if wanted <= here:
                 self.target_group_size = len(self.current_followers) + 2  # with this follower: assemble now
         return refusal
+
+    def _sane_expiration(self, expiration: float) -> bool:
+        """A follower declares when its search ends: not before now and not after the longest search of this
+        round, each give or take the clock skew hivemind tolerates between peers. (hivemind reads 0.0 as
+        "never"; 1e300 would hold our group open as long.)"""
+        now, skew = get_dht_time(), MAX_DHT_TIME_DISCREPANCY_SECONDS
+        return math.isfinite(expiration) and now - skew <= expiration <= now + self.horizon + skew
 
     async def _request_join_group(self, leader):
         try:
@@ -216,6 +237,7 @@ async def form_group(p2p: P2P, dht: DHT, *, prefix: str, gather: bytes, target_g
                       min_matchmaking_time=min_matchmaking_time, request_timeout=request_timeout,
                       client_mode=client_mode)
     mm.expected, mm.cap = expected, mm.target_group_size
+    mm.horizon, mm.numel = timeout + patience + min_matchmaking_time, pb.MemberInfo.FromString(gather).numel
     keys = _RoundKeys(dht, prefix, "", mm.target_group_size)
     keys.excluded = excluded
     mm.group_key_manager = keys

@@ -24,6 +24,7 @@ from peer.net.agreement import quorum_count
 from peer.net.allreduce import run_allreduce
 from peer.net.attendance import early_assembly
 from peer.net.consensus import laggards, nobody_coming, swarm_is_past
+from peer.net.exclusion import Offence
 from peer.net.group import PROTOCOL_VERSION, GroupError, GroupPlan
 from peer.net.levels import Levels, plan_levels, swarm_lift
 from peer.net.links import plan_deadlines
@@ -166,6 +167,9 @@ class RoundRunner:
         caps = vouched_caps([sw.roster.speeds.vouched(str(p), now) for p in group.peer_ids], sw.rule)
         plan = GroupPlan.from_group(group, sw.p2p.peer_id, sw.codec, delta.numel(), self.label, sw.rule, caps,
                                     span_sizing=self.cfg.span_sizing)
+        for who, why in plan.dropped:  # (every member drops the same ones: the round goes on without them)
+            log.warning("%s: member %s left out of the group: %s", self.label, short_id(who), why)
+            sw.servicer.exclusions.report(who, Offence.BAD_INFO, f"{self.label}: {why}")
         verdict = plan.verdict
         if verdict is not None:
             out.group_base = verdict.base
