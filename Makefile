@@ -30,12 +30,13 @@ os-packages:
 	  echo "note: could not apt install $(OS_PACKAGES): the browser and NAT tests will skip"
 
 # Lint and type checks first (seconds), then the tests: those of one process on every core (pytest-xdist), then
-# the swarm tests one at a time (each already runs several processes; `-m swarm`).
+# the swarm tests (`-m swarm`: each runs several processes) two modules at a time, the load bench/flaky.py
+# checks them under (docs/benchmarks.md, "One digest for every applied round").
 test: install os-packages
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q --durations=10 -n auto -m "not swarm" tests
-	$(BIN)/python -m pytest -q --durations=25 -m swarm tests
+	$(BIN)/python -m pytest -q --durations=25 -n 2 --dist loadfile -m swarm tests
 
 # Everything that needs a GPU in one run (step overhead vs a plain loop, MFU, VRAM, host RAM, codec, CUDA
 # tests); on a machine without CUDA it says so. The CPU comparison: bench/gpu.py --device cpu (docs/benchmarks.md).

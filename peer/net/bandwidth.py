@@ -12,7 +12,7 @@ are still streaming; a state transfer's one donor paces its stream to the rate t
 bytes are not paced: they keep a capped peer visible and in groups.
 
 Caps are read at every message from a callable, so a limit changed at run time (``swarm-peer limits``) is in
-force from the next message on. A capped link makes rounds slower: :func:`round_seconds_at` says how much, and
+force from the next message on. A capped link makes rounds slower: :func:`cap_warnings` says how much, and
 the trainer warns when that exceeds the round's deadline.
 """
 

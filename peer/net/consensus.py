@@ -57,7 +57,7 @@ def nobody_coming(records: Mapping[str, ProgressRecord], me: str, *, launch_step
     Every other live peer's record shows it past ``launch_step``, neither looking for a group for that round
     (its ``seeking``) nor averaging in it (its ``averaging``: its group may include us, and the leader's word
     may still be on its way over a slow link), without the round applied (that case is
-    :func:`~peer.state_transfer.swarm_is_past`): each has left the round without us, alone or with a group
+    :func:`swarm_is_past`): each has left the round without us, alone or with a group
     that is over. Typical right after a realignment from a record a heartbeat old: we launched a round the
     lead had just left; waiting ``matchmaking_timeout`` in it would only delay meeting the lead at the round
     it now waits in.

@@ -221,7 +221,7 @@ async def form_group(p2p: P2P, dht: DHT, *, prefix: str, gather: bytes, target_g
     ``gather`` (this peer's serialized MemberInfo) reaches every member of the group. The group
     assembles as soon as ``target_group_size`` peers joined, or after ``min_matchmaking_time`` with
     at least ``min_group_size``. The search lasts ``timeout`` s, and longer while ``keep_waiting()`` is
-    true (a live peer is on its way to this round, see :func:`peer.phase.laggards`): until ``timeout`` s
+    true (a live peer is on its way to this round, see :func:`peer.net.consensus.laggards`): until ``timeout`` s
     after it last was, and at most ``patience`` s past ``timeout``. ``give_up`` and ``keep_waiting`` are
     asked every ``poll`` s while no group has formed; a :class:`GaveUp` from ``give_up`` (e.g. the swarm
     already applied this round, so no one will come) ends the search: it is raised. Peers for which

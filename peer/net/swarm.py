@@ -122,7 +122,7 @@ class Swarm:
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self, stop: Optional[threading.Event] = None) -> None:
-        """Starts the DHT and the networking thread. Raises :class:`~peer.dht_node.JoinError` if no initial peer
+        """Starts the DHT and the networking thread. Raises :class:`~peer.errors.JoinError` if no initial peer
         answered within ``join_timeout`` (retried with backoff; ``stop`` ends the retries)."""
         access = self.access
         validators, self._subkey, auth = dht_security(self.run_key, access)
@@ -262,7 +262,7 @@ class Swarm:
 
     async def _reconnect(self) -> None:
         """We see no other peer: ping the initial peers and the peers we saw before that our DHT node lost
-        (see :func:`peer.dht_node.reconnect`). One at a time; bounded by 3 x ``dht_timeout``."""
+        (see :func:`peer.net.dht.reconnect`). One at a time; bounded by 3 x ``dht_timeout``."""
         peers = {**{pid: [] for pid in self.roster.known()}, **self._initial_peers}
         if self._reconnecting or not peers:
             return

@@ -1,7 +1,7 @@
 """In-process simulator: M replicas of the outer algorithm with a fake transport, no sockets.
 
 The place where the math is tested and ablated (tests/test_streaming_reference.py, bench/): every
-replica runs the real :class:`peer.streaming.StreamingEngine`; :class:`FakeTransport` completes
+replica runs the real :class:`peer.outer.engine.StreamingEngine`; :class:`FakeTransport` completes
 round (p, r) once all M replicas launched it, with the same semantics as the swarm's butterfly
 all-reduce: each part goes through the wire codec, the token-weighted FP32 average (or, with a
 ``rule``, the reducer's aggregation rule over the whole vector as one span) is encoded once and every

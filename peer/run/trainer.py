@@ -120,8 +120,8 @@ class Trainer:
     def run(self) -> int:
         """Trains; returns the process exit code (0 on max_steps or a stop signal).
 
-        Raises :class:`~peer.SetupError` (the run dir in use, a bad device, model or data, a
-        checkpoint of another run) before joining, and :class:`~peer.dht_node.JoinError` if no initial peer
+        Raises :class:`~peer.errors.SetupError` (the run dir in use, a bad device, model or data, a
+        checkpoint of another run) before joining, and :class:`~peer.errors.JoinError` if no initial peer
         answered."""
         lock = RunDirLock(self.run_dir)
         try:
