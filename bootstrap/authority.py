@@ -26,9 +26,9 @@ class AuthorityError(Exception):
 
 
 def _parser() -> argparse.ArgumentParser:
-    from bootstrap.cli import _Parser
+    from bootstrap.usage import Parser
 
-    p = _Parser(prog="swarm-bootstrap authority", description="Admit volunteers to an authenticated run.")
+    p = Parser(prog="swarm-bootstrap authority", description="Admit volunteers to an authenticated run.")
     sub = p.add_subparsers(dest="action", required=True)
     init = sub.add_parser("init", help="create a run authority in DIR")
     init.add_argument("dir", metavar="DIR")
@@ -118,7 +118,7 @@ def _revoke(directory: Path, peer_ids: Sequence[str]) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from bootstrap.cli import PROG, UsageError
+    from bootstrap.usage import PROG, UsageError
 
     try:
         args = _parser().parse_args(argv)

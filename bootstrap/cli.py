@@ -18,7 +18,8 @@ import sys
 import threading
 from typing import Any, Callable, Mapping, Sequence
 
-PROG = "swarm-bootstrap"
+from bootstrap.usage import PROG, Parser, UsageError
+
 ENV_PREFIX = "SWARM_"
 DEFAULT_HOST_MADDRS = ["/ip4/0.0.0.0/tcp/31337"]
 DEFAULT_IDENTITY_PATH = "bootstrap.id"
@@ -27,15 +28,6 @@ DEFAULT_JOIN_TIMEOUT = 60.0
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 logger = logging.getLogger("swarm.bootstrap")
-
-
-class UsageError(Exception):
-    """A bad flag value; reported as one line, exit status 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line instead of usage + error
-        raise UsageError(message)
 
 
 class _Stop(BaseException):
@@ -52,7 +44,7 @@ def split_list(values: Sequence[str]) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = Parser(
         prog=PROG,
         description="Run a DHT-only bootstrap node for a swarmloco swarm. Prints one line to stdout: "
         "'--initial-peers MADDR ...', ready to paste into other peers' command lines.",

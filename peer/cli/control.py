@@ -17,7 +17,7 @@ from google.protobuf.descriptor import FieldDescriptor
 
 from peer.config import RunConfig, default_of
 from peer.control.client import DEFAULT_TIMEOUT, ControlClient, ControlError
-from peer.control.limits import Limits
+from peer.control.limits import Limits, describe_limits
 from peer.proto import control_pb2 as pb
 
 COMMANDS = ("status", "pause", "resume", "finish", "limits", "top")
@@ -92,14 +92,6 @@ def describe_status(s: pb.StatusReply) -> str:
     if s.excluded_peers:
         lines.append(f"  excluded peers: {', '.join(s.excluded_peers)}")
     return "\n".join(lines)
-
-
-def describe_limits(lim: pb.Limits) -> str:
-    def cap(mbps: float) -> str:
-        return f"{mbps:g} Mbit/s" if mbps else "no cap"
-
-    return (f"duty cycle {lim.duty_cycle}%, threads {lim.threads or 'default'}, active hours "
-            f"{lim.active_hours or 'always'}, upload {cap(lim.upload_mbps)}, download {cap(lim.download_mbps)}")
 
 
 def _limit_changes(ns: argparse.Namespace) -> dict:

@@ -15,8 +15,8 @@ from textual.app import App, ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import DataTable, Footer, Header, Sparkline, Static
 
-from peer.cli.control import describe_limits
 from peer.control.client import ControlClient, ControlError
+from peer.control.limits import describe_limits
 from peer.proto import control_pb2 as pb
 from peer.run.events import fmt_bytes
 

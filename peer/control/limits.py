@@ -13,9 +13,12 @@ import dataclasses
 import datetime
 import threading
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from peer.config import MAX_MBPS, MBIT, MIN_MBPS, parse_active_hours, valid_mbps
+
+if TYPE_CHECKING:
+    from peer.proto import control_pb2 as pb
 
 MAX_THREADS = 4096
 
@@ -91,3 +94,13 @@ class LimitsBox:
             new = dataclasses.replace(self._limits, **{k: v for k, v in changes.items() if v is not None})
             self._limits = new
         return new
+
+
+def describe_limits(lim: pb.Limits | Limits) -> str:
+    """One line for people: the duty cycle, threads, active hours and caps of ``lim`` (the control API's
+    message or :class:`Limits`)."""
+    def cap(mbps: float) -> str:
+        return f"{mbps:g} Mbit/s" if mbps else "no cap"
+
+    return (f"duty cycle {lim.duty_cycle}%, threads {lim.threads or 'default'}, active hours "
+            f"{lim.active_hours or 'always'}, upload {cap(lim.upload_mbps)}, download {cap(lim.download_mbps)}")
