@@ -4,7 +4,7 @@ from hivemind.averaging.group_info import GroupInfo
 from hypothesis import given
 from hypothesis import strategies as st
 
-from peer.net.agreement import agree, quorum_count
+from peer.net.agreement import agree, quorum_count, quorum_size
 from peer.net.consensus import plan_owed
 from peer.net.group import PROTOCOL_VERSION, GroupPlan
 from peer.net.records import ProgressRecord
@@ -73,6 +73,12 @@ def test_partners_that_stay_live_keep_counting_so_the_smaller_side_of_a_split_ne
     sybils = [f"s{i}" for i in range(20)]
     assert quorum_count(["p2"], ["p2", *sybils], partnered, "p1") == 2
     assert quorum_count(["p2", *sybils], ["p2", *sybils], partnered, "p1") == 22
+    # a leader assembles only a group that could apply: more than half of its count
+    assert [quorum_size(n, 2) for n in (1, 2, 3, 4, 5, 6)] == [2, 2, 2, 3, 3, 4]
+    for n in range(2, 40):
+        q = quorum_size(n, 1)
+        assert agree(infos([A] * q, expected=[n] * q), two_level=False).quorum
+        assert not agree(infos([A] * (q - 1), expected=[n] * (q - 1)), two_level=False).quorum, n
 
 
 def test_group_plan_checks_the_declared_base_and_says_whether_we_apply():

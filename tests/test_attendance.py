@@ -157,3 +157,4 @@ def test_a_group_assembles_early_only_when_we_expect_someone_else():
     assert early_assembly(frozenset({ME}), ME) is None
     assert early_assembly(frozenset({ME, "A"}), ME) == frozenset({ME, "A"})
     assert early_assembly(None, ME) is None
+    assert early_assembly(frozenset({ME, "A"}), ME, at_least=3) is None  # (a group that could not apply)

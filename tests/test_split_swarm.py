@@ -10,7 +10,7 @@ other again: within ``REJOIN_ROUNDS`` rounds of each fragment all five complete 
 round. One digest on every round more than one peer applied, and one final state: every peer runs to
 ``--max-steps``, where it completes its rounds in flight.
 
-Steps schedule, blocking (tau 0), the tiny preset at seq 32 x batch 4, H = 20. Skipped (with the reason) where
+Steps schedule, blocking (tau 0), the tiny preset at seq 32 x batch 4, H = 40. Skipped (with the reason) where
 network namespaces or iptables cannot be used.
 """
 
@@ -28,14 +28,18 @@ pytestmark = [pytest.mark.swarm, pytest.mark.timeout(360)]
 
 NAMES = ["p1", "p2", "p3", "p4", "p5"]  # peer i runs in lab host i
 MAJOR, MINOR = [1, 2, 3], [4, 5]
-SPLIT_STEPS = 100  # five rounds of each fragment apart
+SPLIT_STEPS = 160  # four rounds of each fragment apart
 # Rounds of each fragment of the three from the heal to the first round all five complete together, the round in
 # flight at the heal included: measured 2-5 (the two download the three's state, then each side waits for the
 # other again: attendance.Attendance._caught_up).
 REJOIN_ROUNDS = 8
-MAX_STEPS = 320
-# records every second: a peer learns within a second that the other side caught up with its state
-FLAGS = [*FAST, "--min-peers", str(len(NAMES)), "--max-steps", str(MAX_STEPS), "--progress-period", "1"]
+MAX_STEPS = 480
+# A round of each fragment every 40 steps (~5 s here), records every second: a peer that downloads the swarm's
+# state at the heal has it, and says so, before the swarm's next round. (With a round of each fragment every
+# second, H = 20 here, it often arrived a moment late for the next round, found it applied and downloaded again,
+# one round behind for a dozen rounds: docs/architecture.md, "A split swarm".)
+FLAGS = [*FAST, "--min-peers", str(len(NAMES)), "--max-steps", str(MAX_STEPS), "--outer-sync-every", "40",
+         "--progress-period", "1"]
 
 
 @pytest.fixture
@@ -105,7 +109,7 @@ def test_a_swarm_split_in_two_applies_on_one_side_only_and_heals(lab, procs, tmp
     assert_one_digest_per_applied_round(tmp_path, NAMES, shared=6)
     finals = {n: final_digests(tmp_path, n) for n in NAMES}
     assert all(f == finals["p1"] for f in finals.values()), finals
-    for n in NAMES:  # measured: 360 steps close ~75% of the gap to the entropy floor
-        assert_learned(tmp_path, n, closed=0.5)
+    for n in NAMES:  # measured: 440 steps closed 79-90% of the gap to the entropy floor
+        assert_learned(tmp_path, n, closed=0.6)
     print(f"\nsplit at step {split_step}: {len(both)} round(s) with a group on each side, {len(applied_while_split)} "
           f"applied by the three; healed: all five together at {first}, {took} round(s) of p1 after the heal")

@@ -64,3 +64,11 @@ def quorum_count(expected: Collection[str], live: Iterable[str], partnered: Call
     holds a majority however long the split lasts; a partner that crashed stops counting when its record
     expires, so survivors go on; strangers (made-up ids) count only while the round waits for them."""
     return len(set(expected) | {p for p in live if partnered(p)} | {me})
+
+
+def quorum_size(count: int, min_group_size: int) -> int:
+    """The fewest members a one-level group of a member that declares ``count`` needs to apply its round (more
+    than half of it), and at least ``min_group_size``. A leader assembles no smaller group: it would be a
+    ``minority`` that applies nothing, and its members would go on to later rounds without the others (the
+    smaller side of a split ran rounds ahead that way, and after the heal kept meeting only itself)."""
+    return max(min_group_size, count // 2 + 1)

@@ -169,8 +169,11 @@ def catching_up(rec: ProgressRecord, my_rounds: Sequence[int]) -> bool:
         r + CATCHING_UP <= m for r, m in zip(rec.rounds, my_rounds))
 
 
-def early_assembly(expected: Optional[frozenset[str]], me: str) -> Optional[frozenset[str]]:
+def early_assembly(expected: Optional[frozenset[str]], me: str, at_least: int = 2) -> Optional[frozenset[str]]:
     """The set whose arrival assembles a group early, or None (wait for the count, or ``matchmaking_time``):
-    only when we expect at least one other peer. Expecting no one, we wait for whoever comes (an absent peer
-    may be on its way; assembling with the first to arrive would split the others off)."""
-    return expected if expected is not None and any(p != me for p in expected) else None
+    only when we expect at least one other peer, and ``at_least`` peers in all (a group that could not apply
+    its round is not worth assembling early: see :func:`~peer.net.agreement.quorum_size`). Expecting no one,
+    we wait for whoever comes (an absent peer may be on its way; assembling with the first to arrive would
+    split the others off)."""
+    ok = expected is not None and any(p != me for p in expected) and len(expected) >= at_least
+    return expected if ok else None

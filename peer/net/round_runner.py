@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 
 from peer.net.activity import RoundActivity, RoundStage
-from peer.net.agreement import quorum_count
+from peer.net.agreement import quorum_count, quorum_size
 from peer.net.allreduce import run_allreduce
 from peer.net.attendance import early_assembly
 from peer.net.consensus import laggards, nobody_coming, swarm_is_past
@@ -127,19 +127,20 @@ class RoundRunner:
                           ) -> Optional["GroupInfo"]:
         sw, levels = self.swarm, self.levels
         expected = self._expected()  # whom we invite as we start (a leader's invitation is renewed at each join)
+        count = quorum_count(expected, sw.live_peers(), sw.roster.partnered, sw.peer_id)
+        needed = self.cfg.min_group_size if levels else quorum_size(count, self.cfg.min_group_size)
         early: Callable[[], Optional[frozenset[str]]] = (
-            (lambda: None) if levels else (lambda: early_assembly(self._expected(), sw.peer_id)))
+            (lambda: None) if levels else (lambda: early_assembly(self._expected(), sw.peer_id, needed)))
         target = levels.group_target if levels else self.target_group_size
         log.debug("%s: looking for a group (weight %.0f, target %d)", self.label, weight, target)
         info = pb.MemberInfo(protocol_version=PROTOCOL_VERSION, weight=weight, inner_step=self.inner_step,
                              client_mode=sw.client_mode, numel=delta.numel(),
                              download_bytes_per_second=sw.bandwidth.download.rate(),
                              slots=levels.slots if levels else 0, upload_bytes_per_second=sw.declared_uplink(),
-                             base=base, base_round=base_round,
-                             expected=quorum_count(expected, sw.live_peers(), sw.roster.partnered, sw.peer_id))
+                             base=base, base_round=base_round, expected=count)
         return await form_group(
             sw.p2p, sw.dht, prefix=round_prefix(sw.run_key, self.fragment, self.round),
-            gather=info.SerializeToString(), target_group_size=target, min_group_size=self.cfg.min_group_size,
+            gather=info.SerializeToString(), target_group_size=target, min_group_size=needed,
             min_matchmaking_time=self.cfg.matchmaking_time, request_timeout=self.cfg.request_timeout,
             client_mode=sw.client_mode, timeout=self.cfg.matchmaking_timeout, poll=min(1.0, self.cfg.progress_period),
             give_up=self._give_up, keep_waiting=self._keep_waiting, patience=self.patience,
