@@ -122,8 +122,8 @@ class Attendance:
         that round (when the group assembled) named it. Not what :meth:`expected` would say now: a peer whose
         record seeks the round only after the group assembled without it came *late* (a peer back from an
         outage, a little out of phase), and counting that as a miss would double its probe interval at every
-        round it is late, so that it is never waited for again (CI saw a returning peer left out for 20 rounds
-        of each fragment). It is not invited, so its probes come on time; at a probe the group waits for it."""
+        round it is late, so that it is never waited for again. It is not invited, so its probes come on time;
+        at a probe the group waits for it."""
         expected = self._asked.pop(here, frozenset())
         keys: dict[str, list[str]] = {}
         for pid in live:

@@ -66,8 +66,8 @@ class _Matchmaking(Matchmaking):
         that long for our answer) is refused: its follower has likely given up. Accepted, it would be listed in
         our group while it searches elsewhere, and the group would wait out ``part_timeout`` for its part. This
         can happen when two peers ask each other at once: each holds its lock while it waits for the other's
-        answer, both time out, and the first to take its lock back would accept the other. (The phantom members
-        CI saw had a second cause, dropped messages: see the hold in :meth:`JoinServicer.rpc_join_group`.)
+        answer, both time out, and the first to take its lock back would accept the other. (Phantom members have
+        a second cause, dropped messages: see the hold in :meth:`JoinServicer.rpc_join_group`.)
         """
         self._opened[id(context)] = opened
         try:
