@@ -163,7 +163,6 @@ class RoundRunner:
         strangers = [str(p) for p in group.peer_ids if not sw.admission.admitted(str(p))]
         if strangers:  # (a leader with a pass that admitted a peer without one)
             raise GroupError(f"the group includes peer(s) without a valid pass: {[short_id(p) for p in strangers]}")
-        self._learn_from({str(pid) for pid in group.peer_ids}, out)
         now = time.monotonic()
         caps = vouched_caps([sw.roster.speeds.vouched(str(p), now) for p in group.peer_ids], sw.rule)
         plan = GroupPlan.from_group(group, sw.p2p.peer_id, sw.codec, delta.numel(), self.label, sw.rule, caps,
@@ -171,6 +170,9 @@ class RoundRunner:
         for who, why in plan.dropped:  # (every member drops the same ones: the round goes on without them)
             log.warning("%s: member %s left out of the group: %s", self.label, short_id(who), why)
             sw.servicer.exclusions.report(who, Offence.BAD_INFO, f"{self.label}: {why}")
+        # a dropped member neither came nor becomes a partner (partners count in every later quorum)
+        self._learn_from({str(pid) for pid in plan.peer_ids}, out)
+        out.group_size = len(plan.peer_ids)
         verdict = plan.verdict
         if verdict is not None:
             out.group_base = verdict.base
