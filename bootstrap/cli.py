@@ -19,6 +19,7 @@ import threading
 from typing import Any, Callable, Mapping, Sequence
 
 from bootstrap.usage import PROG, Parser, UsageError
+from peer.config.fields import MAX_RECORD_TTL
 
 ENV_PREFIX = "SWARM_"
 DEFAULT_HOST_MADDRS = ["/ip4/0.0.0.0/tcp/31337"]
@@ -143,6 +144,9 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
         raise UsageError("--host-maddrs: at least one address is required")
     if not args.identity_path.strip():
         raise UsageError("--identity-path: must not be empty")
+    if 3 * args.refresh_period > MAX_RECORD_TTL:  # (the revocation list is stored for three periods)
+        raise UsageError(f"--refresh-period: at most {MAX_RECORD_TTL / 3:.0f} seconds (DHT nodes keep no record "
+                         f"longer than {MAX_RECORD_TTL:.0f} s)")
     return args
 
 
@@ -186,6 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         from peer.net import dht as dht_node  # imports hivemind (and through it torch) lazily
         from peer.net.dial_back import DialBackService
+        from peer.net.progress import node_validators
 
         logging.getLogger("hivemind").setLevel(max(logging.getLevelName(args.log_level), logging.INFO))
         if args.nat_port_map:
@@ -208,6 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"this node")
         logger.info(f"starting DHT node: listen {' '.join(args.host_maddrs)}, identity {args.identity_path}, "
                     f"{len(args.initial_peers)} initial peer address(es)")
+        security = dict(run_authority.dht_kwargs) if run_authority else {}
+        security["record_validators"] = [*node_validators(), *security.get("record_validators", ())]
         try:
             dht = dht_node.create_dht(
                 initial_peers=args.initial_peers,
@@ -219,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 relay_service=args.relay_service,
                 join_timeout=args.join_timeout,
                 stop=stop,
-                **(run_authority.dht_kwargs if run_authority else {}),
+                **security,
             )
         except ValueError as e:
             print(f"{PROG}: error: {e}", file=sys.stderr)

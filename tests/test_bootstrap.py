@@ -72,6 +72,7 @@ def test_help_is_fast_and_lists_flags(tmp_path):
     [
         (["--host-maddrs", "foo"], {}, r"--host-maddrs: 'foo' is not a multiaddr \(expected /ip4/HOST/tcp/PORT\)$"),
         (["--refresh-period", "soon"], {}, r"--refresh-period: 'soon' is not a number"),
+        (["--refresh-period", "1201"], {}, r"--refresh-period: at most 1200 seconds \(DHT nodes keep no record"),
         ([], {"SWARM_NAT_PORT_MAP": "perhaps"}, r"SWARM_NAT_PORT_MAP \(--nat-port-map\): 'perhaps'"),
         (["--log-level", "LOUD"], {}, r"--log-level: 'LOUD' is not one of"),
     ],

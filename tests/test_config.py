@@ -106,6 +106,8 @@ def test_progress_ttl_must_outlast_a_stalled_dht():
     """A record reaches the DHT and is read up to one dht_timeout late each while a DHT node is unreachable."""
     with pytest.raises(ConfigError, match=r"progress_ttl: must be > swarm.progress_period \+ 2 \* swarm.dht_timeout"):
         build_config(None, {**NEW, ("swarm", "progress_period"): 5.0, ("swarm", "progress_ttl"): 14.0}, environ={})
+    with pytest.raises(ConfigError, match=r"progress_ttl: must be <= 3600 \(DHT nodes keep no record longer\)"):
+        build_config(None, {**NEW, ("swarm", "progress_ttl"): 3601.0}, environ={})
     cfg = build_config(None, {**NEW, ("swarm", "progress_period"): 1.0, ("swarm", "progress_ttl"): 8.0,
                               ("swarm", "dht_timeout"): 3.0}, environ={})
     assert cfg.swarm.dht_timeout == 3.0

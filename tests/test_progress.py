@@ -4,10 +4,11 @@ import time
 
 import pytest
 from hivemind.utils import ValueWithExpiration, get_dht_time
-from hivemind.utils.crypto import RSAPrivateKey
 
 from helpers import dht_nodes
-from peer.net.progress import LiveView, SpeedLedger, make_validators, progress_key
+from peer.net.auth import identity_key
+from peer.net.dht import ensure_identity
+from peer.net.progress import LiveView, SpeedLedger, make_validators, node_validators, progress_key
 from peer.net.records import ProgressRecord
 
 TTL = 10.0
@@ -88,20 +89,30 @@ def test_a_speed_is_vouched_for_after_a_window_of_records_and_is_their_lowest_cl
     assert ledger.vouched(A, 100.0) is None and ledger.vouched(B, 100.0) == 500.0
 
 
+def identity_signers(run_key: str, tmp_path, n: int) -> list[tuple[list, bytes]]:
+    """Each node's validators and record subkey, signed with its identity key (dht_nodes' n{i}.id)."""
+    return [make_validators(run_key, identity_key(tmp_path / f"n{i}.id")) for i in range(n)
+            if ensure_identity(tmp_path / f"n{i}.id")]
+
+
 def test_signed_records_through_a_real_dht(tmp_path):
-    """Two DHT nodes on loopback: each stores its record, both read both; a forged record (another peer's
-    key, or not a ProgressRecord) is refused; a withdrawal drops the peer from the other's view."""
+    """Two DHT nodes on loopback and a bootstrap-like third (no run key): each peer stores its record, both read
+    both; a forged record (another peer's key, a record naming another peer's id, or not a ProgressRecord) is
+    refused by every node; a withdrawal drops the peer from the other's view."""
     run_key = "testrun_progress"
     key = progress_key(run_key)
-    signers = [make_validators(run_key, RSAPrivateKey()) for _ in range(2)]  # one signing key per node
+    signers = identity_signers(run_key, tmp_path, 2)
     subkeys = [subkey for _, subkey in signers]
-    with dht_nodes(2, tmp_path, validators=lambda i: signers[i][0]) as nodes:
+    with dht_nodes(3, tmp_path, validators=lambda i: signers[i][0] if i < 2 else node_validators()) as nodes:
         pids = [str(n.peer_id) for n in nodes]
         for node, subkey, pid in zip(nodes, subkeys, pids):
             assert node.store(key, rec(pid, get_dht_time()), get_dht_time() + 30, subkey=subkey)
         # another peer's subkey (signature check) and a value that is not a record (schema check)
         assert not nodes[1].store(key, rec(pids[1], get_dht_time()), get_dht_time() + 30, subkey=subkeys[0])
         assert not nodes[1].store(key, {"peer_id": pids[1]}, get_dht_time() + 30, subkey=subkeys[1])
+        # shadowing (issue 28): a record signed by node 1 that speaks for node 0 (every node refuses it)
+        assert not nodes[1].store(key, rec(pids[0], get_dht_time(), step=10**9), get_dht_time() + 30,
+                                  subkey=subkeys[1])
         # schema-valid and validly signed, but its peer id is not one and its rounds overflow: issue 13's
         # record that made every honest peer exit (the catch-up picked it, parsing the donor id raised)
         hostile = {**rec("not-a-peer-id", get_dht_time()), "rounds": [1 << 63], "digests": ["ab"]}
@@ -109,9 +120,43 @@ def test_signed_records_through_a_real_dht(tmp_path):
         assert not nodes[1].store(key, {**rec(pids[1], get_dht_time()), "digests": ["<script>"], "rounds": [1]},
                                   get_dht_time() + 30, subkey=subkeys[1])
         views = [LiveView(30.0) for _ in nodes]
-        for node, view in zip(nodes, views):
+        for node, view in zip(nodes, views):  # (the third node reads what the peers stored, unforged)
             view.merge(node.get(key, latest=True), dht_now=get_dht_time(), local_now=time.monotonic())
-            assert set(view.live(time.monotonic())) == set(pids)
+            assert set(view.live(time.monotonic())) == set(pids[:2])
+            assert all(r.step == 0 for r in view.live(time.monotonic()).values())  # (no forged step)
         assert nodes[0].store(key, None, get_dht_time() + 30, subkey=subkeys[0])  # peer 0 leaves
         views[1].merge(nodes[1].get(key, latest=True), dht_now=get_dht_time(), local_now=time.monotonic())
         assert set(views[1].live(time.monotonic())) == {pids[1]}
+
+
+def test_a_record_speaks_only_for_its_signers_peer_id_on_peers_and_bootstrap_nodes(tmp_path):
+    """Self-certifying records: validly signed records that name another peer's id (shadowing) are refused by a
+    peer's validators and by a bootstrap node's (no run key: it holds every record that names a peer_id to the
+    rule, whatever its key); the signer's own record passes both; records that name no peer id are not the
+    bootstrap node's business."""
+    import dataclasses
+
+    from hivemind.dht.protocol import DHTProtocol
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.validation import CompositeValidator, DHTRecord
+
+    run_key = "testrun_certify"
+    (validators, subkey), (_, other_subkey) = identity_signers(run_key, tmp_path, 2)
+    mine, other = (ensure_identity(tmp_path / f"n{i}.id") for i in range(2))
+    signer = validators[1]  # (hivemind's RSASignatureValidator with our identity key)
+    dumps = DHTProtocol.serializer.dumps
+
+    def signed(key: str, value, sub: bytes = subkey) -> DHTRecord:
+        record = DHTRecord(DHTID.generate(source=key).to_bytes(), dumps(sub), dumps(value), get_dht_time() + 30)
+        return dataclasses.replace(record, value=signer.sign_value(record))
+
+    def passes(record: DHTRecord, checks) -> bool:  # (as the DHT applies them: the signature is stripped first)
+        return CompositeValidator(checks).validate(record)
+
+    for checks in (validators, node_validators()):
+        assert passes(signed(progress_key(run_key), rec(mine, 1.0)), checks)
+        assert not passes(signed(progress_key(run_key), rec(other, 1.0)), checks)  # shadowing
+        assert not passes(signed(progress_key(run_key), rec(mine, 1.0), other_subkey), checks)  # not our key
+    assert passes(signed("another run_progress", rec(mine, 1.0)), node_validators())
+    assert not passes(signed("another run_progress", rec(other, 1.0)), node_validators())
+    assert passes(signed("some other key", [1, 2, 3]), node_validators())

@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from peer.config.fields import (CODEC_NAMES, MAX_MBPS, MIN_MBPS, ConfigError, check, parse_active_hours, setting,
-                                valid_mbps)
+from peer.config.fields import (CODEC_NAMES, MAX_MBPS, MAX_RECORD_TTL, MIN_MBPS, ConfigError, check,
+                                parse_active_hours, setting, valid_mbps)
 
 
 @dataclass(kw_only=True)
@@ -297,6 +297,8 @@ class SwarmConfig:
         # to another one late: a record must outlive a period and both, or live peers drop out of view.
         check(self.progress_ttl > self.progress_period + 2 * self.dht_timeout, "swarm.progress_ttl",
                "> swarm.progress_period + 2 * swarm.dht_timeout", self.progress_ttl)
+        check(self.progress_ttl <= MAX_RECORD_TTL, "swarm.progress_ttl", f"<= {MAX_RECORD_TTL:.0f} (DHT nodes keep "
+              "no record longer)", self.progress_ttl)
         check(4096 <= self.chunk_bytes <= 1 << 24, "swarm.chunk_bytes", "in [4096, 16777216]", self.chunk_bytes)
 
 

@@ -82,6 +82,20 @@ def peer_id_of(public_key: RSAPublicKey) -> str:
     return PeerID(b"\x12\x20" + hashlib.sha256(encoded).digest()).to_base58()  # multihash: sha2-256, 32 bytes
 
 
+@functools.lru_cache(maxsize=1024)
+def certifies(subkey: bytes, peer_id: str) -> bool:
+    """Whether a DHT record signed under ``subkey`` may speak for ``peer_id``: the RSA key its subkey names (the
+    key hivemind's signature validator checks the record against) is the one ``peer_id`` is the hash of. Records
+    are self-certifying, as libp2p's peer records are: nobody can publish under another peer's id."""
+    owner = owner_key(subkey)
+    if owner is None:
+        return False
+    try:
+        return peer_id_of(parse_public_key(owner)) == peer_id
+    except ValueError:
+        return False
+
+
 def fingerprint(public_key: str | bytes) -> str:
     """A short name of a public key for logs (the first 16 hex digits of the SHA-256 of its OpenSSH form)."""
     return hashlib.sha256(parse_public_key(public_key).to_bytes()).hexdigest()[:16]

@@ -323,6 +323,9 @@ def _parent_bound_dht_class():
             def run(self) -> None:
                 _die_with_parent(self._creator_pid)
                 _register_relay_modes(self.kwargs)
+                from peer.net import dht_storage
+
+                dht_storage.install()  # (what the node keeps for others is bounded: peer/net/dht_storage.py)
                 super().run()
 
         _PARENT_BOUND_DHT = ParentBoundDHT

@@ -1,11 +1,12 @@
 """Signed progress records in the DHT: who is training this run, how far, how fast.
 
-Each peer stores one record under ``{run_key}_progress`` with a subkey carrying its RSA public key,
-so only it can overwrite its record (hivemind's RSASignatureValidator), and the value must match
-:class:`ProgressRecord` (hivemind's SchemaValidator): a malformed record from another peer is
-rejected by every DHT node that validates. A record expires after ``progress_ttl`` seconds, so a
-crashed peer stops counting as live on its own. :class:`LiveView` merges what a peer reads into its view
-of who is live; :class:`SpeedLedger` remembers the speeds they claim (the robust rule's caps).
+Each peer stores one record under ``{run_key}_progress`` with a subkey carrying its identity's RSA public key,
+so only it can overwrite its record (hivemind's RSASignatureValidator); the value must be a
+:class:`ProgressRecord` whose peer id is that key's hash (:func:`~peer.net.auth.certifies`: records are
+self-certifying, nobody speaks for another peer id), or every DHT node that validates rejects it. A record
+expires after ``progress_ttl`` seconds, so a crashed peer stops counting as live on its own. :class:`LiveView`
+merges what a peer reads into its view of who is live; :class:`SpeedLedger` remembers the speeds they claim
+(the robust rule's caps).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils.crypto import RSAPrivateKey
 
-from peer.net.auth import PassChecker, RevocationValidator, RunAccess, RunAuthorizer, record_admitted
+from peer.net.auth import PassChecker, RevocationValidator, RunAccess, RunAuthorizer, certifies, record_admitted
 from peer.net.records import ProgressRecord
 
 _OWNER = re.compile(b".*" + RSASignatureValidator.PUBLIC_KEY_REGEX + b".*", re.DOTALL)
@@ -28,40 +29,54 @@ _OWNER = re.compile(b".*" + RSASignatureValidator.PUBLIC_KEY_REGEX + b".*", re.D
 
 class ProgressValidator(RecordValidatorBase):
     """Accepts a record under the progress key only if its subkey carries an owner's public key
-    (so the signature validator enforces ownership) and its value is a valid ProgressRecord.
+    (so the signature validator enforces ownership) and its value is a valid ProgressRecord of the peer id
+    that key hashes to.
 
     hivemind's SchemaValidator and BytesWithPublicKey rely on pydantic-v1 internals that pydantic 2
     rejects, so this is the same rule written for pydantic 2. Other keys are not our business.
     """
 
-    def __init__(self, run_key: str, checker: Optional[PassChecker] = None):
-        """``checker``: in an authenticated run, a record must also carry its owner's valid pass."""
-        self._key_id = DHTID.generate(source=progress_key(run_key)).to_bytes()
+    def __init__(self, run_key: Optional[str], checker: Optional[PassChecker] = None):
+        """``checker``: in an authenticated run, a record must also carry its owner's valid pass. ``run_key``
+        None (a bootstrap node, which serves any run): every record whose value names a ``peer_id`` is held to
+        the rule, whatever its key (a node that stored what peers reject would make them drop its whole answer)."""
+        self._key_id = None if run_key is None else DHTID.generate(source=progress_key(run_key)).to_bytes()
         self.checker = checker
 
     def validate(self, record: DHTRecord) -> bool:
-        if record.key != self._key_id:
+        if self._key_id is not None and record.key != self._key_id:
             return True
         try:
             subkey = DHTProtocol.serializer.loads(record.subkey)
             value = DHTProtocol.serializer.loads(record.value)
+            if self._key_id is None and not (isinstance(value, dict) and "peer_id" in value):
+                return True
             if not isinstance(subkey, bytes) or not _OWNER.fullmatch(subkey):
                 return False
             if value is None:  # a withdrawal (the signature validator checks it is the owner's)
                 return True
             rec = ProgressRecord.from_wire(value)
+            if not certifies(subkey, rec.peer_id):
+                return False
             return self.checker is None or record_admitted(self.checker, subkey, rec.pass_line, rec.peer_id)
         except (ValueError, TypeError, pydantic.ValidationError, Exception):
             return False
+
+
+def node_validators() -> list[RecordValidatorBase]:
+    """A bootstrap node's record validators (it serves any run): owners' signatures, and progress records
+    that speak only for their signer's peer id."""
+    return [ProgressValidator(None), RSASignatureValidator()]
 
 
 def make_validators(run_key: str, private_key: Optional[RSAPrivateKey] = None,
                     checker: Optional[PassChecker] = None) -> tuple[list[RecordValidatorBase], bytes]:
     """Record validators for the DHT and the subkey under which this process signs its record.
 
-    ``private_key`` signs our record (default: this process's key; two DHT nodes in one process need two; in
-    an authenticated run, the identity's key, which our pass names). ``checker``: the run's pass checker in an
-    authenticated run (records must carry their owner's pass; revocation lists must be the authority's).
+    ``private_key`` signs our record: the identity's key (its hash is our peer id, which the record names);
+    None only for a node that publishes no record (the monitor, a bootstrap node: this process's key).
+    ``checker``: the run's pass checker in an authenticated run (records must carry their owner's pass;
+    revocation lists must be the authority's).
     Must be created before the DHT process is started (validators are handed to it).
     """
     signer = RSASignatureValidator(private_key)
@@ -71,11 +86,14 @@ def make_validators(run_key: str, private_key: Optional[RSAPrivateKey] = None,
     return validators, signer.local_public_key
 
 
-def dht_security(run_key: str, access: Optional[RunAccess]) -> tuple[list[RecordValidatorBase], bytes, dict]:
+def dht_security(run_key: str, access: Optional[RunAccess],
+                 key: Optional[RSAPrivateKey] = None) -> tuple[list[RecordValidatorBase], bytes, dict]:
     """What a DHT node of a run needs: the record validators, the subkey our record is signed under, and the
     ``create_dht`` options (in an authenticated run, the authorizer that carries our pass; ``access`` None: an
-    open run). Must be called before the DHT process starts."""
-    validators, subkey = make_validators(run_key, access.key if access else None, access.checker if access else None)
+    open run). ``key``: the identity key our record is signed with (an authenticated run's is ``access.key``;
+    None: we publish no record). Must be called before the DHT process starts."""
+    signer = access.key if access else key
+    validators, subkey = make_validators(run_key, signer, access.checker if access else None)
     auth = {} if access is None else {"authorizer": RunAuthorizer(access.key, access.token, access.checker)}
     return validators, subkey, auth
 

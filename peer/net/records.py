@@ -19,6 +19,7 @@ Count = Annotated[StrictInt, Field(ge=0, le=1 << 40)]
 PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{32,128}")
 DIGEST = re.compile(r"[0-9a-f]{1,64}")
 MAX_PASS_CHARS = 4096  # a pass line: ~400 bytes of key, ~350 of signature, in base64
+MAX_FRAGMENTS = 512  # fragments a run may have: a record's per-fragment lists (the largest record fits a DHT value)
 MAX_PAST = 64  # entries of a record's ``past`` (a few rounds per fragment; fewer when there are many fragments)
 
 
@@ -29,8 +30,8 @@ class ProgressRecord(BaseModel):
     step: Count  # inner steps made
     round: Count  # rounds completed of fragment 0
     # per fragment: rounds applied and the hex digest of G after them (drift check, state donors)
-    rounds: list[Count] = Field(default_factory=list, max_length=4096)
-    digests: list[Annotated[StrictStr, Field(max_length=64)]] = Field(default_factory=list, max_length=4096)
+    rounds: list[Count] = Field(default_factory=list, max_length=MAX_FRAGMENTS)
+    digests: list[Annotated[StrictStr, Field(max_length=64)]] = Field(default_factory=list, max_length=MAX_FRAGMENTS)
     # earlier applied rounds, as (fragment, round, digest), a few per fragment: lets the drift check compare
     # digests at the same round when rounds are faster than records (consensus.digest_at)
     past: list[tuple[Count, Count, Annotated[StrictStr, Field(max_length=64)]]] = Field(default_factory=list,

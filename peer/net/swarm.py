@@ -24,7 +24,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
 from peer.net.allreduce import AllReduceServicer
-from peer.net.auth import Admission, RunAccess, encode_pass, revocation_key, revoke_in_dht
+from peer.net.auth import Admission, RunAccess, encode_pass, identity_key, revocation_key, revoke_in_dht
 from peer.net.bandwidth import Bandwidth
 from peer.net.activity import RoundActivity, RoundStage
 from peer.net.attendance import Attendance
@@ -125,7 +125,7 @@ class Swarm:
         """Starts the DHT and the networking thread. Raises :class:`~peer.errors.JoinError` if no initial peer
         answered within ``join_timeout`` (retried with backoff; ``stop`` ends the retries)."""
         access = self.access
-        validators, self._subkey, auth = dht_security(self.run_key, access)
+        validators, self._subkey, auth = dht_security(self.run_key, access, identity_key(self.identity_path))
         cap_frame_size(frame_limit_for(self.cfg.chunk_bytes))  # before the DHT forks: its streams are bounded too
         self._dht = create_dht(initial_peers=self.cfg.initial_peers, host_maddrs=self.cfg.host_maddrs,
                               announce_maddrs=self.cfg.announce_maddrs, identity_path=self.identity_path,

@@ -43,6 +43,7 @@ from peer.outer.state import FragmentState
 from peer.run.run_dir import RunDirLock
 from peer.outer.schedule import ClockSchedule, StepsSchedule
 from peer.net.transport import SwarmTransport
+from peer.net.records import MAX_FRAGMENTS
 from peer.net.auth import fingerprint
 from peer.outer.aggregate import AggregationRule
 from peer.outer.engine import StreamingEngine
@@ -222,6 +223,9 @@ class Trainer:
         cfg = self.cfg
         model, blocks, inner = build_local(cfg, source)
         fragments = partition(model, blocks, cfg.outer.fragment_blocks, cfg.outer.fragment_pattern)
+        if len(fragments) > MAX_FRAGMENTS:  # (a progress record carries a round and a digest per fragment)
+            raise SetupError(f"outer.fragment_blocks: {cfg.outer.fragment_blocks} makes {len(fragments)} fragments; a "
+                             f"run has at most {MAX_FRAGMENTS} (raise it)")
         log.info("%d fragment(s) of %s elements (%s, %d blocks each); codec %s, tau %s, eager %s, merge %s",
                  len(fragments), [f.numel for f in fragments], cfg.outer.fragment_pattern,
                  cfg.outer.fragment_blocks, cfg.outer.codec, cfg.outer.tau, cfg.outer.eager, cfg.outer.merge)

@@ -1,0 +1,118 @@
+"""What one DHT node keeps for others, bounded (issue 28).
+
+hivemind's ``DHTLocalStorage`` keeps every record anyone stores until the expiration its writer chose, of any size
+and count: 40 records of 1 MiB from one stranger grew each honest peer's processes by 4 GB. :class:`BoundedStorage`
+takes its place in our DHT processes (:func:`install`, in the DHT process before its node starts) and refuses a
+store (False, as hivemind answers for a stale value) whose
+
+- value is larger than ``max_value_bytes`` (the largest valid progress record is ~50 KB),
+- expiration lies more than ``max_horizon`` seconds ahead (our records live seconds to minutes),
+- key is new while ``max_keys`` keys are held, or subkey is new while its key holds ``max_subkeys``,
+- size would take what the node holds past ``max_bytes`` (values and subkeys, as stored).
+
+A refused store evicts nothing: a flood cannot push honest records out, only fill the budget for as long as its own
+records live (at most ``max_horizon``). Peers refresh their records every heartbeat, so a record already held can
+always be replaced. The cache (records a node learned while searching) has the same bounds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
+from hivemind.utils import get_dht_time
+
+from peer.config.fields import MAX_RECORD_TTL
+
+ENTRY_OVERHEAD = 64  # bytes counted per stored entry beyond its value and subkey (heap entry, dict slot)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StorageBounds:
+    max_value_bytes: int = 96 * 1024
+    max_horizon: float = MAX_RECORD_TTL
+    max_keys: int = 4096
+    max_subkeys: int = 1024
+    max_bytes: int = 64 * 1024 * 1024
+
+
+BOUNDS = StorageBounds()
+
+
+def _subkey_bytes(subkey: Any) -> int:
+    return len(subkey) if isinstance(subkey, (bytes, str)) else 16
+
+
+def _entry_cost(value: Any, subkey: Any = None) -> int:
+    return len(value) + (0 if subkey is None else _subkey_bytes(subkey)) + ENTRY_OVERHEAD
+
+
+class BoundedStorage(DHTLocalStorage):
+    """``DHTLocalStorage`` that refuses what would pass its :class:`StorageBounds`. Used by one DHT node's event loop
+    (hivemind's protocol), the only writer."""
+
+    def __init__(self, maxsize: Optional[int] = None, *, bounds: StorageBounds = BOUNDS):
+        super().__init__(maxsize)
+        self.bounds = bounds
+        self._sizes: dict[Any, int] = {}  # key -> bytes it held when last stored to (stale-high once entries expire)
+
+    def used(self) -> int:
+        """Bytes held (counted when each key was last stored to)."""
+        self._remove_outdated()
+        self._sizes = {k: n for k, n in self._sizes.items() if k in self.data}
+        return sum(self._sizes.values())
+
+    def store(self, key, value, expiration_time, subkey=None) -> bool:
+        if subkey is not None:
+            return self.store_subkey(key, subkey, value, expiration_time)
+        if not self._admits(key, None, value, expiration_time):
+            return False
+        ok = super().store(key, value, expiration_time)
+        self._account(key)
+        return ok
+
+    def store_subkey(self, key, subkey, value, expiration_time) -> bool:
+        if not self._admits(key, subkey, value, expiration_time):
+            return False
+        ok = super().store_subkey(key, subkey, value, expiration_time)
+        self._account(key)
+        return ok
+
+    def _admits(self, key, subkey, value, expiration_time: float) -> bool:
+        b = self.bounds
+        if not isinstance(value, (bytes, bytearray)) or len(value) > b.max_value_bytes:
+            return False
+        if not expiration_time <= get_dht_time() + b.max_horizon:  # (also refuses NaN)
+            return False
+        used = self.used()
+        held = self.data.get(key)
+        if held is None:
+            if len(self.data) >= b.max_keys:
+                return False
+            old = 0
+        elif subkey is None or not isinstance(held.value, DictionaryDHTValue):
+            old = self._sizes.get(key, 0)  # (a plain value, or a dictionary a plain value would replace)
+        else:
+            entry = held.value.get(subkey)
+            if entry is None and len(held.value) >= b.max_subkeys:
+                return False
+            old = 0 if entry is None else _entry_cost(entry.value, subkey)
+        return used - old + _entry_cost(value, subkey) <= b.max_bytes
+
+    def _account(self, key) -> None:
+        held = self.data.get(key)
+        if held is None:
+            self._sizes.pop(key, None)
+        elif isinstance(held.value, DictionaryDHTValue):
+            self._sizes[key] = sum(_entry_cost(e.value, sk) for sk, e in held.value.items())
+        else:
+            self._sizes[key] = _entry_cost(held.value)
+
+
+def install() -> None:
+    """In the DHT process, before its node starts: hivemind's protocol creates its storage and cache from
+    :class:`BoundedStorage` (it looks the class up in its module when the node starts)."""
+    import hivemind.dht.protocol as protocol
+
+    protocol.DHTLocalStorage = BoundedStorage

@@ -1,0 +1,77 @@
+"""What a DHT node keeps for others is bounded (peer/net/dht_storage.py): the storage alone, and a real node."""
+
+import time
+
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
+from hivemind.utils import get_dht_time
+
+from helpers import dht_nodes
+from peer.net.dht_storage import BOUNDS, BoundedStorage, StorageBounds
+from peer.net.records import MAX_FRAGMENTS, MAX_PASS_CHARS, MAX_PAST, ProgressRecord
+
+SMALL = StorageBounds(max_value_bytes=1000, max_horizon=60.0, max_keys=4, max_subkeys=3, max_bytes=5000)
+
+
+def key(i: int) -> DHTID:
+    return DHTID.generate(source=f"k{i}")
+
+
+def test_each_bound_refuses_a_store_and_evicts_nothing():
+    s = BoundedStorage(bounds=SMALL)
+    soon = get_dht_time() + 30
+    assert not s.store(key(0), b"x" * 1001, soon)  # value too large
+    assert not s.store(key(0), b"x", get_dht_time() + 61)  # expires past the horizon
+    assert not s.store(key(0), b"x", float("nan"))
+    for i in range(4):
+        assert s.store(key(i), b"x" * 10, soon)
+    assert not s.store(key(4), b"x", soon)  # a fifth key
+    assert s.store(key(0), b"y" * 10, soon + 1)  # a key held can be replaced
+    for sub in (b"a", b"b", b"c"):
+        assert s.store(key(5 - 2), b"z", soon + 2, subkey=sub)  # (key 3 turns into a dictionary)
+    assert not s.store(key(3), b"z", soon + 2, subkey=b"d")  # a fourth subkey
+    assert s.store(key(3), b"zz", soon + 3, subkey=b"a")  # a subkey held can be replaced
+    assert [s.get(key(i)) is not None for i in range(4)] == [True] * 4  # nothing was pushed out
+
+
+def test_the_byte_budget_counts_what_is_held_and_frees_what_expires():
+    s = BoundedStorage(bounds=StorageBounds(max_value_bytes=1000, max_horizon=60.0, max_keys=10, max_subkeys=3,
+                                            max_bytes=5000))
+    now = get_dht_time()
+    for i, expires in enumerate([30, 30, 0.5, 30]):
+        assert s.store(key(i), b"x" * 1000, now + expires)
+    assert s.used() == 4 * (1000 + 64)
+    assert not s.store(key(4), b"x" * 1000, now + 30)  # a fifth does not fit ...
+    assert not s.store(key(4), b"x" * 800, now + 30, subkey=b"s")
+    assert s.store(key(1), b"y" * 1000, now + 31)  # ... a value held can be replaced by one as large ...
+    assert s.store(key(4), b"x" * 100, now + 30)  # ... and what is left is there to take
+    deadline = time.monotonic() + 5
+    while s.get(key(2)) is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert s.get(key(2)) is None and s.used() == 3 * (1000 + 64) + 164  # an expired value frees its bytes
+    assert s.store(key(5), b"x" * 1000, now + 30)
+
+
+def test_the_largest_valid_progress_record_fits_a_value():
+    """A record of a run of MAX_FRAGMENTS fragments, every list full, with a pass: signed, it is still a value
+    every node keeps."""
+    digest = "f" * 32
+    rec = ProgressRecord(peer_id="Q" * 46, step=1 << 40, round=1 << 40, rounds=[1 << 40] * MAX_FRAGMENTS,
+                         digests=[digest] * MAX_FRAGMENTS, past=[(1 << 40, 1 << 40, digest)] * MAX_PAST,
+                         seeking=[[1 << 40, 1 << 40]] * 64, averaging=[[1 << 40, 1 << 40]] * 64,
+                         tokens_per_second=1e300, pass_line="p" * MAX_PASS_CHARS, client_mode=False, loss=1e6,
+                         version="v" * 32, upload_bytes_per_second=1e300, time=1e300)
+    signed = len(DHTProtocol.serializer.dumps(rec.model_dump())) + 1024  # (hivemind's [signature:...] suffix)
+    assert signed <= BOUNDS.max_value_bytes, signed
+
+
+def test_a_real_node_keeps_no_value_past_its_bounds(tmp_path):
+    """Through two DHT processes on loopback: a value of max_value_bytes + 1 and one that expires in two hours
+    are refused by both nodes; a normal one is kept."""
+    with dht_nodes(2, tmp_path) as (a, b):
+        assert not a.store("big", b"x" * (BOUNDS.max_value_bytes + 1), get_dht_time() + 30)
+        assert not a.store("forever", b"x", get_dht_time() + 2 * BOUNDS.max_horizon)
+        assert a.store("fine", b"x" * 1000, get_dht_time() + 30)
+        for node in (a, b):
+            assert node.get("big") is None and node.get("forever") is None
+            assert node.get("fine").value == b"x" * 1000
