@@ -26,6 +26,7 @@ DEFAULT_HOST_MADDRS = ["/ip4/0.0.0.0/tcp/31337"]
 DEFAULT_IDENTITY_PATH = "bootstrap.id"
 DEFAULT_REFRESH_PERIOD = 60.0
 DEFAULT_JOIN_TIMEOUT = 60.0
+RELAY_TRIES = 3  # starts of the DHT node while its relay serves with libp2p's default limits (--relay-service)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 logger = logging.getLogger("swarm.bootstrap")
@@ -215,30 +216,37 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"{len(args.initial_peers)} initial peer address(es)")
         security = dict(run_authority.dht_kwargs) if run_authority else {}
         security["record_validators"] = [*node_validators(), *security.get("record_validators", ())]
-        try:
-            dht = dht_node.create_dht(
-                initial_peers=args.initial_peers,
-                host_maddrs=args.host_maddrs,
-                announce_maddrs=args.announce_maddrs,
-                identity_path=args.identity_path,
-                client_mode=False,
-                nat_port_map=args.nat_port_map,
-                relay_service=args.relay_service,
-                join_timeout=args.join_timeout,
-                stop=stop,
-                **security,
-            )
-        except ValueError as e:
-            print(f"{PROG}: error: {e}", file=sys.stderr)
-            return 2
-        except dht_node.JoinError as e:
-            if stop.is_set():  # a signal while the initial peers were retried: a clean stop
-                return 0
-            print(f"{PROG}: error: {e}", file=sys.stderr)
-            return 3
-        except RuntimeError as e:
-            logger.error(f"could not start the DHT node: {e}")
-            return 1
+        for attempt in range(1, RELAY_TRIES + 1):
+            try:
+                dht = dht_node.create_dht(
+                    initial_peers=args.initial_peers,
+                    host_maddrs=args.host_maddrs,
+                    announce_maddrs=args.announce_maddrs,
+                    identity_path=args.identity_path,
+                    client_mode=False,
+                    nat_port_map=args.nat_port_map,
+                    relay_service=args.relay_service,
+                    join_timeout=args.join_timeout,
+                    stop=stop,
+                    **security,
+                )
+            except ValueError as e:
+                print(f"{PROG}: error: {e}", file=sys.stderr)
+                return 2
+            except dht_node.JoinError as e:
+                if stop.is_set():  # a signal while the initial peers were retried: a clean stop
+                    return 0
+                print(f"{PROG}: error: {e}", file=sys.stderr)
+                return 3
+            except RuntimeError as e:
+                logger.error(f"could not start the DHT node: {e}")
+                return 1
+            if stop.is_set() or not args.relay_service or _relay_ok(dht_node.visible_maddrs(dht), attempt,
+                                                                    args.join_timeout):
+                break
+            dht_node.shutdown_dht(dht)
+            dht = None
+        assert dht is not None  # (_relay_ok keeps the last start)
         running = True
         if stop.is_set():
             return 0
@@ -285,6 +293,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         if dht is not None:
             dht_node.shutdown_dht(dht)
             logger.info("DHT node shut down")
+
+
+def _relay_ok(maddrs: list[str], attempt: int, timeout: float) -> bool:
+    """Whether to keep this start of the DHT node: its relay carried a stream past libp2p's default limits
+    (peer/net/relay_check.py), it could not tell, or this was the last of ``RELAY_TRIES`` starts."""
+    from peer.net.relay_check import PROBE_BYTES, relay_serves
+
+    local = [m for m in maddrs if m.startswith("/ip4/127.")] or maddrs
+    verdict = relay_serves(local[0], timeout) if local else None
+    if verdict is None:
+        logger.warning(f"relay check: no circuit through this node within {timeout:g} s; whether relayed streams "
+                       f"carry more than 128 KiB is not known")
+    elif verdict:
+        logger.info(f"relay check: a relayed stream carried {PROBE_BYTES // 1024} KiB")
+    elif attempt < RELAY_TRIES:
+        logger.warning(f"relay check: relayed streams are reset after 128 KiB (libp2p's default relay limits "
+                       f"serve); starting the DHT node again ({attempt}/{RELAY_TRIES})")
+        return False
+    else:
+        logger.error(f"relay check: relayed streams are still reset after 128 KiB after {RELAY_TRIES} starts: peers "
+                     f"behind a NAT cannot exchange their parts through this node; restart it")
+    return True
 
 
 def _run_authority(directory: str, identity_path: str):

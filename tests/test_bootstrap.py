@@ -175,3 +175,32 @@ def test_bootstrap_swarm_end_to_end(tmp_path, procs):
     again.popen.send_signal(signal.SIGINT)  # Ctrl-C is a clean stop too
     assert again.popen.wait(timeout=20) == 0, again.tail()
     wait_for(lambda: not again.session_pids(), 10, "the restarted bootstrap's p2pd to exit")
+
+
+def test_the_relay_check_tells_the_configured_limits_from_libp2ps_defaults(tmp_path, procs):
+    """A node started with --relay-service checks at start that a relayed stream carries 512 KiB, and says so; a
+    node without it relays under libp2p's default limits (128 KiB per relayed connection), which the check
+    finds (peer/net/relay_check.py: two throwaway daemons on this host, the target listening nowhere)."""
+    from peer.net.relay_check import relay_serves
+
+    service, maddrs = start_bootstrap(procs, tmp_path, "service", "--host-maddrs", LOOPBACK, "--identity-path",
+                                      "s.id", "--relay-service")
+    service.wait_for_line(r"relay check: a relayed stream carried 512 KiB", 5)
+    assert relay_serves(maddrs[0], 30) is True
+    _, plain = start_bootstrap(procs, tmp_path, "plain", "--host-maddrs", LOOPBACK, "--identity-path", "p.id")
+    assert relay_serves(plain[0], 30) is False
+
+
+def test_a_relay_under_default_limits_is_started_again_a_bounded_number_of_times(monkeypatch, caplog):
+    """_relay_ok: a reset stream asks for another start until the last of RELAY_TRIES, which is kept with an
+    ERROR line; an unknown verdict keeps the start with a WARNING."""
+    import bootstrap.cli as cli
+    import peer.net.relay_check as relay_check
+
+    verdicts = iter([False, False, False, None])
+    monkeypatch.setattr(relay_check, "relay_serves", lambda maddr, timeout: next(verdicts))
+    maddrs = ["/ip4/10.0.0.1/tcp/1/p2p/Qm", "/ip4/127.0.0.1/tcp/1/p2p/Qm"]
+    assert [cli._relay_ok(maddrs, attempt, 1.0) for attempt in range(1, cli.RELAY_TRIES + 1)] == [False, False, True]
+    assert "still reset after 128 KiB after 3 starts" in caplog.text
+    assert cli._relay_ok(maddrs, 1, 1.0)
+    assert "whether relayed streams carry more than 128 KiB is not known" in caplog.text
