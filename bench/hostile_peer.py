@@ -10,7 +10,10 @@ ATTACK is one of:
 - ``round_breaker``: sends every reducer a part scaled by 1e30 and never answers as a reducer (its span's
   members wait until allreduce_timeout);
 - ``sybil_majority``: publishes a state of its own (its G negated, with the matching digest) and six more
-  progress records under made-up peer ids claiming that same state: a "majority" of 7 against 4;
+  progress records of sybils claiming that same state (a "majority" of 7 against 4), each sybil with its own
+  key, its id that key's hash, so that its records are valid;
+- ``shadowing``: publishes the same forged state, and records under the honest peers' own ids claiming it,
+  1,000 rounds and 10^6 steps ahead (issue 28; signed with its own key, the only one it holds);
 - ``far_ahead``: publishes the same forged state and a record claiming to be 1,000 rounds and 10^6 steps ahead;
 - ``forged_donor``: advertises the swarm's digest but serves a negated G to whoever downloads from it.
 
@@ -23,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -80,7 +82,8 @@ def _forge_published_state() -> None:
 
 
 def _rewrite_records(rewrite) -> None:
-    """Every progress record this peer stores goes through ``rewrite(record) -> [(subkey suffix, record)]``."""
+    """Every progress record this peer stores goes through ``rewrite(record) -> [(subkey, record)]``: the first
+    replaces ours; a subkey of the others that names no key is a suffix to ours (signed with our key)."""
     import hivemind
 
     store = hivemind.DHT.store
@@ -88,22 +91,74 @@ def _rewrite_records(rewrite) -> None:
     def patched(self, key, value, expiration_time, subkey=None, return_future=False, **kwargs):
         if isinstance(key, str) and key.endswith("_progress") and isinstance(value, dict) and subkey is not None:
             extra = rewrite(value)
-            for suffix, record in extra[1:]:
-                store(self, key, record, expiration_time, subkey=subkey + suffix, return_future=True)
+            for sub, record in extra[1:]:
+                sub = sub if sub.startswith(b"[owner:") else subkey + sub
+                store(self, key, record, expiration_time, subkey=sub, return_future=True)
             value = extra[0][1]
         return store(self, key, value, expiration_time, subkey=subkey, return_future=return_future, **kwargs)
 
     hivemind.DHT.store = patched
 
 
+def _sign_for(keys) -> None:
+    """The DHT signs a record whose subkey names one of ``keys`` (RSAPrivateKey) with that key, as it signs ours:
+    an attacker's copy holding many identities. Must run before the DHT process forks."""
+    from hivemind.dht.crypto import RSASignatureValidator
+
+    signers = [RSASignatureValidator(key) for key in keys]
+    sign = RSASignatureValidator.sign_value
+
+    def patched(self, record):
+        for signer in signers:
+            if signer.local_public_key in record.subkey:
+                return sign(signer, record)
+        return sign(self, record)
+
+    RSASignatureValidator.sign_value = patched
+
+
 def sybil_majority() -> None:
-    from hivemind.p2p import PeerID
+    """Sybils as an attacker who read the source makes them: each its own RSA key, its id that key's hash (the
+    records are self-certifying), each record signed with its own key."""
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from peer.net.auth import peer_id_of
 
     _forge_published_state()
-    ids = [PeerID(b"\x12\x20" + os.urandom(32)).to_base58() for _ in range(SYBILS)]
+    keys = [RSAPrivateKey() for _ in range(SYBILS)]
+    _sign_for(keys)
+    ids = [peer_id_of(key.get_public_key()) for key in keys]
+    subkeys = [b"[owner:" + key.get_public_key().to_bytes() + b"]" for key in keys]
     log.warning("HOSTILE: %d sybil records: %s", SYBILS, ", ".join(i[-8:] for i in ids))
-    _rewrite_records(lambda rec: [(b"", rec)] + [(f"sybil{i}".encode(), {**rec, "peer_id": pid})
-                                                 for i, pid in enumerate(ids)])
+    _rewrite_records(lambda rec: [(None, rec)] + [(sub, {**rec, "peer_id": pid}) for sub, pid in zip(subkeys, ids)])
+
+
+def shadowing() -> None:
+    """Issue 28's shadowing: the forged state and a far step, published in records under the honest peers' own
+    ids (signed with this peer's key: nothing else can sign them)."""
+    from peer.net import progress
+
+    _forge_published_state()
+    seen: set[str] = set()
+    live = progress.LiveView.live
+
+    def watch(self, local_now):
+        found = live(self, local_now)
+        seen.update(found)
+        return found
+
+    progress.LiveView.live = watch
+
+    def shadow(rec):
+        others = sorted(seen - {rec["peer_id"]})
+        if others:
+            log.warning("HOSTILE: %d records under the ids of %s", len(others), ", ".join(i[-8:] for i in others))
+        ahead = {"step": rec["step"] + 10**6, "round": rec["round"] + 1000, "seeking": [], "past": [],
+                 "rounds": [r + 1000 for r in rec["rounds"]]}
+        return [(None, rec)] + [(f"shadow{i}".encode(), {**rec, **ahead, "peer_id": pid})
+                                for i, pid in enumerate(others)]
+
+    _rewrite_records(shadow)
 
 
 def far_ahead() -> None:
@@ -132,7 +187,8 @@ def forged_donor() -> None:
     state_transfer.StateServicer._serve = forged
 
 
-ATTACKS = {f.__name__: f for f in (lying_reducer, round_breaker, sybil_majority, far_ahead, forged_donor)}
+ATTACKS = {f.__name__: f for f in (lying_reducer, round_breaker, sybil_majority, far_ahead, forged_donor,
+                                   shadowing)}
 
 
 def main() -> int:

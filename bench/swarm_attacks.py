@@ -36,7 +36,8 @@ from helpers import Proc, events, wait_for  # noqa: E402
 from test_swarm import FAST, start_bootstrap, wait_exit  # noqa: E402
 
 # "absent": the extra peer never starts: what an attacker excluded at once would cost (its data is lost)
-ATTACKS = ["clean", "absent", "lying_reducer", "round_breaker", "sybil_majority", "far_ahead", "forged_donor"]
+ATTACKS = ["clean", "absent", "lying_reducer", "round_breaker", "sybil_majority", "far_ahead", "forged_donor",
+           "shadowing"]
 
 
 EXTRA: list[str] = []  # flags for every peer of every run (--aggregator)

@@ -53,6 +53,9 @@ class StateSync:
         # per fragment, the download an off_base round left us: (its round, the members that applied it, until when)
         self.owed: dict[int, tuple[int, list[str], float]] = {}
         self.owed_timeout = owed_timeout
+        # whether the last catch_up adopted a snapshot: its step is the donor's at its apply, seconds behind the
+        # swarm's now (the trainer then meets the swarm where it is: Trainer._catch_up)
+        self.adopted = False
 
     @property
     def recheck(self) -> bool:
@@ -144,6 +147,7 @@ class StateSync:
             took.append(time.monotonic() - t0)
         if not self.stop.is_set():
             self.pace.caught_up(took, failed)
+        self.adopted = bool(donor_steps)
         if isinstance(engine.schedule, StepsSchedule):
             step = step_after_catch_up(step, donor_steps, records, self.swarm.peer_id, self.sync_every)
         return step

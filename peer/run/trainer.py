@@ -255,7 +255,7 @@ class Trainer:
         self.owner.controls.enter(PeerState.STARTING, "waiting for peers")
         self._wait_for_peers()
         self.owner.controls.enter(PeerState.STARTING, "catching up with the swarm")
-        step = self.sync.catch_up(step, joining=True)
+        step = self._catch_up(engine, step, joining=True)
         controls = self.owner.controls
         controls.enter(PeerState.TRAINING)
         self._last_step_at = time.monotonic()
@@ -306,7 +306,7 @@ class Trainer:
             since, period = time.monotonic() - last_drift_check, cfg.swarm.drift_check_period
             if self.found_late or (self.sync.recheck and since >= cfg.swarm.progress_period / 4) or \
                     (period and since >= period):
-                step = self.sync.catch_up(step, joining=False, late=self.found_late)
+                step = self._catch_up(engine, step, joining=False, late=self.found_late)
                 self.found_late, last_drift_check = False, time.monotonic()
             every, minutes = cfg.run.checkpoint_rounds, cfg.run.checkpoint_minutes
             if (minutes and time.monotonic() - last_ckpt_time >= 60 * minutes) or self.checkpoints.retry_due() or \
@@ -376,7 +376,7 @@ class Trainer:
             return step
         log.info("resuming after %.0f s paused: meeting the swarm's state and phase", paused_s)
         controls.enter(PeerState.STARTING, "catching up with the swarm after a pause")
-        step = self.sync.catch_up(step, joining=True)
+        step = self._catch_up(parts["engine"], step, joining=True)
         controls.enter(PeerState.TRAINING)
         self._last_step_at = time.monotonic()
         return step
@@ -394,14 +394,24 @@ class Trainer:
                     excluded_peers=sorted(swarm.exclusions.excluded()) if swarm else [])
 
     # ---- phase -------------------------------------------------------------------------------
-    def _realign(self, engine: StreamingEngine, step: int) -> int:
+    def _catch_up(self, engine: StreamingEngine, step: int, **kw) -> int:
+        """The state sync's catch-up (``kw``: :meth:`StateSync.catch_up`'s); after an adoption, also the phase: a
+        snapshot's step is its donor's when it applied, and the swarm may have launched its next round since (a
+        peer that then waits out its steps reaches that round after its group assembled, and downloads again)."""
+        step = self.sync.catch_up(step, **kw)
+        return self._realign(engine, step, min_lag_seconds=0.0) if self.sync.adopted else step
+
+    def _realign(self, engine: StreamingEngine, step: int, min_lag_seconds: Optional[float] = None) -> int:
         """Steps schedule: moves the step counter up to meet the swarm when we are far behind it by wall time
-        (see :mod:`peer.net.consensus`); returns the step to continue from. Our progress is kept (``S - theta``)."""
+        (see :mod:`peer.net.consensus`; ``min_lag_seconds``: how far, default half the matchmaking patience); returns
+        the step to continue from. Our progress is kept (``S - theta``)."""
         if not isinstance(engine.schedule, StepsSchedule):
             return step
+        if min_lag_seconds is None:
+            min_lag_seconds = max(self.cfg.swarm.matchmaking_patience / 2, 1.0)
         move = consensus.realign(self.swarm.vouched_peers(), self.swarm.peer_id, my_step=step,
                              my_rounds=[st.last_applied for st in engine.states], step_seconds=self.step_seconds,
-                             min_lag_seconds=max(self.cfg.swarm.matchmaking_patience / 2, 1.0),
+                             min_lag_seconds=min_lag_seconds,
                              H=self.cfg.outer.sync_every, num_fragments=len(engine.states), now=get_dht_time())
         if move is None:
             return step
