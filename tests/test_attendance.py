@@ -130,6 +130,39 @@ def test_strangers_are_judged_together_so_fresh_ids_do_not_buy_fresh_waits():
     assert "N" * 46 not in att2.expected({newcomer: rec(newcomer, seeking=[(0, 6)])}, ME, [5, 5], met, (0, 6))
 
 
+def test_strangers_that_never_come_stop_counting_even_when_no_group_assembles():
+    """Sybils that never come, counted in the quorum, keep the partners below it: no group assembles, and a
+    round that assembled no group judged no one, so they were waited for and counted for ever (bench/
+    swarm_attacks.py sybil_majority: 0 of 76 rounds ok). A no-group round judges the strangers it waited for
+    (partners only by groups); once strangers are absent they are invited at probes but no longer counted."""
+    att = Attendance(misses=2, max_interval=8)
+    partners, sybils = ["A" * 46, "B" * 46], [f"S{k}".ljust(46, "s") for k in range(6)]
+    met = set(partners).__contains__
+    records = {pid: rec(pid) for pid in partners + sybils}
+    counted = []
+    for here in [(0, 6), (1, 6), (0, 7), (1, 7), (0, 8), (1, 8)]:
+        wanted = att.expected(records, ME, [5, 5], met, here)
+        counted.append(len(att.counted(wanted, ME, met)))
+        if len(att.counted(wanted, ME, met)) > 2 * 3:  # (quorum_size: more than half of the count) -> no group
+            became = att.no_group(here=here, live=records, me=ME, met=met)
+        else:
+            became = att.record(here=here, live=records, came=set(partners) | {ME}, me=ME, met=met)
+        assert not any(b.who in partners for b in became)
+    assert counted[:2] == [9, 9] and counted[2:] == [3] * 4, counted
+    assert att.absent(STRANGERS) and not any(att.absent(p) for p in partners)
+    # at a probe the strangers are invited again (a newcomer may be among them) but not counted
+    probes = []
+    for r in range(9, 20):
+        wanted = att.expected(records, ME, [5, 5], met, (0, r))
+        if any(s in wanted for s in sybils):
+            probes.append(att.counted(wanted, ME, met))
+        att.record(here=(0, r), live=records, came=set(partners) | {ME}, me=ME, met=met)
+    assert probes and all(c == frozenset(partners) | {ME} for c in probes)
+    # a no-group round that waited for no stranger judges no one
+    fresh = Attendance(misses=1)
+    assert fresh.no_group(here=(0, 1), live=records, me=ME, met=met) == [] and not fresh.absent(STRANGERS)
+
+
 def test_a_peer_catching_up_is_not_waited_for_and_not_counted_absent():
     att = Attendance(misses=1)
     a, joiner = "A" * 46, "J" * 46

@@ -1,26 +1,18 @@
 """Who a group waits for: the live peers expected at a round, and those that stayed away (pure: no I/O).
 
-A group assembles as soon as every live peer joined, otherwise when its leader's ``matchmaking_time`` is up.
-A live record is not a peer that comes: a peer that crashed stays live for ``progress_ttl``; a peer whose
-rounds hang (a stuck process, a hostile client) stays live for ever; in an open run one machine can publish
-records under many made-up ids (sybils). Each made every round wait ``matchmaking_time``: 234 s against 64 s
-for a whole run in bench/swarm_attacks.py's sybil case. :class:`Attendance` is the one place that decides whom
-a round waits for (:meth:`Attendance.expected`); the group then assembles as soon as those joined
+A live record is not a peer that comes: a crashed peer stays live for ``progress_ttl``, a hung one for ever, and in
+an open run one machine can publish records under many made-up ids. :class:`Attendance` is the one place that
+decides whom a round waits for (:meth:`Attendance.expected`); the group assembles as soon as those joined
 (:mod:`peer.net.matchmaking`), and any other live peer that comes before that is still welcome. Not waited for:
 
-- a peer whose state is well behind ours (:func:`catching_up`): it downloads the swarm's state before it
-  comes (a joiner, a peer back from an outage);
-- a peer *absent* here: invited to ``misses`` rounds in a row, it came to none (:meth:`Attendance.record`).
-  It is invited again at probes, every 2, 4, .. up to ``max_interval`` rounds (its further misses double the
-  interval), so a peer that comes back is waited for again within ``max_interval`` rounds; one that joins
-  a group of ours before that is forgiven at once. A peer we were in a group with is also waited for as
-  soon as its record says it is looking for a group for the round, or that it caught up with our state
-  (it is back: a restart, the end of a download, a healed partition).
+- a peer whose state is well behind ours (:func:`catching_up`): it downloads the swarm's state before it comes;
+- a peer *absent* here: invited to ``MISSES`` rounds in a row, it came to none (:meth:`Attendance.record`). It is
+  invited again at probes whose interval doubles up to ``MAX_INTERVAL`` rounds, and at once when its record says
+  it seeks the round or caught up with our state; joining a group of ours forgives it.
 
-Peers we never were in a group with are judged together, as *strangers* (:data:`STRANGERS`): fresh ids cost
-nothing to make, so per-id bookkeeping alone would let a sybil factory make every round wait. A genuine
-newcomer is waited for until strangers missed ``misses`` rounds in a row, and at every probe after that; it
-joins the rounds it reaches in time anyway, and once it was in a group with us it is judged alone.
+Peers never in a group with us are judged together, as *strangers* (:data:`STRANGERS`): fresh ids cost nothing,
+so per-id bookkeeping would let sybils make every round wait; a round that assembled no group judges them too
+(:meth:`Attendance.no_group`), and absent strangers count in no quorum (:meth:`Attendance.counted`).
 """
 
 from __future__ import annotations
@@ -89,6 +81,30 @@ class Attendance:
         while len(self._asked) > MAX_ROUNDS_ASKED:  # (rounds that found no group are never recorded)
             del self._asked[next(iter(self._asked))]
         return wanted
+
+    def no_group(self, *, here: tuple[int, int], live: Iterable[str], me: str, met: Callable[[str], bool]
+                 ) -> list[Absent]:
+        """Learns from round ``here``, which assembled no group of ours: the strangers it waited for stayed away.
+        Partners are judged only by groups that assembled. Must be called after :meth:`expected` for ``here``.
+
+        Without this, made-up ids that never come would be waited for, and counted in every quorum, for ever:
+        a round that cannot reach a quorum with them counted assembles no group, and so never records them."""
+        expected = self._asked.pop(here, frozenset())
+        if not any(pid in expected and pid != me and not met(pid) for pid in live):
+            return []
+        a = self._absence.setdefault(STRANGERS, _Absence())
+        a.missed, a.skipped, a.apart = a.missed + 1, 0, False
+        if a.missed != self.misses:
+            return []
+        return [Absent(STRANGERS, f"invited to {a.missed} rounds in a row that assembled no group, came to none: "
+                                  f"groups no longer wait for them or count them in a quorum (invited again within "
+                                  f"{self.max_interval} rounds)")]
+
+    def counted(self, expected: frozenset[str], me: str, met: Callable[[str], bool]) -> frozenset[str]:
+        """Of the peers a round waits for (:meth:`expected`), those its quorum counts
+        (:func:`~peer.net.agreement.quorum_count`): all but strangers while strangers are absent (invited at
+        probes only). Counted at a probe, ids that never come would make that round a minority."""
+        return expected if not self.absent(STRANGERS) else frozenset(p for p in expected if p == me or met(p))
 
     def _caught_up(self, peer: str, rec: ProgressRecord, my_rounds: Sequence[int]) -> bool:
         """Whether absent partner ``peer`` and we have just come to one state: its record showed rounds two or

@@ -75,12 +75,15 @@ class RoundRunner:
             if group is None:
                 waited = time.monotonic() - self.t0
                 out.status, out.error = RoundStatus.NO_GROUP, f"no other peer came to this round within {waited:.0f} s"
+                self._learn_from_no_group(out)
                 return out
             await self._reduce(group, delta, weight, out)
             return out
         except GaveUp as e:
             out.status, out.error = RoundStatus(e.status), str(e)
             log.debug("%s: stopped looking for a group: %s", self.label, e)
+            if out.status == RoundStatus.NO_GROUP:
+                self._learn_from_no_group(out)
             return out
         except GroupError as e:
             out.error = f"group rejected: {e}"
@@ -127,7 +130,8 @@ class RoundRunner:
                           ) -> Optional["GroupInfo"]:
         sw, levels = self.swarm, self.levels
         expected = self._expected()  # whom we invite as we start (a leader's invitation is renewed at each join)
-        count = quorum_count(expected, sw.live_peers(), sw.roster.partnered, sw.peer_id)
+        count = quorum_count(sw.attendance.counted(expected, sw.peer_id, sw.roster.partnered), sw.live_peers(),
+                             sw.roster.partnered, sw.peer_id)
         needed = self.cfg.min_group_size if levels else quorum_size(count, self.cfg.min_group_size)
         early: Callable[[], Optional[frozenset[str]]] = (
             (lambda: None) if levels else (lambda: early_assembly(self._expected(), sw.peer_id, needed)))
@@ -156,6 +160,15 @@ class RoundRunner:
             for who, why in out.absent:
                 log.info("%s: peer %s %s", self.label, who if who.startswith("(") else short_id(who), why)
         sw.roster.met(members - {sw.peer_id})
+
+    def _learn_from_no_group(self, out: RoundOutcome) -> None:
+        """No group of ours assembled: the strangers this round waited for stayed away (Attendance.no_group)."""
+        sw = self.swarm
+        if not self.levels:
+            out.absent = [(a.who, a.why) for a in sw.attendance.no_group(
+                here=self.here, live=sw.live_peers(), me=sw.peer_id, met=sw.roster.partnered)]
+            for who, why in out.absent:
+                log.info("%s: %s %s", self.label, who, why)
 
     async def _reduce(self, group: "GroupInfo", delta: torch.Tensor, weight: float, out: RoundOutcome) -> None:
         sw = self.swarm
