@@ -1,4 +1,4 @@
-"""Small helpers every layer shares (standard library only): deadlines and peer ids in log lines."""
+"""Small helpers every layer shares (standard library only): deadlines, peer ids in log lines, a moving average."""
 
 from __future__ import annotations
 
@@ -48,6 +48,18 @@ def result_or_stop(future: "concurrent.futures.Future[T]", timeout: float, stop:
             if time.monotonic() >= deadline:
                 future.cancel()
                 raise
+
+
+class Ema:
+    """An exponential moving average: each value weighs ``smoothing``; ``value`` is None until the first."""
+
+    def __init__(self, smoothing: float = 0.3):
+        self.smoothing = smoothing
+        self.value: Optional[float] = None
+
+    def observe(self, x: float) -> float:
+        self.value = x if self.value is None else (1 - self.smoothing) * self.value + self.smoothing * x
+        return self.value
 
 
 def short_id(peer_id: object) -> str:

@@ -135,3 +135,19 @@ def test_no_module_imports_itself_through_others():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]  # (the finder finds)
     found = cycles(module_graph())
     assert sorted(map(sorted, found)) == sorted(map(sorted, KNOWN_CYCLES)), found
+
+
+MAX_MODULE_DOC_LINES = 15  # a module's contract and invariants; the reasons and the numbers live in docs/
+
+
+def test_every_module_says_what_it_is_for_in_a_short_docstring():
+    """Each module of peer/ and bootstrap/ opens with a docstring of at most MAX_MODULE_DOC_LINES lines."""
+    long, missing = [], []
+    for path in sorted([*PEER.rglob("*.py"), *(PEER.parent / "bootstrap").glob("*.py")]):
+        doc = ast.get_docstring(ast.parse(path.read_text()), clean=False)
+        if doc is None:
+            if path.name not in ("__main__.py",) and path.stat().st_size > 200:
+                missing.append(str(path.relative_to(PEER.parent)))
+        elif len(doc.strip().splitlines()) > MAX_MODULE_DOC_LINES:
+            long.append(f"{path.relative_to(PEER.parent)}: {len(doc.strip().splitlines())} lines")
+    assert not long and not missing, {"too long": long, "none": missing}

@@ -8,7 +8,8 @@ import torch
 from peer.outer.fragments import Fragment
 from peer.outer.rounds import RoundOutcome, Span
 from peer.outer.engine import StreamingEngine
-from peer.outer.settings import AutoTau, OuterSettings
+from peer.outer.settings import AutoTau, OuterSettings, clamp_tau
+from peer.util import Ema
 
 
 class ScriptedTransport:
@@ -159,17 +160,22 @@ def test_replay_merge_keeps_the_local_steps_made_during_overlap():
 
 
 def test_auto_tau_hides_the_measured_round_time_within_bounds():
-    auto = AutoTau(tau_max=8)
+    """From the trainer's step time (which it alone updates) and the measured round time: at least 1, at most
+    tau_max, and always below H (clamp_tau, the one bound the engine relies on)."""
+    steps = Ema(0.3)
+    auto = AutoTau(tau_max=8, H=20, step_time=steps)
     assert auto() == 8  # nothing measured yet: overlap as much as allowed
-    auto.observe_step(0.1)
+    steps.observe(0.1)
     auto.observe_round(0.35)
     assert auto() == 5  # ceil(0.35 / 0.1) + 1
     auto.observe_round(100.0)
     assert auto() == 8
-    fast = AutoTau(tau_max=8)
-    fast.observe_step(1.0)
+    fast = AutoTau(tau_max=8, H=20, step_time=Ema())
+    fast.step_time.observe(1.0)
     fast.observe_round(0.01)
     assert fast() == 2
+    assert AutoTau(tau_max=8, H=4, step_time=Ema())() == 3  # below H, whatever tau_max says
+    assert [clamp_tau(t, 4) for t in (-1, 0, 3, 4, 9)] == [0, 0, 3, 3, 3]
 
 
 def test_outer_state_holds_the_eager_terms_only_when_they_are_used():

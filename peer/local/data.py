@@ -1,25 +1,17 @@
 """Token streams for the inner loop: a synthetic Markov corpus, local text, uint16 shards, prepared token shards.
 
-Every source returns int64 batches ``[batch_size, seq_len + 1]`` from ``next_batch``;
-inputs are ``batch[:, :-1]`` and targets ``batch[:, 1:]``. Each source is
-deterministic given ``(seed, shard_index)``; each peer reads its own shard, and the
-read position is a small JSON-serialisable cursor (``state_dict``/``load_state_dict``)
-so a restored peer yields exactly the batches it would have yielded.
+Every source (:class:`TokenSource`, made by :func:`make_source`) returns int64 batches ``[batch_size, seq_len + 1]``
+from ``next_batch`` (inputs ``batch[:, :-1]``, targets ``batch[:, 1:]``), deterministic given ``(seed, shard_index)``;
+its read position is a JSON-serialisable cursor (``state_dict``), so a restored peer yields the same batches.
 
-- ``MarkovSource`` (default): a seeded first-order Markov chain with a closed-form
-  entropy rate, so the CE a model reaches can be compared with the best achievable.
-- ``TextFileSource``: local files through a byte-level tokenizer (vocab 256).
-- ``BinShardSource``: pre-tokenized raw little-endian uint16 files (no header),
-  memory-mapped.
-- ``TokenShardSource``: the output of ``swarm-peer prepare-data`` (peer/local/prepare.py):
-  a ``manifest.json`` and its uint16/uint32 shards, checked against the manifest, memory-mapped.
+- :class:`MarkovSource` (default): a seeded first-order Markov chain with a closed-form entropy rate.
+- :class:`TextFileSource`: local files through a byte-level tokenizer (vocab 256).
+- :class:`BinShardSource`: pre-tokenized raw little-endian uint16 files (no header), memory-mapped.
+- :class:`TokenShardSource`: ``swarm-peer prepare-data``'s output (peer/local/prepare.py), checked, memory-mapped.
 
-File sources are read as one cyclic stream (files concatenated in the given order)
-in consecutive windows of ``seq_len + 1`` tokens with stride ``seq_len``, so every
-token after the first is a target exactly once per pass. A shard starts at its own
-offset in that stream: evenly spaced when ``num_shards`` is known (disjoint until a
-shard has read ``1/num_shards`` of the data), otherwise a seeded pseudo-random offset
-(a volunteer swarm does not know how many shards there will be).
+File sources read one cyclic stream in windows of ``seq_len + 1`` tokens with stride ``seq_len`` (every token after
+the first is a target once per pass). A shard starts at its own offset: evenly spaced when ``num_shards`` is known,
+else a seeded pseudo-random one (a volunteer swarm does not know how many shards there will be).
 """
 
 from __future__ import annotations

@@ -2,22 +2,16 @@
 
 Contract of :func:`build_hf_model`:
 
-- The model is built from the config alone (``AutoModelForCausalLM.from_config``), never downloaded: the
-  weights are initialised from the global torch RNG, so two builds under the same ``torch.manual_seed``
-  give identical weights (the trainer seeds it with ``model.init_seed``: one ``theta_0`` for every peer).
-  They are float32 whatever ``dtype`` the config names (the inner loop autocasts on CUDA).
-- It returns ``(HFCausalLM, blocks)``: the wrapper's ``forward(tokens [B, T] int64)`` returns the logits
-  tensor ``[B, T, vocab_size]``; ``blocks`` are the model's transformer blocks in depth order.
-- Tied embeddings stay tied: the input embedding and the LM head are one ``Parameter``, which
-  ``named_parameters`` lists once, so it counts once and lands in exactly one fragment.
-- Whatever the user can fix raises ``ValueError`` with one line (preflight turns it into exit status 2):
-  an unreadable, non-JSON or unknown config, a vocabulary that differs from ``data.vocab_size``, a
-  ``model.seq_len`` beyond the config's positions, blocks that cannot be found.
-- Building under ``torch.device("meta")`` allocates nothing, and a forward on meta tokens returns meta
-  logits of the right shape (preflight checks the contract that way).
+- Built from the config alone (``AutoModelForCausalLM.from_config``), never downloaded, in float32; the weights
+  come from the global torch RNG (the trainer seeds it with ``model.init_seed``: one ``theta_0`` for every peer).
+- Returns ``(HFCausalLM, blocks)``: ``forward(tokens [B, T] int64)`` returns the logits ``[B, T, vocab_size]``;
+  ``blocks`` are the model's transformer blocks in depth order (:func:`find_blocks`).
+- Tied embeddings stay one ``Parameter``: counted once, in exactly one fragment.
+- Whatever the user can fix raises ``ValueError`` with one line (preflight: exit status 2): an unreadable or
+  unknown config, a vocab size other than ``data.vocab_size``, too long a ``model.seq_len``, no blocks found.
+- Under ``torch.device("meta")`` it allocates nothing, and a forward returns meta logits (preflight's check).
 
-``transformers`` is the ``hf`` extra: this module imports it, so ``peer.local.model`` imports this module
-only when ``model.hf_config`` is set.
+``transformers`` is the ``hf`` extra: ``peer.local.model`` imports this module only when ``model.hf_config`` is set.
 """
 
 from __future__ import annotations

@@ -1,22 +1,17 @@
-"""Decoder-only transformer in the Chinchilla style, as used by Streaming DiLoCo.
+"""Decoder-only transformer in the Chinchilla style, as used by Streaming DiLoCo (with QKNorm and Z-loss 1e-4), in
+plain torch (:class:`Transformer`):
 
-The paper trains a "Chinchilla architecture with QKNorm and Z-loss (1e-4)". This
-module provides that model in plain torch:
+- pre-norm residual blocks with RMSNorm (learnable gain, no bias anywhere);
+- QK-norm: an RMSNorm over the head dimension on queries and keys, which bounds attention logits and is what
+  lets the paper train without loss spikes;
+- rotary position embeddings (RoPE, base 10000) on q and k after the QK-norm;
+- a GELU MLP of width ``d_ff`` (the paper's Table 2 "hidden dim");
+- **tied** input embedding and LM head (``logits = final_norm(h) @ tok_emb.weight.T``): one tensor, counted once
+  and in exactly one fragment.
 
-- pre-norm residual blocks with RMSNorm (learnable gain, no bias anywhere),
-- QK-norm: an RMSNorm over the head dimension applied to queries and keys, which
-  bounds attention logits and is what lets the paper train without loss spikes,
-- rotary position embeddings (RoPE, base 10000) on q and k after the QK-norm,
-- a GELU MLP of width ``d_ff`` (the paper's Table 2 "hidden dim" is this width),
-- **tied** input embedding and LM head: ``logits = final_norm(h) @ tok_emb.weight.T``.
-  There is no separate head parameter, so the embedding counts once in parameter
-  counts and in the fragment partition (one tensor, one owner).
-
-``build_model`` returns the model *and* the ordered list of its transformer blocks;
-the streaming-fragment code partitions those blocks into fragments and puts every
-remaining parameter (here: ``tok_emb.weight`` and ``final_norm.weight``) into exactly
-one fragment. A user model can be plugged in through ``factory="pkg.mod:fn"``, a Hugging Face causal LM
-through ``hf_config="path/to/config.json"`` (``peer/local/hf_model.py``).
+:func:`build_model` returns the model *and* the ordered list of its transformer blocks; the fragment code
+partitions the blocks and puts every other parameter into exactly one fragment. A user model plugs in through
+``factory="pkg.mod:fn"``, a Hugging Face causal LM through ``hf_config`` (``peer/local/hf_model.py``).
 """
 
 from __future__ import annotations

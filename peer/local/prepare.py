@@ -1,25 +1,17 @@
-"""Text or JSONL files -> token shards with a real tokenizer: what ``swarm-peer prepare-data`` does.
+"""Text or JSONL files -> token shards with a real tokenizer: ``swarm-peer prepare-data`` (:func:`prepare`).
 
-Inputs: ``.txt`` files (UTF-8; a file is one document) and ``.jsonl`` files (one JSON object per line, a
-document's text under ``text_field``; blank lines are skipped). Each document is followed by the
-end-of-document token, so the model sees where one text ends and the next begins.
+Inputs: ``.txt`` files (UTF-8, one document each) and ``.jsonl`` files (a document's text under ``text_field`` per
+line), each document ended by the end-of-document token. Tokenizer: a given Hugging Face ``tokenizer.json``, or a
+byte-level BPE trained on the inputs (``decode(encode(text)) == text``). Deterministic: the same inputs and options
+give byte-identical files, so volunteers who prepare the same corpus get the same manifest, hence run hash.
 
-Tokenizer: a given Hugging Face ``tokenizer.json``, or a byte-level BPE trained here on the inputs (every byte
-is in its alphabet, so any text encodes; ``decode(encode(text)) == text``). Training is deterministic: the same
-inputs and options give a byte-identical ``tokenizer.json`` and shards, so volunteers who prepare the same corpus
-get the same manifest, hence the same run hash (``PeerConfig.run_hash`` covers the manifest's content).
+Output directory, read by ``TokenShardSource`` (peer/local/data.py): ``shard_00000.bin``, ... (raw little-endian
+ids, ``uint16`` when the vocabulary fits, else ``uint32``; one stream: a document may span two shards),
+``tokenizer.json`` and ``manifest.json`` (tokenizer, dtype, per shard its token count and sha256, the sources and
+options; no path and no time, so two copies of one prepared directory have the same manifest).
 
-Output directory, read by ``data.source = "tokens"`` (``TokenShardSource`` in peer/local/data.py):
-
-- ``shard_00000.bin``, ...: raw little-endian token ids, ``uint16`` when the vocabulary fits (<= 65536 ids),
-  else ``uint32``; ``shard_tokens`` tokens each, the last one shorter. One stream: a document may span two shards.
-- ``tokenizer.json``: the tokenizer (a given one copied byte for byte).
-- ``manifest.json``: format version, tokenizer file, sha256 and end-of-document token, vocab size, dtype, per
-  shard its file, token count and sha256, the total, and the sources (name, size, sha256) and options. It holds
-  no path and no time, so two copies of one prepared directory have the same manifest.
-
-Every file is written atomically (temporary file, fsync, rename), the manifest last: a directory with a
-manifest is complete. Input problems raise :class:`PrepareError`, one line naming the file (and line) to fix.
+Files are written atomically, the manifest last: a directory with a manifest is complete. Input problems raise
+:class:`PrepareError` (one line naming the file and line to fix).
 """
 
 from __future__ import annotations

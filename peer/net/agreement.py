@@ -1,20 +1,17 @@
 """Which members of an assembled group apply its average (pure: no I/O, no torch).
 
-Invariant: every peer that applies round r of fragment f holds the same digest after it. The digest covers
-``G, v``; the update is a deterministic function of ``(G, v)`` and the group's average, which reaches every
-member as the same bytes. So it holds when (1) all appliers start from one base, (2) each applies the whole
-average (a partial round is applied by nobody: the engine applies only ``ok``), and (3) only one group of
-the round applies. :func:`agree` decides (1) and (3) from the members' ``MemberInfo`` alone, so every member
-reaches the same verdict:
+Invariant: every peer that applies round r of fragment f holds the same digest (of ``G, v``) after it. The update
+is deterministic and the average reaches every member as the same bytes, so it holds when (1) all appliers start
+from one base, (2) each applies the whole average (the engine applies only ``ok`` rounds), and (3) only one group
+of the round applies. :func:`agree` decides (1) and (3) from the members' ``MemberInfo`` alone (one :class:`Verdict`):
 
-- the group's base is the one most members declared (ties: the later round, then the smaller digest); a
-  member with another base still contributes its part, but applies nothing and downloads the group's result
-  from the members that applied it (status ``off_base``);
-- a one-level group applies only if it holds more than half of the upper median of its members' declared
-  ``expected`` counts (:func:`quorum_count`). Two groups of one round cannot both hold more than half of
-  the same peers, so at most one applies; a group without that quorum skips the all-reduce (``minority``), its
-  members' progress carried to their next round. Two-level rounds are bounded groups joined at level 2: no
-  quorum there.
+- the group's base is the one most members declared (ties: the later round, then the smaller digest); a member
+  with another base contributes but applies nothing, and downloads the result (``off_base``);
+- a one-level group applies only with more than half of the upper median of its members' declared ``expected``
+  counts (:func:`quorum_count`), so at most one group of a round applies (``minority`` otherwise). Two-level
+  rounds are bounded groups joined at level 2: no quorum there.
+
+Proof sketch and the split swarm: docs/architecture.md, "One digest for every applied round".
 """
 
 from __future__ import annotations

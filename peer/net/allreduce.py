@@ -1,32 +1,17 @@
-"""Butterfly all-reduce of one fragment's outer gradient within an assembled group.
+"""Butterfly all-reduce of one fragment's outer gradient within an assembled group (:func:`run_allreduce`, served
+by :class:`AllReduceServicer`; messages in protos/allreduce.proto).
 
-Protocol (messages in protos/allreduce.proto, RPC ``AllReduceServicer.rpc_reduce``):
+1. The fragment's flat vector is cut into one span per non-client member (:func:`peer.net.group.member_spans`).
+2. Every member streams its encoded part of span i, with its weight, to reducer i.
+3. Reducer i combines the parts that arrived by its deadline by the run's rule (:mod:`peer.outer.aggregate`),
+   **encodes the result once** and streams those same bytes back to every member, with the contributors.
+4. Every member (the reducer included) decodes those bytes: all hold bit-identical averages. A span whose reducer
+   failed, or whose result fails the member's checks (:mod:`peer.net.span_checks`), is ``None``: not applied.
 
-1. The fragment's flat vector is cut into one contiguous span per non-client member
-   (:func:`peer.net.group.member_spans`); member i reduces span i.
-2. Every member streams its encoded part of span i, with its weight, to reducer i (its own part
-   goes through the same encode/decode locally).
-3. Reducer i waits until all members' parts arrived or ``part_timeout`` passed, combines the parts
-   it received by the run's aggregation rule (:mod:`peer.outer.aggregate`: the token-weighted mean,
-   or by default the robust clipped rule that bounds any one contributor's effect), **encodes the
-   result once**, and streams that same encoding back to every member, with the list of
-   contributors. Every part it clipped or whose weight it capped is logged with the sender's id.
-4. Every member (the reducer included) decodes those bytes: all members hold bit-identical
-   averages. A span whose reducer failed comes back as ``None``: it is not applied, and logged.
-   So does a span whose result fails the member's checks: metadata, decoding, finiteness, size and
-   direction (:mod:`peer.net.span_checks`: a result far larger than our own outer gradient and the
-   round's others, or one that does not lean toward the part we sent it).
-
-Bandwidth: every message is paced by its sender's upload cap; a member that declared a download cap grants credit
-on every stream that sends it data, so its cap holds across its senders (:mod:`peer.net.credit`).
-
-Offences (a part that does not decode or has an invalid header, a part the robust rule cut hard, a
-result that fails the checks) go to the peer's :class:`~peer.net.exclusion.Exclusions`; an excluded
-peer's parts are refused and a span it reduces is not requested.
-
-Unlike hivemind's ``AllReduceRunner`` nobody returns ``average - own part`` or keeps its own
-uncompressed span, so a lossy codec cannot make peers drift apart. Everything read from a peer is
-validated (group membership, span, offsets, sizes, weight, codec, finiteness) before use.
+Nobody keeps ``average - own part`` or its own uncompressed span, so a lossy codec cannot make peers drift apart.
+Everything read from a peer is validated before use; messages are paced by the sender's upload cap and the
+receiver's credit (:mod:`peer.net.credit`). Offences go to :class:`~peer.net.exclusion.Exclusions`: an excluded
+peer's parts are refused and its span is not requested. See docs/architecture.md, "A round".
 """
 
 from __future__ import annotations

@@ -1,27 +1,17 @@
-"""Authenticated runs: an operator's run authority admits volunteers by peer id (issue 13).
+"""Authenticated runs: an operator's run authority admits volunteers by peer id (issue 13; docs/architecture.md,
+"Hostile peers").
 
-An open run (``swarm.authority`` empty) admits anyone and says so at start. In an authenticated run:
+An open run (``swarm.authority`` empty) admits anyone and says so at start. In an authenticated run,
+``swarm.authority`` is the public half of the operator's RSA authority key (so it is in the run hash), and:
 
-- The operator holds an **authority key** (RSA 2048, ``swarm-bootstrap authority init DIR``). Its public half,
-  one line (``ssh-rsa AAAA...``), is the run's ``swarm.authority`` setting, so it is in the run hash.
-- A volunteer's **pass** is hivemind's ``AccessToken``: ``username`` = the volunteer's libp2p peer id,
-  ``public_key`` = the RSA key that peer id is derived from (its identity file: one key signs the transport,
-  the DHT requests and the progress records), ``expiration_time`` (ISO 8601, UTC) and the authority's
-  ``signature`` over the three. A pass cannot be used by another peer: the transport authenticates the peer
-  id, and the id must be the hash of the pass's key. ``swarm-peer pass-request`` prints the line the volunteer
-  sends; ``swarm-bootstrap authority issue`` prints the pass the volunteer saves as ``swarm.pass_path``.
-- **Where it is checked**: every DHT request and response (hivemind's ``TokenAuthorizerBase``: a node without
-  a valid pass can neither read nor store), every progress record (the record must carry its owner's pass,
-  bound to the key that signs it: :func:`record_admitted`), every stream our handlers serve (reduce, state
-  download, join: ``limits.StreamGuard`` asks :class:`Admission`), every group we average in and every state
-  donor (``Swarm``).
-- **Revocation**: ``swarm-bootstrap authority revoke`` adds peer ids to the authority's signed revocation list;
-  a bootstrap node started with ``--authority DIR`` publishes it in the DHT (:func:`revocation_key`), and
-  peers read it with their progress records. A revoked peer is refused by every peer's :class:`Admission`
-  from then on, and by its DHT process's checks of requests and records (:func:`revoke_in_dht`). Bootstrap
-  nodes keep answering it, so that it can read the list that names it and stop with a clear line.
-
-Everything read from the wire is bounded (a pass line ``MAX_PASS_CHARS``) and checked before use.
+- A volunteer's **pass** (hivemind's ``AccessToken``, :func:`issue_pass`, :class:`PassChecker`) is signed by the
+  authority and names a peer id, the RSA key that id is the hash of (it signs transport, DHT requests, records)
+  and an expiry, so no other peer can use it.
+- **Checked** at every DHT request and response (:class:`RunAuthorizer`), every progress record
+  (:func:`record_admitted`), every stream our handlers serve (``limits.StreamGuard`` asks :class:`Admission`),
+  every group we average in and every state donor. Everything read from the wire is bounded and checked first.
+- **Revocations**: the authority's signed list, published by bootstrap nodes (:func:`revocation_key`,
+  :class:`RevocationValidator`), applied by :class:`Admission` and in the DHT process (:func:`revoke_in_dht`).
 """
 
 from __future__ import annotations

@@ -1,19 +1,15 @@
 """Upload and download caps on our own streams: the all-reduce (``rpc_reduce``: parts out, averages back) and
 state transfer (``rpc_download``: the state we serve, the state we fetch).
 
-A volunteer shares a home link; BOINC and every torrent client let them cap what the program may use. The caps
-pace protocol messages, not sockets. Upload: before a message goes out the sender waits until its upload budget
-allows it. Download: a receiver paces its reads, but that alone would not slow the link, since libp2p's stream
-windows and TCP's buffers take in megabytes (a whole round's share of a small model) at link speed; so the
-receiver declares its cap. On the all-reduce's streams (``MemberInfo.download_bytes_per_second``) it grants
-credit as its pacer pays for each message (:mod:`peer.net.credit`), so its cap holds across however many senders
-are still streaming; a state transfer's one donor paces its stream to the rate the request declares
-(``StateRequest.max_bytes_per_second``, :func:`stream_pacer`). The DHT's small records and matchmaking's few
-bytes are not paced: they keep a capped peer visible and in groups.
+The caps pace protocol messages, not sockets (a :class:`Pacer` per direction, in :class:`Bandwidth`). Upload: a
+sender waits until its budget allows the next message. Download: reading slowly alone would not slow the link, so
+the receiver declares its cap: on the all-reduce's streams it grants credit (:mod:`peer.net.credit`), and a state
+transfer's donor paces its stream to the rate the request declares (:func:`stream_pacer`). The DHT's records and
+matchmaking's few bytes are not paced: they keep a capped peer visible and in groups.
 
-Caps are read at every message from a callable, so a limit changed at run time (``swarm-peer limits``) is in
-force from the next message on. A capped link makes rounds slower: :func:`cap_warnings` says how much, and
-the trainer warns when that exceeds the round's deadline.
+Caps are read at every message from a callable, so a limit changed at run time (``swarm-peer limits``) is in force
+from the next message on. :func:`cap_warnings` says how much slower a cap makes rounds, and the trainer warns when
+that exceeds the round's deadline. See docs/architecture.md, "The owner's controls".
 """
 
 from __future__ import annotations

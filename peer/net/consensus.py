@@ -2,36 +2,17 @@
 
 Every decision a peer takes from the other peers' signed records lives here, so it can be tested alone:
 
-**The swarm's state** (catching up). For each fragment the swarm's state is the (applied round, digest) held
-by the most other peers (:func:`swarm_state`). :func:`plan_catch_up` says which fragments to download: when
-we are behind it (joining, two rounds behind, or a round found late) or disagree with everyone at our round.
-:func:`launch_gate` says when a round must not be launched because the swarm is past it (*late*) or our
-state is two or more rounds behind (*behind*); :func:`swarm_is_past` ends a search the same way.
-:func:`step_after_catch_up` moves the step counter to the donors' after a download (steps schedule).
+- **The swarm's state**: per fragment, the (applied round, digest) most other peers hold (:func:`swarm_state`);
+  which fragments to download (:func:`plan_catch_up`, :func:`plan_owed`); when a round must not be launched or a
+  search must end because the swarm is past it (:func:`launch_gate`, :func:`swarm_is_past`); the step after a
+  download (:func:`step_after_catch_up`); how many peers are live (:func:`live_count`).
+- **Phase** (steps schedule): the peer ahead waits for one whose record has not reached the round's launch step
+  (:func:`laggards`); the peer far behind moves its step counter up to just before the lead's latest sync
+  (:func:`realign`; its progress stays in ``S - theta``; never back, never after a lead whose state is behind);
+  a search ends when everyone else left the round (:func:`nobody_coming`).
 
-**Phase** (steps schedule). A round is due at a local step count, so two peers meet only if they reach that
-step at about the same wall time. A restart, a pause (a laptop that sleeps, SIGSTOP) or a round that blocked
-one peer longer than another (one waited for a dead reducer's span) leaves peers *out of phase*: each reaches
-every round after the other gave up waiting, and with two peers they never meet again. Three rules bring them
-back, all read from the records (a record carries its owner's step, its applied round per fragment, and the
-rounds it is looking for a group for, ``seeking``):
-
-- **Patience** (the peer ahead yields): a peer whose search found no group keeps searching, for up to
-  ``swarm.matchmaking_patience`` seconds more, while a live peer's record shows that it has not yet
-  reached the step at which this round was launched (:func:`laggards`): that peer is behind by wall
-  time and on its way. Once they meet, both resume from the same round at the same moment: in phase.
-- **Realignment** (the peer far behind moves up): a peer whose step is further behind the swarm's lead
-  than patience can cover moves its step counter up to just before the latest sync the lead has reached
-  (:func:`realign`), so it launches that round next, while the lead is still looking for it. Nothing
-  of its training is lost: the progress of every fragment stays in ``S - theta`` and goes into the
-  fragment's next round, weighted by its tokens. A peer never moves back by this rule, and it never
-  follows a peer whose state is two or more rounds behind its own (that peer ran on alone during an
-  outage; it downloads the swarm's state and moves back itself: :func:`step_after_catch_up`).
-- **Giving up early**: a search ends at once when every other live peer has left its round without it
-  (:func:`nobody_coming`), e.g. a round launched from a record a heartbeat old.
-
-The bound these give (three rounds of each fragment) is derived and measured in docs/architecture.md,
-"Phase on the steps schedule".
+The rules, their bound (three rounds of each fragment) and the measurements are in docs/architecture.md, "Phase
+on the steps schedule".
 """
 from __future__ import annotations
 
@@ -44,6 +25,11 @@ from peer.outer.schedule import last_sync_step, next_sync_step, sync_step
 
 
 # ---- phase (steps schedule) ----------------------------------------------------------------------------------
+def live_count(records: Mapping[str, ProgressRecord], me: str) -> int:
+    """How many peers of the run ``records`` (live ones) show, ourselves always included."""
+    return 1 + sum(pid != me for pid in records)
+
+
 def laggards(records: Mapping[str, ProgressRecord], me: str, launch_step: int) -> list[str]:
     """Live peers (ids, sorted) whose newest record shows they have not reached ``launch_step`` yet: the
     step at which this peer launched the round it is looking for a group for."""
@@ -210,7 +196,7 @@ def launch_verdict(records: Mapping[str, ProgressRecord], me: str, *, fragment: 
     are every live peer's; ``vouched`` (default: the same) those whose word on the swarm's state counts
     (:meth:`peer.net.swarm.Swarm.vouched_peers`).
     """
-    live = 1 + sum(pid != me for pid in records)
+    live = live_count(records, me)
     if live < min_group_size:
         return RoundStatus.ALONE, f"{live} live peer(s) < min_group_size {min_group_size}"
     why = launch_gate(records if vouched is None else vouched, me, fragment, round_, expected_round)

@@ -1,21 +1,16 @@
 """Receiver-granted credit on the all-reduce's streams: how a peer's download cap holds across its senders.
 
-A receiver that only reads slowly does not slow its link: libp2p's stream windows and TCP's buffers take in
-megabytes at link speed (measured, docs/benchmarks.md "Bandwidth caps"). Splitting the cap evenly among the senders
-ahead of time holds it only while all of them stream: once one finishes, the others keep their share and the link
-runs below the cap. So a receiver that declared a download cap (``MemberInfo.download_bytes_per_second``) grants
-credit: it acknowledges every data message once its download pacer has paid for it, and a sender keeps at most
-:func:`window` unacknowledged messages in flight. The receiver's one download pacer is shared by all its streams, so
-the streams still running take the whole cap between them, whichever have finished.
+A receiver that only reads slowly does not slow its link (libp2p's stream windows and TCP's buffers take in
+megabytes at link speed), and a cap split among the senders ahead of time leaves the link below the cap once one
+finishes. So a receiver that declared a download cap (``MemberInfo.download_bytes_per_second``) acknowledges every
+data message once its one download pacer has paid for it, and a sender keeps at most :func:`window`
+unacknowledged messages in flight (:class:`SendWindow`): the streams still running share the whole cap.
 
-Both directions of ``rpc_reduce`` use it: a reducer acknowledges a member's part pieces in its response stream
-(``ReduceResponse.acknowledged``), a member acknowledges the reducer's average pieces in its request stream
-(``ReduceRequest.acknowledged``). A receiver without a declared cap grants nothing and its senders do not wait.
-
-Hostile input: a sender that ignores credit gains nothing beyond what the transport buffers (the receiver still
-reads at its pace); an acknowledgement that does not count up, or counts messages never sent, ends the stream
-(:class:`CreditError`); a receiver that never acknowledges holds a sender until the round's deadline, like one that
-never reads.
+Both directions of ``rpc_reduce`` use it (``ReduceResponse.acknowledged`` for a member's part pieces,
+``ReduceRequest.acknowledged`` for the reducer's average pieces). A receiver without a declared cap grants nothing.
+Hostile input: ignoring credit gains a sender nothing beyond the transport's buffers; an acknowledgement that does
+not count up, or counts messages never sent, ends the stream (:class:`CreditError`); a receiver that never
+acknowledges holds a sender until the round's deadline. See docs/architecture.md, "The owner's controls".
 """
 
 from __future__ import annotations

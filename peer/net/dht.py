@@ -1,21 +1,15 @@
-"""The one place that creates a hivemind DHT, for both the peer daemon and the bootstrap node.
+"""The one place that creates a hivemind DHT (:func:`create_dht`), for both the peer daemon and the bootstrap node.
 
-Network-safety rules enforced here (the swarm must never talk to anything outside itself):
+Network-safety invariant: the swarm never talks to anything outside itself. Enforced here:
 
-* ``nat_port_map`` is off unless the operator opts in (``--nat-port-map``): when on, p2pd sends UPnP
-  (SSDP multicast) and NAT-PMP discovery packets to the LAN gateway.
-* ``check_if_identity_free=False`` always: hivemind's identity check spawns a throw-away ``P2P`` with the
-  *default* ``nat_port_map=True`` (``P2P.is_identity_taken``), which would send those packets anyway.
-* ``use_ipfs=False`` always: it bootstraps to the public IPFS DHT. p2pd's ``-b`` flag (bootstrap) without
-  peers also falls back to IPFS bootstrap nodes; hivemind only passes ``-b`` with ``initial_peers``.
-* ``auto_nat`` / ``use_relay`` keep hivemind's defaults (on): they only talk to peers we are already
-  connected to (AutoNAT dial-back, circuit-relay transport), never to third parties.
-* Circuit relaying is opt-in and names its relays (docs/architecture.md, "Peers behind NAT"): ``relay_via``
-  (a peer behind a NAT) reserves a slot on exactly those nodes, never on relays it discovers; ``relay_service``
-  (a public node) relays with p2pd's configured limits (30 min, 4 GiB per relayed connection) instead of
-  libp2p's default ones (2 min, 128 KiB), which would cut any span short. Every node still *accepts*
-  reservations (hivemind's p2pd always registers libp2p's relay service), which is harmless: nobody here
-  reserves on a node it did not name.
+* ``nat_port_map`` is off unless the operator opts in (``--nat-port-map``): it sends UPnP and NAT-PMP discovery.
+* ``check_if_identity_free=False`` always: hivemind's identity check spawns a throw-away ``P2P`` with the default
+  ``nat_port_map=True``, which would send those packets anyway.
+* ``use_ipfs=False`` always (it bootstraps to the public IPFS DHT); p2pd's ``-b`` without peers also falls back to
+  IPFS bootstrap nodes, and hivemind passes it only with ``initial_peers``.
+* ``auto_nat`` / ``use_relay`` keep hivemind's defaults (on): they only talk to peers we are already connected to.
+* Circuit relaying is opt-in and names its relays (:func:`relay_options`; docs/architecture.md, "Peers behind
+  NAT"): ``relay_via`` reserves only on the named nodes; ``relay_service`` relays with p2pd's configured limits.
 
 hivemind is imported lazily so that ``import peer.net.dht`` stays cheap (hivemind imports torch).
 """

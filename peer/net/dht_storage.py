@@ -5,7 +5,7 @@ and count: 40 records of 1 MiB from one stranger grew each honest peer's process
 takes its place in our DHT processes (:func:`install`, in the DHT process before its node starts) and refuses a
 store (False, as hivemind answers for a stale value) whose
 
-- value is larger than ``max_value_bytes`` (the largest valid progress record is ~50 KB),
+- value is larger than ``max_value_bytes`` (the largest valid progress record is ~51 KB),
 - expiration lies more than ``max_horizon`` seconds ahead (our records live seconds to minutes),
 - key is new while ``max_keys`` keys are held, or subkey is new while its key holds ``max_subkeys``,
 - size would take what the node holds past ``max_bytes`` (values and subkeys, as stored).
@@ -30,7 +30,7 @@ ENTRY_OVERHEAD = 64  # bytes counted per stored entry beyond its value and subke
 
 @dataclass(frozen=True, kw_only=True)
 class StorageBounds:
-    max_value_bytes: int = 96 * 1024
+    max_value_bytes: int = 60 * 1024  # (the largest valid progress record: ~51 KB)
     max_horizon: float = MAX_RECORD_TTL
     max_keys: int = 4096
     max_subkeys: int = 1024

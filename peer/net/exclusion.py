@@ -1,17 +1,14 @@
-"""Who this peer no longer works with, and why: the ledger of other peers' offences.
+"""Who this peer no longer works with, and why: the ledger of other peers' offences (:class:`Exclusions`).
 
-An *offence* is something only a faulty or hostile peer does: a part that does not decode or whose header
-is invalid (seen by the reducer), a part the robust aggregation rule had to cut to less than a tenth of its
-distance from the group's center (the reducer), an average that fails a member's checks (the member), a member
-info the group plan leaves out (every member; a peer of another protocol version counts too: it cannot take
-part either). A slow
-or dead peer commits none: timeouts and dropped connections are the network's, not offences.
+An *offence* (:class:`Offence`) is something only a faulty or hostile peer does: a part that does not decode, has
+an invalid header or that the robust rule cut hard (seen by the reducer); an average that fails a member's checks
+(the member); a member info the group plan leaves out (every member). A slow or dead peer commits none: timeouts
+and dropped connections are the network's, not offences.
 
-After ``threshold`` offences a peer is *excluded* for the rest of the run (this process): it is invisible
-to this peer's view of the swarm (no group target, no state donor, no vote in the drift check), its join
-requests are refused and it is never picked as a leader, its parts are refused, and a span it reduces is
-not applied. Each peer keeps its own ledger; nothing about it is published (a record saying "exclude X"
-would be one more thing to forge).
+After ``threshold`` offences a peer is *excluded* for the rest of the run (this process): no group target, state
+donor or vote in the drift check, its join requests refused, never followed as a leader, its parts refused and its
+span not applied. Each peer keeps its own ledger and publishes nothing about it (a record saying "exclude X" would
+be one more thing to forge).
 
 Thread-safe: written by the networking thread, read by the trainer.
 """

@@ -1,31 +1,17 @@
 """Two-level rounds: bounded groups whose results still leave every peer on the same shared parameters.
 
-One group of every live peer stops working somewhere above a hundred peers (docs/architecture.md "Beyond one
-group": connections per peer, matchmaking reads, failure exposure). Above ``swarm.group_cap`` live peers a round
-runs in two levels instead:
+Above ``swarm.group_cap`` live peers a round runs in two levels (:func:`plan_levels`; why, the :class:`Roster`,
+deadlines, failures and hostile input: docs/architecture.md, "Beyond one group"):
 
-1. *Level 1*: matchmaking forms groups of at most ``group_cap`` (:func:`plan_levels`). Every member of such a group
-   declares ``slots = group_cap`` (``MemberInfo.slots``): the fragment is cut into that many slots, the same in
-   every group (:func:`peer.net.group.slot_bounds`), and the group's reducers hold consecutive slots
-   (:func:`peer.net.group.slot_spans`). Members send their parts to their group's reducers as in one level.
-2. *Level 2*: a reducer combines its group's parts by the run's rule, then, for each slot it holds, meets the
-   other groups' holders of that slot (matchmaking prefix ``..._s{slot}``, target: the number of groups) and runs
-   the one-level all-reduce on the slot, with its group's combination as its part and the group's total weight
-   as its weight (:class:`SlotLift`). Those parts are partial values, never applied: they travel in fp8, not
-   the run's codec. The level-2 reducer of each piece of the slot encodes the result **once** with the run's
-   codec, as in one level.
-3. *Down*: the level-1 reducer forwards those bytes unchanged to its group's members. So every peer of every
-   group in a slot's level-2 round decodes the same bytes for that slot.
-
-A peer then talks to at most ``group_cap - 1`` partners in its group and, as a reducer, one holder per other
-group: ``group_cap - 1 + groups - 1`` in all (22 at 1000 peers with a cap of 32), against ``live - 1``.
-
-What a failure costs: a member that dies loses its part (as in one level); a slot's level-2 round that does not
-complete (one of its spans is missing or the group is malformed) fails the holder's whole level-1 span for its
-group (:class:`~peer.net.reduction.LiftError`: the span is missing, not applied). Groups that met in a slot's
-level-2 round apply the same bytes; a holder that met no other group's holder gives its group its own average for
-the slot, which then differs from the other groups' until the drift check repairs it (as two groups that formed
-apart in one level do).
+1. *Level 1*: groups of at most ``group_cap``; every member declares ``slots = group_cap``, so the fragment is cut
+   into the same slots in every group (:func:`peer.net.group.slot_bounds`) and the group's reducers hold
+   consecutive slots (:func:`peer.net.group.slot_spans`).
+2. *Level 2*: a reducer combines its group's parts by the run's rule, then, per slot it holds, meets the other
+   groups' holders of that slot and runs the one-level all-reduce on it (:class:`SlotLift`). Those parts are
+   partial values sent in fp8; each level-2 reducer encodes its result **once** with the run's codec.
+3. *Down*: the level-1 reducer forwards those bytes unchanged, so every peer of every group in a slot's level-2
+   round decodes the same bytes. A slot whose level-2 round fails fails the holder's whole level-1 span
+   (:class:`~peer.net.reduction.LiftError`: missing, not applied).
 """
 
 from __future__ import annotations

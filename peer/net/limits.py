@@ -1,24 +1,17 @@
 """What one remote peer can make this peer hold: frames, streams, and how long each stream lives.
 
-Every protocol of ours (``rpc_reduce``, ``rpc_download``, ``rpc_join_group``) is a hivemind binary stream of
-length-prefixed protobuf frames, and any peer can open one. Three bounds keep a hostile peer from exhausting
-an honest one (the standing rule: bound every size and allocation before it happens, give every wait a
-deadline, bound what one remote peer can consume):
+Every protocol of ours (``rpc_reduce``, ``rpc_download``, ``rpc_join_group``) is a hivemind stream of
+length-prefixed protobuf frames that any peer can open. Three bounds keep a hostile peer from exhausting an honest
+one (bound every size before allocating it, give every wait a deadline, bound what one remote peer can consume):
 
-- **Frame size.** hivemind's ``P2P.receive_raw_data`` reads whatever length the 8-byte prefix declares (a
-  frame declaring 2^40 bytes grew a peer past 2 GiB). :func:`cap_frame_size` replaces it, once per process,
-  with a reader that refuses a frame larger than the largest message of the run (``swarm.chunk_bytes`` of
-  payload plus headers) before reading its body. The refused stream ends as a closed connection does.
-- **Streams per remote peer.** :class:`StreamGuard` admits at most ``per_peer`` concurrent streams from one
-  remote peer and ``total`` overall, across all our handlers (17,000 never-finished streams from one peer
-  once exhausted a peer's descriptors until its networking daemon died).
-- **Stream lifetime.** Every admitted stream has a deadline after which its task is cancelled, whatever
-  it is waiting for (a request body that never arrives, a reader that never reads our answer).
+- **Frame size**: :func:`cap_frame_size` replaces hivemind's ``P2P.receive_raw_data``, once per process, with a
+  reader that refuses a frame larger than the run's largest message before reading its body.
+- **Streams per remote peer**: :class:`StreamGuard` admits at most ``per_peer`` concurrent streams from one remote
+  peer and ``total`` overall, across all our handlers.
+- **Stream lifetime**: every admitted stream's task is cancelled at its deadline, whatever it is waiting for.
 
-Handlers read their request through a stream (``AsyncIterator``) rather than hivemind's unary input, so they
-run, and are counted, from the moment the stream opens; :func:`single_request` (request-response protocols)
-and :func:`first_message` (``rpc_reduce``'s streamed part) read it with a deadline. The wire format is the
-same: a caller may still pass a single message.
+Handlers read their request as a stream, counted from the moment it opens; :func:`single_request` and
+:func:`first_message` read it with a deadline (same wire format). See docs/architecture.md, "Untrusted input".
 """
 
 from __future__ import annotations

@@ -1,33 +1,16 @@
 """Deadlines that follow the measured links: how long a round's stages and a state download may take, from the
 peers' uplinks and the fragment's size, instead of fixed seconds (pure arithmetic, no RPC).
 
-A fixed ``part_timeout`` is wrong for every link: a 3 Mbit/s home uplink needs ~50 s for parts a 100 Mbit/s
-link sends in 2, so with one such member every round ran out of time and lost that member's spans, while a fast
-swarm waited the whole fixed time for a member that had gone silent.
-
-- **Measured.** A reducer times each member's part from the stream's opening to its last byte read and sends the
-  seconds back (``ReduceResponse.part_seconds``, ``part_bytes``; a part too late for the deadline in force is
-  refused with the bytes that had arrived, so a failed round teaches the member too). A member's parts to all
-  reducers leave through its uplink at the same time, so its uplink is at least ``bytes of all its parts / the
-  longest of those times``
-  (:class:`LinkMeter`; a slowdown is taken at once, a speedup through a moving average). It declares that rate,
-  at most its owner's upload cap, in ``MemberInfo.upload_bytes_per_second`` and in its progress record. Its own
-  downlink it times from the averages it reads and from its state downloads (lower bounds too: their senders'
-  uplinks count in them) and keeps to itself, for its state downloads.
-- **Sized.** Every member computes the same deadlines from the same infos (:func:`round_deadlines`): the part
-  stage lasts as long as the slowest member's parts take through its uplink (or a reducer's declared download
-  cap takes to read them), the average stage as long as the slowest reducer's average takes to reach every
-  member; each stage times ``margin``. A joiner gives each state donor the time its part takes through the
-  donor's declared uplink, shared by the downloads it serves, or through its own downlink's share, whichever is
-  slower (:func:`state_deadline`).
+- **Measured.** A reducer times each member's part and sends the seconds back (``ReduceResponse.part_seconds``).
+  A member's parts to all reducers leave through its uplink at once, so their bytes over the longest time bound
+  its uplink from below (:class:`LinkMeter`). It declares that rate, at most its owner's upload cap, in
+  ``MemberInfo.upload_bytes_per_second`` and in its progress record; its downlink it keeps to itself.
+- **Sized.** Every member computes the same deadlines from the same infos (:func:`round_deadlines`); a joiner
+  gives each state donor the time set by the donor's declared uplink or its own downlink (:func:`state_deadline`).
 - **Bounded.** The run's fixed settings (``part_timeout``, ``allreduce_timeout``, ``state_timeout``) are the
-  floors: what a member that has not been measured yet, or a fast swarm, gets. ``deadline_max`` is the ceiling:
-  a member that declares a tiny uplink (honestly, or to stall its groups) makes them wait at most that long.
-- Downloads are taken as unbounded unless their owner declared a cap: home downlinks are 5-20x their uplinks,
-  so the senders' uplinks bound both stages.
+  floors; ``deadline_max`` is the ceiling, so a member that declares a tiny uplink stalls its groups no longer.
 
-``tau = auto`` follows without more: it sizes the overlap from the rounds' measured wall time
-(:class:`peer.outer.settings.AutoTau`), which these deadlines let complete on slow links.
+Design, rationale and hostile input: docs/architecture.md, "Deadlines that follow the links".
 """
 
 from __future__ import annotations

@@ -1,22 +1,17 @@
 """What a member checks in the span results of a round before applying them (pure torch; the RPC runner is
-``peer/net/allreduce.py``).
+``peer/net/allreduce.py``). A member does not see the other members' parts, so it checks what it can see:
 
-A reducer is one peer, and a member does not see the other members' parts, so it checks what it can see:
+1. **Size** (:func:`implausible`): a result whose RMS is over ``PLAUSIBLE`` times both our own outer gradient's
+   and the round's median span result's (a reducer that scales its average).
+2. **Direction** (:func:`disagreeing`): our own part of every span went into that span's aggregate, so an honest
+   result leans our way (a cosine of about ``1/sqrt(n)`` even when the parts share nothing), and every honest span
+   of a round gives about the same cosine. A span far below the round's reference (the span we reduce ourselves,
+   else the lower median), by the relative bound ``AGREEMENT`` and beyond the honest spread ``SPREAD /
+   sqrt(elements)``, was not made from our part: a reducer that flips, replaces or zeroes its average. Below
+   ``MIN_REFERENCE`` or ``MIN_ELEMENTS`` there is too little to judge.
 
-1. **Size** (:func:`implausible`): a result whose RMS is far above both our own outer gradient's and the
-   round's median span result's (a reducer that scales its average).
-2. **Direction** (:func:`disagreeing`): our own part of every span went into that span's aggregate, so an
-   honest result leans our way. With ``n`` members of equal weight and parts that share nothing, the cosine
-   between the result and our part is still ``1/sqrt(n)`` (our own share); a direction the swarm shares
-   raises it. Every honest span of a round gives about the same cosine (spans are large slices of one
-   fragment), so a span far below the round's reference, one our own span gives where we reduce it, was
-   not made from our part: a reducer that flips, replaces or zeroes its average. The bound is relative
-   (AGREEMENT) and beyond the honest spread (SPREAD / sqrt(elements)), so it holds for peers of any weight
-   and any noise; below ``MIN_REFERENCE`` or ``MIN_ELEMENTS`` there is too little to judge.
-
-A span that fails is missing (not applied) and its reducer is reported (an offence). A reducer that sends
-different averages to different members is caught afterwards by the digest check. What stays possible: a
-reducer that shades its result inside both bounds (``AGREEMENT`` of the reference, ``PLAUSIBLE`` in size).
+A span that fails is missing (not applied) and its reducer is reported (an offence). A reducer that sends different
+averages to different members is caught by the digest check; one that shades its result inside both bounds is not.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from peer.net.bandwidth import Bandwidth
 from peer.net.activity import RoundActivity, RoundStage
 from peer.net.attendance import Attendance
 from peer.net.dial_back import DialBackServicer, nat_verdict
+from peer.net.consensus import live_count
 from peer.outer.aggregate import AggregationRule
 from peer.outer.codec import codec_key, get_codec
 from peer.config import SwarmConfig
@@ -333,7 +334,7 @@ class Swarm:
 
     def live_count(self) -> int:
         """Live peers of this run, ourselves always included."""
-        return 1 + sum(pid != self.peer_id for pid in self.live_peers())
+        return live_count(self.live_peers(), self.peer_id)
 
     # ---- state transfer --------------------------------------------------------------------
     def _past_entries(self) -> list[tuple[int, int, str]]:

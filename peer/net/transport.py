@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from peer.net.consensus import launch_verdict
+from peer.net.consensus import launch_verdict, live_count
 from peer.net.swarm import Swarm
 from peer.outer.rounds import RoundOutcome
 
@@ -60,5 +60,5 @@ class SwarmTransport:
             return Done(RoundOutcome(fragment, round_, status, group_size=1, error=why))
         return self.swarm.run_round(fragment=fragment, round_=round_, delta=delta, weight=weight, base=base,
                                     inner_step=step,
-                                    target_group_size=1 + sum(pid != me for pid in records),
+                                    target_group_size=live_count(records, me),
                                     sync_every=self.sync_every)

@@ -1,44 +1,17 @@
-"""How a reducer combines its group's parts of one span: the plain weighted mean (trusted lab swarms) or a
-robust rule that bounds what any one contributor can do to the result (volunteer swarms, the default).
+"""How a reducer combines its group's parts of one span (:func:`aggregate`): the plain weighted mean (trusted lab
+swarms) or, by default, a robust rule that bounds what any one contributor can do to the result.
 
-The robust rule is BTARD's CenteredClip (Gorbunov et al. 2021, arXiv 2106.11257, the per-span rule of its
-ButterflyClip; hivemind's ``CenteredClipAccumulator`` is the same idea), made deterministic, started from a
-robust center, and applied to the parts' *directions* so that honest peers of unequal speed are not clipped:
+The robust rule is BTARD's CenteredClip (arXiv 2106.11257) made deterministic, started from a robust center and
+applied to the parts' *directions*, so that honest peers of unequal speed are not clipped (docs/algorithm.md 4a):
+each declared weight and part length is capped relative to the group's lower medians, the caps rising where
+progress records vouch for a peer's speed (:func:`vouched_caps`); parts are rescaled to the lower median length;
+the center is their coordinate-wise median; then ``iterations`` clip steps of radius ``clip_factor`` x the median
+distance. Where nothing is capped or clipped the result is exactly the token-weighted mean, for peers of any speed.
 
-1. caps: contributor ``k``'s declared weight (tokens) counts at most ``weight_cap`` (2) times the group's
-   lower median, and its part's length (norm) at most ``length_cap`` (1.25) times the lower median length;
-   both caps rise to the peer's speed relative to the group where its progress records vouch for it
-   (:func:`vouched_caps`, at most ``max_weight_cap``): a fast GPU on the clock schedule trains more tokens
-   *and* more steps per round, so its part is legitimately heavier and longer. Unvouched, the weight cap is
-   the looser one because honest peers' batch sizes differ (tokens, not length), while on the steps
-   schedule their lengths agree (the same H steps);
-2. each part ``d_i`` is rescaled to the lower median length ``M``: ``u_i = d_i / r_i`` with
-   ``r_i = |d_i| / M`` its (capped) length ratio; it enters with strength ``a_i = w_i r_i``, so that
-   ``a_i u_i = w_i d_i`` while nothing is capped;
-3. center ``v0``: the coordinate-wise median of the ``u_i`` (with one arbitrary part among ``n >= 3``, every
-   coordinate of it stays within the honest ``u_i``'s range); radius ``tau = clip_factor x`` the median of
-   the ``u_i``'s distances to ``v0`` (the upper one for even ``n``);
-4. ``iterations`` times: ``v <- v + sum_i a_i clip(u_i - v, tau) / sum_i a_i``, ``clip(u, tau) = u *
-   min(1, tau / |u|)``; the result is ``v * sum_i a_i / sum_i w_i``.
-
-Where nothing is capped or clipped, that is ``sum_i w_i d_i / sum_i w_i``: the plain token-weighted mean,
-for peers of any speed. Rescaling makes the distances measure disagreement in direction: a part twice as
-long because its peer trained twice the steps is no outlier (clipping the raw parts cost a lone 2x peer 63%
-of its share and a 4x peer 91%, bench/heterogeneity.py).
-
-Bound (tested in tests/test_aggregate.py): with ``v0``, ``tau`` and the strengths fixed, the map of step 4 is
-non-expansive in the other parts' terms, so replacing contributor ``k``'s part by *anything* moves the result
-by at most ``2 * iterations * tau * a_k / sum_i w_i`` (:func:`influence_bound`), ``a_k`` at most
-``weight_cap x length_cap`` (2.5) median shares unvouched. Scaling a part changes only its length ratio
-(capped): the direction is what is clipped. What the caps still allow: a peer that points the honest way
-with the longest and heaviest part it may send lengthens the round's step, to ``(n - 1 + 2.5) / (n - 1 + 2)``
-of the honest one unvouched (1.1x in a group of 4).
-Two contributors cannot be told apart (each is "the median"): then only the caps apply; members check what
-comes back, and the digest check catches a reducer that sends different averages to different members.
-
-Pure torch, deterministic for a given order of parts (the reducer passes them in member order, and every
-member decodes the same encoded result). Memory: the parts of one span, ``n x span`` fp32 (one fragment
-for a full group), plus a sort of the same size for the median.
+Bound (tests/test_aggregate.py): replacing one contributor's part by anything moves the result by at most
+:func:`influence_bound`. Two contributors cannot be told apart: then only the caps apply. Why the caps are what
+they are, and what they still allow: docs/architecture.md, "Hostile peers". Pure torch, deterministic for a given
+order of parts (member order); memory: ``n x span`` fp32, plus a sort of the same size for the median.
 """
 
 from __future__ import annotations

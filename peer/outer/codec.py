@@ -1,26 +1,17 @@
 """Wire codecs for outer gradients: tensor <-> ``EncodedTensor`` protobuf (protos/codec.proto).
 
-``encode(tensor, codec)`` returns the message; ``decode(message)`` returns an fp32 tensor of the
-original shape. Decoding validates everything it reads (codec, version, sizes, scales), because
-messages come from untrusted peers, and raises :class:`CodecError`. Codecs register in
-:data:`CODECS`; the codec name and version (:func:`codec_key`) are part of the matchmaking key so
-peers with different codecs never share a group.
+:func:`encode` returns the message; :func:`decode` returns an fp32 tensor of the original shape. Decoding
+validates everything it reads (codec, version, sizes, scales), because messages come from untrusted peers, and
+raises :class:`CodecError`. Codecs register in :data:`CODECS`; the name and version (:func:`codec_key`) are part
+of the matchmaking key, so peers with different codecs never share a group.
 
-Codecs (byte layouts: protos/codec.proto, docs/algorithm.md section 6):
+Codecs (byte layouts: protos/codec.proto, docs/algorithm.md section 6): ``fp32``; ``bf16`` (round to nearest even,
+saturating); ``fp8`` (e4m3fn, a float32 scale ``absmax / 448`` per block of 64); ``e3m0`` (FP4 in
+``peer/outer/e3m0.py``: scale ``absmax / 64`` per block of 64, two codes per byte, exact round to nearest with ties
+away from zero, optionally stochastic: ``make_codec("e3m0", stochastic_rounding=True)``).
 
-- ``fp32`` v1: raw little-endian binary32.
-- ``bf16`` v1: raw little-endian bfloat16 bits (round to nearest even; saturates at the bf16 max).
-- ``fp8``  v1: float8 e4m3fn codes, one little-endian float32 scale ``absmax / 448`` per block of 64.
-- ``e3m0`` v1: FP4 E3M0 (sign + 3-bit exponent, no mantissa), scale ``absmax / 64`` per block of
-  64, two codes per byte (first element in the low nibble). Round to nearest in the linear domain,
-  ties away from zero, computed *exactly* (no float error at the thresholds); optional stochastic
-  rounding (``make_codec("e3m0", stochastic_rounding=True)``).
-
-Everything is vectorized torch and runs on the input's device (CPU or CUDA); large inputs are
-processed in chunks into preallocated buffers. The message bytes are always on the host. Decoding
-is deterministic: the same bytes give bitwise identical tensors (the all-reduce relies on it).
-
-The FP4 E3M0 codec lives in ``peer/outer/e3m0.py``; what the codecs share, in ``peer/outer/wire.py``.
+Vectorized torch on the input's device, in chunks; message bytes are on the host. Decoding is deterministic: the
+same bytes give bitwise identical tensors (the all-reduce relies on it). Shared parts: ``peer/outer/wire.py``.
 """
 
 from __future__ import annotations

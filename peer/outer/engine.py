@@ -1,31 +1,17 @@
 """The Streaming DiLoCo outer engine of one peer: launch, overlap tau, eager updates, merge.
 
 Pure torch; the network is behind a :class:`Transport`, so the same engine runs in the swarm
-(``peer/run/trainer.py``) and in the in-process simulator (``peer/outer/simulator.py``). Per inner step the
-caller runs :meth:`StreamingEngine.launch_due` then :meth:`StreamingEngine.apply_due` (the
-simulator runs phase 1 on every replica before phase 2, so a lockstep fake transport never
-deadlocks).
+(``peer/run/trainer.py``) and in the simulator (``peer/outer/simulator.py``). Per inner step the caller runs
+:meth:`StreamingEngine.launch_due` then :meth:`StreamingEngine.apply_due`. Modes (docs/algorithm.md 4-5):
+``0 <= tau < H`` (Streaming DiLoCo Alg. 2, with the eager jump ``E`` when ``tau > 0`` and eager is on) applies a
+round ``tau`` steps after its launch; ``tau = H`` (the eager paper's one-outer-step overlap) applies round r at
+the next sync of its fragment, with ``S = G + E`` equal to Alg. 3's per-replica outer parameters.
 
-Modes (docs/algorithm.md sections 4-5):
-
-- ``0 <= tau < H`` (Streaming DiLoCo Alg. 2): fragment p's round launched at step t is applied at
-  step t + tau: ``G, v <- Nesterov(G, v, avg)``; merge ``theta <- alpha*theta + (1-alpha)*G`` or, with
-  ``merge="replay"``, ``theta <- G + (theta - theta@launch)`` (keeps the tau local steps); ``S <- G``.
-  Eager (tau > 0): at launch the peer jumps to its predicted own share,
-  ``E = effect(v, (w/W)*Delta)``, merged like an aggregate; at arrival ``E <- 0``.
-  tau = 0 with eager off is exactly Streaming DiLoCo Alg. 2 (and DiLoCo Alg. 1 for P = 1).
-- ``tau = H`` (the eager paper's one-outer-step overlap): round r's aggregate is applied at the
-  next sync event of p, together with an eager step on the peer's own fresh outer gradient:
-  ``G, v <- Nesterov(G, v, avg(r-1))``; ``E, u <- Nesterov(E, u, (w/W)(Delta(r) - Delta(r-1)))``
-  (eager on; off = naive delayed); ``theta <- G + E``; ``S <- G + E``. Nesterov is linear in its
-  gradient sequence, so ``G + E`` equals Alg. 3's per-replica outer parameters exactly. At the
-  first event nothing is applied (Alg. 3's ``t > H``): ``E <- theta - G``, ``S <- theta``.
-
-Failure semantics: only an ``ok`` round is applied (:meth:`RoundOutcome.applied_spans`); any other changes
-neither G nor v, the eager jump is undone, so the peer's progress stays in ``S - theta`` for its next round, and
-the round's tokens are carried into the next weight. Except ``off_base``: our part went into an average the
-group applied to another base, so its progress and tokens are not sent again; the trainer downloads the group's
-result. Every launch declares its base, ``(round, digest)`` of the state the round is applied to.
+Invariants: only an ``ok`` round changes ``G`` and ``v`` (:meth:`RoundOutcome.applied_spans`); any other status
+undoes the eager jump and leaves the progress in ``S - theta`` and its tokens for the next round, except
+``off_base`` (our part was averaged into another base: the trainer downloads the group's result). Every launch
+declares its base, ``(round, digest)`` of the state the round is applied to. docs/architecture.md, "Overlap,
+merge and eager updates", and "Failure semantics".
 """
 
 from __future__ import annotations
@@ -109,7 +95,7 @@ class StreamingEngine:
         self.schedule = schedule or StepsSchedule(settings.H, len(fragments))
         self.states = [FragmentState.from_params(f.flat(), self._eager_terms(), E_in_sync_point=self.one_outer_step)
                        for f in fragments]
-        self.tau_fn = tau_fn  # tau = auto: asked at each launch (kept in [0, H - 1])
+        self.tau_fn = tau_fn  # tau = auto: asked at each launch; returns 0 to H - 1 (settings.AutoTau, clamp_tau)
         self.blocked_seconds = 0.0  # time spent waiting for aggregates (compute utilization)
         self.waiting = False  # blocked in apply_due right now
         self.on_wait = on_wait  # called about every 0.2 s while blocked (the trainer shows its status)
@@ -181,7 +167,7 @@ class StreamingEngine:
                 continue
             if self.error_feedback is not None and self.ef_codec is not None:  # what the peers will decode
                 self._ef_updates[p] = self.worker.submit(self._update_error_feedback, p, delta)
-            tau = self.cfg.tau if self.tau_fn is None else max(0, min(self.cfg.H - 1, self.tau_fn()))
+            tau = self.cfg.tau if self.tau_fn is None else self.tau_fn()
             jump = None
             if self.cfg.eager and 0 < tau < self.cfg.H:
                 # Apply our own share now; the aggregate corrects it when it arrives.

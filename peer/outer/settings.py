@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 from peer.config import OuterConfig, default_of
+from peer.util import Ema
 
 
 @dataclass(kw_only=True)
@@ -44,28 +44,29 @@ class OuterSettings:
                    wait_timeout=outer.wait_timeout)
 
 
-class AutoTau:
-    """``tau = auto``: enough inner steps to hide this peer's measured round time, at most ``tau_max``.
+def clamp_tau(tau: int, H: int) -> int:
+    """A round's overlap as ``tau = auto`` may choose it: 0 to ``H - 1`` inner steps (``tau = H``, the one-outer-step
+    mode, is a fixed setting only)."""
+    return max(0, min(H - 1, tau))
 
-    ``tau = ceil(round_seconds / step_seconds) + 1`` from exponential moving averages; ``tau_max``
-    until both have been measured (overlap as much as allowed while nothing is known).
+
+class AutoTau:
+    """``tau = auto``: enough inner steps to hide this peer's measured round time, at least 1 and at most
+    ``tau_max`` (within :func:`clamp_tau`).
+
+    ``tau = ceil(round_seconds / step_seconds) + 1`` from moving averages: the step time is the trainer's
+    (``step_time``, which it alone updates), the round time ours (:meth:`observe_round`); ``tau_max`` until both
+    have been measured (overlap as much as allowed while nothing is known).
     """
 
-    def __init__(self, tau_max: int, smoothing: float = 0.3):
-        self.tau_max, self.smoothing = tau_max, smoothing
-        self.step_seconds: Optional[float] = None
-        self.round_seconds: Optional[float] = None
-
-    def _ema(self, old: Optional[float], new: float) -> float:
-        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
-
-    def observe_step(self, seconds: float) -> None:
-        self.step_seconds = self._ema(self.step_seconds, seconds)
+    def __init__(self, tau_max: int, H: int, step_time: Ema, smoothing: float = 0.3):
+        self.tau_max, self.H, self.step_time = tau_max, H, step_time
+        self.round_time = Ema(smoothing)
 
     def observe_round(self, seconds: float) -> None:
-        self.round_seconds = self._ema(self.round_seconds, seconds)
+        self.round_time.observe(seconds)
 
     def __call__(self) -> int:
-        if not self.step_seconds or self.round_seconds is None:
-            return self.tau_max
-        return max(1, min(self.tau_max, math.ceil(self.round_seconds / self.step_seconds) + 1))
+        step, round_ = self.step_time.value, self.round_time.value
+        tau = self.tau_max if not step or round_ is None else max(1, min(self.tau_max, math.ceil(round_ / step) + 1))
+        return clamp_tau(tau, self.H)

@@ -1,19 +1,15 @@
-"""Outer optimizer and per-fragment outer state (pure torch, no networking).
+"""Outer optimizer and per-fragment outer state (pure torch, no networking): :class:`NesterovSGD`,
+:class:`FragmentState`, :func:`apply_round` and the state's digests (:func:`digest_of`).
 
-For fragment p a peer holds, in fp32 on the CPU: ``G`` (shared outer parameters, changed only by
-swarm aggregates) and ``v`` (shared Nesterov momentum), bit-identical on every peer that applied the same
-rounds. Per peer and only where its settings use them: the eager terms ``E`` (eager updates, or ``tau = H``)
-and ``u`` (eager updates) and, with error feedback, the codec's residual (:class:`ErrorFeedback`).
+For fragment p a peer holds, in fp32 on the CPU: ``G`` (shared outer parameters, changed only by swarm aggregates)
+and ``v`` (shared Nesterov momentum), bit-identical on every peer that applied the same rounds. Per peer, and only
+where its settings use them: the eager terms ``E`` and ``u`` and, with error feedback, the codec's residual
+(:class:`ErrorFeedback`). The inner phase's start ``S`` is not stored: it is ``G``, or ``G + E`` with ``tau = H``
+(:meth:`FragmentState.sync_point`).
 
-Host memory: with eager updates off that is two fp32 copies of the model (``G``, ``v``), three with them on
-(``E``) and four with ``u``. The start point ``S`` of the current inner phase (the spec's ``theta_sync``) is not
-stored: it equals ``G`` in the streaming engine (every applied span sets both, nothing else moves either)
-and ``G + E`` in the one-outer-step machine (``tau = H``); :meth:`FragmentState.sync_point` derives it.
-
-A round's aggregate may arrive incomplete (a reducer died): it is a list of spans, each either the
-decoded average or ``None``. Every elementwise update below touches only the spans that arrived, so
-peers that received the same spans stay identical, and a missing span keeps the peer's progress in
-``S - theta`` for its next round (nothing lost, nothing applied twice).
+A round's aggregate is a list of spans, each the decoded average or ``None`` (a reducer died). Every elementwise
+update touches only the spans that arrived, so peers that received the same spans stay identical, and a missing
+span keeps the peer's progress in ``S - theta`` for its next round (nothing lost, nothing applied twice).
 """
 
 from __future__ import annotations

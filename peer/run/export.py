@@ -1,21 +1,16 @@
 """Take the model home: the swarm's shared model out of a run dir, as files that load without swarmloco.
 
-A run dir's newest checkpoint holds the resolved config (so the run dir alone describes the run), the local
-weights ``theta`` and, per fragment, the swarm's shared outer parameters ``G``: what every peer that applied
-the same rounds holds bit-identically. ``shared`` weights (the default) are the model with each fragment set
-to its ``G``; ``local`` weights are this peer's own ``theta`` (``G`` plus the inner steps since its last sync).
+A run dir's newest checkpoint holds the resolved config, the local weights ``theta`` and, per fragment, the
+swarm's shared outer parameters ``G`` (bit-identical on every peer that applied the same rounds). ``shared``
+weights (the default) are the model with each fragment set to its ``G``; ``local`` ones are this peer's ``theta``.
 
 :func:`export` writes
-
-- built-in models: ``model.safetensors`` (tied tensors once), ``config.json`` (the shape, vocabulary and
-  sequence length) and ``modeling.py`` (a copy of :mod:`peer.local.model`, which needs torch only), so that
-  ``modeling.Transformer(modeling.ModelShape(**cfg["shape"]), ...)`` loads the weights in plain PyTorch;
-- Hugging Face models: a ``save_pretrained`` directory (``config.json``, ``model.safetensors``) that
-  ``transformers.AutoModelForCausalLM.from_pretrained`` loads;
-
-plus, when the run trained on prepared data, its ``tokenizer.json`` (and for HF models the tokenizer files
-``AutoTokenizer.from_pretrained`` reads), and ``swarmloco.json``: where the weights came from (run hash,
-step, per-fragment round and digest).
+- built-in models: ``model.safetensors`` (tied tensors once), ``config.json`` and ``modeling.py`` (a copy of
+  :mod:`peer.local.model`, torch only), so that ``modeling.Transformer(modeling.ModelShape(**cfg["shape"]), ...)``
+  loads the weights in plain PyTorch;
+- Hugging Face models: a ``save_pretrained`` directory that ``AutoModelForCausalLM.from_pretrained`` loads;
+plus the tokenizer files when the run trained on prepared data, and ``swarmloco.json``: where the weights came
+from (:func:`provenance`: run hash, step, per-fragment round and digest).
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
 """Whether this peer keeps the swarm's pace, told to its owner when it does not (pure: no I/O).
 
-A member whose link is too slow for the run's rounds misses one, finds the swarm past it, downloads the
-swarm's state and, while it downloads, the swarm applies more rounds: it ends behind again and downloads
-again (docs/benchmarks.md, "Uneven links": a 1 Mbit/s member on the steps schedule spent most of the run so).
-Each of those lines is true and none says what is going on. :class:`PaceWatch` notices the pattern and says it
-once, with what the owner and the operator can do about it. Since the last round that averaged something, either
-- ``ROUNDS`` rounds averaged nothing and the peer downloaded the swarm's state ``DOWNLOADS`` times or more, or
-- the peer went to catch up ``CATCH_UPS`` times (each a download of one fragment or more, delivered or not): where
-  a download takes longer than the swarm's rounds, the peer launches few rounds between downloads (in the
-  shaped-link bench a 1 Mbit/s member launched 5 rounds in 5 minutes, each download ~50 s, and later ones failed
-  as the swarm moved past the round it fetched), so the round count alone would take far too long.
-A peer that rejoins catches up once or twice, then averages; a peer that is alone or only finds no group never
-downloads: neither is out of pace. And it is said only when our measured uplink is under half the median of the
-other live peers' declared uplinks (or not measured yet): in the same bench a 50 Mbit/s peer went through the
-same pattern because the only donor of the swarm's state was a slow, busy peer, and telling it that its link is
-too slow would be wrong. Nor is it said when the streak's state downloads were quick (median under ``QUICK_S``): in
-CI a 66.8 Mbit/s loopback peer, left behind by a round that listed a member that had left, caught up three times in
-three seconds as the swarm moved on, and was told its link was too slow.
+A member whose link is too slow for the run's rounds misses one, downloads the swarm's state, falls behind again
+while it downloads, and downloads again; each line it logs is true and none says what is going on.
+:class:`PaceWatch` notices the pattern and says it once, with what the owner and the operator can do. Since the
+last round that averaged something, either ``ROUNDS`` rounds averaged nothing with ``DOWNLOADS`` or more state
+downloads among them, or the peer went to catch up ``CATCH_UPS`` times. It is said only when our measured uplink
+is under ``SLOW_LINK`` of the other live peers' median declared uplink (or not measured yet) and the streak's
+downloads were not quick (median ``QUICK_S`` or more). Why these conditions: docs/architecture.md, "Before
+joining, and what the user sees".
 """
 
 from __future__ import annotations

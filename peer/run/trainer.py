@@ -51,7 +51,7 @@ from peer.outer.settings import AutoTau, OuterSettings
 from peer.run.status import StatusLine, describe
 from peer.net.swarm import Swarm
 from peer.net.bandwidth import Bandwidth
-from peer.util import short_id
+from peer.util import Ema, short_id
 
 log = logging.getLogger(__name__)
 # How long the status line says "out of phase" after the step counter moved up to meet the swarm (seconds).
@@ -114,7 +114,7 @@ class Trainer:
         self._step, self._tok_s = 0, 0.0  # for the status line while blocked
         self._loss: Optional[float] = None  # the last loss read from the device (every log_every steps)
         self._floor: Optional[float] = None
-        self.step_seconds: Optional[float] = None  # moving average of our inner step time (realignment)
+        self.step_time = Ema(0.3)  # our inner step time, seconds (realignment, tau = auto); written here only
         self._device = cfg.inner.device
         self._last_step_at = time.monotonic()  # the last inner step (or the start of training): idle_seconds
 
@@ -229,7 +229,8 @@ class Trainer:
         log.info("%d fragment(s) of %s elements (%s, %d blocks each); codec %s, tau %s, eager %s, merge %s",
                  len(fragments), [f.numel for f in fragments], cfg.outer.fragment_pattern,
                  cfg.outer.fragment_blocks, cfg.outer.codec, cfg.outer.tau, cfg.outer.eager, cfg.outer.merge)
-        self.auto_tau = AutoTau(cfg.outer.tau_max) if cfg.outer.tau == "auto" else None
+        self.auto_tau = AutoTau(cfg.outer.tau_max, cfg.outer.sync_every, self.step_time) if cfg.outer.tau == "auto" \
+            else None
         self.owner.note_traffic(max(f.numel for f in fragments), self.swarm.codec)
         settings = OuterSettings.from_config(cfg.outer)
         schedule = self._schedule(len(fragments))
@@ -278,10 +279,7 @@ class Trainer:
             self._last_step_at = time.monotonic()
             step_seconds = self._last_step_at - t_step
             compute_seconds += step_seconds
-            self.step_seconds = step_seconds if self.step_seconds is None else \
-                0.7 * self.step_seconds + 0.3 * step_seconds
-            if self.auto_tau is not None:
-                self.auto_tau.observe_step(step_seconds)
+            self.step_time.observe(step_seconds)
             step += 1
             self._step = step
             if step % cfg.run.log_every == 0 or self.status.due():  # the loss waits for the device: not every step
@@ -410,12 +408,12 @@ class Trainer:
         if min_lag_seconds is None:
             min_lag_seconds = max(self.cfg.swarm.matchmaking_patience / 2, 1.0)
         move = consensus.realign(self.swarm.vouched_peers(), self.swarm.peer_id, my_step=step,
-                             my_rounds=[st.last_applied for st in engine.states], step_seconds=self.step_seconds,
+                             my_rounds=[st.last_applied for st in engine.states], step_seconds=self.step_time.value,
                              min_lag_seconds=min_lag_seconds,
                              H=self.cfg.outer.sync_every, num_fragments=len(engine.states), now=get_dht_time())
         if move is None:
             return step
-        lag = f" (~{move.behind_steps * self.step_seconds:.0f} s)" if self.step_seconds else ""
+        lag = f" (~{move.behind_steps * self.step_time.value:.0f} s)" if self.step_time.value else ""
         log.info("out of phase with the swarm: %d steps%s behind peer %s; moving to step %d to meet it at its "
                  "next round (our progress is kept)", move.behind_steps, lag, short_id(move.lead), move.step)
         self.events.emit("realign", step=step, to_step=move.step, behind_steps=move.behind_steps, lead=move.lead)
