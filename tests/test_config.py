@@ -102,6 +102,13 @@ def test_wait_timeout_must_cover_a_round():
         build_config(None, {**NEW, ("outer", "wait_timeout"): 10.0}, environ={})
 
 
+def test_the_per_host_stream_budget_lies_between_the_per_peer_one_and_the_total():
+    for bad in (8, 1024):
+        with pytest.raises(ConfigError, match=r"max_streams_per_host: must be between swarm.max_streams_per_peer and "):
+            build_config(None, {**NEW, ("swarm", "max_streams_per_host"): bad}, environ={})
+    assert build_config(None, NEW, environ={}).swarm.max_streams_per_host == 64
+
+
 def test_progress_ttl_must_outlast_a_stalled_dht():
     """A record reaches the DHT and is read up to one dht_timeout late each while a DHT node is unreachable."""
     with pytest.raises(ConfigError, match=r"progress_ttl: must be > swarm.progress_period \+ 2 \* swarm.dht_timeout"):

@@ -255,6 +255,9 @@ class SwarmConfig:
             "handlers at once (all-reduce parts, state downloads, join requests); more are refused.")
     max_streams: int = setting(512, local=True, help="Streams all remote peers together may hold open in this peer's "
             "handlers at once.")
+    max_streams_per_host: int = setting(64, local=True, help="Streams the peers of one host (an IPv4 address, an "
+            "IPv6 /64) may hold open in this peer's handlers at once, however many identities it runs; relayed and "
+            "loopback peers are counted one by one.")
     exclude_after: int = setting(3, local=True, help="Offences (parts that do not decode, parts the robust rule cut "
             "hard, implausible averages) after which this peer stops working with another for the rest of the run "
             "(see peer/net/exclusion.py).")
@@ -275,6 +278,8 @@ class SwarmConfig:
                "a download and a join request at once)", self.max_streams_per_peer)
         check(self.max_streams >= self.max_streams_per_peer, "swarm.max_streams", ">= swarm.max_streams_per_peer",
                self.max_streams)
+        check(self.max_streams_per_peer <= self.max_streams_per_host <= self.max_streams, "swarm.max_streams_per_host",
+              "between swarm.max_streams_per_peer and swarm.max_streams", self.max_streams_per_host)
         for key in ("start_timeout", "state_timeout", "matchmaking_time", "matchmaking_timeout", "request_timeout",
                     "allreduce_timeout", "part_timeout", "progress_period", "progress_ttl", "startup_timeout",
                     "dht_timeout", "join_timeout"):

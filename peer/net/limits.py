@@ -6,8 +6,8 @@ one (bound every size before allocating it, give every wait a deadline, bound wh
 
 - **Frame size**: :func:`cap_frame_size` replaces hivemind's ``P2P.receive_raw_data``, once per process, with a
   reader that refuses a frame larger than the run's largest message before reading its body.
-- **Streams per remote peer**: :class:`StreamGuard` admits at most ``per_peer`` concurrent streams from one remote
-  peer and ``total`` overall, across all our handlers.
+- **Streams**: :class:`StreamGuard` admits at most ``per_peer`` concurrent streams from one remote peer,
+  ``per_host`` from the peers of one host (:class:`HostBook`: fresh identities share their host's) and ``total``.
 - **Stream lifetime**: every admitted stream's task is cancelled at its deadline, whatever it is waiting for.
 
 Handlers read their request as a stream, counted from the moment it opens; :func:`single_request` and
@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
-from typing import AsyncIterator, Callable, Iterator, Optional, TypeVar
+from typing import AsyncIterator, Callable, Iterable, Iterator, Optional, TypeVar
 
 from hivemind.p2p import P2P
 
@@ -66,18 +66,62 @@ def cap_frame_size(limit: int) -> None:
     P2P.receive_raw_data = staticmethod(_bounded_receive_raw_data)
 
 
+UNRESOLVED = "(unresolved)"  # the host key of peers whose connection the daemon has not listed to us yet
+MAX_HOSTS_KNOWN = 4096  # peers whose host is remembered
+
+
+def host_key(addrs: Iterable[str]) -> Optional[str]:
+    """The host a connection comes from, as per-host budgets count it: the IPv4 address, or the /64 of an IPv6
+    one (one home gets a whole /64). None where the budget does not apply: a relayed connection (its address is
+    the relay's, shared by every peer behind it) or loopback (several peers of one machine)."""
+    for addr in addrs:
+        if "/p2p-circuit" in addr:
+            return None
+        parts = addr.split("/")
+        if len(parts) > 2 and parts[1] == "ip4":
+            return None if parts[2].startswith("127.") else parts[2]
+        if len(parts) > 2 and parts[1] == "ip6":
+            if parts[2] in ("::1", "0:0:0:0:0:0:0:1"):
+                return None
+            groups = (parts[2].split("::")[0].split(":") + ["0"] * 4)[:4]
+            return ":".join(groups) + "::/64"
+    return None
+
+
+class HostBook:
+    """Which host each remote peer connects from (:func:`host_key`), as the P2P daemon lists its connections
+    (:meth:`learn`). A peer not listed yet is :data:`UNRESOLVED`: such peers share one budget until the next
+    listing, so fresh identities gain nothing by being fresh. Used from the handlers' event loop only."""
+
+    def __init__(self) -> None:
+        self._hosts: dict[str, Optional[str]] = {}
+
+    def host(self, peer: str) -> Optional[str]:
+        return self._hosts.get(peer, UNRESOLVED)
+
+    def learn(self, connections: Iterable[tuple[str, list[str]]]) -> None:
+        """Replaces what is known with the daemon's list of open connections, (peer id, its addresses)."""
+        hosts = {peer: host_key(addrs) for peer, addrs in connections}
+        self._hosts = dict(list(hosts.items())[:MAX_HOSTS_KNOWN])
+
+
 class StreamGuard:
-    """Counts the streams each remote peer holds open in our handlers and bounds them.
+    """Counts the streams each remote peer holds open in our handlers and bounds them: ``per_peer`` from one
+    peer, ``per_host`` from the peers of one host (with ``hosts``; :class:`HostBook`), ``total`` in all.
 
     Used from the event loop that runs the handlers (no locking needed). One guard is shared by all the
-    handlers of a peer, so the bound is per remote peer across protocols.
+    handlers of a peer, so the bounds hold across protocols. ``resolve`` is called (in that loop) when a peer's
+    host is not known yet: it should have ``hosts`` learn the daemon's connections soon.
     """
 
-    def __init__(self, *, per_peer: int, total: int, admitted: Callable[[str], bool] = lambda peer: True):
+    def __init__(self, *, per_peer: int, total: int, admitted: Callable[[str], bool] = lambda peer: True,
+                 per_host: Optional[int] = None, hosts: Optional[HostBook] = None,
+                 resolve: Callable[[], None] = lambda: None):
         """``admitted``: whether a remote peer may use our handlers at all (authenticated runs: it holds a
         valid pass, ``auth.Admission``)."""
-        self.per_peer, self.total = per_peer, total
+        self.per_peer, self.total, self.per_host = per_peer, total, per_host
         self.admitted = admitted
+        self.hosts, self.resolve = hosts, resolve
         self.open: Counter[str] = Counter()
         self.refused = 0  # streams refused since start (for logs and tests)
         self.unadmitted = 0  # ... of which from peers without a valid pass
@@ -85,6 +129,22 @@ class StreamGuard:
     @property
     def open_total(self) -> int:
         return sum(self.open.values())
+
+    def open_from_host(self, host: str) -> int:
+        """Streams open from the peers of ``host`` (a :class:`HostBook` key)."""
+        assert self.hosts is not None, "Must be called on a guard with a HostBook"
+        return sum(n for peer, n in self.open.items() if self.hosts.host(peer) == host)
+
+    def _refusal(self, peer: str) -> Optional[str]:
+        if self.open[peer] >= self.per_peer or self.open_total >= self.total:
+            return "too many open streams from this peer"
+        if self.hosts is not None and self.per_host is not None:
+            host = self.hosts.host(peer)
+            if host == UNRESOLVED:
+                self.resolve()
+            if host is not None and self.open_from_host(host) >= self.per_host:
+                return "too many open streams from this peer's host"
+        return None
 
     @contextlib.contextmanager
     def admit(self, peer: str, timeout: float) -> Iterator[Optional[str]]:
@@ -100,12 +160,14 @@ class StreamGuard:
                             peer[-8:], self.unadmitted)
             yield "this run admits only peers with a valid pass"
             return
-        if self.open[peer] >= self.per_peer or self.open_total >= self.total:
+        refusal = self._refusal(peer)
+        if refusal is not None:
             self.refused += 1
             if self.refused in (1, 10, 100) or self.refused % 1000 == 0:
-                log.warning("refused a stream from %s: %d open from it, %d in all (limits %d, %d); %d refused so far",
-                            peer[-8:], self.open[peer], self.open_total, self.per_peer, self.total, self.refused)
-            yield "too many open streams from this peer"
+                log.warning("refused a stream from %s: %s (%d open from it, %d in all; limits %d, %d, %s per host); "
+                            "%d refused so far", peer[-8:], refusal, self.open[peer], self.open_total, self.per_peer,
+                            self.total, self.per_host, self.refused)
+            yield refusal
             return
         task = asyncio.current_task()
         watchdog = asyncio.get_running_loop().call_later(timeout, task.cancel) if task is not None else None

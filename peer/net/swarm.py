@@ -36,7 +36,7 @@ from peer.config import SwarmConfig
 from peer.net.dht import create_dht, peers_of, reconnect
 from peer.net.exclusion import Exclusions
 from peer.net.links import DeadlinePolicy, LinkMeter, slow_donors_last, state_deadline
-from peer.net.limits import StreamGuard, cap_frame_size, frame_limit_for
+from peer.net.limits import HostBook, StreamGuard, cap_frame_size, frame_limit_for
 from peer.outer.rounds import RoundOutcome
 from peer.net.progress import dht_security, progress_key
 from peer.net.roster import Roster
@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 PAST_ROUNDS = 4  # rounds per fragment a record remembers (consensus.digest_at): rounds may be faster than records
 # Heartbeats in flight at once: each is bounded by progress_ttl, so this bounds the DHT load of a stalled DHT.
 MAX_BEATS_IN_FLIGHT = 4
+HOST_LISTING_PERIOD = 0.5  # seconds between two listings of the daemon's connections (per-host stream budgets)
 
 
 def swarm_key(run_id: str, run_hash: str, codec: str) -> str:
@@ -86,8 +87,13 @@ class Swarm:
         self.admission = Admission(access.checker if access else None)  # who may take part (authenticated runs)
         if access is not None:
             self.admission.learn(access.token)
+        # which host each remote peer connects from (its streams count in its host's budget); listed by the daemon
+        self.hosts = HostBook()
+        # (when the last listing started, its task): one at a time, two a second
+        self._hosts_listed: tuple[float, Optional[asyncio.Task]] = (0.0, None)
         self.guard = StreamGuard(per_peer=cfg.max_streams_per_peer, total=cfg.max_streams,  # all our handlers
-                                 admitted=self.admission.admitted)
+                                 admitted=self.admission.admitted, per_host=cfg.max_streams_per_host,
+                                 hosts=self.hosts, resolve=self._list_hosts)
         self.policy = DeadlinePolicy.of(cfg)  # how long rounds and state downloads may take (peer/net/links.py)
         self.uplink = LinkMeter()  # our uplink as our reducers timed our parts, declared to every group
         self.downlink = LinkMeter()  # our downlink as averages and state came in (sizes our state downloads)
@@ -158,6 +164,21 @@ class Swarm:
             self.client_mode = True
             log.warning("nobody outside can dial this peer: %s. It goes on in client mode (it still contributes; "
                         "it reduces no span and serves no state); forward the port or pass --client-mode", why)
+
+    def _list_hosts(self) -> None:
+        """(swarm-net loop) Has ``hosts`` learn the daemon's open connections soon: a stream came from a peer whose
+        host is not known yet. One listing at a time, at most two a second."""
+        started, task = self._hosts_listed
+        if (task is None or task.done()) and time.monotonic() - started >= HOST_LISTING_PERIOD:
+            self._hosts_listed = (time.monotonic(), asyncio.get_running_loop().create_task(self._learn_hosts()))
+
+    async def _learn_hosts(self) -> None:
+        try:
+            infos = await asyncio.wait_for(self.p2p.list_peers(), self.cfg.request_timeout)
+        except Exception as e:  # (a slow daemon: the peers stay unresolved, sharing one budget, until the next)
+            log.debug("could not list the daemon's connections: %s: %s", type(e).__name__, e)
+            return
+        self.hosts.learn((str(info.peer_id), [str(a) for a in info.addrs]) for info in infos)
 
     def shutdown(self) -> None:
         """Withdraws our progress record, stops the event loop thread and the DHT. Idempotent."""

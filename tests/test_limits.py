@@ -1,0 +1,53 @@
+"""Stream budgets per peer, per host and in all (peer/net/limits.py): pure, in one event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from peer.net.limits import UNRESOLVED, HostBook, StreamGuard, host_key
+
+
+def test_a_host_is_an_ipv4_address_or_an_ipv6_64_and_relayed_or_loopback_peers_have_none():
+    assert host_key(["/ip4/203.0.113.7/tcp/4001"]) == "203.0.113.7"
+    assert host_key(["/ip6/2001:db8:1:2:aa::5/tcp/4001"]) == host_key(["/ip6/2001:db8:1:2::9/tcp/1"])
+    assert host_key(["/ip6/2001:db8:1:2::9/tcp/1"]) != host_key(["/ip6/2001:db8:1:3::9/tcp/1"])
+    assert host_key(["/ip4/198.51.100.1/tcp/1/p2p/QmRelay/p2p-circuit"]) is None
+    assert host_key(["/ip4/127.0.0.1/tcp/1"]) is None and host_key(["/ip6/::1/tcp/1"]) is None
+    assert host_key([]) is None
+
+
+def test_fresh_identities_of_one_host_share_its_budget_and_unlisted_ones_share_one():
+    """Issue 28's attacker: 34 identities of one host holding streams open filled a peer's 512. Now the peers of
+    one host hold at most per_host, before the daemon lists them (they share the unresolved budget) and after."""
+    async def run() -> None:
+        book, listings = HostBook(), []
+        guard = StreamGuard(per_peer=16, total=512, per_host=64, hosts=book, resolve=lambda: listings.append(1))
+        attackers = [f"A{i}" for i in range(34)]
+        with contextlib.ExitStack() as held:
+            def open_all(peers, n):
+                return sum(held.enter_context(guard.admit(p, 60)) is None for p in peers for _ in range(n))
+            assert open_all(attackers, 16) == 64  # unlisted: one shared budget
+            assert listings and book.host("A0") == UNRESOLVED
+            book.learn([(p, ["/ip4/203.0.113.7/tcp/4001"]) for p in attackers] +
+                       [("honest", ["/ip4/198.51.100.2/tcp/4001"])])
+            assert open_all(attackers, 16) == 0  # listed: their host holds 64 already
+            assert guard.open_from_host("203.0.113.7") == 64
+            assert open_all(["honest"], 16) == 16  # another host is not affected
+            assert open_all(["late"], 16) == 16  # a new unlisted peer: the unresolved budget is free again
+        assert guard.open_total == 0 and guard.refused == 34 * 16 - 64 + 34 * 16
+
+    asyncio.run(run())
+
+
+def test_relayed_and_loopback_peers_count_one_by_one():
+    async def run() -> None:
+        book = HostBook()
+        guard = StreamGuard(per_peer=4, total=100, per_host=8, hosts=book)
+        peers = [f"R{i}" for i in range(5)]
+        book.learn([(p, ["/ip4/198.51.100.1/tcp/1/p2p/QmRelay/p2p-circuit"]) for p in peers])
+        with contextlib.ExitStack() as held:
+            admitted = sum(held.enter_context(guard.admit(p, 60)) is None for p in peers for _ in range(4))
+        assert admitted == 20  # per peer 4, no host budget
+
+    asyncio.run(run())
