@@ -98,3 +98,25 @@ def test_a_repair_waits_while_our_next_round_is_in_flight():
     engine.in_flight = 0  # (it ended without applying anything: our state is still at 12, the holders' round)
     sync.catch_up(61, joining=False)
     assert swarm.downloads == [(0, 12, "good12", ["x", "y"])] and not sync.recheck
+
+
+def test_when_the_loop_catches_up_is_the_state_syncs_decision_and_adoption_is_told():
+    """StateSync.due: at once after a late round (note_late), a recheck_after later while a repair waits for
+    records, every drift_check_period otherwise; a catch-up resets it. ``adopted`` says whether the last one
+    took a snapshot (the trainer then meets the swarm's phase)."""
+    swarm, engine = Swarm({p: record(p, 11, "good11") for p in ("x", "y")}, {11: "bad11"}), Engine()
+    sync = StateSync(swarm, engine, events=EventLog(None), pace=PaceWatch("steps"), stop=threading.Event(),
+                     sync_every=20, on_fragment=lambda *a: None, show_status=lambda s: None,
+                     drift_check_period=3600.0, recheck_after=3600.0)
+    assert not sync.due()
+    sync.note_late()
+    assert sync.due()
+    sync.catch_up(50, joining=False)  # (the repair waits for the holders' records: recheck, not yet due)
+    assert not sync.late and sync.recheck and not sync.due() and not sync.adopted
+    sync.recheck_after = 0.0
+    assert sync.due()
+    swarm.records = {p: record(p, 12, "good12", past=[(0, 11, "good11")]) for p in ("x", "y")}
+    sync.catch_up(51, joining=False)
+    assert sync.adopted and not sync.recheck
+    sync.drift_check_period = 1e-9
+    assert sync.due()  # the periodic drift check

@@ -219,3 +219,23 @@ def test_a_failed_background_write_is_tried_again_and_a_waited_save_is_written_b
     ckpts.close()
     ckpts.save(7, **p.parts(), wait=True)  # still possible after close (the final save of a run)
     assert checkpoint.load_latest(tmp_path / "checkpoints")[1]["step"] == 7
+
+
+def test_the_checkpoint_policy_saves_every_n_rounds_once_a_round_applied_and_every_m_minutes(tmp_path, monkeypatch):
+    """RunCheckpoints.save_if_due owns the policy the training loop used to hold: run.checkpoint_rounds more rounds
+    done (only once one applied), run.checkpoint_minutes since its last save; its clocks start at its first call."""
+    ckpts = _checkpoints(tmp_path, checkpoint_rounds=3, checkpoint_minutes=0.0)
+    saved = []
+    monkeypatch.setattr(ckpts, "save", lambda step, **parts: saved.append(step))
+    assert not ckpts.save_if_due(1, rounds_done=5, applied=True)  # (the clocks start here)
+    assert not ckpts.save_if_due(2, rounds_done=7, applied=True)
+    assert not ckpts.save_if_due(3, rounds_done=8, applied=False)  # no round applied yet
+    assert ckpts.save_if_due(4, rounds_done=8, applied=True) and saved == [4]
+    assert not ckpts.save_if_due(5, rounds_done=10, applied=True)
+    timed = _checkpoints(tmp_path, checkpoint_rounds=0, checkpoint_minutes=1.0)
+    monkeypatch.setattr(timed, "save", lambda step, **parts: saved.append(step))
+    clock = iter([1000.0, 1030.0, 1061.0, 1061.0])
+    monkeypatch.setattr("peer.run.resume.time.monotonic", lambda: next(clock))
+    assert not timed.save_if_due(1, rounds_done=0, applied=False)
+    assert not timed.save_if_due(2, rounds_done=0, applied=False)
+    assert timed.save_if_due(3, rounds_done=0, applied=False) and saved == [4, 3]

@@ -34,9 +34,11 @@ class StateSync:
 
     def __init__(self, swarm: Swarm, engine: StreamingEngine, *, events: EventLog, pace: PaceWatch,
                  stop: threading.Event, sync_every: int, on_fragment: Callable[[int, int, str, int], None],
-                 show_status: Callable[[Optional[str]], None], owed_timeout: float = 10.0):
+                 show_status: Callable[[Optional[str]], None], owed_timeout: float = 10.0,
+                 drift_check_period: float = 0.0, recheck_after: float = 0.0):
         """``owed_timeout``: how long a download owed after an ``off_base`` round waits for its donors' records
-        (then the drift check takes over)."""
+        (then the drift check takes over). :meth:`due` checks our state every ``drift_check_period`` seconds (0:
+        never), ``recheck_after`` seconds after a check that waits for records, and at once after a late round."""
         self.swarm, self.engine, self.events, self.pace, self.stop = swarm, engine, events, pace, stop
         self.sync_every = sync_every
         self.on_fragment = on_fragment  # (fragment, round, digest, numel): the control API's view
@@ -53,9 +55,24 @@ class StateSync:
         # per fragment, the download an off_base round left us: (its round, the members that applied it, until when)
         self.owed: dict[int, tuple[int, list[str], float]] = {}
         self.owed_timeout = owed_timeout
+        self.drift_check_period, self.recheck_after = drift_check_period, recheck_after
+        self.late = False  # a round was found late (launch_gate): catch up right after this step (note_late)
+        self._checked_at = time.monotonic()  # the last catch-up's end
         # whether the last catch_up adopted a snapshot: its step is the donor's at its apply, seconds behind the
         # swarm's now (the trainer then meets the swarm where it is: Trainer._catch_up)
         self.adopted = False
+
+    def note_late(self) -> None:
+        """A round of ours was ``behind`` (the swarm is past it): :meth:`due` says catch up now."""
+        self.late = True
+
+    def due(self) -> bool:
+        """Whether the training loop should call :meth:`catch_up` now: a late round, a repair waiting for records
+        (checked again ``recheck_after`` later: records are no fresher before, and a check reads every record), or
+        the periodic drift check."""
+        since = time.monotonic() - self._checked_at
+        return (self.late or (self.recheck and since >= self.recheck_after)
+                or bool(self.drift_check_period and since >= self.drift_check_period))
 
     @property
     def recheck(self) -> bool:
@@ -98,13 +115,14 @@ class StateSync:
         self._digests[frag.index] = digest
         return digest
 
-    def catch_up(self, step: int, *, joining: bool, late: bool = False) -> int:
+    def catch_up(self, step: int, *, joining: bool) -> int:
         """Downloads the fragments where the swarm's majority state is ahead of or differs from ours
-        (see plan_catch_up; ``late``: a round was just found late, see launch_gate: then every fragment the
-        swarm is past, counting our rounds in flight, so that we rejoin with all of them at once); returns
-        the step to continue from (steps schedule: the donors').
+        (see plan_catch_up; after a late round, :meth:`note_late`, every fragment the swarm is past, counting our
+        rounds in flight, so that we rejoin with all of them at once); returns the step to continue from (steps
+        schedule: the donors').
         Must be called after the step's launches and applies, so the adopted round is never re-launched."""
-        engine = self.engine
+        engine, late = self.engine, self.late
+        self.late, self._checked_at = False, time.monotonic()
         records = self.swarm.live_peers() if joining else self.swarm.vouched_peers()
         expected = [engine.expected_round(p) for p in range(len(engine.states))]
         plans = plan_catch_up(records, self.swarm.peer_id, [st.last_applied for st in engine.states],

@@ -55,6 +55,7 @@ class RunCheckpoints:
         self._writing = False
         self._closed = False
         self._writer: Optional[threading.Thread] = None  # started by the first background save
+        self._last: Optional[tuple[float, int]] = None  # (when, rounds done) at the policy's last save
 
     def find(self, run_hash: str) -> None:
         """Reads the newest good checkpoint (kept for :meth:`restore`). Raises SetupError when it belongs to another
@@ -97,6 +98,23 @@ class RunCheckpoints:
                                                 daemon=True)
                 self._writer.start()
             self._lock.notify_all()
+
+    def save_if_due(self, step: int, *, rounds_done: int, applied: bool, **parts) -> bool:
+        """The checkpoint policy: saves (in the background, as :meth:`save`) when ``run.checkpoint_minutes`` have
+        passed, ``run.checkpoint_rounds`` more rounds are done (``rounds_done``; only once a round was
+        ``applied``), or a failed write is due again; returns whether it saved. Its clocks start at its first
+        call. Must be called from the training loop, between steps (``parts``: as :meth:`save`)."""
+        now, run = time.monotonic(), self.cfg.run
+        if self._last is None:
+            self._last = (now, rounds_done)
+        since, rounds_then = self._last
+        minutes, every = run.checkpoint_minutes, run.checkpoint_rounds
+        if not ((minutes and now - since >= 60 * minutes) or self.retry_due()
+                or (every and applied and rounds_done - rounds_then >= every)):
+            return False
+        self.save(step, **parts)  # (a failed write is tried again: retry_due)
+        self._last = (time.monotonic(), rounds_done)
+        return True
 
     def busy(self) -> bool:
         """Whether a checkpoint is waiting to be written or being written."""

@@ -106,7 +106,6 @@ class Trainer:
         self.pace = PaceWatch(schedule=cfg.outer.schedule)  # whether we keep the swarm's pace (said when not)
         self.checkpoints = RunCheckpoints(cfg, self.run_dir, self.events)
         self.engine: Optional[StreamingEngine] = None  # set in _train
-        self.found_late = False  # a round was late (launch_gate): catch up right after this step
         self.sync: StateSync  # our fragments' states against the swarm's: created in _train, with the engine
         self.auto_tau: Optional[AutoTau] = None
         self.status: Optional[StatusLine] = None
@@ -245,7 +244,9 @@ class Trainer:
         self.engine = engine
         self.sync = StateSync(self.swarm, engine, events=self.events, pace=self.pace, stop=self.stop.event,
                               sync_every=cfg.outer.sync_every, on_fragment=self.owner.note_fragment,
-                              show_status=self._show_status, owed_timeout=4 * cfg.swarm.progress_period + 2)
+                              show_status=self._show_status, owed_timeout=4 * cfg.swarm.progress_period + 2,
+                              drift_check_period=cfg.swarm.drift_check_period,
+                              recheck_after=cfg.swarm.progress_period / 4)
         self._floor = getattr(source, "entropy_floor", None)
         self.status = StatusLine(cfg.run.status_interval, label)
         parts = dict(model=model, inner=inner, source=source, engine=engine)
@@ -260,11 +261,9 @@ class Trainer:
         controls = self.owner.controls
         controls.enter(PeerState.TRAINING)
         self._last_step_at = time.monotonic()
-        last_drift_check = time.monotonic()
         t_start = time.monotonic()
         tokens_total, window_tokens, window_t0 = 0, 0, time.monotonic()
         tok_s, compute_seconds = 0.0, 0.0
-        last_ckpt_time, last_ckpt_rounds = time.monotonic(), self.ledger.done
         while not self.stop.event.is_set() and (cfg.run.max_steps == 0 or step < cfg.run.max_steps):
             if self.swarm.pass_ended or controls.finish_requested:
                 break
@@ -299,18 +298,10 @@ class Trainer:
             self.swarm.update_progress(step, engine.states[0].round, tok_s, self._loss)
             engine.launch_due(step)
             engine.apply_due(step)
-            # (a repair that waits for the holders' records is checked again a quarter heartbeat later: records are
-            # no fresher, and a check reads every record, ~10 ms with 256 peers and 8 fragments)
-            since, period = time.monotonic() - last_drift_check, cfg.swarm.drift_check_period
-            if self.found_late or (self.sync.recheck and since >= cfg.swarm.progress_period / 4) or \
-                    (period and since >= period):
-                step = self._catch_up(engine, step, joining=False, late=self.found_late)
-                self.found_late, last_drift_check = False, time.monotonic()
-            every, minutes = cfg.run.checkpoint_rounds, cfg.run.checkpoint_minutes
-            if (minutes and time.monotonic() - last_ckpt_time >= 60 * minutes) or self.checkpoints.retry_due() or \
-                    (every and engine.states[0].applied_rounds and self.ledger.done - last_ckpt_rounds >= every):
-                self.checkpoints.save(step, **parts)  # (a failed write is tried again: retry_due)
-                last_ckpt_time, last_ckpt_rounds = time.monotonic(), self.ledger.done
+            if self.sync.due():
+                step = self._catch_up(engine, step, joining=False)
+            self.checkpoints.save_if_due(step, rounds_done=self.ledger.done,
+                                         applied=bool(engine.states[0].applied_rounds), **parts)
             if self.status.due():
                 self._show_status()
             self.owner.rest(step_seconds, self._show_status)
@@ -458,7 +449,7 @@ class Trainer:
         """Acts on one applied (or missed) round (a late one: catch up; a partial one: our state is suspect), then
         the ledger counts and tells it."""
         if outcome.status == RoundStatus.BEHIND:  # the swarm is past it: take its state right after this step
-            self.found_late = True
+            self.sync.note_late()
         if outcome.status == RoundStatus.PARTIAL:  # a span we did not apply: our state of it is likely the odd one
             self.sync.suspect.add(frag.index)
         if outcome.status == RoundStatus.OFF_BASE:  # the group applied our part to its base: take its result
