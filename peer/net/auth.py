@@ -40,6 +40,7 @@ from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.auth import TokenAuthorizerBase
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
+from peer.net.hivemind_internals import request_and_record_checkers
 from peer.net.records import MAX_PASS_CHARS, PEER_ID, ProgressRecord
 
 PASS_PREFIX = "swarmloco-pass:"
@@ -295,8 +296,8 @@ async def revoke_in_dht(peer_ids: frozenset, dht, node) -> int:
     the revoked ones of every pass checker there (the authorizer's, which checks every DHT request and response,
     and the record validators'). The process got its checkers when it forked; without this a revoked pass
     still passed its DHT request checks until it expired. Returns how many checkers it updated."""
-    checkers = [getattr(node.protocol.authorizer, "_checker", None)]
-    checkers += [getattr(v, "checker", None) for v in getattr(node.protocol.record_validator, "_validators", ())]
+    authorizer, *validators = request_and_record_checkers(node)
+    checkers = [getattr(authorizer, "_checker", None)] + [getattr(v, "checker", None) for v in validators]
     found = {id(c): c for c in checkers if isinstance(c, PassChecker)}
     for checker in found.values():
         checker.revoked = checker.revoked | frozenset(peer_ids)

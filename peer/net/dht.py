@@ -40,10 +40,11 @@ _BOOTSTRAP_FAILED = "failed to connect to bootstrap peers"
 
 _PEER_FORMAT = "/ip4/HOST/tcp/PORT/p2p/PEER_ID"
 _HOST_FORMAT = "/ip4/HOST/tcp/PORT"
-# hivemind's P2P.create(force_reachability=...) picks p2pd flags from P2P.FORCE_REACHABILITY_MAPPING; two entries
-# of ours are added in the DHT process (_register_relay_modes). STATIC_RELAYS also turns relay discovery off: p2pd
-# then uses ``trusted_relays`` as libp2p's *static* relays and reserves at once. With discovery on (hivemind's only
-# other choice) libp2p's autorelay waits for 4 candidates or its 3-minute boot delay before its first reservation.
+# hivemind's P2P.create(force_reachability=...) picks p2pd flags by name; two names of ours are taught to it in
+# the DHT process (_register_relay_modes, through hivemind_internals). STATIC_RELAYS also turns relay discovery
+# off: p2pd then uses ``trusted_relays`` as libp2p's *static* relays and reserves at once. With discovery on
+# (hivemind's only other choice) libp2p's autorelay waits for 4 candidates or its 3-minute boot delay before its
+# first reservation.
 STATIC_RELAYS = "private, static relays"
 # RELAY_SERVICE: reachability public at start, so p2pd's configured relay service starts at once. p2pd also
 # registers libp2p's relay service with the *default* limits (128 KiB per relayed connection), racing with the
@@ -286,10 +287,10 @@ def relay_options(relay_via: Sequence[str], *, relay_service: bool, client_mode:
 def _register_relay_modes(dht_kwargs: Optional[dict] = None) -> None:
     """In the process that runs ``P2P.create``: teaches it :data:`STATIC_RELAYS` and :data:`RELAY_SERVICE`, and
     runs a relay's p2pd with GOMAXPROCS=1 (see :data:`RELAY_SERVICE`)."""
-    from hivemind.p2p import P2P
+    from peer.net.hivemind_internals import add_reachability_mode
 
     for name, flags in _RELAY_MODES.items():
-        P2P.FORCE_REACHABILITY_MAPPING.setdefault(name, dict(flags))
+        add_reachability_mode(name, flags)
     if (dht_kwargs or {}).get("force_reachability") == RELAY_SERVICE:
         os.environ["GOMAXPROCS"] = "1"  # (P2P.create hands p2pd a copy of this process's environment)
 
@@ -451,12 +452,14 @@ async def _reconnect(_dht, node, peers: dict[str, list[str]], timeout: float) ->
     from hivemind.p2p import PeerID
     from hivemind.utils.multiaddr import Multiaddr
 
+    from peer.net.hivemind_internals import connect
+
     table = node.protocol.routing_table
 
     async def ping(peer_id: PeerID, maddrs: list[str]) -> None:
         if maddrs:  # dial the known addresses first: after a long outage libp2p may have forgotten them
             with contextlib.suppress(Exception):
-                await node.p2p._client.connect(peer_id, [Multiaddr(m) for m in maddrs])
+                await connect(node.p2p, peer_id, [Multiaddr(m) for m in maddrs])
         await node.protocol.call_ping(peer_id)  # on an answer, each side adds the other to its table
 
     missing = {PeerID.from_base58(pid): maddrs for pid, maddrs in peers.items()}

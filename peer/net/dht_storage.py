@@ -24,6 +24,7 @@ from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
 from hivemind.utils import get_dht_time
 
 from peer.config.fields import MAX_RECORD_TTL
+from peer.net.hivemind_internals import use_dht_storage
 
 ENTRY_OVERHEAD = 64  # bytes counted per stored entry beyond its value and subkey (heap entry, dict slot)
 
@@ -113,6 +114,4 @@ class BoundedStorage(DHTLocalStorage):
 def install() -> None:
     """In the DHT process, before its node starts: hivemind's protocol creates its storage and cache from
     :class:`BoundedStorage` (it looks the class up in its module when the node starts)."""
-    import hivemind.dht.protocol as protocol
-
-    protocol.DHTLocalStorage = BoundedStorage
+    use_dht_storage(BoundedStorage)

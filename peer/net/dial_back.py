@@ -22,6 +22,7 @@ from typing import AsyncIterator, Optional, Sequence
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.utils.multiaddr import Multiaddr
 
+from peer.net.hivemind_internals import connect
 from peer.net.limits import StreamGuard, drain, single_request
 from peer.net.reachability import dial_failure
 from peer.proto import reachability_pb2 as pb
@@ -111,7 +112,7 @@ async def dial_fresh(peer_id: PeerID, maddrs: Sequence[str], timeout: float) -> 
     try:
         for text in maddrs:
             try:
-                await asyncio.wait_for(probe._client.connect(peer_id, [Multiaddr(text)]), timeout)
+                await asyncio.wait_for(connect(probe, peer_id, [Multiaddr(text)]), timeout)
                 return pb.DialBackReply(reachable=True, address=text, dialed=True)
             except asyncio.TimeoutError:
                 errors.append(f"{text}: no answer within {timeout:g} s")
@@ -144,7 +145,7 @@ async def ask_initial_peers(p2p: P2P, initial_peers: Sequence[str], maddrs: Sequ
         reply = None
         for attempt in range(ASKS_PER_NODE):
             try:
-                await asyncio.wait_for(p2p._client.connect(node, [maddr.decapsulate(f"/p2p/{node}")]), timeout)
+                await asyncio.wait_for(connect(p2p, node, [maddr.decapsulate(f"/p2p/{node}")]), timeout)
                 reply = await ask_dial_back(p2p, node, maddrs, timeout=MAX_ADDRESSES * timeout + 30)
                 break
             except Exception as e:  # (a node without the service, gone, or a connection that closed under us)

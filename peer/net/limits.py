@@ -24,6 +24,8 @@ from typing import AsyncIterator, Callable, Iterable, Iterator, Optional, TypeVa
 
 from hivemind.p2p import P2P
 
+from peer.net.hivemind_internals import set_frame_reader
+
 log = logging.getLogger(__name__)
 
 FRAME_OVERHEAD = 64 << 10  # protobuf headers, group ids, contributor lists: far below this
@@ -63,7 +65,7 @@ def cap_frame_size(limit: int) -> None:
     calling it again sets a new limit."""
     global _frame_limit
     _frame_limit = int(limit)
-    P2P.receive_raw_data = staticmethod(_bounded_receive_raw_data)
+    set_frame_reader(_bounded_receive_raw_data)
 
 
 UNRESOLVED = "(unresolved)"  # the host key of peers whose connection the daemon has not listed to us yet

@@ -18,6 +18,8 @@ def diagnose_initial_peers(initial_peers: Sequence[str], host_maddrs: Sequence[s
     from hivemind.p2p import P2P, PeerID
     from hivemind.utils.multiaddr import Multiaddr
 
+    from peer.net.hivemind_internals import connect
+
     # Listen like the peer would (all interfaces or the given ones) but on any port: the dial goes out from there.
     hosts = sorted({re.sub(r"/tcp/\d+", "/tcp/0", str(m)) for m in host_maddrs}) or ["/ip4/0.0.0.0/tcp/0"]
 
@@ -26,7 +28,7 @@ def diagnose_initial_peers(initial_peers: Sequence[str], host_maddrs: Sequence[s
         peer_id = PeerID.from_base58(maddr.value_for_protocol("p2p"))
         p2p = await P2P.create(host_maddrs=hosts, nat_port_map=False)
         try:
-            await asyncio.wait_for(p2p._client.connect(peer_id, [maddr.decapsulate(f"/p2p/{peer_id}")]), timeout)
+            await asyncio.wait_for(connect(p2p, peer_id, [maddr.decapsulate(f"/p2p/{peer_id}")]), timeout)
             return f"{text}: answers now (it was not reachable when tried)"
         except asyncio.TimeoutError:
             return f"{text}: no answer within {timeout:g} s (host down, or a firewall drops the packets)"
