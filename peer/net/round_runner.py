@@ -4,9 +4,10 @@ and run the butterfly all-reduce (:mod:`peer.net.allreduce`), with two levels wh
 
 The rules the round follows are not here: whom it waits for is :mod:`peer.net.attendance`'s call, when to
 keep looking or give up is :mod:`peer.net.consensus`'s, its deadlines are :mod:`peer.net.links`'s. This module
-composes them with the swarm's state (records, partners, links measured so far) for one round, and records
-what the round taught: who stayed away, who we met, what our links did. It runs on the ``swarm-net`` loop
-only; :meth:`~peer.net.swarm.Swarm.run_round` is its entry point from the training thread.
+composes them for one round from explicit inputs: what it reads of the swarm (:class:`SwarmView`, read-only), and
+hands back what the round taught as data (:class:`Lesson`: whom we met, who stayed away, offences, link samples),
+which the swarm applies in one place (``SwarmView.learn``). It runs on the ``swarm-net`` loop only;
+:meth:`~peer.net.swarm.Swarm.run_round` is its entry point from the training thread.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from typing import TYPE_CHECKING, Callable, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 import torch
 
 from peer.net.activity import RoundActivity, RoundStage
-from peer.net.agreement import quorum_count, quorum_size
+from peer.net.agreement import quorum_size
 from peer.net.allreduce import run_allreduce
 from peer.net.attendance import early_assembly
 from peer.net.consensus import laggards, nobody_coming, swarm_is_past
@@ -37,15 +39,73 @@ from peer.util import short_id
 if TYPE_CHECKING:
     from hivemind.averaging.group_info import GroupInfo
 
-    from peer.net.swarm import Swarm
+    from peer.config import SwarmConfig
+    from peer.net.attendance import Absent
+    from peer.net.records import ProgressRecord
 
 log = logging.getLogger(__name__)
 
 
-class RoundRunner:
-    """Runs one round of one fragment for ``swarm`` (which owns it and every state it reads and updates)."""
+@dataclass(frozen=True)
+class Lesson:
+    """What round ``here`` taught, for the swarm to apply. ``came``: the members of the group we met (None: none);
+    ``judge``: whether it tells who stayed away (a one-level round: the group, or that no group of ours assembled;
+    a level of bounded groups is a subset by design); ``offences``: (peer, offence, why); ``uplink``/``downlink``:
+    link samples of the all-reduce (``LinkMeter.observe``'s arguments)."""
 
-    def __init__(self, swarm: "Swarm", *, fragment: int, round_: int, inner_step: int, target_group_size: int,
+    here: tuple[int, int]
+    came: Optional[frozenset[str]] = None
+    judge: bool = False
+    offences: tuple[tuple[str, Offence, str], ...] = ()
+    uplink: Optional[tuple] = None
+    downlink: Optional[tuple] = None
+
+
+class SwarmView(Protocol):
+    """What a round reads of the swarm, and where it hands its lessons (:class:`~peer.net.swarm.Swarm`). The round
+    writes none of it: everything it learns goes through :meth:`learn`."""
+
+    @property
+    def cfg(self) -> "SwarmConfig": ...
+    @property
+    def peer_id(self) -> str: ...
+    @property
+    def client_mode(self) -> bool: ...
+    @property
+    def run_key(self) -> str: ...
+    @property
+    def codec(self) -> Any: ...
+    @property
+    def rule(self) -> Any: ...
+    @property
+    def policy(self) -> Any: ...
+    @property
+    def p2p(self) -> Any: ...
+    @property
+    def dht(self) -> Any: ...
+    @property
+    def servicer(self) -> Any: ...
+    @property
+    def guard(self) -> Any: ...
+    @property
+    def bandwidth(self) -> Any: ...
+
+    def live_peers(self) -> dict[str, "ProgressRecord"]: ...
+    def vouched_peers(self) -> dict[str, "ProgressRecord"]: ...
+    def refused(self, peer: object) -> bool: ...
+    def admitted(self, peer: str) -> bool: ...
+    def declared_uplink(self) -> float: ...
+    def vouched_speed(self, peer: str, now: float) -> Optional[float]: ...
+    def invited(self, here: tuple[int, int]) -> frozenset[str]: ...
+    def quorum_count(self, invited: frozenset[str]) -> int: ...
+    def learn(self, lesson: Lesson) -> list["Absent"]: ...
+
+
+class RoundRunner:
+    """Runs one round of one fragment with what ``swarm`` shows it. Its own state (``activity``: what it is doing,
+    for the status) has one writer, itself."""
+
+    def __init__(self, swarm: SwarmView, *, fragment: int, round_: int, inner_step: int, target_group_size: int,
                  sync_every: Optional[int]):
         """``sync_every``: the steps schedule's H (None on the clock schedule: no patience, no phase rules)."""
         self.swarm, self.cfg = swarm, swarm.cfg
@@ -56,13 +116,13 @@ class RoundRunner:
         self.t0 = time.monotonic()
         self.patience = self.cfg.matchmaking_patience if sync_every else 0.0
         self.levels: Optional[Levels] = plan_levels(target_group_size, self.cfg.group_cap)  # None: one group
+        self.activity = RoundActivity(fragment, round_, RoundStage.MATCHMAKING, self.t0 + self.cfg.matchmaking_timeout)
 
     async def run(self, delta: torch.Tensor, weight: float,
                   base: "concurrent.futures.Future[tuple[int, str]]") -> RoundOutcome:
         """The round's outcome; never raises. Must be called on the swarm's ``swarm-net`` loop; ``delta`` (fp32
         CPU) must not be modified until it returns; ``base``: see :meth:`peer.net.swarm.Swarm.run_round`."""
         out = RoundOutcome(self.fragment, self.round, RoundStatus.FAILED)
-        self._stage(RoundStage.MATCHMAKING, self.t0 + self.cfg.matchmaking_timeout)
         try:
             try:  # (tau = H: the previous round of the fragment is applied first)
                 base_round, out.base = await asyncio.wait_for(asyncio.wrap_future(base),
@@ -75,7 +135,7 @@ class RoundRunner:
             if group is None:
                 waited = time.monotonic() - self.t0
                 out.status, out.error = RoundStatus.NO_GROUP, f"no other peer came to this round within {waited:.0f} s"
-                self._learn_from_no_group(out)
+                self._learn(out, Lesson(self.here, judge=not self.levels))
                 return out
             await self._reduce(group, delta, weight, out)
             return out
@@ -83,7 +143,7 @@ class RoundRunner:
             out.status, out.error = RoundStatus(e.status), str(e)
             log.debug("%s: stopped looking for a group: %s", self.label, e)
             if out.status == RoundStatus.NO_GROUP:
-                self._learn_from_no_group(out)
+                self._learn(out, Lesson(self.here, judge=not self.levels))
             return out
         except GroupError as e:
             out.error = f"group rejected: {e}"
@@ -94,10 +154,9 @@ class RoundRunner:
             return out
         finally:
             out.seconds = time.monotonic() - self.t0
-            self.swarm.in_flight.pop(self.here, None)
 
     def _stage(self, stage: RoundStage, until: float, waiting_for: tuple[str, ...] = ()) -> None:
-        self.swarm.in_flight[self.here] = RoundActivity(self.fragment, self.round, stage, until, waiting_for)
+        self.activity = RoundActivity(self.fragment, self.round, stage, until, waiting_for)
 
     # ---- the search ----------------------------------------------------------------------------------------
     def _keep_waiting(self) -> bool:
@@ -122,16 +181,13 @@ class RoundRunner:
 
     def _expected(self) -> frozenset[str]:
         """Whom this round waits for (asked at each join request a leader receives: records change)."""
-        sw = self.swarm
-        return sw.attendance.expected(sw.live_peers(), sw.peer_id, sw.applied_rounds(), sw.roster.partnered,
-                                      here=self.here)
+        return self.swarm.invited(self.here)
 
     async def _find_group(self, delta: torch.Tensor, weight: float, base_round: int, base: str
                           ) -> Optional["GroupInfo"]:
         sw, levels = self.swarm, self.levels
         expected = self._expected()  # whom we invite as we start (a leader's invitation is renewed at each join)
-        count = quorum_count(sw.attendance.counted(expected, sw.peer_id, sw.roster.partnered), sw.live_peers(),
-                             sw.roster.partnered, sw.peer_id)
+        count = sw.quorum_count(expected)
         needed = self.cfg.min_group_size if levels else quorum_size(count, self.cfg.min_group_size)
         early: Callable[[], Optional[frozenset[str]]] = (
             (lambda: None) if levels else (lambda: early_assembly(self._expected(), sw.peer_id, needed)))
@@ -151,40 +207,28 @@ class RoundRunner:
             excluded=sw.refused, guard=sw.guard, expected=early)
 
     # ---- the group -----------------------------------------------------------------------------------------
-    def _learn_from(self, members: set[str], out: RoundOutcome) -> None:
-        """Who stayed away (one group of all: bounded groups are subsets by design) and whom we met."""
-        sw = self.swarm
-        if not self.levels:
-            out.absent = [(a.who, a.why) for a in sw.attendance.record(
-                here=self.here, live=sw.live_peers(), came=members, me=sw.peer_id, met=sw.roster.partnered)]
-            for who, why in out.absent:
-                log.info("%s: peer %s %s", self.label, who if who.startswith("(") else short_id(who), why)
-        sw.roster.met(members - {sw.peer_id})
-
-    def _learn_from_no_group(self, out: RoundOutcome) -> None:
-        """No group of ours assembled: the strangers this round waited for stayed away (Attendance.no_group)."""
-        sw = self.swarm
-        if not self.levels:
-            out.absent = [(a.who, a.why) for a in sw.attendance.no_group(
-                here=self.here, live=sw.live_peers(), me=sw.peer_id, met=sw.roster.partnered)]
-            for who, why in out.absent:
-                log.info("%s: %s %s", self.label, who, why)
+    def _learn(self, out: RoundOutcome, lesson: Lesson) -> None:
+        """Hands ``lesson`` to the swarm; who it says stayed away goes into the outcome and the log."""
+        out.absent = [(a.who, a.why) for a in self.swarm.learn(lesson)]
+        for who, why in out.absent:
+            log.info("%s: peer %s %s", self.label, who if who.startswith("(") else short_id(who), why)
 
     async def _reduce(self, group: "GroupInfo", delta: torch.Tensor, weight: float, out: RoundOutcome) -> None:
         sw = self.swarm
         out.group_size = len(group.peer_ids)
-        strangers = [str(p) for p in group.peer_ids if not sw.admission.admitted(str(p))]
+        strangers = [str(p) for p in group.peer_ids if not sw.admitted(str(p))]
         if strangers:  # (a leader with a pass that admitted a peer without one)
             raise GroupError(f"the group includes peer(s) without a valid pass: {[short_id(p) for p in strangers]}")
         now = time.monotonic()
-        caps = vouched_caps([sw.roster.speeds.vouched(str(p), now) for p in group.peer_ids], sw.rule)
+        caps = vouched_caps([sw.vouched_speed(str(p), now) for p in group.peer_ids], sw.rule)
         plan = GroupPlan.from_group(group, sw.p2p.peer_id, sw.codec, delta.numel(), self.label, sw.rule, caps,
                                     span_sizing=self.cfg.span_sizing)
         for who, why in plan.dropped:  # (every member drops the same ones: the round goes on without them)
             log.warning("%s: member %s left out of the group: %s", self.label, short_id(who), why)
-            sw.servicer.exclusions.report(who, Offence.BAD_INFO, f"{self.label}: {why}")
         # a dropped member neither came nor becomes a partner (partners count in every later quorum)
-        self._learn_from({str(pid) for pid in plan.peer_ids}, out)
+        self._learn(out, Lesson(self.here, came=frozenset(str(pid) for pid in plan.peer_ids), judge=not self.levels,
+                                offences=tuple((who, Offence.BAD_INFO, f"{self.label}: {why}")
+                                               for who, why in plan.dropped)))
         out.group_size = len(plan.peer_ids)
         verdict = plan.verdict
         if verdict is not None:
@@ -212,10 +256,8 @@ class RoundRunner:
                                      part_timeout=deadlines.part, allreduce_timeout=deadlines.allreduce,
                                      connect_timeout=self.cfg.request_timeout, chunk_bytes=self.cfg.chunk_bytes,
                                      lift=lift)
-        if result.uplink:
-            sw.uplink.observe(*result.uplink)
-        if result.downlink:
-            sw.downlink.observe(*result.downlink)
+        if result.uplink or result.downlink:
+            sw.learn(Lesson(self.here, uplink=result.uplink, downlink=result.downlink))
         out.spans, out.contributors, out.total_weight = result.spans, result.contributors, result.total_weight
         out.flagged = result.flagged
         out.bytes_sent, out.bytes_received = result.traffic.sent, result.traffic.received

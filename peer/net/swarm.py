@@ -27,7 +27,8 @@ from peer.net.allreduce import AllReduceServicer
 from peer.net.auth import Admission, RunAccess, encode_pass, identity_key, revocation_key, revoke_in_dht
 from peer.net.bandwidth import Bandwidth
 from peer.net.activity import RoundActivity, RoundStage
-from peer.net.attendance import Attendance
+from peer.net.agreement import quorum_count
+from peer.net.attendance import Absent, Attendance
 from peer.net.dial_back import DialBackServicer, nat_verdict
 from peer.net.consensus import live_count
 from peer.outer.aggregate import AggregationRule
@@ -40,7 +41,7 @@ from peer.net.limits import HostBook, StreamGuard, cap_frame_size, frame_limit_f
 from peer.outer.rounds import RoundOutcome
 from peer.net.progress import dht_security, progress_key
 from peer.net.roster import Roster
-from peer.net.round_runner import RoundRunner
+from peer.net.round_runner import Lesson, RoundRunner
 from peer.net.records import MAX_PAST, ProgressRecord
 from peer.net.state_transfer import DownloadError, Snapshot, StateServicer, download
 from peer.util import VERSION, Stopped, result_or_stop, short_id
@@ -123,8 +124,8 @@ class Swarm:
         self._reconnecting = False
         self._dht_revoked: frozenset[str] = frozenset()  # revocations our DHT process applies (auth.revoke_in_dht)
         self._initial_peers: dict[str, list[str]] = {}  # {peer id: its multiaddrs}, dialed by _reconnect
-        # rounds in flight, by (fragment, round): written by their RoundRunner on swarm-net, read by activity()
-        self.in_flight: dict[tuple[int, int], RoundActivity] = {}
+        # rounds in flight, by (fragment, round): added and removed by run_round on swarm-net, read by activity()
+        self._rounds: dict[tuple[int, int], RoundRunner] = {}
         self._past: dict[int, dict[int, str]] = {}  # fragment -> {round: digest} of our last snapshots (replaced whole)
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -433,7 +434,54 @@ class Swarm:
         """
         runner = RoundRunner(self, fragment=fragment, round_=round_, inner_step=inner_step,
                              target_group_size=target_group_size, sync_every=sync_every)
-        return asyncio.run_coroutine_threadsafe(runner.run(delta, weight, base), self._loop)
+
+        async def tracked() -> RoundOutcome:
+            self._rounds[runner.here] = runner
+            try:
+                return await runner.run(delta, weight, base)
+            finally:
+                self._rounds.pop(runner.here, None)
+
+        return asyncio.run_coroutine_threadsafe(tracked(), self._loop)
+
+    # ---- what rounds read, and what they taught (round_runner.SwarmView) ----------------------------------------
+    def admitted(self, peer: str) -> bool:
+        return self.admission.admitted(peer)
+
+    def vouched_speed(self, peer: str, now: float) -> Optional[float]:
+        return self.roster.speeds.vouched(peer, now)
+
+    def invited(self, here: tuple[int, int]) -> frozenset[str]:
+        """Whom round ``here`` waits for now (:meth:`Attendance.expected`, which remembers it as the invitation)."""
+        return self.attendance.expected(self.live_peers(), self.peer_id, self.applied_rounds(), self.roster.partnered,
+                                        here=here)
+
+    def quorum_count(self, invited: frozenset[str]) -> int:
+        """The count a round declares (agreement.quorum_count), of the peers it waits for (:meth:`invited`)."""
+        counted = self.attendance.counted(invited, self.peer_id, self.roster.partnered)
+        return quorum_count(counted, self.live_peers(), self.roster.partnered, self.peer_id)
+
+    def learn(self, lesson: Lesson) -> list[Absent]:
+        """Applies what a round taught (on swarm-net; the one place rounds change the swarm's state): who stayed
+        away (returned), whom we met, offences, link samples."""
+        absent: list[Absent] = []
+        if lesson.judge:
+            live = self.live_peers()
+            if lesson.came is None:
+                absent = self.attendance.no_group(here=lesson.here, live=live, me=self.peer_id,
+                                                  met=self.roster.partnered)
+            else:
+                absent = self.attendance.record(here=lesson.here, live=live, came=lesson.came, me=self.peer_id,
+                                                met=self.roster.partnered)
+        if lesson.came is not None:
+            self.roster.met(set(lesson.came) - {self.peer_id})
+        for who, offence, why in lesson.offences:
+            self.exclusions.report(who, offence, why)
+        if lesson.uplink:
+            self.uplink.observe(*lesson.uplink)
+        if lesson.downlink:
+            self.downlink.observe(*lesson.downlink)
+        return absent
 
     def declared_uplink(self) -> float:
         """Our uplink in bytes/s as we declare it to groups and in our record: measured, at most the owner's upload
@@ -442,5 +490,5 @@ class Swarm:
 
     def activity(self) -> list[RoundActivity]:
         """The rounds in flight, by fragment and round (a snapshot; cheap, never blocks)."""
-        return [a for _, a in sorted(dict(self.in_flight).items())]
+        return [runner.activity for _, runner in sorted(dict(self._rounds).items())]
 
