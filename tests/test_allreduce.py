@@ -17,7 +17,7 @@ from peer.config import MBIT
 from peer.net.allreduce import AllReduceServicer, run_allreduce
 from peer.net.bandwidth import BURST_S, Bandwidth
 from peer.net.credit import SendWindow
-from peer.net.limits import StreamGuard
+from peer.net.streams import StreamGuard
 from peer.net.group import PROTOCOL_VERSION, GroupError, GroupPlan, member_spans
 from peer.outer.aggregate import AggregationRule, Aggregator
 from peer.outer.codec import get_codec

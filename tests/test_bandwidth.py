@@ -14,7 +14,7 @@ from peer.config import ConfigError, MBIT, LimitsConfig
 from peer.control.limits import Limits
 from peer.net.bandwidth import BURST_S, MIN_RATE, Bandwidth, Pacer, cap_warnings, share
 from peer.net.credit import MIN_WINDOW, WINDOW_S, CreditError, SendWindow, window
-from peer.net.limits import StreamGuard
+from peer.net.streams import StreamGuard
 from peer.net.state_transfer import Snapshot, StateServicer, download
 from peer.outer.state import digest_of
 

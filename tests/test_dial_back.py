@@ -14,7 +14,7 @@ from hivemind.p2p import P2PContext
 
 from helpers import p2p_mesh, run_async
 from peer.net.dial_back import DialBackServicer, ask_dial_back, ask_initial_peers, dialable, not_dialable, tcp_ip
-from peer.net.limits import StreamGuard
+from peer.net.streams import StreamGuard
 from peer.proto import reachability_pb2 as pb
 from test_swarm import REPO, start_bootstrap
 

@@ -13,7 +13,7 @@ from helpers import p2p_mesh, run_async
 from peer.net.allreduce import AllReduceResult, AllReduceServicer, run_allreduce
 from peer.net.group import PROTOCOL_VERSION, GroupError, GroupPlan, slot_bounds, slot_spans
 from peer.net.levels import SlotLift, plan_levels, roster_sizes
-from peer.net.limits import StreamGuard
+from peer.net.streams import StreamGuard
 from peer.outer.aggregate import AggregationRule, Aggregator
 from peer.outer.codec import get_codec
 from peer.outer.rounds import Span
@@ -181,14 +181,14 @@ def test_the_roster_counts_the_groups_once_they_hold_every_live_peer_else_at_the
     """Two level-1 groups (3 and 2 peers) announce themselves: with 5 live peers both holders count 2 groups as
     soon as both entries are in; with 6 (one live peer in no group) they count 2 at the cutoff."""
     from helpers import dht_nodes
-    from peer.net.levels import Roster
+    from peer.net.levels import GroupCensus
 
     with dht_nodes(2, tmp_path) as dhts:
         async def count(live: int, prefix: str, cutoff: float):
-            rosters = [Roster(dhts[i], prefix, group_id=bytes([i]) * 8, size=size, live=live, cutoff=cutoff,
+            censuses = [GroupCensus(dhts[i], prefix, group_id=bytes([i]) * 8, size=size, live=live, cutoff=cutoff,
                               request_timeout=3.0, ttl=30.0, poll=0.2) for i, size in ((0, 3), (1, 2))]
             t0 = time.monotonic()
-            counts = await asyncio.gather(*[r.groups() for r in rosters])
+            counts = await asyncio.gather(*[r.groups() for r in censuses])
             return counts, time.monotonic() - t0
 
         counts, took = run_async(count(5, "run_f0_r1", cutoff=20.0))

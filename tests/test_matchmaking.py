@@ -8,7 +8,7 @@ from hivemind.averaging.key_manager import GroupKeyManager
 
 from helpers import dht_nodes, run_async
 from peer.net.group import PROTOCOL_VERSION
-from peer.net.limits import StreamGuard
+from peer.net.streams import StreamGuard
 from peer.net.matchmaking import GaveUp, form_group, round_prefix
 from peer.proto import allreduce_pb2 as pb
 

@@ -33,7 +33,7 @@ from peer.net.allreduce import AllReduceServicer
 from peer.net.reduction import SpanReduction
 from peer.net.auth import PassChecker, revocation_key
 from peer.net.group import PROTOCOL_VERSION, GroupPlan
-from peer.net.limits import StreamGuard
+from peer.net.streams import StreamGuard
 from peer.net.matchmaking import JoinServicer
 from peer.net.progress import make_validators, progress_key
 from peer.net.records import ProgressRecord

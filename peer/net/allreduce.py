@@ -32,7 +32,7 @@ from peer.net.bandwidth import Bandwidth
 from peer.net.credit import CreditError, SendWindow, window
 from peer.net.exclusion import Exclusions, Offence
 from peer.net.group import GroupPlan, valid_weight
-from peer.net.limits import StreamGuard, first_message
+from peer.net.streams import StreamGuard, first_message
 from peer.net.reduction import Lift, Pieces, SpanReduction, Traffic, decode_piece, encode_pieces
 from peer.net.span_checks import disagreeing, implausible
 from peer.outer.codec import CodecError
@@ -144,9 +144,7 @@ class AllReduceServicer(ServicerBase):
                                        f"{plan.label}: span {header.span_index}, weight {header.weight}")
                 yield pb.ReduceResponse(status=Status.REJECTED, error="wrong span index or invalid weight")
                 return
-            red.requesters.add(sender)
-            red.serving.add(sender)
-            red.idle.clear()
+            red.stream_opened(sender)
             # we grant credit on the part if we declared a download cap (peer/net/credit.py)
             grants = window(plan.infos[plan.my_index].download_bytes_per_second, 1) > 0
             part = torch.empty(red.length, dtype=torch.float32)
@@ -155,7 +153,7 @@ class AllReduceServicer(ServicerBase):
                 values = decode_piece(plan.parts, msg.piece, msg.offset, filled, red.length)
                 part[filled:filled + values.numel()] = values
                 filled += values.numel()
-                red.traffic.received += msg.ByteSize()
+                red.received(msg.ByteSize())
                 arrived += msg.ByteSize()
                 await self.bandwidth.download.take(msg.ByteSize())
                 if filled == red.length:
@@ -181,9 +179,7 @@ class AllReduceServicer(ServicerBase):
                                     part_seconds=time.monotonic() - opened, part_bytes=arrived)
         finally:
             if red is not None and sender is not None:
-                red.serving.discard(sender)
-                if not red.serving:
-                    red.idle.set()
+                red.stream_closed(sender)
 
     async def _send_average(self, red: SpanReduction, member: int, requests: AsyncIterator[pb.ReduceRequest],
                             deadline: float, timing: tuple[float, int]) -> AsyncIterator[pb.ReduceResponse]:

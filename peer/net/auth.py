@@ -8,7 +8,7 @@ An open run (``swarm.authority`` empty) admits anyone and says so at start. In a
   authority and names a peer id, the RSA key that id is the hash of (it signs transport, DHT requests, records)
   and an expiry, so no other peer can use it.
 - **Checked** at every DHT request and response (:class:`RunAuthorizer`), every progress record
-  (:func:`record_admitted`), every stream our handlers serve (``limits.StreamGuard`` asks :class:`Admission`),
+  (:func:`record_admitted`), every stream our handlers serve (``streams.StreamGuard`` asks :class:`Admission`),
   every group we average in and every state donor. Everything read from the wire is bounded and checked first.
 - **Revocations**: the authority's signed list, published by bootstrap nodes (:func:`revocation_key`,
   :class:`RevocationValidator`), applied by :class:`Admission` and in the DHT process (:func:`revoke_in_dht`).

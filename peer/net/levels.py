@@ -1,6 +1,6 @@
 """Two-level rounds: bounded groups whose results still leave every peer on the same shared parameters.
 
-Above ``swarm.group_cap`` live peers a round runs in two levels (:func:`plan_levels`; why, the :class:`Roster`,
+Above ``swarm.group_cap`` live peers a round runs in two levels (:func:`plan_levels`; why, the :class:`GroupCensus`,
 deadlines, failures and hostile input: docs/architecture.md, "Beyond one group"):
 
 1. *Level 1*: groups of at most ``group_cap``; every member declares ``slots = group_cap``, so the fragment is cut
@@ -33,7 +33,7 @@ from hivemind.utils import get_dht_time
 from peer.config import SwarmConfig
 from peer.net.allreduce import AllReduceResult, AllReduceServicer, run_allreduce
 from peer.net.group import MAX_GROUP_SIZE, GroupError, GroupPlan, slot_bounds
-from peer.net.limits import StreamGuard
+from peer.net.streams import StreamGuard
 from peer.net.matchmaking import form_group
 from peer.net.reduction import Lifted, LiftError, Pieces, encode_pieces
 from peer.outer.codec import get_codec
@@ -49,7 +49,7 @@ class Levels:
     """How a two-level round is cut, from the live count and ``group_cap``."""
 
     group_target: int  # level-1 group size to aim for: groups as even as the live count allows
-    groups: int  # level-1 groups expected (level 2 counts those that formed: Roster)
+    groups: int  # level-1 groups expected (level 2 counts those that formed: GroupCensus)
     slots: int  # slots of the fragment (= group_cap: a group never has more reducers than slots)
 
 
@@ -74,7 +74,7 @@ class SlotLift:
     :data:`~peer.net.reduction.Lift` for its :class:`~peer.net.reduction.SpanReduction`.
 
     ``deadline`` (time.monotonic) bounds everything: once ``groups()`` said how many level-1 groups to expect
-    (:class:`Roster`), matchmaking gets at most ``matchmaking_share`` of what is left, the level-2 all-reduce the
+    (:class:`GroupCensus`), matchmaking gets at most ``matchmaking_share`` of what is left, the level-2 all-reduce the
     rest. ``groups``, ``form`` and ``run`` do the networking (the swarm's DHT, matchmaking and all-reduce), so that
     tests can form the level-2 groups directly."""
 
@@ -154,7 +154,7 @@ def roster_sizes(found: Any, limit: int) -> list[int]:
     return [n for n in sizes if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_GROUP_SIZE][:limit]
 
 
-class Roster:
+class GroupCensus:
     """How many level-1 groups a two-level round has, as their reducers announce them (one DHT subkey per group,
     its size): level 2's matchmaking target. Groups form up to ``matchmaking_time`` apart, and a level-2 group
     assembled before a late group's holder came would leave that group out, so :meth:`groups` reads the roster
@@ -203,7 +203,7 @@ def swarm_lift(plan: GroupPlan, *, p2p: P2P, dht: DHT, servicer: AllReduceServic
                live: int, deadline: float, excluded: Callable[[str], bool], guard: StreamGuard,
                download_bytes_per_second: float) -> SlotLift:
     """The :class:`SlotLift` of a swarm's round: level-2 groups by matchmaking under ``{prefix}_s{slot}`` (target:
-    the groups of the :class:`Roster`, read for at most 40% of the time to ``deadline``; short of it, whoever
+    the groups of the :class:`GroupCensus`, read for at most 40% of the time to ``deadline``; short of it, whoever
     came within three quarters of the time left, at least ``cfg.matchmaking_time``; alone, the slot holds our
     group's average), the all-reduce on the swarm's servicer with the round's timeouts, within ``deadline``.
     ``live``: the live peers the round was launched with. Must run in the event loop that owns ``p2p``."""
@@ -211,7 +211,7 @@ def swarm_lift(plan: GroupPlan, *, p2p: P2P, dht: DHT, servicer: AllReduceServic
     # Groups whose members came late form late: wait for the roster up to 40% of the round's time (at least
     # matchmaking_time); the slots' all-reduces need only a few seconds of what is left.
     cutoff = max(cfg.matchmaking_time, 0.4 * time_left(deadline))
-    roster = Roster(dht, prefix, group_id=plan.group_id, size=len(plan.peer_ids), live=live, cutoff=cutoff,
+    census = GroupCensus(dht, prefix, group_id=plan.group_id, size=len(plan.peer_ids), live=live, cutoff=cutoff,
                     request_timeout=cfg.request_timeout, ttl=cfg.allreduce_timeout, expected=expected)
 
     async def form(slot: int, gather: bytes, seconds: float, groups: int) -> Optional[GroupInfo]:
@@ -228,4 +228,4 @@ def swarm_lift(plan: GroupPlan, *, p2p: P2P, dht: DHT, servicer: AllReduceServic
                                    chunk_bytes=cfg.chunk_bytes)
 
     return SlotLift(plan, form=form, run=run, deadline=deadline, chunk_elems=max(1, cfg.chunk_bytes // 4),
-                    groups=roster.groups, download_bytes_per_second=download_bytes_per_second)
+                    groups=census.groups, download_bytes_per_second=download_bytes_per_second)

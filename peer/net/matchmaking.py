@@ -26,7 +26,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.timed_storage import MAX_DHT_TIME_DISCREPANCY_SECONDS
 
 from peer.net.group import member_info
-from peer.net.limits import StreamGuard, drain, single_request
+from peer.net.streams import StreamGuard, drain, single_request
 from peer.proto import allreduce_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ class JoinServicer(ServicerBase):
     """Forwards join requests of one round to that round's Matchmaking instance, except those of peers
     ``excluded`` says this peer no longer works with (see :mod:`peer.net.exclusion`), within the bounds of
     ``guard`` (streams per remote peer; the request within ``request_timeout``, the whole exchange within
-    ``stream_timeout``: see :mod:`peer.net.limits`)."""
+    ``stream_timeout``: see :mod:`peer.net.streams`)."""
 
     def __init__(self, matchmaking: _Matchmaking, *, guard: StreamGuard, request_timeout: float,
                  stream_timeout: float, excluded: Callable[[str], bool] = lambda peer: False):
@@ -226,7 +226,7 @@ async def form_group(p2p: P2P, dht: DHT, *, prefix: str, gather: bytes, target_g
     asked every ``poll`` s while no group has formed; a :class:`GaveUp` from ``give_up`` (e.g. the swarm
     already applied this round, so no one will come) ends the search: it is raised. Peers for which
     ``excluded`` is true are neither followed as leaders nor accepted as followers. ``guard``: this peer's
-    bound on streams per remote peer (see :mod:`peer.net.limits`). ``expected()``, asked at each join request
+    bound on streams per remote peer (see :mod:`peer.net.streams`). ``expected()``, asked at each join request
     (peer ids, ours included, or None; see :func:`peer.net.attendance.early_assembly`): as a leader, assemble as
     soon as all of them joined, within the cap of ``target_group_size``.
     Must run in the event loop that owns ``p2p``.

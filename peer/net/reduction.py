@@ -74,7 +74,9 @@ def decode_piece(codec: Codec, piece, offset: int, filled: int, length: int) -> 
 
 
 class SpanReduction:
-    """Reducer-side state of one group: collects members' parts of our span, combines them once."""
+    """Reducer-side state of one group: collects members' parts of our span, combines them once. Changed only
+    through its methods (the servicer's streams call :meth:`stream_opened`, :meth:`received`, :meth:`add`,
+    :meth:`give_up_on` and :meth:`stream_closed`), on the event loop that serves them."""
 
     def __init__(self, plan: GroupPlan, part_timeout: float, chunk_elems: int,
                  exclusions: Optional[Exclusions] = None, lift: Optional[Lift] = None):
@@ -107,6 +109,22 @@ class SpanReduction:
             return 0
         remote = self.requesters - {self.plan.my_index}
         return len(remote) * sum(r.ByteSize() for r in self.result.result())
+
+    def stream_opened(self, index: int) -> None:
+        """Member ``index`` opened its stream to us: it will ask for our average; we are not idle until it closes."""
+        self.requesters.add(index)
+        self.serving.add(index)
+        self.idle.clear()
+
+    def received(self, nbytes: int) -> None:
+        """``nbytes`` of a member's part arrived."""
+        self.traffic.received += nbytes
+
+    def stream_closed(self, index: int) -> None:
+        """Member ``index``'s stream ended (whatever the outcome)."""
+        self.serving.discard(index)
+        if not self.serving:
+            self.idle.set()
 
     def add(self, index: int, weight: float, part: torch.Tensor) -> bool:
         """Adds a member's complete, decoded part; False if it came too late or twice."""

@@ -24,7 +24,7 @@ import torch
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 
 from peer.net.bandwidth import Pacer, share, stream_pacer
-from peer.net.limits import StreamGuard, drain, single_request
+from peer.net.streams import StreamGuard, drain, single_request
 from peer.outer.state import DIGEST_BLOCK, block_digests, digest_of_blocks
 from peer.proto import state_pb2 as pb
 from peer.util import next_by, short_id, time_left

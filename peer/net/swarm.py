@@ -37,7 +37,7 @@ from peer.config import SwarmConfig
 from peer.net.dht import create_dht, peers_of, reconnect
 from peer.net.exclusion import Exclusions
 from peer.net.links import DeadlinePolicy, LinkMeter, slow_donors_last, state_deadline
-from peer.net.limits import HostBook, StreamGuard, cap_frame_size, frame_limit_for
+from peer.net.streams import HostBook, StreamGuard, cap_frame_size, frame_limit_for
 from peer.outer.rounds import RoundOutcome
 from peer.net.progress import dht_security, progress_key
 from peer.net.roster import Roster
