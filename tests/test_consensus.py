@@ -229,3 +229,13 @@ def test_a_peer_in_client_mode_counts_for_the_swarms_state_but_is_no_donor():
     assert [p.round for p in plans] == [5, 5]
     assert all(p.donors == ["a"] for p in plans)
     assert swarm_state(view(rec("me", 60), natted), "me", 0) == (5, "d", [])
+
+
+def test_a_donors_step_is_believed_only_as_far_as_the_schedule_allows():
+    """Its donor applied round r of fragment p at most H steps after the round's sync step (H = 20, 2 fragments:
+    fragment 1 syncs at 10 + 20 r)."""
+    from peer.net.consensus import plausible_donor_step
+
+    assert plausible_donor_step(95, 1, 4, 2, 20) == 95  # launched at 90, applied 5 steps later
+    assert plausible_donor_step(10**9, 1, 4, 2, 20) == 110  # a claim past the round's window
+    assert plausible_donor_step(-5, 0, 0, 2, 20) == 0

@@ -65,6 +65,23 @@ def test_download_switches_donor_when_one_dies_or_lies():
     assert torch.equal(got.G, good.G) and torch.equal(got.v, good.v)
 
 
+def test_a_donor_that_names_another_round_is_refused_whatever_its_digest(monkeypatch):
+    """The state's digest does not say which round it is: a donor serving the right state under another round (or
+    a far step) would move the joiner's round counter. The header must name the round asked for."""
+    serve = StateServicer._serve
+
+    async def other_round(self, request, pacer):
+        async for msg in serve(self, request, pacer):
+            if msg.digest:
+                msg.round, msg.step = msg.round + 1000, 10**9
+            yield msg
+
+    assert run_async(_scenario(1000, ["good"]))[1].round == 9  # (the same donor, honest)
+    monkeypatch.setattr(StateServicer, "_serve", other_round)
+    with pytest.raises(DownloadError, match="no donor delivered a verified state"):
+        run_async(_scenario(1000, ["good"]))
+
+
 def test_download_fails_cleanly_without_an_honest_donor():
     with pytest.raises(DownloadError, match="no donor delivered"):
         run_async(_scenario(1000, ["dying", "lying"]))

@@ -327,6 +327,13 @@ def _latest_covered(records: Mapping[str, ProgressRecord], me: str, fragment: in
     return latest, history[latest], {}
 
 
+def plausible_donor_step(step: int, fragment: int, round_: int, num_fragments: int, H: int) -> int:
+    """A snapshot's step as the steps schedule allows it (the donor says it; nothing else does): its donor applied
+    round ``round_`` of ``fragment`` at most ``H`` steps after that round's sync step. A larger claim would move us
+    far ahead (a hostile donor's step 10^9 ended a peer's run at once)."""
+    return max(0, min(step, sync_step(fragment, round_, num_fragments, H) + H))
+
+
 def step_after_catch_up(step: int, donor_steps: Sequence[int], records: Mapping[str, ProgressRecord], me: str,
                         H: int) -> int:
     """The step to continue from after downloading fragments from donors whose snapshots were taken at

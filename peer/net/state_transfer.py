@@ -157,6 +157,7 @@ class _Assembly:
     G: torch.Tensor
     v: torch.Tensor
     parts: list[tuple[int, int]]  # [start, end) element ranges still wanted (block-aligned)
+    want_round: int  # the round asked for: a header that names another is refused
     blocks: Optional[list[bytes]] = None  # trusted once their hash is the digest
     round: int = 0
     step: int = 0
@@ -165,9 +166,9 @@ class _Assembly:
 
     def check_header(self, msg: pb.StateChunk) -> None:
         """Checks an answer's header against the digest wanted; the first good one sets the block digests."""
-        if msg.numel != self.numel or msg.digest != self.digest:
-            raise DownloadError(f"donor offers numel {msg.numel} digest {msg.digest[:12]}, "
-                                f"want {self.numel} {self.digest[:12]}")
+        if msg.numel != self.numel or msg.digest != self.digest or msg.round != self.want_round:
+            raise DownloadError(f"donor offers round {msg.round} numel {msg.numel} digest {msg.digest[:12]}, "
+                                f"want {self.want_round} {self.numel} {self.digest[:12]}")
         if self.blocks is None:
             blocks = list(msg.blocks)
             if (len(blocks) != math.ceil(self.numel / DIGEST_BLOCK) or any(len(b) != 16 for b in blocks)
@@ -236,7 +237,8 @@ async def download(p2p: P2P, donors: Sequence[PeerID], fragment: int, *, round_:
     Raises :class:`DownloadError` when the donors run out before every part is in."""
     pacer = pacer or Pacer(lambda: 0.0)
     width = max(1, min(parallel, len(donors)))
-    got = _Assembly(numel, digest, torch.empty(numel), torch.empty(numel), _parts(numel, PARTS_PER_DONOR * width))
+    got = _Assembly(numel, digest, torch.empty(numel), torch.empty(numel), _parts(numel, PARTS_PER_DONOR * width),
+                    want_round=round_)
     total = len(got.parts)
     waiting = list(donors)  # donors not yet used
     errors: list[str] = []

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from peer.net.consensus import CatchUp, plan_catch_up, plan_owed, step_after_catch_up
+from peer.net.consensus import CatchUp, plan_catch_up, plan_owed, plausible_donor_step, step_after_catch_up
 from peer.net.state_transfer import DownloadError, Snapshot
 from peer.net.swarm import Swarm
 from peer.outer.engine import StreamingEngine
@@ -156,7 +156,8 @@ class StateSync:
             engine.adopt(plan.fragment, snap.G, snap.v, snap.round)
             self.suspect.discard(plan.fragment)
             self.owed.pop(plan.fragment, None)
-            donor_steps.append(snap.step)
+            donor_steps.append(plausible_donor_step(snap.step, plan.fragment, snap.round, len(engine.states),
+                                                    self.sync_every))
             self.publish(frag, engine.states[plan.fragment], snap.step, adopted=True)
             log.info("fragment %d: caught up to round %d (digest %s) in %.1fs; %s", plan.fragment, snap.round,
                      snap.digest[:12], time.monotonic() - t0, plan.reason)
