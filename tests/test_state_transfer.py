@@ -38,7 +38,7 @@ async def _enumerate(aiter):
         i += 1
 
 
-async def _scenario(numel, donors_kind):
+async def _scenario(numel, donors_kind, on_lie=None):
     torch.manual_seed(0)
     G, v = torch.randn(numel), torch.randn(numel)
     good = Snapshot(0, 9, 90, G, v, digest_of(G, v))
@@ -53,16 +53,20 @@ async def _scenario(numel, donors_kind):
             await servicer.add_p2p_handlers(p)
         return good, await download(p2ps[0], [p.peer_id for p in p2ps[1:]], 0, round_=9, numel=numel,
                                     digest=good.digest,
-                                    timeout_per_donor=10, max_chunk_elems=100)
+                                    timeout_per_donor=10, max_chunk_elems=100, on_lie=on_lie)
     finally:
         for p in p2ps:
             await p.shutdown()
 
 
 def test_download_switches_donor_when_one_dies_or_lies():
-    good, got = run_async(_scenario(1000, ["dying", "lying", "good"]))
+    """The dying donor's part goes to the next; the lying one (values that do not match its block digests) is
+    named, once per part it lied in, as an offence (the network's failures are not)."""
+    lies = []
+    good, got = run_async(_scenario(1000, ["dying", "lying", "good"], on_lie=lambda who, why: lies.append(why)))
     assert got.round == 9 and got.step == 90 and got.digest == good.digest
     assert torch.equal(got.G, good.G) and torch.equal(got.v, good.v)
+    assert lies and all("do not match their block digests" in why for why in lies), lies
 
 
 def test_a_donor_that_names_another_round_is_refused_whatever_its_digest(monkeypatch):
@@ -78,8 +82,10 @@ def test_a_donor_that_names_another_round_is_refused_whatever_its_digest(monkeyp
 
     assert run_async(_scenario(1000, ["good"]))[1].round == 9  # (the same donor, honest)
     monkeypatch.setattr(StateServicer, "_serve", other_round)
+    lies = []
     with pytest.raises(DownloadError, match="no donor delivered a verified state"):
-        run_async(_scenario(1000, ["good"]))
+        run_async(_scenario(1000, ["good"], on_lie=lambda who, why: lies.append(why)))
+    assert lies and "as round 1009, want 9" in lies[0], lies
 
 
 def test_download_fails_cleanly_without_an_honest_donor():

@@ -32,6 +32,7 @@ class Offence(enum.StrEnum):
     CLIPPED = "clipped"  # a part the robust rule cut to less than OFFENCE_CLIP of its distance from the center
     BAD_AVERAGE = "bad_average"  # a reducer's result that failed our checks (metadata, decoding, size, direction)
     BAD_INFO = "bad_info"  # a member info the group plan left out (unparsable, another protocol or size, malformed)
+    BAD_STATE = "bad_state"  # a state download's part that no honest donor sends (state_transfer.DonorLied)
 
 
 @dataclass

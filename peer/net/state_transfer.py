@@ -37,6 +37,12 @@ class DownloadError(RuntimeError):
     """No donor delivered a verified state."""
 
 
+class DonorLied(DownloadError):
+    """A donor sent what no honest one sends: values that do not match the block digests it sent, non-finite
+    values, block digests that do not make the digest, a malformed chunk, or the wanted state under another
+    round. (A donor that is busy, gone, slow, or holds another state is not lying.)"""
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """A fragment's shared outer state after ``round`` rounds (tensors are never modified)."""
@@ -166,14 +172,16 @@ class _Assembly:
 
     def check_header(self, msg: pb.StateChunk) -> None:
         """Checks an answer's header against the digest wanted; the first good one sets the block digests."""
-        if msg.numel != self.numel or msg.digest != self.digest or msg.round != self.want_round:
-            raise DownloadError(f"donor offers round {msg.round} numel {msg.numel} digest {msg.digest[:12]}, "
-                                f"want {self.want_round} {self.numel} {self.digest[:12]}")
+        if msg.numel != self.numel or msg.digest != self.digest:
+            raise DownloadError(f"donor offers numel {msg.numel} digest {msg.digest[:12]}, "
+                                f"want {self.numel} {self.digest[:12]}")
+        if msg.round != self.want_round:
+            raise DonorLied(f"donor offers the wanted state as round {msg.round}, want {self.want_round}")
         if self.blocks is None:
             blocks = list(msg.blocks)
             if (len(blocks) != math.ceil(self.numel / DIGEST_BLOCK) or any(len(b) != 16 for b in blocks)
                     or digest_of_blocks(blocks) != self.digest):
-                raise DownloadError("donor's block digests do not make the digest")
+                raise DonorLied("donor's block digests do not make the digest")
             self.blocks, self.round, self.step = blocks, int(msg.round), int(msg.step)
 
     def verify(self, start: int, end: int) -> None:
@@ -181,9 +189,9 @@ class _Assembly:
         assert self.blocks is not None
         G, v = self.G[start:end], self.v[start:end]
         if not (bool(torch.isfinite(G).all()) and bool(torch.isfinite(v).all())):
-            raise DownloadError(f"non-finite values in [{start}, {end})")
+            raise DonorLied(f"non-finite values in [{start}, {end})")
         if block_digests(G, v) != self.blocks[start // DIGEST_BLOCK:math.ceil(end / DIGEST_BLOCK)]:
-            raise DownloadError(f"elements [{start}, {end}) do not match their block digests")
+            raise DonorLied(f"elements [{start}, {end}) do not match their block digests")
 
 
 async def _fetch(p2p: P2P, donor: PeerID, fragment: int, round_: int, part: tuple[int, int], got: _Assembly,
@@ -205,7 +213,7 @@ async def _fetch(p2p: P2P, donor: PeerID, fragment: int, round_: int, part: tupl
             n = len(msg.g) // 4
             if (msg.fragment != fragment or msg.offset != filled or n == 0 or n > max_chunk_elems
                     or len(msg.g) != 4 * n or len(msg.v) != 4 * n or filled + n > end):
-                raise DownloadError(f"malformed chunk at offset {msg.offset} ({len(msg.g)} bytes)")
+                raise DonorLied(f"malformed chunk at offset {msg.offset} ({len(msg.g)} bytes)")
             got.G[filled:filled + n] = torch.from_numpy(np.frombuffer(msg.g, dtype="<f4").astype(np.float32))
             got.v[filled:filled + n] = torch.from_numpy(np.frombuffer(msg.v, dtype="<f4").astype(np.float32))
             filled += n
@@ -227,13 +235,15 @@ def _parts(numel: int, pieces: int) -> list[tuple[int, int]]:
 async def download(p2p: P2P, donors: Sequence[PeerID], fragment: int, *, round_: int, numel: int, digest: str,
                    timeout_per_donor: Union[float, Mapping[PeerID, float]], max_chunk_elems: int,
                    pacer: Optional[Pacer] = None, parallel: int = 3,
-                   on_sample: Optional[Callable[[int, float], None]] = None) -> Snapshot:
+                   on_sample: Optional[Callable[[int, float], None]] = None,
+                   on_lie: Optional[Callable[[str, str], object]] = None) -> Snapshot:
     """Downloads round ``round_`` of fragment ``fragment`` (``numel`` elements, ``digest``) from up to
     ``parallel`` of ``donors`` at once, part by part, each part verified; a donor that fails a part (dead, slow,
     busy, lying) is dropped and its part goes to the next. Each donor in use gets ``timeout_per_donor`` seconds
     for its parts (a mapping: per donor, e.g. from its declared uplink, peer/net/links.py). ``pacer``: the
     owner's download cap (the donors in use are each declared a share of it). ``on_sample(bytes, seconds)``: what
     came in how long, also when the download fails (the next one's deadlines can then fit the link).
+    ``on_lie(donor, why)``: a donor sent what no honest one sends (:class:`DonorLied`).
     Raises :class:`DownloadError` when the donors run out before every part is in."""
     pacer = pacer or Pacer(lambda: 0.0)
     width = max(1, min(parallel, len(donors)))
@@ -265,6 +275,8 @@ async def download(p2p: P2P, donors: Sequence[PeerID], fragment: int, *, round_:
                 log.warning("state download of fragment %d from %s failed: %s: %s", fragment, short_id(donor),
                             type(e).__name__, e)
                 errors.append(f"{short_id(donor)}: {type(e).__name__}")
+                if isinstance(e, DonorLied) and on_lie is not None:
+                    on_lie(str(donor), str(e))
                 if waiting:  # a fresh donor takes this one's place
                     spawn(waiting.pop(0))
                 return

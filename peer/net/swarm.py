@@ -35,7 +35,7 @@ from peer.outer.aggregate import AggregationRule
 from peer.outer.codec import codec_key, get_codec
 from peer.config import SwarmConfig
 from peer.net.dht import create_dht, peers_of, reconnect
-from peer.net.exclusion import Exclusions
+from peer.net.exclusion import Exclusions, Offence
 from peer.net.links import DeadlinePolicy, LinkMeter, slow_donors_last, state_deadline
 from peer.net.streams import HostBook, StreamGuard, cap_frame_size, frame_limit_for
 from peer.outer.rounds import RoundOutcome
@@ -406,7 +406,9 @@ class Swarm:
         timeouts = {pid: state_deadline(numel, width, uplinks[pid], self.policy, downlink) for pid in ids}
         coro = download(self.p2p, ids, fragment, round_=round_, numel=numel, digest=digest,
                         timeout_per_donor=timeouts, max_chunk_elems=max(1, self.cfg.chunk_bytes // 4),
-                        pacer=self.bandwidth.download, parallel=self.cfg.state_donors, on_sample=self.downlink.observe)
+                        pacer=self.bandwidth.download, parallel=self.cfg.state_donors, on_sample=self.downlink.observe,
+                        on_lie=lambda who, why: self.exclusions.report(who, Offence.BAD_STATE,
+                                                                       f"fragment {fragment}: {why}"))
         # (donors run side by side, a failed one's part goes to the next: at worst one after the other)
         total = sum(timeouts.values()) + 5
         try:
