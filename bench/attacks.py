@@ -12,7 +12,7 @@ synthetic Markov corpus, ``--quick`` length: 6 rounds of H = 16) in the simulato
 outer gradient it sends (and the weight it declares) every round. The transport plays the honest reducers:
 the rule combines the parts (``mean``, or ``clipped``, the swarm's default: peer/outer/aggregate.py),
 non-finite parts are refused, and with ``clipped`` a replica with 3 offences (refused parts, parts the rule
-cut to less than a tenth) is excluded, as the swarm's peers do (peer/net/exclusion.py). The whole vector is one
+cut to less than a tenth) is excluded, as the swarm's peers do (peer/net/trust/exclusion.py). The whole vector is one
 span here (the swarm cuts it into one span per reducer).
 
 Not here (they need the swarm's processes): a lying reducer, a member that breaks every round, forged

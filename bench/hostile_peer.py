@@ -38,7 +38,7 @@ SYBILS = 6
 
 
 def lying_reducer() -> None:
-    from peer.net import allreduce
+    from peer.net.round import allreduce
 
     honest = allreduce.SpanReduction._combine
 
@@ -50,7 +50,7 @@ def lying_reducer() -> None:
 
 
 def round_breaker() -> None:
-    from peer.net import allreduce
+    from peer.net.round import allreduce
 
     send = allreduce._remote_span
 
@@ -122,7 +122,7 @@ def sybil_majority() -> None:
     records are self-certifying), each record signed with its own key."""
     from hivemind.utils.crypto import RSAPrivateKey
 
-    from peer.net.auth import peer_id_of
+    from peer.net.trust.auth import peer_id_of
 
     _forge_published_state()
     keys = [RSAPrivateKey() for _ in range(SYBILS)]
@@ -136,7 +136,7 @@ def sybil_majority() -> None:
 def shadowing() -> None:
     """Issue 28's shadowing: the forged state and a far step, published in records under the honest peers' own
     ids (signed with this peer's key: nothing else can sign them)."""
-    from peer.net import progress
+    from peer.net.trust import progress
 
     _forge_published_state()
     seen: set[str] = set()

@@ -7,7 +7,8 @@ caller in host 1, and hosts 2 and 3 behind home routers of their own (iptables m
 replies). The *target* in host 2 makes itself dialable through the relay; then the callers in hosts 1 and 3
 (host 3 is NAT'd too) call it by peer id only: a 1 MiB unary call and a 3 MiB stream of 48 messages, each echoed.
 Printed per scenario: when the target had a ``/p2p-circuit`` address, each call's outcome and the connection it
-went over. The options come from ``peer.net.dht.relay_options`` (what ``--relay-via`` / ``--relay-service`` do):
+went over. The options come from ``peer.net.plumbing.dht.relay_options`` (what ``--relay-via`` / ``--relay-service``
+do):
 
 - ``works``: the relay with ``relay_service`` (reachability forced public), the target with ``relay_via``
   (static relays, reachability forced private), public-looking lab addresses: all four calls go through.
@@ -62,7 +63,7 @@ async def node(spec: dict) -> None:
     from hivemind.p2p import P2P, P2PContext, PeerID
     from hivemind.proto import runtime_pb2
 
-    from peer.net.dht import _register_relay_modes, relay_options
+    from peer.net.plumbing.dht import _register_relay_modes, relay_options
 
     kwargs: dict = dict(host_maddrs=[spec["host"]], initial_peers=spec.get("initial") or None, nat_port_map=False,
                         check_if_identity_free=False)

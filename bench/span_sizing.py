@@ -1,5 +1,5 @@
 """One all-reduce with a slow uplink in the group: equal spans against spans that follow the declared links
-(``swarm.span_sizing``, peer/net/group.py ``link_shares``), side by side in one run.
+(``swarm.span_sizing``, peer/net/round/group.py ``link_shares``), side by side in one run.
 
     .venv/bin/python bench/span_sizing.py [--members 4] [--fast-mbit 50] [--slow-mbit 1] [--numel 250000] [--reps 3]
 

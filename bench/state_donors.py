@@ -43,7 +43,7 @@ async def serve(addr: str, elements: int) -> None:
     """A donor: serves the seeded state at ``addr`` until stdin closes; prints its multiaddr first."""
     from hivemind.p2p import P2P
 
-    from peer.net.streams import StreamGuard
+    from peer.net.flow.streams import StreamGuard
     from peer.net.state_transfer import Snapshot, StateServicer
     from peer.outer.state import digest_of
 

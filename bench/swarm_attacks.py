@@ -15,7 +15,7 @@ their last 40 steps) and its change against the clean run, the honest peers' rou
 ok, how many honest peers excluded the attacker and at which of their rounds the first did, how many
 honest peers caught up from a forged state (a ``catch_up`` event whose digest no honest peer ever held),
 how many forged things the attacker did (its ``HOSTILE:`` lines), the honest peers' run time, their rounds'
-matchmaking time, and how many ``peer_absent`` events they logged (peer/net/attendance.py).
+matchmaking time, and how many ``peer_absent`` events they logged (peer/net/view/attendance.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Uneven and changing links: fixed deadlines against measured ones (peer/net/links.py), and equal spans against
-spans that follow the links (peer/net/group.py), in one invocation.
+"""Uneven and changing links: fixed deadlines against measured ones (peer/net/flow/links.py), and equal spans against
+spans that follow the links (peer/net/round/group.py), in one invocation.
 
     sudo .venv/bin/python bench/uneven_links.py [--peers 4] [--fast-mbit 50] [--slow-mbit 1] [--slowdown-at 100]
                                                 [--seconds 240] [--part-timeout 2] [--duty-cycle 20]

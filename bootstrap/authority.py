@@ -1,4 +1,4 @@
-"""``swarm-bootstrap authority``: an operator's run authority (peer/net/auth.py has the mechanism).
+"""``swarm-bootstrap authority``: an operator's run authority (peer/net/trust/auth.py has the mechanism).
 
     swarm-bootstrap authority init DIR                  # a new authority: DIR/authority.key (secret), .pub
     swarm-bootstrap authority issue DIR REQUEST [--days N]   # prints a pass for a volunteer's request line
@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def load_authority(directory: str | Path):
     """The authority's private key from ``DIR/authority.key``. Raises AuthorityError."""
-    from peer.net.auth import private_key_from_der
+    from peer.net.trust.auth import private_key_from_der
 
     path = Path(directory) / KEY
     try:
@@ -69,7 +69,7 @@ def revoked_ids(directory: str | Path) -> list[str]:
 def _init(directory: Path) -> None:
     from hivemind.utils.crypto import RSAPrivateKey
 
-    from peer.net.auth import fingerprint, write_private
+    from peer.net.trust.auth import fingerprint, write_private
 
     if (directory / KEY).exists():
         raise AuthorityError(f"{directory / KEY} exists: an authority is already there (its passes stay valid)")
@@ -85,7 +85,7 @@ def _init(directory: Path) -> None:
 
 
 def _issue(directory: Path, request: str, days: str) -> None:
-    from peer.net.auth import encode_pass, issue_pass, parse_pass_request
+    from peer.net.trust.auth import encode_pass, issue_pass, parse_pass_request
 
     try:
         valid_days = float(days)
@@ -104,8 +104,8 @@ def _issue(directory: Path, request: str, days: str) -> None:
 
 
 def _revoke(directory: Path, peer_ids: Sequence[str]) -> None:
-    from peer.net.auth import write_private
-    from peer.net.records import PEER_ID
+    from peer.net.trust.auth import write_private
+    from peer.net.trust.records import PEER_ID
 
     load_authority(directory)  # (the right directory)
     bad = [p for p in peer_ids if not PEER_ID.fullmatch(p)]
@@ -148,8 +148,8 @@ class NodeAuthority:
     @classmethod
     def create(cls, directory: str | Path, identity_path: str) -> "NodeAuthority":
         """Must be called before the DHT starts (its options go to create_dht). Raises AuthorityError."""
-        from peer.net.auth import PassChecker, RevocationValidator, RunAuthorizer, identity_key, issue_pass
-        from peer.net.dht import ensure_identity
+        from peer.net.trust.auth import PassChecker, RevocationValidator, RunAuthorizer, identity_key, issue_pass
+        from peer.net.plumbing.dht import ensure_identity
 
         directory = Path(directory)
         authority = load_authority(directory)
@@ -168,7 +168,7 @@ class NodeAuthority:
 
     @property
     def fingerprint(self) -> str:
-        from peer.net.auth import fingerprint
+        from peer.net.trust.auth import fingerprint
 
         return fingerprint(self.authority.get_public_key().to_bytes())
 
@@ -179,7 +179,7 @@ class NodeAuthority:
 
         from hivemind.utils import get_dht_time
 
-        from peer.net.auth import revocation_key, sign_revocations
+        from peer.net.trust.auth import revocation_key, sign_revocations
 
         log = logging.getLogger("swarm.bootstrap")
         ids = revoked_ids(self.directory)

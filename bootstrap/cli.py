@@ -189,9 +189,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     dht = None
     dial_back = None
     try:
-        from peer.net import dht as dht_node  # imports hivemind (and through it torch) lazily
-        from peer.net.dial_back import DialBackService
-        from peer.net.progress import node_validators
+        from peer.net.plumbing import dht as dht_node  # imports hivemind (and through it torch) lazily
+        from peer.net.plumbing.dial_back import DialBackService
+        from peer.net.trust.progress import node_validators
 
         logging.getLogger("hivemind").setLevel(max(logging.getLevelName(args.log_level), logging.INFO))
         if args.nat_port_map:
@@ -297,8 +297,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _relay_ok(maddrs: list[str], attempt: int, timeout: float) -> bool:
     """Whether to keep this start of the DHT node: its relay carried a stream past libp2p's default limits
-    (peer/net/relay_check.py), it could not tell, or this was the last of ``RELAY_TRIES`` starts."""
-    from peer.net.relay_check import PROBE_BYTES, relay_serves
+    (peer/net/plumbing/relay_check.py), it could not tell, or this was the last of ``RELAY_TRIES`` starts."""
+    from peer.net.plumbing.relay_check import PROBE_BYTES, relay_serves
 
     local = [m for m in maddrs if m.startswith("/ip4/127.")] or maddrs
     verdict = relay_serves(local[0], timeout) if local else None

@@ -223,7 +223,7 @@ def prepare_peer(argv: Sequence[str], env: dict[str, str], *, resolve: Callable[
 
 
 def _peer_id_of_identity(path: str) -> str:
-    from peer.net.dht import ensure_identity  # imports hivemind (and torch): only here
+    from peer.net.plumbing.dht import ensure_identity  # imports hivemind (and torch): only here
 
     return ensure_identity(path)
 

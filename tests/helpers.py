@@ -229,7 +229,7 @@ async def p2p_mesh(n: int):
 def dht_nodes(n: int, tmp_path, *, validators: Callable[[int], Sequence] = lambda i: ()):
     """``n`` real DHT nodes (``peer.dht_node.create_dht``: DHT process + p2pd) on 127.0.0.1, each joining
     through the first; node i gets ``validators(i)``. All are shut down on exit, also on failure."""
-    from peer.net import dht as dht_node
+    from peer.net.plumbing import dht as dht_node
 
     nodes: list = []
     try:
@@ -313,7 +313,7 @@ def applied_digests(run_root, names: Sequence[str]) -> dict[tuple[int, int], dic
 
 
 def assert_one_digest_per_applied_round(run_root, names: Sequence[str], *, shared: int = 1) -> int:
-    """The invariant (peer/net/agreement.py): every peer that applies a round holds the same digest after it, for
+    """The invariant (peer/net/policy/agreement.py): every peer that applies a round holds the same digest after it, for
     every round, no filter. Returns how many rounds more than one peer applied; at least ``shared``."""
     applied = applied_digests(run_root, names)
     off = {k: v for k, v in sorted(applied.items()) if len(set(v.values())) > 1}

@@ -172,7 +172,7 @@ def test_a_majority_on_one_point_is_the_answer_and_weights_and_lengths_are_cappe
 
 def test_two_contributors_cannot_be_told_apart_only_the_caps_apply():
     """Documented limit: with two parts each is 'the median', so the attacker's direction survives (bounded in
-    weight and length); the member checks and the digest check are the defence there (peer/net/allreduce.py)."""
+    weight and length); the member checks and the digest check are the defence there (peer/net/round/allreduce.py)."""
     h, a = torch.ones(4), torch.full((4,), -100.0)
     cap = CLIPPED.weight_cap
     out = aggregate([h, a], [1.0, 1e6], CLIPPED)

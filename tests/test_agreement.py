@@ -1,13 +1,14 @@
-"""Which members of a group apply its average (peer/net/agreement.py): one base per group, one group per round."""
+"""Which members of a group apply its average (peer/net/policy/agreement.py): one base per group, one group per
+round."""
 
 from hivemind.averaging.group_info import GroupInfo
 from hypothesis import given
 from hypothesis import strategies as st
 
-from peer.net.agreement import agree, quorum_count, quorum_size
-from peer.net.consensus import plan_owed
-from peer.net.group import PROTOCOL_VERSION, GroupPlan
-from peer.net.records import ProgressRecord
+from peer.net.policy.agreement import agree, quorum_count, quorum_size
+from peer.net.policy.consensus import plan_owed
+from peer.net.round.group import PROTOCOL_VERSION, GroupPlan
+from peer.net.trust.records import ProgressRecord
 from peer.outer.codec import get_codec
 from peer.proto import allreduce_pb2 as pb
 

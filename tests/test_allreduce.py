@@ -14,17 +14,17 @@ from hivemind.averaging.group_info import GroupInfo
 
 from helpers import p2p_mesh, run_async
 from peer.config import MBIT
-from peer.net.allreduce import AllReduceServicer, run_allreduce
-from peer.net.bandwidth import BURST_S, Bandwidth
-from peer.net.credit import SendWindow
-from peer.net.streams import StreamGuard
-from peer.net.group import PROTOCOL_VERSION, GroupError, GroupPlan, member_spans
+from peer.net.round.allreduce import AllReduceServicer, run_allreduce
+from peer.net.flow.bandwidth import BURST_S, Bandwidth
+from peer.net.flow.credit import SendWindow
+from peer.net.flow.streams import StreamGuard
+from peer.net.round.group import PROTOCOL_VERSION, GroupError, GroupPlan, member_spans
 from peer.outer.aggregate import AggregationRule, Aggregator
 from peer.outer.codec import get_codec
 from peer.proto import allreduce_pb2 as pb
 
 NUMEL = 1000
-BASE = "0" * 32  # a declared base digest (peer/net/agreement.py): every member the same
+BASE = "0" * 32  # a declared base digest (peer/net/policy/agreement.py): every member the same
 
 
 def test_member_spans_cover_exactly_and_skip_client_mode():
@@ -115,7 +115,7 @@ def test_spans_follow_the_declared_links_within_bounds_and_cover_exactly():
     down to 1/8 of an equal one; within half the median (timings wobble) and above it (a member that claims a huge
     uplink) an equal one; equal while any link is unknown; the spans cover the vector in blocks, in integer
     arithmetic."""
-    from peer.net.group import MIN_SHARE, SHARE_UNIT, link_shares
+    from peer.net.round.group import MIN_SHARE, SHARE_UNIT, link_shares
 
     def infos(ups, downs=None):
         downs = downs or [0.0] * len(ups)
@@ -170,7 +170,7 @@ def test_all_members_get_identical_weighted_average():
 def test_a_download_cap_holds_across_the_senders_by_credit_and_the_round_agrees(monkeypatch):
     """Member 2 of 3 declares a 8 Mbit/s download cap: the two parts of its span and the two averages it fetches
     (1.6 MB in 64 KiB messages) come in no faster than the cap (a lower bound: a loaded machine only makes it
-    slower), with credit flowing both ways on its streams (peer/net/credit.py), while the uncapped members are
+    slower), with credit flowing both ways on its streams (peer/net/flow/credit.py), while the uncapped members are
     not held to it; every member gets the same bits."""
     numel, cap = 400_000, 8 * MBIT
     torch.manual_seed(5)

@@ -1,9 +1,9 @@
-"""Whom a round waits for (peer/net/attendance.py): pure, no network."""
+"""Whom a round waits for (peer/net/view/attendance.py): pure, no network."""
 
 from __future__ import annotations
 
-from peer.net.attendance import MAX_TRACKED, STRANGERS, Attendance, catching_up, early_assembly
-from peer.net.records import ProgressRecord
+from peer.net.view.attendance import MAX_TRACKED, STRANGERS, Attendance, catching_up, early_assembly
+from peer.net.trust.records import ProgressRecord
 
 ME = "M" * 46
 

@@ -1,4 +1,4 @@
-"""Authenticated runs (peer/net/auth.py, bootstrap/authority.py): passes, records bound to them, revocation,
+"""Authenticated runs (peer/net/trust/auth.py, bootstrap/authority.py): passes, records bound to them, revocation,
 and a real swarm in which a peer without a pass is refused at every entry point while admitted peers train
 with identical digests."""
 
@@ -17,11 +17,11 @@ import pytest
 from hivemind.utils.crypto import RSAPrivateKey
 
 from helpers import Proc, events, run_async, wait_for
-from peer.net.auth import (Admission, PassChecker, RevocationValidator, RunAccess, decode_pass, encode_pass,
+from peer.net.trust.auth import (Admission, PassChecker, RevocationValidator, RunAccess, decode_pass, encode_pass,
                            identity_key, issue_pass, owner_key, parse_pass_request, pass_request, peer_id_of,
                            record_admitted, revocation_key, sign_revocations, verify_revocations)
-from peer.net.dht import ensure_identity
-from peer.net.records import ProgressRecord
+from peer.net.plumbing.dht import ensure_identity
+from peer.net.trust.records import ProgressRecord
 from test_swarm import REPO, start_peer, wait_exit
 
 AUTHORITY, STRANGER = RSAPrivateKey(), RSAPrivateKey()
@@ -164,8 +164,8 @@ def _hostile_calls(peer_maddrs: list[str], peer_id: str, bootstrap: list[str]) -
     """What a client without a pass gets from an admitted peer's handlers and from the run's DHT."""
     from hivemind.p2p import P2P, PeerID
 
-    from peer.net.allreduce import AllReduceServicer
-    from peer.net.dht import JoinError, create_dht
+    from peer.net.round.allreduce import AllReduceServicer
+    from peer.net.plumbing.dht import JoinError, create_dht
     from peer.net.state_transfer import StateServicer
     from peer.proto import allreduce_pb2, state_pb2
 
@@ -270,8 +270,8 @@ def test_a_revocation_reaches_the_dht_process_which_then_refuses_the_revoked_pee
 
     from hivemind.utils import get_dht_time
 
-    from peer.net import dht as dht_node
-    from peer.net.auth import RunAuthorizer, revoke_in_dht
+    from peer.net.plumbing import dht as dht_node
+    from peer.net.trust.auth import RunAuthorizer, revoke_in_dht
 
     def node(name: str, initial: list[str]):
         ensure_identity(str(tmp_path / f"{name}.id"))

@@ -1,4 +1,4 @@
-"""Bandwidth caps (peer/net/bandwidth.py): the pacer's bookkeeping on a fake clock, the limits that carry the caps,
+"""Bandwidth caps (peer/net/flow/bandwidth.py): the pacer's bookkeeping on a fake clock, the limits that carry the caps,
 and a state transfer on loopback that a cap slows to its rate (a lower bound on the time: a loaded machine only
 makes it slower). The rate a capped peer keeps in a swarm over real links: bench/bandwidth.py."""
 
@@ -12,9 +12,9 @@ import torch
 from helpers import p2p_mesh, run_async
 from peer.config import ConfigError, MBIT, LimitsConfig
 from peer.control.limits import Limits
-from peer.net.bandwidth import BURST_S, MIN_RATE, Bandwidth, Pacer, cap_warnings, share
-from peer.net.credit import MIN_WINDOW, WINDOW_S, CreditError, SendWindow, window
-from peer.net.streams import StreamGuard
+from peer.net.flow.bandwidth import BURST_S, MIN_RATE, Bandwidth, Pacer, cap_warnings, share
+from peer.net.flow.credit import MIN_WINDOW, WINDOW_S, CreditError, SendWindow, window
+from peer.net.flow.streams import StreamGuard
 from peer.net.state_transfer import Snapshot, StateServicer, download
 from peer.outer.state import digest_of
 
@@ -133,7 +133,7 @@ def test_a_capped_state_transfer_takes_at_least_its_bytes_over_the_cap(side):
     """1M elements of G and v (8 MB in 100k-element chunks) at a 16 Mbit/s (2 MB/s) cap: at least 3.75 s
     (4 s less the burst allowance), and the state arrives whole. A receiver's cap binds its donor, which paces
     the stream to the rate the request declares (reading slowly alone would not slow the link: the transport's
-    buffers hold megabytes). The download's sample of the receiver's downlink (peer/net/links.py) is at most the
+    buffers hold megabytes). The download's sample of the receiver's downlink (peer/net/flow/links.py) is at most the
     cap."""
     numel, rate = 1_000_000, 16 * MBIT
     samples = []

@@ -130,7 +130,7 @@ def test_bootstrap_swarm_end_to_end(tmp_path, procs):
 
     # the paste line: multiaddrs that all end in the same /p2p/ id, read from the identity file
     from hivemind.utils.multiaddr import Multiaddr
-    from peer.net.dht import ensure_identity
+    from peer.net.plumbing.dht import ensure_identity
 
     assert maddrs and all(m.startswith("/ip4/127.0.0.1/tcp/") for m in maddrs)
     peer_ids = {Multiaddr(m)["p2p"] for m in maddrs}
@@ -180,8 +180,8 @@ def test_bootstrap_swarm_end_to_end(tmp_path, procs):
 def test_the_relay_check_tells_the_configured_limits_from_libp2ps_defaults(tmp_path, procs):
     """A node started with --relay-service checks at start that a relayed stream carries 512 KiB, and says so; a
     node without it relays under libp2p's default limits (128 KiB per relayed connection), which the check
-    finds (peer/net/relay_check.py: two throwaway daemons on this host, the target listening nowhere)."""
-    from peer.net.relay_check import relay_serves
+    finds (peer/net/plumbing/relay_check.py: two throwaway daemons on this host, the target listening nowhere)."""
+    from peer.net.plumbing.relay_check import relay_serves
 
     service, maddrs = start_bootstrap(procs, tmp_path, "service", "--host-maddrs", LOOPBACK, "--identity-path",
                                       "s.id", "--relay-service")
@@ -195,7 +195,7 @@ def test_a_relay_under_default_limits_is_started_again_a_bounded_number_of_times
     """_relay_ok: a reset stream asks for another start until the last of RELAY_TRIES, which is kept with an
     ERROR line; an unknown verdict keeps the start with a WARNING."""
     import bootstrap.cli as cli
-    import peer.net.relay_check as relay_check
+    import peer.net.plumbing.relay_check as relay_check
 
     verdicts = iter([False, False, False, None])
     monkeypatch.setattr(relay_check, "relay_serves", lambda maddr, timeout: next(verdicts))

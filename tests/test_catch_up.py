@@ -9,7 +9,7 @@ import threading
 
 import torch
 
-from peer.net.records import ProgressRecord
+from peer.net.trust.records import ProgressRecord
 from peer.net.state_transfer import Snapshot
 from peer.outer.state import FragmentState
 from peer.run.catch_up import StateSync

@@ -1,11 +1,12 @@
-"""What the records say a peer should do (peer/net/consensus.py), alone: catching up, launching or not, and the
+"""What the records say a peer should do (peer/net/policy/consensus.py), alone: catching up, launching or not, and the
 phase rules of the steps schedule (patience, giving up, realignment)."""
 
 from __future__ import annotations
 
-from peer.net.consensus import (in_step_with, laggards, launch_gate, launch_verdict, nobody_coming, plan_catch_up,
+from peer.net.policy.consensus import (in_step_with, laggards, launch_gate, launch_verdict, nobody_coming,
+plan_catch_up,
                                 projected_step, realign, step_after_catch_up, swarm_state)
-from peer.net.records import ProgressRecord
+from peer.net.trust.records import ProgressRecord
 from peer.outer.rounds import RoundStatus
 from peer.outer.schedule import last_sync_step, next_sync_step, sync_step
 
@@ -234,7 +235,7 @@ def test_a_peer_in_client_mode_counts_for_the_swarms_state_but_is_no_donor():
 def test_a_donors_step_is_believed_only_as_far_as_the_schedule_allows():
     """Its donor applied round r of fragment p at most H steps after the round's sync step (H = 20, 2 fragments:
     fragment 1 syncs at 10 + 20 r)."""
-    from peer.net.consensus import plausible_donor_step
+    from peer.net.policy.consensus import plausible_donor_step
 
     assert plausible_donor_step(95, 1, 4, 2, 20) == 95  # launched at 90, applied 5 steps later
     assert plausible_donor_step(10**9, 1, 4, 2, 20) == 110  # a claim past the round's window

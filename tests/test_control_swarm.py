@@ -141,7 +141,7 @@ def _controls_with_the_monitor_watching(swarm: LoopbackSwarm, procs, tmp_path, s
     for name in ("p0", "p1"):
         assert wait_exit(swarm.peer[name], 120) == 0, swarm.peer[name].tail()
     # Every round that more than one of them applied holds one digest on all that applied it, through the pause,
-    # the limits, the resume and the finish (peer/net/agreement.py): no filter.
+    # the limits, the resume and the finish (peer/net/policy/agreement.py): no filter.
     assert swarm.together(), "no round of all three with one digest"
     assert_one_digest_per_applied_round(tmp_path, swarm.names, shared=4)
     assert monitor.proc.terminate(timeout=30) == 0, monitor.proc.tail()

@@ -1,4 +1,4 @@
-"""peer/net/dht.py: identity files, multiaddr validation, network-safety options, visible addresses."""
+"""peer/net/plumbing/dht.py: identity files, multiaddr validation, network-safety options, visible addresses."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from helpers import dht_nodes
-from peer.net import dht as dht_node
+from peer.net.plumbing import dht as dht_node
 
 GOOD_PEER = "/ip4/127.0.0.1/tcp/4001/p2p/QmSoLnSGccFuZQJzRadHn95W2CrSFmZuTdDWP8HXaHca9z"
 
@@ -197,7 +197,7 @@ HAMMER = """
 import os, signal, subprocess, sys, time
 sys.path.insert(0, sys.argv[1])
 import hivemind
-from peer.net import dht as dht_node
+from peer.net.plumbing import dht as dht_node
 hits = []
 signal.signal(signal.SIGUSR1, lambda *_: hits.append(1))  # a Python-level handler: read() gets EINTR
 hammer = subprocess.Popen([sys.executable, "-c", "import os, signal, sys, time\\n"

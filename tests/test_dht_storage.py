@@ -1,4 +1,5 @@
-"""What a DHT node keeps for others is bounded (peer/net/dht_storage.py): the storage alone, and a real node."""
+"""What a DHT node keeps for others is bounded (peer/net/plumbing/dht_storage.py): the storage alone, and a real
+node."""
 
 import time
 
@@ -7,8 +8,8 @@ from hivemind.dht.routing import DHTID
 from hivemind.utils import get_dht_time
 
 from helpers import dht_nodes
-from peer.net.dht_storage import BOUNDS, BoundedStorage, StorageBounds
-from peer.net.records import MAX_FRAGMENTS, MAX_PASS_CHARS, MAX_PAST, ProgressRecord
+from peer.net.plumbing.dht_storage import BOUNDS, BoundedStorage, StorageBounds
+from peer.net.trust.records import MAX_FRAGMENTS, MAX_PASS_CHARS, MAX_PAST, ProgressRecord
 
 SMALL = StorageBounds(max_value_bytes=1000, max_horizon=60.0, max_keys=4, max_subkeys=3, max_bytes=5000)
 

@@ -1,6 +1,6 @@
-"""Dial-back (peer/net/dial_back.py): which addresses a node agrees to dial, a real dial-back on loopback (reachable,
-nothing listening, a third party's address refused, busy), and `swarm-peer doctor` asking a real bootstrap node
-to dial back a port that does not listen (dialed back where it does: tests/test_control_swarm.py)."""
+"""Dial-back (peer/net/plumbing/dial_back.py): which addresses a node agrees to dial, a real dial-back on loopback
+(reachable, nothing listening, a third party's address refused, busy), and `swarm-peer doctor` asking a real bootstrap
+node to dial back a port that does not listen (dialed back where it does: tests/test_control_swarm.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from typing import AsyncIterator
 from hivemind.p2p import P2PContext
 
 from helpers import p2p_mesh, run_async
-from peer.net.dial_back import DialBackServicer, ask_dial_back, ask_initial_peers, dialable, not_dialable, tcp_ip
-from peer.net.streams import StreamGuard
+from peer.net.plumbing.dial_back import (DialBackServicer, ask_dial_back, ask_initial_peers, dialable, not_dialable,
+                                        tcp_ip)
+from peer.net.flow.streams import StreamGuard
 from peer.proto import reachability_pb2 as pb
 from test_swarm import REPO, start_bootstrap
 

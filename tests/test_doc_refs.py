@@ -1,6 +1,6 @@
 """Docs that point somewhere point at something: every Sphinx role in a docstring of ``peer/`` and ``bootstrap/``
 (``:mod:``, ``:func:``, ``:class:``, ``:meth:``, ``:attr:``, ...) names an object that exists, and every source path
-the Markdown docs name (``peer/net/agreement.py``) is a file of the checkout."""
+the Markdown docs name (``peer/net/policy/agreement.py``) is a file of the checkout."""
 
 from __future__ import annotations
 

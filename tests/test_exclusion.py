@@ -1,10 +1,10 @@
-"""Defences against hostile peers, alone: the offence ledger (peer/net/exclusion.py), the member's scale check
+"""Defences against hostile peers, alone: the offence ledger (peer/net/trust/exclusion.py), the member's scale check
 of a reducer's result, and the records the consensus rules act on (Swarm.vouched_peers)."""
 
 import torch
 
-from peer.net.span_checks import PLAUSIBLE, implausible
-from peer.net.exclusion import MAX_TRACKED, Exclusions, Offence
+from peer.net.trust.span_checks import PLAUSIBLE, implausible
+from peer.net.trust.exclusion import MAX_TRACKED, Exclusions, Offence
 
 
 def test_a_peer_is_excluded_at_the_threshold_once_and_says_why():
@@ -64,8 +64,8 @@ def test_forged_records_of_peers_that_never_took_part_do_not_move_a_running_peer
     from hivemind.utils import ValueWithExpiration
 
     from peer.config import SwarmConfig
-    from peer.net.consensus import launch_verdict, plan_catch_up
-    from peer.net.records import ProgressRecord
+    from peer.net.policy.consensus import launch_verdict, plan_catch_up
+    from peer.net.trust.records import ProgressRecord
     from peer.net.swarm import Swarm
 
     def rec(pid, round_, digest):

@@ -1,4 +1,4 @@
-"""hivemind's private names we rely on (peer/net/hivemind_internals.py) still exist: a hivemind upgrade that
+"""hivemind's private names we rely on (peer/net/plumbing/hivemind_internals.py) still exist: a hivemind upgrade that
 renames one fails here, not in a swarm."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 import inspect
 
-from peer.net.hivemind_internals import PRIVATE
+from peer.net.plumbing.hivemind_internals import PRIVATE
 
 
 def _has(obj, name: str) -> bool:

@@ -20,8 +20,8 @@ ALLOWED = {
 # Files allowed one more layer: `swarm-peer prepare-data` is a local job (text -> token shards), no run.
 EXTRA = {"cli/prepare_data.py": {"local"}}
 # Modules that are pure policy or pure math: no hivemind, no sockets, no asyncio.
-PURE = ["outer", "local", "net/consensus.py", "net/records.py", "net/agreement.py", "control/controls.py",
-        "control/limits.py", "control/feed.py", "monitor/view.py"]
+PURE = ["outer", "local", "net/policy", "net/trust/records.py", "control/controls.py", "control/limits.py",
+        "control/feed.py", "monitor/view.py"]
 NETWORKING = ("hivemind", "socket", "asyncio", "grpc")
 
 

@@ -1,4 +1,4 @@
-"""Two-level rounds (peer/net/levels.py): the cut, the slot layout, and two groups of three on real loopback P2P
+"""Two-level rounds (peer/net/round/levels.py): the cut, the slot layout, and two groups of three on real loopback P2P
 daemons whose reducers meet per slot: all six members hold the same bytes, the weighted mean of all six parts."""
 
 import asyncio
@@ -10,17 +10,17 @@ import torch
 from hivemind.averaging.group_info import GroupInfo
 
 from helpers import p2p_mesh, run_async
-from peer.net.allreduce import AllReduceResult, AllReduceServicer, run_allreduce
-from peer.net.group import PROTOCOL_VERSION, GroupError, GroupPlan, slot_bounds, slot_spans
-from peer.net.levels import SlotLift, plan_levels, roster_sizes
-from peer.net.streams import StreamGuard
+from peer.net.round.allreduce import AllReduceResult, AllReduceServicer, run_allreduce
+from peer.net.round.group import PROTOCOL_VERSION, GroupError, GroupPlan, slot_bounds, slot_spans
+from peer.net.round.levels import SlotLift, plan_levels, roster_sizes
+from peer.net.flow.streams import StreamGuard
 from peer.outer.aggregate import AggregationRule, Aggregator
 from peer.outer.codec import get_codec
 from peer.outer.rounds import Span
 from peer.proto import allreduce_pb2 as pb
 
 NUMEL = 3000
-BASE = "0" * 32  # a declared base digest (peer/net/agreement.py): every member the same
+BASE = "0" * 32  # a declared base digest (peer/net/policy/agreement.py): every member the same
 MEAN = AggregationRule(kind=Aggregator.MEAN)
 
 
@@ -181,7 +181,7 @@ def test_the_roster_counts_the_groups_once_they_hold_every_live_peer_else_at_the
     """Two level-1 groups (3 and 2 peers) announce themselves: with 5 live peers both holders count 2 groups as
     soon as both entries are in; with 6 (one live peer in no group) they count 2 at the cutoff."""
     from helpers import dht_nodes
-    from peer.net.levels import GroupCensus
+    from peer.net.round.levels import GroupCensus
 
     with dht_nodes(2, tmp_path) as dhts:
         async def count(live: int, prefix: str, cutoff: float):

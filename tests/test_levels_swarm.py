@@ -1,5 +1,5 @@
 """Bounded groups in a real swarm: 8 peer processes on loopback with ``--group-cap 4`` run every round in two
-levels (two groups of 4, whose reducers meet per slot: peer/net/levels.py) and hold one digest. The 16-peer
+levels (two groups of 4, whose reducers meet per slot: peer/net/round/levels.py) and hold one digest. The 16-peer
 version (and the same swarm in one group, for comparison) is ``bench/levels.py``: 16 processes on 2 cores take
 minutes per run."""
 

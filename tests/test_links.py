@@ -1,4 +1,4 @@
-"""Deadlines that follow the measured links (peer/net/links.py): the arithmetic, the uplink meter, and the
+"""Deadlines that follow the measured links (peer/net/flow/links.py): the arithmetic, the uplink meter, and the
 reducers' part times on real daemons. The swarm-level check (a slow member's rounds complete with measured
 deadlines) is tests/test_links_swarm.py; fixed against measured on shaped links is bench/uneven_links.py."""
 
@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from helpers import run_async
 from peer.config import MBIT
-from peer.net.bandwidth import MIN_RATE
-from peer.net.group import member_spans
-from peer.net.links import (DeadlinePolicy, LinkMeter, round_deadlines, slow_donors_last, state_deadline,
+from peer.net.flow.bandwidth import MIN_RATE
+from peer.net.round.group import member_spans
+from peer.net.flow.links import (DeadlinePolicy, LinkMeter, round_deadlines, slow_donors_last, state_deadline,
                              wire_bytes)
 from peer.outer.aggregate import AggregationRule, Aggregator
 from peer.outer.codec import get_codec

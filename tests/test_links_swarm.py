@@ -1,6 +1,6 @@
 """A slow member in a real swarm: three peer processes on loopback, one with a 0.5 Mbit/s upload cap, and part
 and all-reduce timeouts (2 s and 4 s) far shorter than its parts and its span's average take through that link
-(~3 s each). With measured deadlines (the default, peer/net/links.py) every group sizes its deadlines from the
+(~3 s each). With measured deadlines (the default, peer/net/flow/links.py) every group sizes its deadlines from the
 declared uplinks, so every round completes with all three contributions and one digest. The same swarm with
 ``--deadlines fixed`` loses the slow peer's part and span in every round: bench/uneven_links.py measures both on
 shaped links in the network lab."""

@@ -1,4 +1,4 @@
-"""Group formation on real DHT nodes and p2p daemons on loopback (peer/net/matchmaking.py)."""
+"""Group formation on real DHT nodes and p2p daemons on loopback (peer/net/round/matchmaking.py)."""
 
 import asyncio
 import time
@@ -7,9 +7,9 @@ import pytest
 from hivemind.averaging.key_manager import GroupKeyManager
 
 from helpers import dht_nodes, run_async
-from peer.net.group import PROTOCOL_VERSION
-from peer.net.streams import StreamGuard
-from peer.net.matchmaking import GaveUp, form_group, round_prefix
+from peer.net.round.group import PROTOCOL_VERSION
+from peer.net.flow.streams import StreamGuard
+from peer.net.round.matchmaking import GaveUp, form_group, round_prefix
 from peer.proto import allreduce_pb2 as pb
 
 GUARD = StreamGuard(per_peer=16, total=64)
@@ -84,9 +84,9 @@ def test_a_search_gives_up_when_told_why(dhts):
 
 @pytest.mark.timeout(120)
 def test_a_patient_search_waits_for_a_peer_on_its_way(dhts):
-    """Patience (peer/net/consensus.py): a search that found no group within ``timeout`` goes on while ``keep_waiting``
-    says a peer is on its way, and that peer, arriving after the timeout, joins it; the same late arrival
-    without patience finds no one (the first search ended at its timeout)."""
+    """Patience (peer/net/policy/consensus.py): a search that found no group within ``timeout`` goes on while
+    ``keep_waiting`` says a peer is on its way, and that peer, arriving after the timeout, joins it; the same late
+    arrival without patience finds no one (the first search ended at its timeout)."""
     timeout, late = 3.0, 6.0  # the second peer starts looking 6 s after the first: after its timeout
 
     async def pair(patience: float, n: int):
@@ -112,7 +112,7 @@ def test_a_patient_search_waits_for_a_peer_on_its_way(dhts):
 
 @pytest.mark.timeout(120)
 def test_a_leader_assembles_once_every_expected_peer_joined_and_takes_others_that_came_first(dhts):
-    """peer/net/attendance.py: a live peer the leader no longer expects (a crashed or hanging peer, a made-up id)
+    """peer/net/view/attendance.py: a live peer the leader no longer expects (a crashed or hanging peer, a made-up id)
     does not make the group wait ``min_matchmaking_time``: the group assembles as soon as the expected peers
     joined. ``target_group_size`` (here 4: one live peer never comes) stays the cap, so a peer that is not
     expected but comes first is taken too, and does not take an expected peer's place."""
@@ -172,7 +172,7 @@ def test_a_join_request_that_waited_for_the_leaders_lock_until_its_follower_gave
     from hivemind.proto import averaging_pb2
     from hivemind.utils import get_dht_time
 
-    from peer.net.matchmaking import JoinServicer, RoundStep, _Matchmaking
+    from peer.net.round.matchmaking import JoinServicer, RoundStep, _Matchmaking
 
     request_timeout = 1.0
     follower = PeerID.from_base58("QmXjwQhdjyHKmDqtcgjWPodFqNYLCvQZrFrzKv3KrwNSvR")
@@ -223,7 +223,7 @@ def test_the_leader_holds_a_join_stream_until_its_follower_closes_it():
     from hivemind.p2p import P2PContext, PeerID
     from hivemind.proto import averaging_pb2
 
-    from peer.net.matchmaking import JoinServicer
+    from peer.net.round.matchmaking import JoinServicer
 
     class AcceptsAndAssembles:  # the leader's matchmaking: both messages at once, then done
         async def join(self, request, context, opened):

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from browser import browser_missing, headless_chromium, table_rows
 from helpers import wait_for
 from peer.monitor.view import LossHistory, snapshot
-from peer.net.records import ProgressRecord
+from peer.net.trust.records import ProgressRecord
 
 NOW, TTL = 10_000.0, 8.0
 PIDS = ["QmPeerAaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaA", "QmPeerBbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbB",

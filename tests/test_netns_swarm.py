@@ -34,7 +34,7 @@ FAST = ["--model-seq-len", "32", "--data-batch-size", "4", "--outer-sync-every",
         "--log-level", "DEBUG",  # round detail ("looking for a group", read below) is logged at DEBUG
         "--min-peers", "3", "--outer-tau", str(TAU), "--outer-eager",
         # 64 KiB of fp32 per streamed message (~37 KB in FP4). The reducer drops a part whose first message is
-        # not in within request_timeout (peer/net/allreduce.py, rpc_reduce); with the default 1 MiB a whole span
+        # not in within request_timeout (peer/net/round/allreduce.py, rpc_reduce); with the default 1 MiB a whole span
         # (~110 KB in FP4) is one message, and over 3 Mbit/s shared by 4 streams it took > 1 s: parts dropped
         "--chunk-bytes", "65536"]
 

@@ -6,10 +6,10 @@ import pytest
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
 from helpers import dht_nodes
-from peer.net.auth import identity_key
-from peer.net.dht import ensure_identity
-from peer.net.progress import LiveView, SpeedLedger, make_validators, node_validators, progress_key
-from peer.net.records import ProgressRecord
+from peer.net.trust.auth import identity_key
+from peer.net.plumbing.dht import ensure_identity
+from peer.net.trust.progress import LiveView, SpeedLedger, make_validators, node_validators, progress_key
+from peer.net.trust.records import ProgressRecord
 
 TTL = 10.0
 A, B, C, D = (c * 46 for c in "ABCD")  # peer ids of the pure tests (base58 text of a peer id's length)

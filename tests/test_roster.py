@@ -1,12 +1,12 @@
-"""Whom a peer sees in the swarm (peer/net/roster.py): pure, no network."""
+"""Whom a peer sees in the swarm (peer/net/view/roster.py): pure, no network."""
 
 from __future__ import annotations
 
 from hivemind.utils import ValueWithExpiration
 
-from peer.net.exclusion import Exclusions, Offence
-from peer.net.records import ProgressRecord
-from peer.net.roster import Roster
+from peer.net.trust.exclusion import Exclusions, Offence
+from peer.net.trust.records import ProgressRecord
+from peer.net.view.roster import Roster
 
 ME, A, B, C, D = ("M" * 46, "A" * 46, "B" * 46, "C" * 46, "D" * 46)
 

@@ -61,7 +61,7 @@ def test_unreachable_initial_peers_are_retried_then_named_one_by_one(procs, tmp_
 
 
 def test_dial_failures_in_the_users_words():
-    from peer.net.reachability import dial_failure
+    from peer.net.plumbing.reachability import dial_failure
 
     head = "Connect failed. msg=failed to dial: failed to dial QmA: all dials failed\n  * [/ip4/10.0.0.1/tcp/5] "
     assert dial_failure(head + "failed to negotiate security protocol: peer id mismatch: expected QmA, but remote "

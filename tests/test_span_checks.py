@@ -1,4 +1,4 @@
-"""A member's checks of span results (peer/net/span_checks.py), alone: honest results of the robust rule are
+"""A member's checks of span results (peer/net/trust/span_checks.py), alone: honest results of the robust rule are
 never refused, whatever the group size, the noise and the members' weights; a reducer that flips, replaces
 or zeroes its span's result is caught by every member that can judge."""
 
@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from peer.net.span_checks import MIN_ELEMENTS, MIN_REFERENCE, cosine, disagreeing
+from peer.net.trust.span_checks import MIN_ELEMENTS, MIN_REFERENCE, cosine, disagreeing
 from peer.outer.aggregate import AggregationRule, aggregate, vouched_caps
 
 

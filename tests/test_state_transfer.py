@@ -11,7 +11,7 @@ from hivemind.p2p import P2P
 
 from helpers import p2p_mesh, run_async
 from peer.outer.state import DIGEST_BLOCK, block_digests, digest_of, digest_of_blocks
-from peer.net.streams import StreamGuard, cap_frame_size, frame_limit_for
+from peer.net.flow.streams import StreamGuard, cap_frame_size, frame_limit_for
 from peer.net.state_transfer import DownloadError, Snapshot, StateServicer, download
 
 SERVING = dict(guard=StreamGuard(per_peer=4, total=64), request_timeout=2.0, stream_timeout=30.0)

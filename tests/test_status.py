@@ -1,7 +1,7 @@
 """The status line's words (peer/run/status.py): what a peer says it is doing."""
 
 from peer.run.status import describe
-from peer.net.activity import RoundActivity, RoundStage
+from peer.net.view.activity import RoundActivity, RoundStage
 
 
 def test_the_status_line_says_what_the_peer_waits_for():

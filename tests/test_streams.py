@@ -1,11 +1,11 @@
-"""Stream budgets per peer, per host and in all (peer/net/streams.py): pure, in one event loop."""
+"""Stream budgets per peer, per host and in all (peer/net/flow/streams.py): pure, in one event loop."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 
-from peer.net.streams import UNRESOLVED, HostBook, StreamGuard, host_key
+from peer.net.flow.streams import UNRESOLVED, HostBook, StreamGuard, host_key
 
 
 def test_a_host_is_an_ipv4_address_or_an_ipv6_64_and_relayed_or_loopback_peers_have_none():

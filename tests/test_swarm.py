@@ -20,9 +20,10 @@ from test_export import assert_exports_agree_and_load_plainly
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[1]
 # A crash mid-round can put the survivors out of phase by up to allreduce_timeout (30 s in demo.toml): one gets
-# a connection error from the dead reducer at once, the other waits for its span. Patience (peer/net/consensus.py) has
-# the early one wait for the late one at the next round (before issue 11 this test needed a matchmaking_timeout
-# longer than that offset: with demo.toml's 20 s the survivors missed each other in every later round).
+# a connection error from the dead reducer at once, the other waits for its span. Patience
+# (peer/net/policy/consensus.py) has the early one wait for the late one at the next round (before issue 11 this test
+# needed a matchmaking_timeout longer than that offset: with demo.toml's 20 s the survivors missed each other in every
+# later round).
 ROUND_BUDGET = 20 + 30 + 10  # matchmaking_timeout + allreduce_timeout + slack (s)
 
 FAST = ["--model-seq-len", "32", "--data-batch-size", "4", "--outer-sync-every", "20", "--matchmaking-time", "10",

@@ -29,14 +29,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers import dht_nodes
-from peer.net.allreduce import AllReduceServicer
-from peer.net.reduction import SpanReduction
-from peer.net.auth import PassChecker, revocation_key
-from peer.net.group import PROTOCOL_VERSION, GroupPlan
-from peer.net.streams import StreamGuard
-from peer.net.matchmaking import JoinServicer
-from peer.net.progress import make_validators, progress_key
-from peer.net.records import ProgressRecord
+from peer.net.round.allreduce import AllReduceServicer
+from peer.net.round.reduction import SpanReduction
+from peer.net.trust.auth import PassChecker, revocation_key
+from peer.net.round.group import PROTOCOL_VERSION, GroupPlan
+from peer.net.flow.streams import StreamGuard
+from peer.net.round.matchmaking import JoinServicer
+from peer.net.trust.progress import make_validators, progress_key
+from peer.net.trust.records import ProgressRecord
 from peer.net.state_transfer import Snapshot, StateServicer
 from peer.outer.codec import get_codec
 from peer.outer.state import digest_of
@@ -46,7 +46,7 @@ from peer.proto import codec_pb2, state_pb2
 pytestmark = pytest.mark.timeout(600)
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 NUMEL = 512
-BASE = "0" * 32  # a declared base digest (peer/net/agreement.py): every member the same
+BASE = "0" * 32  # a declared base digest (peer/net/policy/agreement.py): every member the same
 HANDLER_DEADLINE = 10.0  # every handler call below must end within this (its own deadlines are ~1 s)
 
 ME, MEMBER, STRANGER = (PeerID(b"\x00\x24" + bytes([i]) * 36) for i in (1, 2, 3))
@@ -210,7 +210,7 @@ def leader(tmp_path_factory):
 
         async def start():
             p2p = await dht.replicate_p2p()
-            from peer.net.matchmaking import RoundStep, _Matchmaking
+            from peer.net.round.matchmaking import RoundStep, _Matchmaking
             mm = _Matchmaking(p2p, b"S" * 32, dht, servicer_type=JoinServicer, prefix="fuzz", target_group_size=1000,
                               min_group_size=2, min_matchmaking_time=3600.0, request_timeout=1.0, client_mode=False)
             mm.cap, mm.horizon, mm.numel = mm.target_group_size, 3600.0, 10

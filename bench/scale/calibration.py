@@ -56,7 +56,7 @@ class Timeouts:
     wait_timeout: float = 180.0
     progress_period: float = 5.0
     progress_ttl: float = 30.0
-    max_group_size: int = 256  # peer/net/group.py MAX_GROUP_SIZE: a larger group is a GroupError on every member
+    max_group_size: int = 256  # peer/net/round/group.py MAX_GROUP_SIZE: a larger group is a GroupError on every member
     max_streams: int = 512  # swarm.max_streams: incoming streams a peer admits in all
 
 

@@ -1,4 +1,5 @@
-"""Today's protocol: one butterfly group per fragment round (peer/net/matchmaking.py, peer/net/allreduce.py).
+"""Today's protocol: one butterfly group per fragment round (peer/net/round/matchmaking.py,
+peer/net/round/allreduce.py).
 
 Matchmaking: the target group size is every live peer (transport.py: ``1 + live records``), so the group forms at
 once only when every peer whose record is live joined; otherwise the leader (the first to declare) assembles it at

@@ -8,7 +8,7 @@ and downloads the state (``8 bytes x params``) from one random training peer at 
 and its own downlink; then it trains and joins rounds again. So the swarm keeps its size: every failure is a rejoin.
 Not modelled: the download's share of the donor's link during rounds, several joiners on one donor.
 
-Whom a round waits for (peer/net/attendance.py; design ``flat-attendance``): :attr:`Population.expected` counts the
+Whom a round waits for (peer/net/view/attendance.py; design ``flat-attendance``): :attr:`Population.expected` counts the
 training peers and the crashed ones whose record is still live, until they missed ``MISSES`` rounds; a peer that
 downloads the state is catching up (its record's rounds are behind) and is not waited for. (Probes of an absent
 peer come after 1, 3 and 7 more rounds; a crashed peer's record expires before the first at these slot lengths.)

@@ -35,7 +35,7 @@ def run_round(cfg: Config, t0: float, pop: Population, wl: Workload, rng: np.ran
         members_only = pop.client | (pop.links.up < cfg.holder_min_mbit * MBIT)
         return bounded_round(t0, training, live, death, members_only, pop.links, wl, rng, cap=cfg.cap,
                              cutoff=cfg.cutoff)
-    if cfg.design == "flat-attendance":  # whom the round waits for (peer/net/attendance.py)
+    if cfg.design == "flat-attendance":  # whom the round waits for (peer/net/view/attendance.py)
         live = pop.expected
     return flat_round(t0, training, live, death, pop.client, pop.links, wl, rng, ideal=cfg.design == "flat-ideal",
                       waits_for_dead=cfg.design == "flat-waits")

@@ -45,7 +45,7 @@ def default_of(cls: type, name: str) -> Any:
 
 
 MAX_MBPS = 1e6  # a terabit link: anything above is a typo
-MAX_RECORD_TTL = 3600.0  # seconds: DHT nodes keep no record longer (peer/net/dht_storage.py)
+MAX_RECORD_TTL = 3600.0  # seconds: DHT nodes keep no record longer (peer/net/plumbing/dht_storage.py)
 MIN_MBPS = 0.1  # below this no round of any model completes; senders never pace a stream slower (net/bandwidth)
 MBIT = 1_000_000 / 8  # bytes per second in one Mbit/s (links are sold in Mbit/s)
 

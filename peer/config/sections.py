@@ -210,7 +210,8 @@ class SwarmConfig:
     min_group_size: int = setting(2, help="Smallest group that averages; a peer alone skips the round (its progress "
             "is kept).")
     group_cap: int = setting(64, help="Above this many live peers a round runs in two levels: groups of at most "
-            "this many, whose reducers then meet the other groups' (peer/net/levels.py); 0: always one group of all.")
+            "this many, whose reducers then meet the other groups' (peer/net/round/levels.py); 0: always one group of "
+            "all.")
     matchmaking_time: float = setting(15.0, help="Seconds a group leader waits for stragglers; the group forms at "
             "once when every live peer joined.")
     matchmaking_timeout: float = setting(30.0, help="Seconds to find a group for a round before the round counts as "
@@ -226,12 +227,12 @@ class SwarmConfig:
     part_timeout: float = setting(30.0, help="Seconds a reducer waits for members' parts before averaging what it "
             "has (< allreduce_timeout).")
     deadlines: str = setting("measured", help="measured: a round's part and all-reduce deadlines and a state "
-            "donor's follow the peers' measured uplinks and the fragment's size (peer/net/links.py), with "
+            "donor's follow the peers' measured uplinks and the fragment's size (peer/net/flow/links.py), with "
             "part_timeout, allreduce_timeout and state_timeout as floors and deadline_max as ceiling; fixed: those "
             "settings, whatever the links.")
     span_sizing: str = setting("links", help="links: a reducer whose declared link (uplink, or download cap where "
             "lower) is under half the group's median gets a span in proportion, down to 1/8 of an equal one, the "
-            "others equal spans (peer/net/group.py link_shares); equal: equal spans.")
+            "others equal spans (peer/net/round/group.py link_shares); equal: equal spans.")
     deadline_margin: float = setting(3.0, help="Measured deadlines: a stage may take this many times what the "
             "declared links predict.")
     deadline_max: float = setting(600.0, help="Measured deadlines: the longest any of them gets (a peer that "
@@ -260,7 +261,7 @@ class SwarmConfig:
             "loopback peers are counted one by one.")
     exclude_after: int = setting(3, local=True, help="Offences (parts that do not decode, parts the robust rule cut "
             "hard, implausible averages) after which this peer stops working with another for the rest of the run "
-            "(see peer/net/exclusion.py).")
+            "(see peer/net/trust/exclusion.py).")
 
     def __post_init__(self) -> None:
         check(bool(self.run_id) and "." not in self.run_id and " " not in self.run_id, "swarm.run_id",

@@ -20,10 +20,10 @@ from hivemind.utils import get_dht_time
 
 from peer.config import PeerConfig
 from peer.monitor.view import LossHistory, snapshot
-from peer.net.auth import RunAccess
-from peer.net.dht import create_dht, shutdown_dht
+from peer.net.trust.auth import RunAccess
+from peer.net.plumbing.dht import create_dht, shutdown_dht
 from peer.net.probe import read_records
-from peer.net.progress import dht_security
+from peer.net.trust.progress import dht_security
 from peer.net.swarm import swarm_key
 
 log = logging.getLogger(__name__)
@@ -54,8 +54,8 @@ class Monitor:
         return f"http://{host!s}:{port}/"
 
     def start(self) -> None:
-        """Joins the DHT as a client (raises what :func:`~peer.net.dht.create_dht` raises), then polls and serves.
-        The DHT forks: it starts before any thread of ours."""
+        """Joins the DHT as a client (raises what :func:`~peer.net.plumbing.dht.create_dht` raises), then polls and
+        serves. The DHT forks: it starts before any thread of ours."""
         sw = self.cfg.swarm
         validators, _, auth = dht_security(self.run_key, self.access)
         self._dht = create_dht(initial_peers=sw.initial_peers, host_maddrs=sw.host_maddrs, announce_maddrs=[],

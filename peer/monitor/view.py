@@ -1,6 +1,6 @@
 """What the operator's monitor shows, computed from the run's progress records (pure: no networking).
 
-Every figure comes from the peers' signed records (``peer/net/records.py``): who is live (a record written within
+Every figure comes from the peers' signed records (``peer/net/trust/records.py``): who is live (a record written within
 ``progress_ttl``), their step, rounds, tokens/s, loss, version, whether they can be dialled (client mode) and
 whether their owner paused them; per fragment, the newest round any peer applied and whether the peers at that
 round hold one digest; the swarm's tokens/s (the sum over training peers) and its loss (the mean over them),
@@ -14,7 +14,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
-from peer.net.records import ProgressRecord
+from peer.net.trust.records import ProgressRecord
 
 HISTORY_POINTS = 720  # one hour at the default 5 s poll
 

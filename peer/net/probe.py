@@ -17,11 +17,11 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
 from peer.config import PeerConfig
-from peer.net.auth import PassChecker, record_admitted
-from peer.net.dht import create_dht, shutdown_dht
-from peer.net.dial_back import ask_initial_peers
-from peer.net.progress import make_validators, progress_key
-from peer.net.records import ProgressRecord
+from peer.net.trust.auth import PassChecker, record_admitted
+from peer.net.plumbing.dht import create_dht, shutdown_dht
+from peer.net.plumbing.dial_back import ask_initial_peers
+from peer.net.trust.progress import make_validators, progress_key
+from peer.net.trust.records import ProgressRecord
 from peer.net.swarm import swarm_key
 from peer.proto import reachability_pb2
 
@@ -51,7 +51,7 @@ async def _ping_all(_dht, node: DHTNode, peers: list[str], timeout: float) -> li
 
 
 def probe_swarm(cfg: PeerConfig, *, timeout: float) -> Probe:
-    """Joins as a client for a moment. Raises what :func:`~peer.net.dht.create_dht` raises when no initial peer
+    """Joins as a client for a moment. Raises what :func:`~peer.net.plumbing.dht.create_dht` raises when no initial peer
     answers."""
     sw = cfg.swarm
     run_key = swarm_key(sw.run_id, cfg.run_hash(), cfg.outer.codec)
@@ -75,7 +75,7 @@ def probe_swarm(cfg: PeerConfig, *, timeout: float) -> Probe:
 def ask_to_be_dialed(cfg: PeerConfig, *,
                      timeout: float) -> tuple[Optional[reachability_pb2.DialBackReply], list[str]]:
     """Listens where the peer would (``swarm.host_maddrs``, announcing ``swarm.announce_maddrs``) and asks the
-    initial peers to dial it back: :func:`peer.net.dial_back.ask_initial_peers`; returns the reply and the
+    initial peers to dial it back: :func:`peer.net.plumbing.dial_back.ask_initial_peers`; returns the reply and the
     addresses it asked to be dialed at. Raises what the daemon raises when it cannot listen there."""
     sw = cfg.swarm
 
@@ -93,7 +93,7 @@ def ask_to_be_dialed(cfg: PeerConfig, *,
 
 def read_records(dht, run_key: str, *, timeout: float, checker: Optional[PassChecker] = None) -> list[ProgressRecord]:
     """The run's progress records in the DHT (signed: ``dht`` must have been created with
-    :func:`~peer.net.progress.make_validators`' validators), each checked (``ProgressRecord.from_wire``); in an
+    :func:`~peer.net.trust.progress.make_validators`' validators), each checked (``ProgressRecord.from_wire``); in an
     authenticated run (``checker``) only those that carry a valid pass of their signer. Raises TimeoutError when
     the DHT does not answer within ``timeout`` s."""
     found = dht.get(progress_key(run_key), latest=True, return_future=True).result(timeout)

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 
-from peer.net.bandwidth import Pacer, share, stream_pacer
-from peer.net.streams import StreamGuard, drain, single_request
+from peer.net.flow.bandwidth import Pacer, share, stream_pacer
+from peer.net.flow.streams import StreamGuard, drain, single_request
 from peer.outer.state import DIGEST_BLOCK, block_digests, digest_of_blocks
 from peer.proto import state_pb2 as pb
 from peer.util import next_by, short_id, time_left
@@ -168,7 +168,7 @@ class _Assembly:
     round: int = 0
     step: int = 0
     done: int = 0  # parts verified
-    received: int = 0  # bytes of chunks read (the joiner's downlink sample: peer/net/links.py)
+    received: int = 0  # bytes of chunks read (the joiner's downlink sample: peer/net/flow/links.py)
 
     def check_header(self, msg: pb.StateChunk) -> None:
         """Checks an answer's header against the digest wanted; the first good one sets the block digests."""
@@ -240,7 +240,7 @@ async def download(p2p: P2P, donors: Sequence[PeerID], fragment: int, *, round_:
     """Downloads round ``round_`` of fragment ``fragment`` (``numel`` elements, ``digest``) from up to
     ``parallel`` of ``donors`` at once, part by part, each part verified; a donor that fails a part (dead, slow,
     busy, lying) is dropped and its part goes to the next. Each donor in use gets ``timeout_per_donor`` seconds
-    for its parts (a mapping: per donor, e.g. from its declared uplink, peer/net/links.py). ``pacer``: the
+    for its parts (a mapping: per donor, e.g. from its declared uplink, peer/net/flow/links.py). ``pacer``: the
     owner's download cap (the donors in use are each declared a share of it). ``on_sample(bytes, seconds)``: what
     came in how long, also when the download fails (the next one's deadlines can then fit the link).
     ``on_lie(donor, why)``: a donor sent what no honest one sends (:class:`DonorLied`).

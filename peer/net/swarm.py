@@ -23,26 +23,26 @@ from hivemind.dht import DHT
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
-from peer.net.allreduce import AllReduceServicer
-from peer.net.auth import Admission, RunAccess, encode_pass, identity_key, revocation_key, revoke_in_dht
-from peer.net.bandwidth import Bandwidth
-from peer.net.activity import RoundActivity, RoundStage
-from peer.net.agreement import quorum_count
-from peer.net.attendance import Absent, Attendance
-from peer.net.dial_back import DialBackServicer, nat_verdict
-from peer.net.consensus import live_count
+from peer.net.round.allreduce import AllReduceServicer
+from peer.net.trust.auth import Admission, RunAccess, encode_pass, identity_key, revocation_key, revoke_in_dht
+from peer.net.flow.bandwidth import Bandwidth
+from peer.net.view.activity import RoundActivity, RoundStage
+from peer.net.policy.agreement import quorum_count
+from peer.net.view.attendance import Absent, Attendance
+from peer.net.plumbing.dial_back import DialBackServicer, nat_verdict
+from peer.net.policy.consensus import live_count
 from peer.outer.aggregate import AggregationRule
 from peer.outer.codec import codec_key, get_codec
 from peer.config import SwarmConfig
-from peer.net.dht import create_dht, peers_of, reconnect
-from peer.net.exclusion import Exclusions, Offence
-from peer.net.links import DeadlinePolicy, LinkMeter, slow_donors_last, state_deadline
-from peer.net.streams import HostBook, StreamGuard, cap_frame_size, frame_limit_for
+from peer.net.plumbing.dht import create_dht, peers_of, reconnect
+from peer.net.trust.exclusion import Exclusions, Offence
+from peer.net.flow.links import DeadlinePolicy, LinkMeter, slow_donors_last, state_deadline
+from peer.net.flow.streams import HostBook, StreamGuard, cap_frame_size, frame_limit_for
 from peer.outer.rounds import RoundOutcome
-from peer.net.progress import dht_security, progress_key
-from peer.net.roster import Roster
-from peer.net.round_runner import Lesson, RoundRunner
-from peer.net.records import MAX_PAST, ProgressRecord
+from peer.net.trust.progress import dht_security, progress_key
+from peer.net.view.roster import Roster
+from peer.net.round.round_runner import Lesson, RoundRunner
+from peer.net.trust.records import MAX_PAST, ProgressRecord
 from peer.net.state_transfer import DownloadError, Snapshot, StateServicer, download
 from peer.util import VERSION, Stopped, result_or_stop, short_id
 
@@ -95,7 +95,7 @@ class Swarm:
         self.guard = StreamGuard(per_peer=cfg.max_streams_per_peer, total=cfg.max_streams,  # all our handlers
                                  admitted=self.admission.admitted, per_host=cfg.max_streams_per_host,
                                  hosts=self.hosts, resolve=self._list_hosts)
-        self.policy = DeadlinePolicy.of(cfg)  # how long rounds and state downloads may take (peer/net/links.py)
+        self.policy = DeadlinePolicy.of(cfg)  # how long rounds and state downloads may take (peer/net/flow/links.py)
         self.uplink = LinkMeter()  # our uplink as our reducers timed our parts, declared to every group
         self.downlink = LinkMeter()  # our downlink as averages and state came in (sizes our state downloads)
         # a member's part and stream may take as long as the longest deadlines a group can give them
@@ -109,7 +109,7 @@ class Swarm:
                                             request_timeout=cfg.request_timeout,
                                             stream_timeout=longest_state + cfg.request_timeout,
                                             upload=self.bandwidth.upload, max_uploads=cfg.max_state_uploads)
-        # answers `swarm-peer doctor`'s "can others dial me?" (bounded: peer/net/dial_back.py)
+        # answers `swarm-peer doctor`'s "can others dial me?" (bounded: peer/net/plumbing/dial_back.py)
         self.dial_back = DialBackServicer(guard=self.guard, timeout=cfg.request_timeout,
                                           request_timeout=cfg.request_timeout)
         self._subkey = b""
@@ -117,10 +117,11 @@ class Swarm:
         self._progress: tuple[int, int, float, Optional[float]] = (0, 0, 0.0, None)
         self.paused = False  # published by the heartbeat: the trainer sets it while its owner pauses it
         self.client_mode = cfg.client_mode  # or set at start when nobody outside can dial us (_check_reachability)
-        # who we see: live records, vouched speeds, partners, known peers (peer/net/roster.py; fed by the heartbeat)
+        # who we see: live records, vouched speeds, partners, known peers (peer/net/view/roster.py; fed by the
+        # heartbeat)
         self.roster = Roster(ttl=cfg.progress_ttl, exclusions=self.exclusions, admitted=self.admission.admitted)
         self._first_read = threading.Event()  # set once the heartbeat's first read of the records ended
-        self.attendance = Attendance()  # whom our rounds wait for (peer/net/attendance.py; swarm-net only)
+        self.attendance = Attendance()  # whom our rounds wait for (peer/net/view/attendance.py; swarm-net only)
         self._reconnecting = False
         self._dht_revoked: frozenset[str] = frozenset()  # revocations our DHT process applies (auth.revoke_in_dht)
         self._initial_peers: dict[str, list[str]] = {}  # {peer id: its multiaddrs}, dialed by _reconnect
@@ -154,7 +155,7 @@ class Swarm:
         asyncio.run_coroutine_threadsafe(self._heartbeat(), self._loop)
 
     async def _check_reachability(self) -> None:
-        """Goes on in client mode if nobody outside can dial us (peer/net/dial_back.py); rounds that started
+        """Goes on in client mode if nobody outside can dial us (peer/net/plumbing/dial_back.py); rounds that started
         before the answer keep the mode they started with."""
         try:
             why = await nat_verdict(self.p2p, self.cfg.initial_peers, self.cfg.request_timeout)
@@ -285,7 +286,7 @@ class Swarm:
 
     async def _reconnect(self) -> None:
         """We see no other peer: ping the initial peers and the peers we saw before that our DHT node lost
-        (see :func:`peer.net.dht.reconnect`). One at a time; bounded by 3 x ``dht_timeout``."""
+        (see :func:`peer.net.plumbing.dht.reconnect`). One at a time; bounded by 3 x ``dht_timeout``."""
         peers = {**{pid: [] for pid in self.roster.known()}, **self._initial_peers}
         if self._reconnecting or not peers:
             return
@@ -398,7 +399,7 @@ class Swarm:
         if not ids:
             raise DownloadError("no valid donor")
         # slow donors last; each gets the time its share takes through the uplink its record declares, or through
-        # our downlink's share (peer/net/links.py)
+        # our downlink's share (peer/net/flow/links.py)
         records, width = self.live_peers(), min(self.cfg.state_donors, len(ids))
         uplinks = {pid: records[str(pid)].upload_bytes_per_second if str(pid) in records else 0.0 for pid in ids}
         ids = slow_donors_last(uplinks)
@@ -427,7 +428,7 @@ class Swarm:
 
         ``delta`` (fp32 CPU, the outer gradient) must not be modified until the future is done.
         ``sync_every``: the steps schedule's H (None on the clock schedule). The phase rules of
-        :mod:`peer.net.consensus` then apply: if no group formed within matchmaking_timeout, keep looking while a
+        :mod:`peer.net.policy.consensus` then apply: if no group formed within matchmaking_timeout, keep looking while a
         live peer's record shows it has not reached ``inner_step`` yet; stop as soon as every live peer has left
         the round without us. On both schedules the search stops once no other peer is live (status ``alone``,
         as at launch). The future completes within matchmaking_timeout

@@ -2,7 +2,7 @@
 
 It depends on the swarm alone, never on the trainer: the engine passes what it knows into :meth:`launch`
 (its expected round), whether and why a round was not launched comes back only in the round's outcome
-(status ``alone`` or ``behind``, decided by :func:`peer.net.consensus.launch_verdict`), and the live peer
+(status ``alone`` or ``behind``, decided by :func:`peer.net.policy.consensus.launch_verdict`), and the live peer
 count is a read-only property.
 """
 
@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from peer.net.consensus import launch_verdict, live_count
+from peer.net.policy.consensus import launch_verdict, live_count
 from peer.net.swarm import Swarm
 from peer.outer.rounds import RoundOutcome
 
@@ -36,7 +36,7 @@ class Done:
 
 class SwarmTransport:
     """Launches rounds in ``swarm``. ``sync_every`` is the steps schedule's H (None on the clock schedule):
-    the phase rules of :mod:`peer.net.consensus` then apply to its rounds.
+    the phase rules of :mod:`peer.net.policy.consensus` then apply to its rounds.
 
     Must be created after ``swarm.start()``."""
 

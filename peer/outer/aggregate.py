@@ -27,7 +27,7 @@ from peer.config import OuterConfig
 
 
 HEAVY_CLIP = 0.5  # a part of which the rule kept less than this fraction of its deviation or length is reported
-# ... and less than this fraction counts as an offence (peer/net/exclusion.py): a part 10 radii from the center,
+# ... and less than this fraction counts as an offence (peer/net/trust/exclusion.py): a part 10 radii from the center,
 # or 10 caps longer than the group's median part. Lower than HEAVY_CLIP because honest parts differ too (a
 # faster peer's outer gradient is longer): being reported now and then is harmless, being excluded is not.
 OFFENCE_CLIP = 0.1
@@ -96,7 +96,7 @@ class Aggregate:
         return why
 
     def offending(self, i: int) -> bool:
-        """Part ``i`` was far off the group (an offence, peer/net/exclusion.py): its direction 10 radii from the
+        """Part ``i`` was far off the group (an offence, peer/net/trust/exclusion.py): its direction 10 radii from the
         center, or its length 10 caps beyond the group's median."""
         return self.kept[i] < OFFENCE_CLIP or bool(self.lengths) and self.lengths[i] < OFFENCE_CLIP
 

@@ -4,7 +4,7 @@ of whatever carries rounds (:class:`Transport`, :class:`Handle`).
 A round's average may arrive incomplete (a reducer died): it is a list of spans, each either the decoded
 average or ``None``. The transport fills a :class:`RoundOutcome`; the engine applies it only when its status is
 ``ok`` (:meth:`RoundOutcome.applied_spans`): every peer that applies a round then holds the same state after it
-(:mod:`peer.net.agreement`).
+(:mod:`peer.net.policy.agreement`).
 """
 
 from __future__ import annotations
@@ -73,10 +73,10 @@ class RoundOutcome:
     deadline: float = 0.0  # seconds its group gave the all-reduce (measured deadlines follow the links); 0: none
     flagged: list[tuple[str, str]] = field(default_factory=list)  # (peer id, why): contributions our span limited
     matchmaking_seconds: float = 0.0  # from the search's start to its group (or to giving up)
-    # (peer id or "(strangers)", why): who our rounds stopped waiting for at this round (peer/net/attendance.py)
+    # (peer id or "(strangers)", why): who our rounds stopped waiting for at this round (peer/net/view/attendance.py)
     absent: list[tuple[str, str]] = field(default_factory=list)
     base: str = ""  # the digest of the state we declared we would apply the round to ("": not declared)
-    group_base: str = ""  # the group's base (peer/net/agreement.py); differs from ``base`` when off_base
+    group_base: str = ""  # the group's base (peer/net/policy/agreement.py); differs from ``base`` when off_base
     appliers: list[str] = field(default_factory=list)  # peer ids that applied the average (off_base: our donors)
 
     @property

@@ -10,7 +10,7 @@ replica decodes the same bytes.
 For the attack benchmarks (bench/attacks.py) a replica's part can be ``tamper``ed with on its way in
 (scaled, replaced, its weight a lie), and the transport then plays the honest reducers' defences: a part
 that is not finite is refused, and with a rule, a replica with ``exclude_after`` offences (refused parts,
-parts the rule kept less than OFFENCE_CLIP of) is excluded, as :mod:`peer.net.exclusion` does.
+parts the rule kept less than OFFENCE_CLIP of) is excluded, as :mod:`peer.net.trust.exclusion` does.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class FakeTransport:
         if len(parts) == self.num_replicas:
             nbytes, kept = 0, {}
             for i in sorted(parts):
-                if not bool(torch.isfinite(parts[i][0]).all()):  # a reducer refuses it (peer.net.allreduce)
+                if not bool(torch.isfinite(parts[i][0]).all()):  # a reducer refuses it (peer.net.round.allreduce)
                     self._offence(i, key)
                     continue
                 decoded, size = self._roundtrip(parts[i][0])

@@ -1,6 +1,6 @@
 """Our fragments' shared state against the swarm's: every version we hold is published (served to peers that
 download it, its digest in our progress record), and where the swarm's majority is ahead of ours or differs,
-we download theirs (the catch-up; whom to ask and why: :func:`peer.net.consensus.plan_catch_up`).
+we download theirs (the catch-up; whom to ask and why: :func:`peer.net.policy.consensus.plan_catch_up`).
 
 The trainer owns one :class:`StateSync` and calls :meth:`StateSync.publish` after every change of a fragment's
 ``G, v`` (the restore, each round, an adoption), :meth:`StateSync.owe` after an ``off_base`` round (the group
@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from peer.net.consensus import CatchUp, plan_catch_up, plan_owed, plausible_donor_step, step_after_catch_up
+from peer.net.policy.consensus import CatchUp, plan_catch_up, plan_owed, plausible_donor_step, step_after_catch_up
 from peer.net.state_transfer import DownloadError, Snapshot
 from peer.net.swarm import Swarm
 from peer.outer.engine import StreamingEngine

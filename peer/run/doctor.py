@@ -163,7 +163,7 @@ def _network(cfg: PeerConfig, timeout: float) -> list[Check]:
         return [Check("bootstrap", Verdict.OK if sw.new_swarm else Verdict.FAIL,
                       "new swarm: no initial peers" if sw.new_swarm else "no initial peers given",
                       "" if sw.new_swarm else "pass --initial-peers (the line swarm-bootstrap prints)")]
-    from peer.net.reachability import diagnose_initial_peers
+    from peer.net.plumbing.reachability import diagnose_initial_peers
 
     out = []
     answers = diagnose_initial_peers(sw.initial_peers, ["/ip4/0.0.0.0/tcp/0"], timeout=timeout)
@@ -184,9 +184,9 @@ NAT_FIX = ("forward the port to this machine and pass --host-maddrs /ip4/0.0.0.0
 
 
 def _dialed_back(cfg: PeerConfig, timeout: float) -> Check:
-    """Whether an initial peer can open a new connection to where this peer will listen (peer/net/dial_back.py);
-    judged from the addresses when none of them answers dial-back requests."""
-    from peer.net.dial_back import not_dialable
+    """Whether an initial peer can open a new connection to where this peer will listen
+    (peer/net/plumbing/dial_back.py); judged from the addresses when none of them answers dial-back requests."""
+    from peer.net.plumbing.dial_back import not_dialable
     from peer.net.probe import ask_to_be_dialed
 
     if cfg.swarm.client_mode:

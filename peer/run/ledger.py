@@ -59,7 +59,7 @@ class RoundLedger:
                          applied=outcome.applied, base=outcome.base, group_base=outcome.group_base)
         for peer, why in outcome.absent:  # (the console line is the swarm's, in peer.net.swarm)
             self.events.emit("peer_absent", fragment=fragment, round=outcome.round, peer=peer, reason=why)
-        for peer, why in outcome.flagged:  # (the console line is the reducer's warning, in peer.net.allreduce)
+        for peer, why in outcome.flagged:  # (the console line is the reducer's warning, in peer.net.round.allreduce)
             self.events.emit("contribution_limited", fragment=fragment, round=outcome.round, peer=peer, reason=why,
                              aggregator=self.aggregator)
         return applied

@@ -20,8 +20,8 @@ from peer.control.feed import EventFeed
 from peer.control.limits import Limits
 from peer.control.metrics import MetricsEndpoint
 from peer.control.server import ControlServer
-from peer.net.bandwidth import cap_warnings
-from peer.net.links import wire_bytes
+from peer.net.flow.bandwidth import cap_warnings
+from peer.net.flow.links import wire_bytes
 from peer.outer.codec import Codec
 from peer.util import host_peak_bytes
 
@@ -104,7 +104,7 @@ class OwnerLink:
         called once the fragments are known, before :meth:`apply_limits`."""
         sw = self.cfg.swarm
         encoded = wire_bytes(codec, largest_numel)
-        if sw.deadlines == "measured":  # the deadlines follow the links, up to deadline_max (peer/net/links.py)
+        if sw.deadlines == "measured":  # the deadlines follow the links, up to deadline_max (peer/net/flow/links.py)
             self._traffic = [("all-reduce", 2 * encoded, sw.deadline_max, "deadline_max"),
                              ("state transfer", 8 * largest_numel, sw.deadline_max, "deadline_max")]
             return
@@ -114,7 +114,7 @@ class OwnerLink:
 
     def apply_limits(self) -> None:
         """Applies changed limits (the training thread, between steps): the thread count here; the bandwidth caps
-        are read by the pacers at every message (peer/net/bandwidth.py), and checked here against the rounds'
+        are read by the pacers at every message (peer/net/flow/bandwidth.py), and checked here against the rounds'
         deadlines whenever they change."""
         limits = self.controls.limits.get()
         if limits.threads != self._threads_in_force:

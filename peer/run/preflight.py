@@ -17,7 +17,7 @@ from peer.local.data import make_source
 from peer.local.model import build_model
 
 if TYPE_CHECKING:
-    from peer.net.auth import RunAccess
+    from peer.net.trust.auth import RunAccess
 
 # The smallest batch that shows a model's output shape (a forward on the meta device costs nothing).
 _PROBE_BATCH, _PROBE_LEN = 2, 8
@@ -108,7 +108,7 @@ def load_access(cfg: PeerConfig) -> Optional["RunAccess"]:
     identity; None in an open run. Must be called after the identity exists."""
     if not cfg.swarm.authority:
         return None
-    from peer.net.auth import RunAccess
+    from peer.net.trust.auth import RunAccess
 
     try:
         return RunAccess.load(cfg.swarm.authority, cfg.pass_path, cfg.identity_path)
@@ -119,8 +119,8 @@ def load_access(cfg: PeerConfig) -> Optional["RunAccess"]:
 def pass_request_line(cfg: PeerConfig) -> str:
     """The line a volunteer sends the operator of an authenticated run (``swarm-peer pass-request``): its peer id
     and identity key; the identity is created if missing."""
-    from peer.net.auth import identity_key, pass_request
-    from peer.net.dht import ensure_identity
+    from peer.net.trust.auth import identity_key, pass_request
+    from peer.net.plumbing.dht import ensure_identity
 
     try:
         ensure_identity(cfg.identity_path)

@@ -14,7 +14,7 @@ import time
 from typing import Optional, Sequence
 
 from peer.run.events import fmt_bytes
-from peer.net.activity import RoundActivity, RoundStage
+from peer.net.view.activity import RoundActivity, RoundStage
 
 
 def describe(*, now: float, live: int, need: int, activity: Sequence[RoundActivity], blocked: bool,

@@ -23,12 +23,12 @@ from typing import Optional
 
 from hivemind.utils import get_dht_time
 
-from peer.net import consensus
+from peer.net.policy import consensus
 from peer.run import preflight
 from peer.outer.codec import get_codec, make_codec
 from peer.config import PeerConfig
 from peer.errors import JoinError, SetupError
-from peer.net.dht import check_maddrs, ensure_identity, relay_options
+from peer.net.plumbing.dht import check_maddrs, ensure_identity, relay_options
 from peer.control.controls import PeerState
 from peer.run.events import EventLog, setup_logging
 from peer.run.ledger import RoundLedger
@@ -43,14 +43,14 @@ from peer.outer.state import FragmentState
 from peer.run.run_dir import RunDirLock
 from peer.outer.schedule import ClockSchedule, StepsSchedule
 from peer.net.transport import SwarmTransport
-from peer.net.records import MAX_FRAGMENTS
-from peer.net.auth import fingerprint
+from peer.net.trust.records import MAX_FRAGMENTS
+from peer.net.trust.auth import fingerprint
 from peer.outer.aggregate import AggregationRule
 from peer.outer.engine import StreamingEngine
 from peer.outer.settings import AutoTau, OuterSettings
 from peer.run.status import StatusLine, describe
 from peer.net.swarm import Swarm
-from peer.net.bandwidth import Bandwidth
+from peer.net.flow.bandwidth import Bandwidth
 from peer.util import Ema, short_id
 
 log = logging.getLogger(__name__)
@@ -392,8 +392,8 @@ class Trainer:
 
     def _realign(self, engine: StreamingEngine, step: int, min_lag_seconds: Optional[float] = None) -> int:
         """Steps schedule: moves the step counter up to meet the swarm when we are far behind it by wall time
-        (see :mod:`peer.net.consensus`; ``min_lag_seconds``: how far, default half the matchmaking patience); returns
-        the step to continue from. Our progress is kept (``S - theta``)."""
+        (see :mod:`peer.net.policy.consensus`; ``min_lag_seconds``: how far, default half the matchmaking patience);
+        returns the step to continue from. Our progress is kept (``S - theta``)."""
         if not isinstance(engine.schedule, StepsSchedule):
             return step
         if min_lag_seconds is None:

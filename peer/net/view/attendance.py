@@ -3,7 +3,7 @@
 A live record is not a peer that comes: a crashed peer stays live for ``progress_ttl``, a hung one for ever, and in
 an open run one machine can publish records under many made-up ids. :class:`Attendance` is the one place that
 decides whom a round waits for (:meth:`Attendance.expected`); the group assembles as soon as those joined
-(:mod:`peer.net.matchmaking`), and any other live peer that comes before that is still welcome. Not waited for:
+(:mod:`peer.net.round.matchmaking`), and any other live peer that comes before that is still welcome. Not waited for:
 
 - a peer whose state is well behind ours (:func:`catching_up`): it downloads the swarm's state before it comes;
 - a peer *absent* here: invited to ``MISSES`` rounds in a row, it came to none (:meth:`Attendance.record`). It is
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Collection, Iterable, Mapping, Optional, Sequence
 
-from peer.net.records import ProgressRecord
+from peer.net.trust.records import ProgressRecord
 
 STRANGERS = "(strangers)"  # the key under which peers we never were in a group with are judged together
 MISSES = 2  # rounds in a row a peer was invited to and did not come, before groups stop waiting for it
@@ -102,7 +102,7 @@ class Attendance:
 
     def counted(self, expected: frozenset[str], me: str, met: Callable[[str], bool]) -> frozenset[str]:
         """Of the peers a round waits for (:meth:`expected`), those its quorum counts
-        (:func:`~peer.net.agreement.quorum_count`): all but strangers while strangers are absent (invited at
+        (:func:`~peer.net.policy.agreement.quorum_count`): all but strangers while strangers are absent (invited at
         probes only). Counted at a probe, ids that never come would make that round a minority."""
         return expected if not self.absent(STRANGERS) else frozenset(p for p in expected if p == me or met(p))
 
@@ -178,7 +178,7 @@ CATCHING_UP = 3  # rounds behind ours in some fragment: that peer downloads the 
 def catching_up(rec: ProgressRecord, my_rounds: Sequence[int]) -> bool:
     """Whether ``rec``'s peer will download the swarm's state before it comes to a round: its state is
     ``CATCHING_UP`` or more rounds behind ours in some fragment. (Two behind is enough for it to download
-    (:func:`~peer.net.consensus.plan_catch_up`), but records lag by up to a heartbeat, and a fragment's rounds
+    (:func:`~peer.net.policy.consensus.plan_catch_up`), but records lag by up to a heartbeat, and a fragment's rounds
     can be faster than that: a peer whose record is two rounds old may be at our round.) ``my_rounds`` empty
     (ours not published yet): nobody is."""
     return bool(my_rounds) and len(rec.rounds) == len(my_rounds) and any(
@@ -188,7 +188,7 @@ def catching_up(rec: ProgressRecord, my_rounds: Sequence[int]) -> bool:
 def early_assembly(expected: Optional[frozenset[str]], me: str, at_least: int = 2) -> Optional[frozenset[str]]:
     """The set whose arrival assembles a group early, or None (wait for the count, or ``matchmaking_time``):
     only when we expect at least one other peer, and ``at_least`` peers in all (a group that could not apply
-    its round is not worth assembling early: see :func:`~peer.net.agreement.quorum_size`). Expecting no one,
+    its round is not worth assembling early: see :func:`~peer.net.policy.agreement.quorum_size`). Expecting no one,
     we wait for whoever comes (an absent peer may be on its way; assembling with the first to arrive would
     split the others off)."""
     ok = expected is not None and any(p != me for p in expected) and len(expected) >= at_least

@@ -1,10 +1,10 @@
-"""One outer round on the wire: find a group (:mod:`peer.net.matchmaking`), plan it (:mod:`peer.net.group`),
-and run the butterfly all-reduce (:mod:`peer.net.allreduce`), with two levels when groups are bounded
-(:mod:`peer.net.levels`).
+"""One outer round on the wire: find a group (:mod:`peer.net.round.matchmaking`), plan it (:mod:`peer.net.round.group`),
+and run the butterfly all-reduce (:mod:`peer.net.round.allreduce`), with two levels when groups are bounded
+(:mod:`peer.net.round.levels`).
 
-The rules the round follows are not here: whom it waits for is :mod:`peer.net.attendance`'s call, when to
-keep looking or give up is :mod:`peer.net.consensus`'s, its deadlines are :mod:`peer.net.links`'s. This module
-composes them for one round from explicit inputs: what it reads of the swarm (:class:`SwarmView`, read-only), and
+The rules the round follows are not here: whom it waits for is :mod:`peer.net.view.attendance`'s call, when to
+keep looking or give up is :mod:`peer.net.policy.consensus`'s, its deadlines are :mod:`peer.net.flow.links`'s. This
+module composes them for one round from explicit inputs: what it reads of the swarm (:class:`SwarmView`, read-only), and
 hands back what the round taught as data (:class:`Lesson`: whom we met, who stayed away, offences, link samples),
 which the swarm applies in one place (``SwarmView.learn``). It runs on the ``swarm-net`` loop only;
 :meth:`~peer.net.swarm.Swarm.run_round` is its entry point from the training thread.
@@ -21,16 +21,16 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 import torch
 
-from peer.net.activity import RoundActivity, RoundStage
-from peer.net.agreement import quorum_size
-from peer.net.allreduce import run_allreduce
-from peer.net.attendance import early_assembly
-from peer.net.consensus import laggards, nobody_coming, swarm_is_past
-from peer.net.exclusion import Offence
-from peer.net.group import PROTOCOL_VERSION, GroupError, GroupPlan
-from peer.net.levels import Levels, plan_levels, swarm_lift
-from peer.net.links import plan_deadlines
-from peer.net.matchmaking import GaveUp, form_group, round_prefix
+from peer.net.view.activity import RoundActivity, RoundStage
+from peer.net.policy.agreement import quorum_size
+from peer.net.round.allreduce import run_allreduce
+from peer.net.view.attendance import early_assembly
+from peer.net.policy.consensus import laggards, nobody_coming, swarm_is_past
+from peer.net.trust.exclusion import Offence
+from peer.net.round.group import PROTOCOL_VERSION, GroupError, GroupPlan
+from peer.net.round.levels import Levels, plan_levels, swarm_lift
+from peer.net.flow.links import plan_deadlines
+from peer.net.round.matchmaking import GaveUp, form_group, round_prefix
 from peer.outer.aggregate import vouched_caps
 from peer.outer.rounds import RoundOutcome, RoundStatus
 from peer.proto import allreduce_pb2 as pb
@@ -40,8 +40,8 @@ if TYPE_CHECKING:
     from hivemind.averaging.group_info import GroupInfo
 
     from peer.config import SwarmConfig
-    from peer.net.attendance import Absent
-    from peer.net.records import ProgressRecord
+    from peer.net.view.attendance import Absent
+    from peer.net.trust.records import ProgressRecord
 
 log = logging.getLogger(__name__)
 

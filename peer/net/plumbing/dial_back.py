@@ -22,9 +22,9 @@ from typing import AsyncIterator, Optional, Sequence
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.utils.multiaddr import Multiaddr
 
-from peer.net.hivemind_internals import connect
-from peer.net.streams import StreamGuard, drain, single_request
-from peer.net.reachability import dial_failure
+from peer.net.plumbing.hivemind_internals import connect
+from peer.net.flow.streams import StreamGuard, drain, single_request
+from peer.net.plumbing.reachability import dial_failure
 from peer.proto import reachability_pb2 as pb
 
 log = logging.getLogger(__name__)

@@ -40,8 +40,8 @@ from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.auth import TokenAuthorizerBase
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
-from peer.net.hivemind_internals import request_and_record_checkers
-from peer.net.records import MAX_PASS_CHARS, PEER_ID, ProgressRecord
+from peer.net.plumbing.hivemind_internals import request_and_record_checkers
+from peer.net.trust.records import MAX_PASS_CHARS, PEER_ID, ProgressRecord
 
 PASS_PREFIX = "swarmloco-pass:"
 REQUEST_PREFIX = "swarmloco-request:"

@@ -1,5 +1,5 @@
 """What a member checks in the span results of a round before applying them (pure torch; the RPC runner is
-``peer/net/allreduce.py``). A member does not see the other members' parts, so it checks what it can see:
+``peer/net/round/allreduce.py``). A member does not see the other members' parts, so it checks what it can see:
 
 1. **Size** (:func:`implausible`): a result whose RMS is over ``PLAUSIBLE`` times both our own outer gradient's
    and the round's median span result's (a reducer that scales its average).

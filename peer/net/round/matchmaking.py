@@ -25,8 +25,8 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.timed_storage import MAX_DHT_TIME_DISCREPANCY_SECONDS
 
-from peer.net.group import member_info
-from peer.net.streams import StreamGuard, drain, single_request
+from peer.net.round.group import member_info
+from peer.net.flow.streams import StreamGuard, drain, single_request
 from peer.proto import allreduce_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ class _Matchmaking(Matchmaking):
     - A join request whose stream the leader closed or reset (a leader that just died, or refused us and
       closed first) is a failed request, as hivemind treats a daemon error, instead of an error that ends the
       whole search (the round then failed at once).
-    - ``expected`` (peer ids, see :mod:`peer.net.attendance`): as a leader, the group assembles as soon as all
+    - ``expected`` (peer ids, see :mod:`peer.net.view.attendance`): as a leader, the group assembles as soon as all
       of them joined, not only once ``target_group_size`` did (which stays the cap on the group's size). So a
       live peer that does not come (crashed, hanging, a made-up id) costs a round nothing once it is no longer
       expected, while a peer that comes anyway before then is still taken. hivemind assembles a group right
@@ -46,7 +46,7 @@ class _Matchmaking(Matchmaking):
       expected set, the size that triggers is lowered to the group it makes.
     - A join request that waited for our lock until its follower likely gave up is refused (see :meth:`join`),
       and so is one whose expiration is absurd (:meth:`_sane_expiration`) or whose member info the group plan
-      would leave out (:func:`~peer.net.group.member_info`): it never gets into a group to fail it.
+      would leave out (:func:`~peer.net.round.group.member_info`): it never gets into a group to fail it.
     """
 
     expected: Callable[[], Optional[frozenset]] = staticmethod(lambda: None)  # set per instance by form_group
@@ -113,9 +113,9 @@ class _Matchmaking(Matchmaking):
 
 class JoinServicer(ServicerBase):
     """Forwards join requests of one round to that round's Matchmaking instance, except those of peers
-    ``excluded`` says this peer no longer works with (see :mod:`peer.net.exclusion`), within the bounds of
+    ``excluded`` says this peer no longer works with (see :mod:`peer.net.trust.exclusion`), within the bounds of
     ``guard`` (streams per remote peer; the request within ``request_timeout``, the whole exchange within
-    ``stream_timeout``: see :mod:`peer.net.streams`)."""
+    ``stream_timeout``: see :mod:`peer.net.flow.streams`)."""
 
     def __init__(self, matchmaking: _Matchmaking, *, guard: StreamGuard, request_timeout: float,
                  stream_timeout: float, excluded: Callable[[str], bool] = lambda peer: False):
@@ -221,13 +221,13 @@ async def form_group(p2p: P2P, dht: DHT, *, prefix: str, gather: bytes, target_g
     ``gather`` (this peer's serialized MemberInfo) reaches every member of the group. The group
     assembles as soon as ``target_group_size`` peers joined, or after ``min_matchmaking_time`` with
     at least ``min_group_size``. The search lasts ``timeout`` s, and longer while ``keep_waiting()`` is
-    true (a live peer is on its way to this round, see :func:`peer.net.consensus.laggards`): until ``timeout`` s
+    true (a live peer is on its way to this round, see :func:`peer.net.policy.consensus.laggards`): until ``timeout`` s
     after it last was, and at most ``patience`` s past ``timeout``. ``give_up`` and ``keep_waiting`` are
     asked every ``poll`` s while no group has formed; a :class:`GaveUp` from ``give_up`` (e.g. the swarm
     already applied this round, so no one will come) ends the search: it is raised. Peers for which
     ``excluded`` is true are neither followed as leaders nor accepted as followers. ``guard``: this peer's
-    bound on streams per remote peer (see :mod:`peer.net.streams`). ``expected()``, asked at each join request
-    (peer ids, ours included, or None; see :func:`peer.net.attendance.early_assembly`): as a leader, assemble as
+    bound on streams per remote peer (see :mod:`peer.net.flow.streams`). ``expected()``, asked at each join request
+    (peer ids, ours included, or None; see :func:`peer.net.view.attendance.early_assembly`): as a leader, assemble as
     soon as all of them joined, within the cap of ``target_group_size``.
     Must run in the event loop that owns ``p2p``.
     """

@@ -1,12 +1,12 @@
 """Who this peer sees in the swarm (a data structure: no I/O; the heartbeat in ``peer/net/swarm.py`` feeds it).
 
-- **Live**: the other peers' progress records as they arrive (:class:`~peer.net.progress.LiveView`), without the
-  peers we excluded (:mod:`peer.net.exclusion`), those without a valid pass (authenticated runs) and those their
+- **Live**: the other peers' progress records as they arrive (:class:`~peer.net.trust.progress.LiveView`), without the
+  peers we excluded (:mod:`peer.net.trust.exclusion`), those without a valid pass (authenticated runs) and those their
   owners paused. Every rule acts on these: group targets, donors, votes.
-- **Vouched speeds**: what their records claim over time (:class:`~peer.net.progress.SpeedLedger`, the robust
+- **Vouched speeds**: what their records claim over time (:class:`~peer.net.trust.progress.SpeedLedger`, the robust
   rule's caps).
 - **Partners**: the peers we were in a group with; their records are the ones the consensus rules trust
-  (:meth:`Roster.vouched_peers`), and whom a round waits for tells them from strangers (peer/net/attendance.py).
+  (:meth:`Roster.vouched_peers`), and whom a round waits for tells them from strangers (peer/net/view/attendance.py).
 - **Known**: the peers we saw lately, pinged when we find ourselves alone.
 
 Read from the training thread (never blocks) and written by the networking thread: each update swaps in a new
@@ -18,9 +18,9 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
-from peer.net.exclusion import Exclusions
-from peer.net.progress import LiveView, SpeedLedger
-from peer.net.records import ProgressRecord
+from peer.net.trust.exclusion import Exclusions
+from peer.net.trust.progress import LiveView, SpeedLedger
+from peer.net.trust.records import ProgressRecord
 
 # Peers remembered to reconnect to when we find ourselves alone: the most recently seen, for an hour.
 MAX_KNOWN_PEERS, KNOWN_PEER_TTL = 64, 3600.0
@@ -70,7 +70,7 @@ class Roster:
         a "majority" state or a round far ahead. Only peers that took part in our rounds count, so such claims
         cannot be manufactured without joining rounds (and being clipped and excluded there). A joiner has no
         such anchor: in an open run it trusts the records it finds; in an authenticated run every record
-        carries a pass. (Whom a round waits for is :mod:`peer.net.attendance`'s call: a newcomer has met no one,
+        carries a pass. (Whom a round waits for is :mod:`peer.net.view.attendance`'s call: a newcomer has met no one,
         and a group that never waited for it would rarely let it in.)"""
         live = self.live_peers()
         vouched = {pid: rec for pid, rec in live.items() if self.partnered(pid)}

@@ -18,7 +18,7 @@ def diagnose_initial_peers(initial_peers: Sequence[str], host_maddrs: Sequence[s
     from hivemind.p2p import P2P, PeerID
     from hivemind.utils.multiaddr import Multiaddr
 
-    from peer.net.hivemind_internals import connect
+    from peer.net.plumbing.hivemind_internals import connect
 
     # Listen like the peer would (all interfaces or the given ones) but on any port: the dial goes out from there.
     hosts = sorted({re.sub(r"/tcp/\d+", "/tcp/0", str(m)) for m in host_maddrs}) or ["/ip4/0.0.0.0/tcp/0"]

@@ -1,17 +1,17 @@
 """Butterfly all-reduce of one fragment's outer gradient within an assembled group (:func:`run_allreduce`, served
 by :class:`AllReduceServicer`; messages in protos/allreduce.proto).
 
-1. The fragment's flat vector is cut into one span per non-client member (:func:`peer.net.group.member_spans`).
+1. The fragment's flat vector is cut into one span per non-client member (:func:`peer.net.round.group.member_spans`).
 2. Every member streams its encoded part of span i, with its weight, to reducer i.
 3. Reducer i combines the parts that arrived by its deadline by the run's rule (:mod:`peer.outer.aggregate`),
    **encodes the result once** and streams those same bytes back to every member, with the contributors.
 4. Every member (the reducer included) decodes those bytes: all hold bit-identical averages. A span whose reducer
-   failed, or whose result fails the member's checks (:mod:`peer.net.span_checks`), is ``None``: not applied.
+   failed, or whose result fails the member's checks (:mod:`peer.net.trust.span_checks`), is ``None``: not applied.
 
 Nobody keeps ``average - own part`` or its own uncompressed span, so a lossy codec cannot make peers drift apart.
 Everything read from a peer is validated before use; messages are paced by the sender's upload cap and the
-receiver's credit (:mod:`peer.net.credit`). Offences go to :class:`~peer.net.exclusion.Exclusions`: an excluded
-peer's parts are refused and its span is not requested. See docs/architecture.md, "A round".
+receiver's credit (:mod:`peer.net.flow.credit`). Offences go to :class:`~peer.net.trust.exclusion.Exclusions`: an
+excluded peer's parts are refused and its span is not requested. See docs/architecture.md, "A round".
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ from typing import AsyncIterator, Awaitable, Optional
 import torch
 from hivemind.p2p import P2P, P2PContext, ServicerBase
 
-from peer.net.bandwidth import Bandwidth
-from peer.net.credit import CreditError, SendWindow, window
-from peer.net.exclusion import Exclusions, Offence
-from peer.net.group import GroupPlan, valid_weight
-from peer.net.streams import StreamGuard, first_message
-from peer.net.reduction import Lift, Pieces, SpanReduction, Traffic, decode_piece, encode_pieces
-from peer.net.span_checks import disagreeing, implausible
+from peer.net.flow.bandwidth import Bandwidth
+from peer.net.flow.credit import CreditError, SendWindow, window
+from peer.net.trust.exclusion import Exclusions, Offence
+from peer.net.round.group import GroupPlan, valid_weight
+from peer.net.flow.streams import StreamGuard, first_message
+from peer.net.round.reduction import Lift, Pieces, SpanReduction, Traffic, decode_piece, encode_pieces
+from peer.net.trust.span_checks import disagreeing, implausible
 from peer.outer.codec import CodecError
 from peer.outer.rounds import Span
 from peer.proto import allreduce_pb2 as pb
@@ -56,7 +56,7 @@ class AllReduceResult:
     total_weight: float = 0.0  # the largest total weight among the spans that arrived
     flagged: list[tuple[str, str]] = field(default_factory=list)  # (peer id, why): parts our span's rule limited
     pieces: list[Optional[Pieces]] = field(default_factory=list)  # per span, the bytes it was decoded from
-    # our link samples (peer/net/links.py), as (bytes, seconds): of our parts, what the reducers read and the
+    # our link samples (peer/net/flow/links.py), as (bytes, seconds): of our parts, what the reducers read and the
     # longest of their times; of the averages we read, all their bytes and the window they came in
     uplink: Optional[tuple[int, float]] = None
     downlink: Optional[tuple[int, float]] = None
@@ -121,7 +121,7 @@ class AllReduceServicer(ServicerBase):
     async def _reduce(self, requests: AsyncIterator[pb.ReduceRequest],
                       context: P2PContext) -> AsyncIterator[pb.ReduceResponse]:
         red, sender = None, None
-        opened, arrived = time.monotonic(), 0  # (the member's uplink sample: peer/net/links.py)
+        opened, arrived = time.monotonic(), 0  # (the member's uplink sample: peer/net/flow/links.py)
         stream_deadline = opened + self.stream_timeout
         try:
             # The first message carries up to chunk_bytes of data: on a slow link it takes as long as
@@ -145,7 +145,7 @@ class AllReduceServicer(ServicerBase):
                 yield pb.ReduceResponse(status=Status.REJECTED, error="wrong span index or invalid weight")
                 return
             red.stream_opened(sender)
-            # we grant credit on the part if we declared a download cap (peer/net/credit.py)
+            # we grant credit on the part if we declared a download cap (peer/net/flow/credit.py)
             grants = window(plan.infos[plan.my_index].download_bytes_per_second, 1) > 0
             part = torch.empty(red.length, dtype=torch.float32)
             filled, msg, read = 0, header, 0
@@ -261,7 +261,7 @@ async def _remote_span(p2p: P2P, plan: GroupPlan, j: int, values: torch.Tensor, 
     pieces = encode_pieces(plan.parts, values, chunk_elems)
     opened = time.monotonic()
     span_length = plan.spans[j][1] - plan.spans[j][0]
-    # credit (peer/net/credit.py): the reducer's on our part if it declared a download cap, ours on its average
+    # credit (peer/net/flow/credit.py): the reducer's on our part if it declared a download cap, ours on its average
     credit = SendWindow(window(plan.infos[j].download_bytes_per_second, max(p.ByteSize() for _, p in pieces)))
     grants = window(plan.infos[plan.my_index].download_bytes_per_second, 1) > 0
     acks: asyncio.Queue[Optional[int]] = asyncio.Queue()  # our credits to send; None: the whole average is in
@@ -374,7 +374,7 @@ def _note_silence(plan: GroupPlan, j: int, got: SpanResult, results: dict[int, S
 
 def _not_in_group(red: SpanReduction, j: int, answer: asyncio.Future) -> None:
     """Stops our span waiting for member ``j``'s part when its reducer said it does not know our group: it never
-    learned of it (a leader listed a follower that had left, see :meth:`peer.net.matchmaking._Matchmaking.join`),
+    learned of it (a leader listed a follower that had left, see :meth:`peer.net.round.matchmaking._Matchmaking.join`),
     so its part will not come, and waiting for it would cost the whole group ``part_timeout``."""
     if answer.cancelled() or answer.exception() is not None:
         return
@@ -386,7 +386,7 @@ def _not_in_group(red: SpanReduction, j: int, answer: asyncio.Future) -> None:
 
 
 def _check_spans(plan: GroupPlan, results: dict[int, SpanResult], delta: torch.Tensor) -> None:
-    """Replaces, in ``results``, every remote span result that fails our checks (:mod:`peer.net.span_checks`:
+    """Replaces, in ``results``, every remote span result that fails our checks (:mod:`peer.net.trust.span_checks`:
     size, then direction) by a missing one marked as the reducer's offence."""
     arrived = {j: r.average for j, r in results.items() if r.average is not None}
     for j, average in arrived.items():
@@ -403,7 +403,7 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
                         weight: float, *, part_timeout: float, allreduce_timeout: float,
                         connect_timeout: float, chunk_bytes: int, lift: Optional[Lift] = None) -> AllReduceResult:
     """Runs one butterfly all-reduce as member ``plan.my_index``; never raises for peer failures. ``lift``: a
-    two-level round's level 2 for the span we reduce (:mod:`peer.net.levels`).
+    two-level round's level 2 for the span we reduce (:mod:`peer.net.round.levels`).
 
     Must run in the event loop that owns ``servicer`` and ``p2p``. Returns within
     ``allreduce_timeout`` seconds (plus scheduling slack).

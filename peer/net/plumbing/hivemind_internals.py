@@ -1,7 +1,7 @@
 """Every use of hivemind 1.1.12's private API, in one place: what a hivemind upgrade must be checked against.
 
 Each function below wraps one private attribute and says why no public API serves; ``PRIVATE`` lists them all
-(with the one private method we override, ``Matchmaking._check_reasons_to_reject`` in peer/net/matchmaking.py),
+(with the one private method we override, ``Matchmaking._check_reasons_to_reject`` in peer/net/round/matchmaking.py),
 and tests/test_hivemind_internals.py checks that each still exists. Nothing else in the project touches
 hivemind's private names.
 """

@@ -36,7 +36,7 @@ async def _probe(relay: str, deadline: float) -> Optional[bool]:
     from hivemind.p2p import P2P, P2PContext
     from hivemind.proto import runtime_pb2
 
-    from peer.net.dht import _register_relay_modes, relay_options
+    from peer.net.plumbing.dht import _register_relay_modes, relay_options
 
     opts = relay_options([relay], relay_service=False, client_mode=False)
     _register_relay_modes(opts)

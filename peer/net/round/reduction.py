@@ -1,8 +1,8 @@
 """The reducer's side of one group's round as data: the parts of our span that came in, combined once.
 
-:class:`SpanReduction` is what :class:`~peer.net.allreduce.AllReduceServicer` fills from the members' streams and
-what :func:`~peer.net.allreduce.run_allreduce` reads our own span from; the pieces' encoding and checked decoding are
-shared by both directions of the stream. No networking here: the RPC runners are in :mod:`peer.net.allreduce`.
+:class:`SpanReduction` is what :class:`~peer.net.round.allreduce.AllReduceServicer` fills from the members' streams and
+what :func:`~peer.net.round.allreduce.run_allreduce` reads our own span from; the pieces' encoding and checked decoding
+are shared by both directions of the stream. No networking here: the RPC runners are in :mod:`peer.net.round.allreduce`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Awaitable, Callable, Optional
 
 import torch
 
-from peer.net.exclusion import Exclusions, Offence
-from peer.net.group import GroupPlan
+from peer.net.trust.exclusion import Exclusions, Offence
+from peer.net.round.group import GroupPlan
 from peer.outer.aggregate import aggregate
 from peer.outer.codec import Codec, CodecError
 from peer.proto import allreduce_pb2 as pb
@@ -38,7 +38,7 @@ class Traffic:
 
 @dataclass
 class Lifted:
-    """What a two-level round's level 2 made of our span (peer/net/levels.py): the pieces to forward unchanged
+    """What a two-level round's level 2 made of our span (peer/net/round/levels.py): the pieces to forward unchanged
     (they tile the span) and the total weight behind them."""
 
     pieces: Pieces
@@ -80,7 +80,7 @@ class SpanReduction:
 
     def __init__(self, plan: GroupPlan, part_timeout: float, chunk_elems: int,
                  exclusions: Optional[Exclusions] = None, lift: Optional[Lift] = None):
-        """``lift``: a two-level round's level 2 (peer/net/levels.py); the pieces it returns are sent instead of
+        """``lift``: a two-level round's level 2 (peer/net/round/levels.py); the pieces it returns are sent instead of
         our own encoding of the combined parts."""
         self.plan = plan
         self.lift = lift

@@ -22,8 +22,8 @@ from typing import Mapping, Optional, Sequence, TypeVar
 import torch
 
 from peer.config import SwarmConfig
-from peer.net.bandwidth import share
-from peer.net.group import GroupPlan
+from peer.net.flow.bandwidth import share
+from peer.net.round.group import GroupPlan
 from peer.outer.codec import Codec
 
 K = TypeVar("K")
@@ -74,7 +74,8 @@ def wire_bytes(codec: Codec, numel: int) -> float:
 
 def declared(rate: float) -> Optional[float]:
     """A declared rate in bytes/s as the deadlines use it: None when not declared (0) or not finite (hostile), at
-    least :data:`~peer.net.bandwidth.MIN_RATE` otherwise (as senders take it: :func:`~peer.net.bandwidth.share`)."""
+    least :data:`~peer.net.flow.bandwidth.MIN_RATE` otherwise (as senders take it:
+    :func:`~peer.net.flow.bandwidth.share`)."""
     return share(rate, 1) or None
 
 

@@ -1,6 +1,6 @@
 """What every member of an assembled group agrees on before an all-reduce (pure data, no RPC): the protocol
 version, which member reduces which span, the codec and the aggregation rule, checked from the members'
-``MemberInfo`` that matchmaking gathered. The RPC runner is ``peer/net/allreduce.py``.
+``MemberInfo`` that matchmaking gathered. The RPC runner is ``peer/net/round/allreduce.py``.
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from google.protobuf.message import DecodeError
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.p2p import PeerID
 
-from peer.net.agreement import Verdict, agree, valid_base
+from peer.net.policy.agreement import Verdict, agree, valid_base
 from peer.outer.aggregate import MAX_WEIGHT, AggregationRule
 from peer.outer.codec import Codec
 from peer.proto import allreduce_pb2 as pb
 
-# 2: credit on the streams to a peer with a download cap (peer/net/credit.py); 3: two-level rounds (slots);
-# 4: declared uplinks, and deadlines sized from them (peer/net/links.py); 5: spans sized by the declared links;
-# 6: declared bases and expected counts (peer/net/agreement.py)
+# 2: credit on the streams to a peer with a download cap (peer/net/flow/credit.py); 3: two-level rounds (slots);
+# 4: declared uplinks, and deadlines sized from them (peer/net/flow/links.py); 5: spans sized by the declared links;
+# 6: declared bases and expected counts (peer/net/policy/agreement.py)
 PROTOCOL_VERSION = 6
 MAX_GROUP_SIZE = 256
 # Span sizing by links (swarm.span_sizing = "links"): a reducer whose link is under half the group's median gets a
@@ -139,12 +139,12 @@ class GroupPlan:
     # own); () for none. Local to this peer's view: only the span we reduce uses it, and every member decodes
     # that one result.
     caps: tuple[Optional[float], ...] = ()
-    # two-level rounds (peer/net/levels.py): the slots every member declared (0: one level) and, per member, the
+    # two-level rounds (peer/net/round/levels.py): the slots every member declared (0: one level) and, per member, the
     # slots it holds; a reducer's average then comes from its slots' level-2 rounds
     slots: int = 0
     held: tuple[range, ...] = ()
     part_codec: Optional[Codec] = None  # how members encode their parts (None: ``codec``; level 2 uses fp8)
-    verdict: Optional[Verdict] = None  # which members apply the average (peer/net/agreement.py); None: level 2
+    verdict: Optional[Verdict] = None  # which members apply the average (peer/net/policy/agreement.py); None: level 2
     dropped: tuple[tuple[str, str], ...] = ()  # (peer id, why): members of the group left out of the plan
 
     @property

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
-from peer.net.records import ProgressRecord
+from peer.net.trust.records import ProgressRecord
 from peer.outer.rounds import RoundStatus
 from peer.outer.schedule import last_sync_step, next_sync_step, sync_step
 

@@ -2,7 +2,7 @@
 
 Each peer stores one record under ``{run_key}_progress`` with a subkey carrying its identity's RSA public key,
 so only it can overwrite its record (hivemind's RSASignatureValidator); the value must be a
-:class:`ProgressRecord` whose peer id is that key's hash (:func:`~peer.net.auth.certifies`: records are
+:class:`ProgressRecord` whose peer id is that key's hash (:func:`~peer.net.trust.auth.certifies`: records are
 self-certifying, nobody speaks for another peer id), or every DHT node that validates rejects it. A record
 expires after ``progress_ttl`` seconds, so a crashed peer stops counting as live on its own. :class:`LiveView`
 merges what a peer reads into its view of who is live; :class:`SpeedLedger` remembers the speeds they claim
@@ -21,8 +21,8 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils.crypto import RSAPrivateKey
 
-from peer.net.auth import PassChecker, RevocationValidator, RunAccess, RunAuthorizer, certifies, record_admitted
-from peer.net.records import ProgressRecord
+from peer.net.trust.auth import PassChecker, RevocationValidator, RunAccess, RunAuthorizer, certifies, record_admitted
+from peer.net.trust.records import ProgressRecord
 
 _OWNER = re.compile(b".*" + RSASignatureValidator.PUBLIC_KEY_REGEX + b".*", re.DOTALL)
 

@@ -3,7 +3,7 @@ state transfer (``rpc_download``: the state we serve, the state we fetch).
 
 The caps pace protocol messages, not sockets (a :class:`Pacer` per direction, in :class:`Bandwidth`). Upload: a
 sender waits until its budget allows the next message. Download: reading slowly alone would not slow the link, so
-the receiver declares its cap: on the all-reduce's streams it grants credit (:mod:`peer.net.credit`), and a state
+the receiver declares its cap: on the all-reduce's streams it grants credit (:mod:`peer.net.flow.credit`), and a state
 transfer's donor paces its stream to the rate the request declares (:func:`stream_pacer`). The DHT's records and
 matchmaking's few bytes are not paced: they keep a capped peer visible and in groups.
 

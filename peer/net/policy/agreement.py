@@ -41,7 +41,7 @@ def valid_base(info: pb.MemberInfo) -> bool:
 
 
 def agree(infos: Sequence[pb.MemberInfo], *, two_level: bool) -> Verdict:
-    """The group's verdict from its members' infos (checked by :meth:`peer.net.group.GroupPlan.from_group`)."""
+    """The group's verdict from its members' infos (checked by :meth:`peer.net.round.group.GroupPlan.from_group`)."""
     holders: dict[str, list[int]] = {}
     for i, info in enumerate(infos):
         holders.setdefault(info.base, []).append(i)

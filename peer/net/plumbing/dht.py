@@ -11,7 +11,7 @@ Network-safety invariant: the swarm never talks to anything outside itself. Enfo
 * Circuit relaying is opt-in and names its relays (:func:`relay_options`; docs/architecture.md, "Peers behind
   NAT"): ``relay_via`` reserves only on the named nodes; ``relay_service`` relays with p2pd's configured limits.
 
-hivemind is imported lazily so that ``import peer.net.dht`` stays cheap (hivemind imports torch).
+hivemind is imported lazily so that ``import peer.net.plumbing.dht`` stays cheap (hivemind imports torch).
 """
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ def create_dht(
             if stop is not None and stop.is_set():
                 raise JoinError("stopped before any initial peer answered") from None
             if time.monotonic() + delay > deadline:
-                from peer.net.reachability import diagnose_initial_peers
+                from peer.net.plumbing.reachability import diagnose_initial_peers
 
                 why = "; ".join(diagnose_initial_peers(initial_peers, host_maddrs, timeout=wait_timeout))
                 raise JoinError(f"could not reach any initial peer within {join_timeout:g} s (swarm.join_timeout): "
@@ -287,7 +287,7 @@ def relay_options(relay_via: Sequence[str], *, relay_service: bool, client_mode:
 def _register_relay_modes(dht_kwargs: Optional[dict] = None) -> None:
     """In the process that runs ``P2P.create``: teaches it :data:`STATIC_RELAYS` and :data:`RELAY_SERVICE`, and
     runs a relay's p2pd with GOMAXPROCS=1 (see :data:`RELAY_SERVICE`)."""
-    from peer.net.hivemind_internals import add_reachability_mode
+    from peer.net.plumbing.hivemind_internals import add_reachability_mode
 
     for name, flags in _RELAY_MODES.items():
         add_reachability_mode(name, flags)
@@ -318,9 +318,9 @@ def _parent_bound_dht_class():
             def run(self) -> None:
                 _die_with_parent(self._creator_pid)
                 _register_relay_modes(self.kwargs)
-                from peer.net import dht_storage
+                from peer.net.plumbing import dht_storage
 
-                dht_storage.install()  # (what the node keeps for others is bounded: peer/net/dht_storage.py)
+                dht_storage.install()  # (what the node keeps for others is bounded: peer/net/plumbing/dht_storage.py)
                 super().run()
 
         _PARENT_BOUND_DHT = ParentBoundDHT
@@ -452,7 +452,7 @@ async def _reconnect(_dht, node, peers: dict[str, list[str]], timeout: float) ->
     from hivemind.p2p import PeerID
     from hivemind.utils.multiaddr import Multiaddr
 
-    from peer.net.hivemind_internals import connect
+    from peer.net.plumbing.hivemind_internals import connect
 
     table = node.protocol.routing_table
 

@@ -4,14 +4,14 @@ Above ``swarm.group_cap`` live peers a round runs in two levels (:func:`plan_lev
 deadlines, failures and hostile input: docs/architecture.md, "Beyond one group"):
 
 1. *Level 1*: groups of at most ``group_cap``; every member declares ``slots = group_cap``, so the fragment is cut
-   into the same slots in every group (:func:`peer.net.group.slot_bounds`) and the group's reducers hold
-   consecutive slots (:func:`peer.net.group.slot_spans`).
+   into the same slots in every group (:func:`peer.net.round.group.slot_bounds`) and the group's reducers hold
+   consecutive slots (:func:`peer.net.round.group.slot_spans`).
 2. *Level 2*: a reducer combines its group's parts by the run's rule, then, per slot it holds, meets the other
    groups' holders of that slot and runs the one-level all-reduce on it (:class:`SlotLift`). Those parts are
    partial values sent in fp8; each level-2 reducer encodes its result **once** with the run's codec.
 3. *Down*: the level-1 reducer forwards those bytes unchanged, so every peer of every group in a slot's level-2
    round decodes the same bytes. A slot whose level-2 round fails fails the holder's whole level-1 span
-   (:class:`~peer.net.reduction.LiftError`: missing, not applied).
+   (:class:`~peer.net.round.reduction.LiftError`: missing, not applied).
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
 from peer.config import SwarmConfig
-from peer.net.allreduce import AllReduceResult, AllReduceServicer, run_allreduce
-from peer.net.group import MAX_GROUP_SIZE, GroupError, GroupPlan, slot_bounds
-from peer.net.streams import StreamGuard
-from peer.net.matchmaking import form_group
-from peer.net.reduction import Lifted, LiftError, Pieces, encode_pieces
+from peer.net.round.allreduce import AllReduceResult, AllReduceServicer, run_allreduce
+from peer.net.round.group import MAX_GROUP_SIZE, GroupError, GroupPlan, slot_bounds
+from peer.net.flow.streams import StreamGuard
+from peer.net.round.matchmaking import form_group
+from peer.net.round.reduction import Lifted, LiftError, Pieces, encode_pieces
 from peer.outer.codec import get_codec
 from peer.proto import allreduce_pb2 as pb
 from peer.util import time_left
@@ -71,7 +71,7 @@ RunSlot = Callable[[GroupPlan, torch.Tensor, float, float], Awaitable[AllReduceR
 
 class SlotLift:
     """Level 2 for the slots that member ``plan.my_index`` of a two-level group holds: a
-    :data:`~peer.net.reduction.Lift` for its :class:`~peer.net.reduction.SpanReduction`.
+    :data:`~peer.net.round.reduction.Lift` for its :class:`~peer.net.round.reduction.SpanReduction`.
 
     ``deadline`` (time.monotonic) bounds everything: once ``groups()`` said how many level-1 groups to expect
     (:class:`GroupCensus`), matchmaking gets at most ``matchmaking_share`` of what is left, the level-2 all-reduce the

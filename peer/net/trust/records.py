@@ -1,5 +1,5 @@
 """The progress record a peer publishes in the DHT (pure data: the phase and catch-up policy of
-``peer/net/consensus.py`` reads it; ``peer/net/progress.py`` signs, validates and collects it).
+``peer/net/policy/consensus.py`` reads it; ``peer/net/trust/progress.py`` signs, validates and collects it).
 
 Every value is checked strictly: records come from other peers.
 """
@@ -44,7 +44,7 @@ class ProgressRecord(BaseModel):
     averaging: list[Annotated[list[Count], Field(min_length=2, max_length=2)]] = Field(default_factory=list,
                                                                                        max_length=64)
     tokens_per_second: Annotated[StrictFloat, Field(ge=0.0, allow_inf_nan=False)]
-    # authenticated runs: this peer's pass (peer/net/auth.py, a "swarmloco-pass:..." line); "" in open runs
+    # authenticated runs: this peer's pass (peer/net/trust/auth.py, a "swarmloco-pass:..." line); "" in open runs
     pass_line: Annotated[StrictStr, Field(max_length=MAX_PASS_CHARS)] = ""
     client_mode: StrictBool
     # paused by its owner (swarm-peer pause, or outside its active hours): in the swarm's view (the monitor, the
@@ -53,7 +53,7 @@ class ProgressRecord(BaseModel):
     # the loss of its last inner step (the monitor's loss chart); None before the first step
     loss: Optional[Annotated[StrictFloat, Field(ge=0.0, le=1e6, allow_inf_nan=False)]] = None
     version: Annotated[StrictStr, Field(max_length=32)] = ""  # its swarmloco version (the monitor's peer list)
-    # its uplink in bytes/s as its reducers timed its parts (peer/net/links.py; 0: not measured yet): a joiner
+    # its uplink in bytes/s as its reducers timed its parts (peer/net/flow/links.py; 0: not measured yet): a joiner
     # gives it, as a state donor, the time its share takes through that link
     upload_bytes_per_second: Annotated[StrictFloat, Field(ge=0.0, allow_inf_nan=False)] = 0.0
     time: Annotated[StrictFloat, Field(allow_inf_nan=False)]  # DHT time when written

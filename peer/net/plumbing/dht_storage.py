@@ -24,7 +24,7 @@ from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
 from hivemind.utils import get_dht_time
 
 from peer.config.fields import MAX_RECORD_TTL
-from peer.net.hivemind_internals import use_dht_storage
+from peer.net.plumbing.hivemind_internals import use_dht_storage
 
 ENTRY_OVERHEAD = 64  # bytes counted per stored entry beyond its value and subkey (heap entry, dict slot)
 

@@ -24,7 +24,7 @@ from typing import AsyncIterator, Callable, Iterable, Iterator, Optional, TypeVa
 
 from hivemind.p2p import P2P
 
-from peer.net.hivemind_internals import set_frame_reader
+from peer.net.plumbing.hivemind_internals import set_frame_reader
 
 log = logging.getLogger(__name__)
 
