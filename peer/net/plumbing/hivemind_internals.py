@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable
 
 PRIVATE = {  # module: the private names we rely on
+    "hivemind.dht.dht": ["DHT._inner_pipe"],
     "hivemind.p2p.p2p_daemon": ["P2P._client", "P2P.receive_raw_data", "P2P.FORCE_REACHABILITY_MAPPING"],
     "hivemind.dht.protocol": ["DHTLocalStorage", "DHTProtocol.record_validator", "DHTProtocol.authorizer"],
     "hivemind.dht.validation": ["CompositeValidator._validators"],
@@ -53,3 +54,34 @@ def request_and_record_checkers(node: Any) -> list:
     validators (CompositeValidator keeps them in a private list)."""
     validators = list(getattr(node.protocol.record_validator, "_validators", ()))
     return [getattr(node.protocol, "authorizer", None), *validators]
+
+
+class _WholeMessages:
+    """A pipe end whose :meth:`recv` waits for the rest of a message that has begun to arrive (see
+    :func:`read_whole_messages`); everything else is the wrapped connection's."""
+
+    def __init__(self, connection: Any):
+        self._connection = connection
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._connection, name)
+
+    def recv(self) -> Any:
+        import os
+
+        fd = self._connection.fileno()
+        was = os.get_blocking(fd)
+        os.set_blocking(fd, True)
+        try:
+            return self._connection.recv()
+        finally:
+            os.set_blocking(fd, was)
+
+
+def read_whole_messages(dht: Any) -> None:
+    """In the DHT process, before its loop starts: its end of the pipe from our process reads whole messages.
+    hivemind's loop reads that pipe without blocking once some bytes arrived, and Python writes a message over
+    16 KiB in two writes: a read between them raised ``BlockingIOError``, desynced the pipe and killed the DHT
+    process (a 61 KiB store under load). The loop reads only after its poll says bytes are there, so waiting for
+    the rest of the message is short."""
+    dht._inner_pipe = _WholeMessages(dht._inner_pipe)
