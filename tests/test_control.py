@@ -254,7 +254,9 @@ def test_top_dashboard_shows_the_peer_and_its_keys_control_it(served, tmp_path_f
                 await pilot.press("p")
                 await pilot.pause()
                 assert controls.pause_reason() == "paused by the owner"
-                return app.save_screenshot(path=str(tmp_path_factory.mktemp("top")))
+                shot = app.save_screenshot(path=str(tmp_path_factory.mktemp("top")))
+            app.poll()  # a timer tick after shutdown (the screens are gone) must not raise
+            return shot
 
     shot = asyncio.run(drive())
     assert Path(shot).read_text().startswith("<svg")

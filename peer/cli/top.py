@@ -64,6 +64,10 @@ class TopApp(App):
         self.poll()
 
     def poll(self) -> None:
+        """One Status call, shown. A no-op once the app shuts down: textual removes the screens before it stops
+        the app's timers, so a tick may come after the widgets are gone."""
+        if not self.is_running:
+            return
         try:
             s = self.client.status()
         except ControlError as e:
