@@ -34,3 +34,26 @@ def test_live_peers_leave_out_the_excluded_the_unadmitted_and_the_paused_and_kno
     assert not roster.partnered(B) and set(roster.vouched_peers()) == {ME, B}
     roster.met({B})
     assert roster.partnered(B) and set(roster.vouched_peers()) == {B}
+
+
+def test_arrivals_are_the_peers_that_came_into_view_partners_first_and_bounded():
+    """Roster.merge returns whom the heartbeat greets: peers live now and not at the previous read (a joiner, or a
+    peer whose record expired while its link was down and is back), our partners first, at most MAX_ARRIVALS."""
+    from peer.net.view.roster import MAX_ARRIVALS
+
+    now = [0.0]
+    roster = Roster(ttl=10.0, exclusions=Exclusions(threshold=1), admitted=lambda pid: True, clock=lambda: now[0])
+    assert roster.merge(entries(rec(ME), rec(A), rec(B)), dht_now=100.0, me=ME) == [A, B]
+    roster.met({B})
+    assert roster.merge(entries(rec(ME), rec(A), rec(B)), dht_now=101.0, me=ME) == []  # still in view: no one
+    now[0] = 30.0  # both records expired (their links were down): out of view
+    assert roster.merge(None, dht_now=130.0, me=ME) == [] and not roster.live_peers()
+    back = [ProgressRecord(**{**rec(p).model_dump(), "time": 2.0}) for p in (A, B)]
+    assert roster.merge(entries(*back), dht_now=131.0, me=ME) == [B, A]  # back: B, our partner, first
+    # a host minting identities: MAX_ARRIVALS a read, and the partner still first
+    sybils = ["S" * 45 + c for c in "123456789ABCDEFGHJKLMNPQRSTUVWXYZ"[:3 * MAX_ARRIVALS]]
+    now[0] = 60.0
+    roster.merge(None, dht_now=160.0, me=ME)
+    got = roster.merge(entries(*[ProgressRecord(**{**rec(p).model_dump(), "time": 3.0}) for p in (B, *sybils)]),
+                       dht_now=161.0, me=ME)
+    assert len(got) == MAX_ARRIVALS and got[0] == B

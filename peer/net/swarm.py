@@ -275,26 +275,31 @@ class Swarm:
         for what, result in (("store", stored), ("get", found)):
             if isinstance(result, BaseException):
                 log.debug("peer %s: progress %s failed: %s", short_id(self.peer_id), what, type(result).__name__)
-        self.roster.merge(None if isinstance(found, BaseException) else found, dht_now=get_dht_time(), me=self.peer_id,
-                          accept=None if self.admission.open else self.admission.accept_record)
+        accept = None if self.admission.open else self.admission.accept_record
+        arrived = self.roster.merge(None if isinstance(found, BaseException) else found, dht_now=get_dht_time(),
+                                    me=self.peer_id, accept=accept)
         self._first_read.set()
         others = [pid for pid in self.live_peers() if pid != self.peer_id]
         log.debug("peer %s: progress beat took %.1f s, %d others live", short_id(self.peer_id), time.monotonic() - t0,
                   len(others))
         if not others:
-            await self._reconnect()
+            await self._reconnect({**{pid: [] for pid in self.roster.known()}, **self._initial_peers}, alone=True)
+        elif arrived:
+            await self._reconnect({pid: [] for pid in arrived}, alone=False)
 
-    async def _reconnect(self) -> None:
-        """We see no other peer: ping the initial peers and the peers we saw before that our DHT node lost
-        (see :func:`peer.net.plumbing.dht.reconnect`). One at a time; bounded by 3 x ``dht_timeout``."""
-        peers = {**{pid: [] for pid in self.roster.known()}, **self._initial_peers}
+    async def _reconnect(self, peers: dict[str, list[str]], *, alone: bool) -> None:
+        """Pings ``peers`` ({peer id: multiaddrs}) from our DHT node (:func:`peer.net.plumbing.dht.reconnect`).
+        ``alone``: we see no other peer, so ping the initial and known peers our DHT node lost; else greet the
+        peers that just came into view (:meth:`Roster.merge`), which opens a connection that their dials, in
+        libp2p's backoff after an outage, cannot. One batch at a time; bounded by 3 x ``dht_timeout``."""
         if self._reconnecting or not peers:
             return
         self._reconnecting = True
         try:
-            size = await asyncio.wait_for(reconnect(self.dht, peers, self.cfg.dht_timeout), 3 * self.cfg.dht_timeout)
-            log.debug("peer %s: alone, pinged %d known peers: %d in the DHT routing table", short_id(self.peer_id),
-                      len(peers), size)
+            size = await asyncio.wait_for(reconnect(self.dht, peers, self.cfg.dht_timeout, only_missing=alone),
+                                          3 * self.cfg.dht_timeout)
+            log.debug("peer %s: %s %d peers: %d in the DHT routing table", short_id(self.peer_id),
+                      "alone, pinged known" if alone else "greeted arriving", len(peers), size)
         except Exception as e:
             log.debug("peer %s: reconnect failed: %s", short_id(self.peer_id), type(e).__name__)
         finally:

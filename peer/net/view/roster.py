@@ -8,6 +8,7 @@
 - **Partners**: the peers we were in a group with; their records are the ones the consensus rules trust
   (:meth:`Roster.vouched_peers`), and whom a round waits for tells them from strangers (peer/net/view/attendance.py).
 - **Known**: the peers we saw lately, pinged when we find ourselves alone.
+- **Arrivals**: the peers that came into view at the last read (:meth:`Roster.merge`), greeted by the heartbeat.
 
 Read from the training thread (never blocks) and written by the networking thread: each update swaps in a new
 dict.
@@ -25,40 +26,55 @@ from peer.net.trust.records import ProgressRecord
 # Peers remembered to reconnect to when we find ourselves alone: the most recently seen, for an hour.
 MAX_KNOWN_PEERS, KNOWN_PEER_TTL = 64, 3600.0
 MAX_PARTNERS = 1024  # peers we were in a group with, remembered for KNOWN_PEER_TTL (see vouched_peers)
+# Arrivals returned by one merge. Each costs a ping: a host minting identities buys no more than this per beat.
+MAX_ARRIVALS = 8
 
 
 class Roster:
     """``admitted(peer)``: whether it may take part (authenticated runs: its pass; always true in an open run);
-    ``exclusions``: the peers we no longer work with."""
+    ``exclusions``: the peers we no longer work with; ``clock``: monotonic seconds (tests pass their own).
+    Written by the heartbeat (:meth:`merge`) and the round's lessons (:meth:`met`), both in the networking thread."""
 
-    def __init__(self, *, ttl: float, exclusions: Exclusions, admitted: Callable[[str], bool]):
+    def __init__(self, *, ttl: float, exclusions: Exclusions, admitted: Callable[[str], bool],
+                 clock: Callable[[], float] = time.monotonic):
         self.view = LiveView(ttl)  # everyone's records, merged by the heartbeat
         self.speeds = SpeedLedger()  # the speeds their records vouch for (the robust rule's caps)
         self.exclusions, self.admitted = exclusions, admitted
         self._known: dict[str, float] = {}  # peer id -> when we last saw it live (pinged when we are alone)
         self._partners: dict[str, float] = {}  # peer id -> when we last were in a group with it
+        self._in_view: frozenset[str] = frozenset()  # the other live peers at the last merge
+        self._clock = clock
 
     def merge(self, found, *, dht_now: float, me: str,
-              accept: Optional[Callable[[bytes, ProgressRecord], bool]] = None) -> None:
-        """Adds one read of the records (``dht.get(progress_key, latest=True)``; see :meth:`LiveView.merge`)."""
-        now = time.monotonic()
+              accept: Optional[Callable[[bytes, ProgressRecord], bool]] = None) -> list[str]:
+        """Adds one read of the records (``dht.get(progress_key, latest=True)``; see :meth:`LiveView.merge`).
+
+        Returns the arrivals: other peers live now and not at the previous merge (a joiner, or a peer back
+        after its link was down), at most MAX_ARRIVALS, our partners first. The caller dials them: a peer
+        whose link was down has its own dials to us refused by libp2p's dial backoff for a while after its
+        link returns, while ours to it, stopped since its record expired, are not."""
+        now = self._clock()
         if found is not None:
             self.view.merge(found, dht_now=dht_now, local_now=now, accept=accept)
             self.speeds.observe(self.view.live(now), now)
-        known = {**self._known, **{pid: now for pid in self.live_peers() if pid != me}}
+        others = [pid for pid in self.live_peers() if pid != me]
+        known = {**self._known, **{pid: now for pid in others}}
         self._known = dict(sorted((kv for kv in known.items() if kv[1] + KNOWN_PEER_TTL >= now),
                                   key=lambda kv: kv[1])[-MAX_KNOWN_PEERS:])
+        arrived = sorted((pid for pid in others if pid not in self._in_view), key=lambda p: not self.partnered(p))
+        self._in_view = frozenset(others)
+        return arrived[:MAX_ARRIVALS]
 
     def live_peers(self) -> dict[str, ProgressRecord]:
         """Progress records of the peers of this run heard from within ``progress_ttl``, without the peers we
         excluded (they count for no group, no state download and no vote), those without a valid pass and those
         paused by their owners."""
-        return {pid: rec for pid, rec in self.view.live(time.monotonic()).items()
+        return {pid: rec for pid, rec in self.view.live(self._clock()).items()
                 if pid not in self.exclusions and self.admitted(pid) and not rec.paused}
 
     def paused_peers(self, me: str) -> list[str]:
         """Ids of the peers of this run whose live records say they are paused (not in :meth:`live_peers`)."""
-        return sorted(pid for pid, rec in self.view.live(time.monotonic()).items()
+        return sorted(pid for pid, rec in self.view.live(self._clock()).items()
                       if rec.paused and pid != me and self.admitted(pid))
 
     def vouched_peers(self) -> dict[str, ProgressRecord]:
@@ -79,11 +95,11 @@ class Roster:
     def partnered(self, peer: str) -> bool:
         """Whether we were in a group with ``peer`` within ``KNOWN_PEER_TTL`` (else it is a stranger to us)."""
         seen = self._partners.get(peer)
-        return seen is not None and seen + KNOWN_PEER_TTL >= time.monotonic()
+        return seen is not None and seen + KNOWN_PEER_TTL >= self._clock()
 
     def met(self, peers: set[str]) -> None:
         """Remembers the members of a group we assembled with (at most MAX_PARTNERS, the latest)."""
-        now = time.monotonic()
+        now = self._clock()
         self._partners = dict(sorted({**self._partners, **{p: now for p in peers}}.items(),
                                      key=lambda kv: kv[1])[-MAX_PARTNERS:])
 
