@@ -35,6 +35,7 @@ from peer.outer.aggregate import AggregationRule
 from peer.outer.codec import codec_key, get_codec
 from peer.config import SwarmConfig
 from peer.net.plumbing.dht import create_dht, peers_of, reconnect
+from peer.net.plumbing.hivemind_internals import connect
 from peer.net.trust.exclusion import Exclusions, Offence
 from peer.net.flow.links import DeadlinePolicy, LinkMeter, slow_donors_last, state_deadline
 from peer.net.flow.streams import HostBook, StreamGuard, cap_frame_size, frame_limit_for
@@ -283,27 +284,41 @@ class Swarm:
         log.debug("peer %s: progress beat took %.1f s, %d others live", short_id(self.peer_id), time.monotonic() - t0,
                   len(others))
         if not others:
-            await self._reconnect({**{pid: [] for pid in self.roster.known()}, **self._initial_peers}, alone=True)
+            await self._reconnect()
         elif arrived:
-            await self._reconnect({pid: [] for pid in arrived}, alone=False)
+            await self._greet(arrived)
 
-    async def _reconnect(self, peers: dict[str, list[str]], *, alone: bool) -> None:
-        """Pings ``peers`` ({peer id: multiaddrs}) from our DHT node (:func:`peer.net.plumbing.dht.reconnect`).
-        ``alone``: we see no other peer, so ping the initial and known peers our DHT node lost; else greet the
-        peers that just came into view (:meth:`Roster.merge`), which opens a connection that their dials, in
-        libp2p's backoff after an outage, cannot. One batch at a time; bounded by 3 x ``dht_timeout``."""
+    async def _reconnect(self) -> None:
+        """We see no other peer: ping the initial peers and the peers we saw before that our DHT node lost
+        (see :func:`peer.net.plumbing.dht.reconnect`). One at a time; bounded by 3 x ``dht_timeout``."""
+        peers = {**{pid: [] for pid in self.roster.known()}, **self._initial_peers}
         if self._reconnecting or not peers:
             return
         self._reconnecting = True
         try:
-            size = await asyncio.wait_for(reconnect(self.dht, peers, self.cfg.dht_timeout, only_missing=alone),
-                                          3 * self.cfg.dht_timeout)
-            log.debug("peer %s: %s %d peers: %d in the DHT routing table", short_id(self.peer_id),
-                      "alone, pinged known" if alone else "greeted arriving", len(peers), size)
+            size = await asyncio.wait_for(reconnect(self.dht, peers, self.cfg.dht_timeout), 3 * self.cfg.dht_timeout)
+            log.debug("peer %s: alone, pinged %d known peers: %d in the DHT routing table", short_id(self.peer_id),
+                      len(peers), size)
         except Exception as e:
             log.debug("peer %s: reconnect failed: %s", short_id(self.peer_id), type(e).__name__)
         finally:
             self._reconnecting = False
+
+    async def _greet(self, arrived: list[str]) -> None:
+        """Opens a libp2p connection to each peer that just came into view (:meth:`Roster.merge`), at the
+        addresses our daemon knows, within ``request_timeout``. A peer back from an outage has its own dials
+        refused by libp2p's dial backoff for a while; its streams use the connection we open. Nothing else
+        (no DHT request, no routing-table change)."""
+        async def dial(pid: str) -> None:
+            await connect(self.p2p, PeerID.from_base58(pid), [])
+
+        tasks = [asyncio.ensure_future(dial(pid)) for pid in arrived]
+        done, pending = await asyncio.wait(tasks, timeout=self.cfg.request_timeout)
+        for task in pending:
+            task.cancel()
+        failed = sum(1 for task in done if task.exception() is not None) + len(pending)
+        log.debug("peer %s: greeted %d arriving peers (%d not reached)", short_id(self.peer_id), len(arrived),
+                  failed)
 
     def wait_first_read(self, timeout: float) -> bool:
         """Blocks until the heartbeat has read the others' progress records once (found or not), up to

@@ -448,7 +448,7 @@ def peers_of(maddrs: Iterable[str]) -> dict[str, list[str]]:
     return out
 
 
-async def _reconnect(_dht, node, peers: dict[str, list[str]], timeout: float, only_missing: bool) -> int:
+async def _reconnect(_dht, node, peers: dict[str, list[str]], timeout: float) -> int:
     import asyncio
 
     from hivemind.p2p import PeerID
@@ -465,31 +465,27 @@ async def _reconnect(_dht, node, peers: dict[str, list[str]], timeout: float, on
         await node.protocol.call_ping(peer_id)  # on an answer, each side adds the other to its table
 
     missing = {PeerID.from_base58(pid): maddrs for pid, maddrs in peers.items()}
-    missing = {pid: maddrs for pid, maddrs in missing.items()
-               if pid != node.peer_id and not (only_missing and pid in table)}
+    missing = {pid: maddrs for pid, maddrs in missing.items() if pid != node.peer_id and pid not in table}
     if missing:
         await asyncio.wait([asyncio.ensure_future(ping(pid, m)) for pid, m in missing.items()], timeout=timeout)
-        if only_missing and any(pid in table for pid in missing):  # back in touch: learn the swarm around us
+        if any(pid in table for pid in missing):  # back in touch: learn the rest of the swarm around us
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(node.find_nearest_nodes([node.node_id]), timeout)
     return sum(len(bucket.nodes_to_peer_id) for bucket in table.buckets)
 
 
-def reconnect(dht: "hivemind.DHT", peers: dict[str, list[str]], timeout: float, *, only_missing: bool = True):
-    """Pings ``peers`` ({peer id: multiaddrs, possibly none}) from inside the DHT process: with ``only_missing``
-    those not in the DHT's routing table, and then refills the table around our own id if one answered; else
-    every one of them. Returns an awaitable future of the routing table's size (done within about 2 x
-    ``timeout``).
+def reconnect(dht: "hivemind.DHT", peers: dict[str, list[str]], timeout: float):
+    """Pings ``peers`` ({peer id: multiaddrs, possibly none}) that are not in the DHT's routing table, from
+    inside the DHT process, and refills the table around our own id if one answered. Returns an awaitable
+    future of the routing table's size (done within about 2 x ``timeout``).
 
     A node drops every neighbour that fails to answer a request, so after its own link was down it may
     know no one; nobody contacts it either (they dropped it too), and it would stay alone until libp2p
-    happens to redial. Call this while the node sees no other peer, and (``only_missing=False``) for the
-    peers that just came into view: a ping opens a connection both sides' streams then use.
+    happens to redial. Call this while the node sees no other peer.
     """
     import functools
 
-    return dht.run_coroutine(functools.partial(_reconnect, peers=peers, timeout=timeout, only_missing=only_missing),
-                             return_future=True)
+    return dht.run_coroutine(functools.partial(_reconnect, peers=peers, timeout=timeout), return_future=True)
 
 
 def paste_line(dht: "hivemind.DHT") -> str:
