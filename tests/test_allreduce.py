@@ -100,7 +100,8 @@ async def _run(n_members, alive, weights, deltas, part_timeout=1.0, allreduce_ti
             t0 = time.monotonic()
             result = await run_allreduce(p2ps[i], servicers[i], plans[i], deltas[i], weights[i],
                                          part_timeout=part_timeout, allreduce_timeout=allreduce_timeout,
-                                         connect_timeout=1.0, chunk_bytes=chunk_bytes)
+                                         connect_timeout=1.0, chunk_bytes=chunk_bytes,
+                                         bandwidth=servicers[i].bandwidth)  # (one owner's caps, both sides)
             result.seconds = time.monotonic() - t0  # (for the tests of caps)
             return result
         results = await asyncio.gather(*[member(i) for i in alive])
@@ -270,6 +271,11 @@ def test_dead_reducer_span_is_missing_on_every_survivor():
             assert res.contributors[j] == [0, 1]
     for j in (0, 1):
         assert torch.equal(results[0].spans[j].average, results[1].spans[j].average)
+    # what each survivor concluded of the reducers, returned for its swarm to apply (nothing written here): the
+    # other survivor answered; the dead one refused the stream at once, which is no silence (attendance's call)
+    for res in results.values():
+        assert len(res.verdicts) == 1 and res.verdicts[0].answered and res.verdicts[0].offence is None, res.verdicts
+    assert results[0].verdicts[0].peer != results[1].verdicts[0].peer  # each names the other
 
 
 def test_a_member_that_never_learned_of_the_group_is_not_waited_for():

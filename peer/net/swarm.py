@@ -486,7 +486,7 @@ class Swarm:
 
     def learn(self, lesson: Lesson) -> list[Absent]:
         """Applies what a round taught (on swarm-net; the one place rounds change the swarm's state): who stayed
-        away (returned), whom we met, offences, link samples."""
+        away (returned), whom we met, verdicts on peers, link samples."""
         absent: list[Absent] = []
         if lesson.judge:
             live = self.live_peers()
@@ -498,8 +498,8 @@ class Swarm:
                                                 met=self.roster.partnered)
         if lesson.came is not None:
             self.roster.met(set(lesson.came) - {self.peer_id})
-        for who, offence, why in lesson.offences:
-            self.exclusions.report(who, offence, why)
+        for verdict in lesson.verdicts:
+            self.exclusions.apply(verdict)
         if lesson.uplink:
             self.uplink.observe(*lesson.uplink)
         if lesson.downlink:

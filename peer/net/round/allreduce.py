@@ -10,8 +10,9 @@ by :class:`AllReduceServicer`; messages in protos/allreduce.proto).
 
 Nobody keeps ``average - own part`` or its own uncompressed span, so a lossy codec cannot make peers drift apart.
 Everything read from a peer is validated before use; messages are paced by the sender's upload cap and the
-receiver's credit (:mod:`peer.net.flow.credit`). Offences go to :class:`~peer.net.trust.exclusion.Exclusions`: an
-excluded peer's parts are refused and its span is not requested. See docs/architecture.md, "A round".
+receiver's credit (:mod:`peer.net.flow.credit`). Bad parts go to the servicer's ledger
+(:class:`~peer.net.trust.exclusion.Exclusions`: an excluded peer's parts are refused, its span not requested); what
+a member finds of the reducers is returned as verdicts, for the caller to apply. docs/architecture.md, "A round".
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from hivemind.p2p import P2P, P2PContext, ServicerBase
 
 from peer.net.flow.bandwidth import Bandwidth
 from peer.net.flow.credit import CreditError, SendWindow, window
-from peer.net.trust.exclusion import Exclusions, Offence
+from peer.net.trust.exclusion import Exclusions, Offence, Verdict
 from peer.net.round.group import GroupPlan, valid_weight
 from peer.net.flow.streams import StreamGuard, first_message
 from peer.net.round.reduction import Lift, Pieces, SpanReduction, Traffic, decode_piece, encode_pieces
@@ -60,6 +61,7 @@ class AllReduceResult:
     # longest of their times; of the averages we read, all their bytes and the window they came in
     uplink: Optional[tuple[int, float]] = None
     downlink: Optional[tuple[int, float]] = None
+    verdicts: list[Verdict] = field(default_factory=list)  # of the remote reducers: offences, answered, silent
 
     @property
     def complete(self) -> bool:
@@ -81,7 +83,7 @@ class AllReduceServicer(ServicerBase):
         (its part, our average, the close);
         ``guard``: this peer's bound on streams per remote peer (shared by all its handlers); ``bandwidth``: the
         owner's upload and download caps (shared with the rounds of this peer and its state transfer)."""
-        self.exclusions = exclusions or Exclusions()  # shared with the rounds of this peer (run_allreduce)
+        self.exclusions = exclusions or Exclusions()  # the peer's ledger: judges the parts we reduce
         self.bandwidth = bandwidth or Bandwidth()
         self.guard = guard
         self.stream_timeout = stream_timeout
@@ -361,15 +363,18 @@ def _span_from_responses(plan: GroupPlan, j: int, responses: list[pb.ReduceRespo
     return SpanResult(out, contributors, "", total, pieces=[(msg.offset, msg.piece) for msg in responses])
 
 
-def _note_silence(plan: GroupPlan, j: int, got: SpanResult, results: dict[int, SpanResult],
-                  exclusions: Exclusions) -> None:
-    """Tells the ledger whether remote reducer ``j`` answered, or timed out while another remote reducer's span
-    arrived (then the network is not simply ours): ``Exclusions.silent``."""
-    peer = str(plan.peer_ids[j])
+def _verdict(plan: GroupPlan, j: int, got: SpanResult, results: dict[int, SpanResult]) -> Optional[Verdict]:
+    """What we conclude of remote reducer ``j``: an offence (its span failed our checks), that it answered, that
+    it stayed silent (timed out while another remote reducer's span arrived: the network is not simply ours),
+    or nothing."""
+    peer, why = str(plan.peer_ids[j]), f"{plan.label}: {got.why}"
+    if got.offence:
+        return Verdict(peer, why, offence=Offence.BAD_AVERAGE)
     if got.average is not None:
-        exclusions.answered(peer)
-    elif got.timed_out and any(r.average is not None for k, r in results.items() if k not in (j, plan.my_index)):
-        exclusions.silent(peer, f"{plan.label}: {got.why}")
+        return Verdict(peer, answered=True)
+    if got.timed_out and any(r.average is not None for k, r in results.items() if k not in (j, plan.my_index)):
+        return Verdict(peer, why)
+    return None
 
 
 def _not_in_group(red: SpanReduction, j: int, answer: asyncio.Future) -> None:
@@ -401,9 +406,13 @@ def _check_spans(plan: GroupPlan, results: dict[int, SpanResult], delta: torch.T
 
 async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, delta: torch.Tensor,
                         weight: float, *, part_timeout: float, allreduce_timeout: float,
-                        connect_timeout: float, chunk_bytes: int, lift: Optional[Lift] = None) -> AllReduceResult:
+                        connect_timeout: float, chunk_bytes: int, lift: Optional[Lift] = None,
+                        bandwidth: Optional[Bandwidth] = None) -> AllReduceResult:
     """Runs one butterfly all-reduce as member ``plan.my_index``; never raises for peer failures. ``lift``: a
-    two-level round's level 2 for the span we reduce (:mod:`peer.net.round.levels`).
+    two-level round's level 2 for the span we reduce (:mod:`peer.net.round.levels`); ``bandwidth``: the owner's
+    caps on our parts and the averages we read (None: uncapped). Our span's reduction is registered on
+    ``servicer`` and judges parts with its ledger; what we conclude of the other reducers is returned
+    (``AllReduceResult.verdicts``), not applied.
 
     Must run in the event loop that owns ``servicer`` and ``p2p``. Returns within
     ``allreduce_timeout`` seconds (plus scheduling slack).
@@ -411,6 +420,7 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
     chunk_elems = max(1, chunk_bytes // 4)
     deadline = time.monotonic() + allreduce_timeout
     my_start, my_end = plan.spans[plan.my_index]
+    bandwidth = bandwidth or Bandwidth()
     red = SpanReduction(plan, part_timeout, chunk_elems, servicer.exclusions, lift)
     servicer.register(red)
     traffic = Traffic()
@@ -424,11 +434,11 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
             values = delta[start:end]
             if j == plan.my_index:
                 tasks.append((j, asyncio.ensure_future(_own_span(red, values, weight))))
-            elif plan.peer_ids[j] in servicer.exclusions:
+            elif plan.peer_ids[j] in red.exclusions:
                 continue  # an excluded reducer: its span is missing (below), our part is not sent
             else:
                 task = asyncio.ensure_future(_remote_span(p2p, plan, j, values, weight, chunk_elems, deadline,
-                                                          connect_timeout, traffic, servicer.bandwidth, timings,
+                                                          connect_timeout, traffic, bandwidth, timings,
                                                           arrivals))
                 task.add_done_callback(functools.partial(_not_in_group, red, j))
                 tasks.append((j, task))
@@ -440,7 +450,7 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
                 results[j] = SpanResult(None, why=f"{type(e).__name__}: {e}",
                                         timed_out=isinstance(e, (asyncio.TimeoutError, TimeoutError)))
         _check_spans(plan, results, delta)
-        spans, contributors, pieces, total_weight = [], [], [], 0.0
+        spans, contributors, pieces, total_weight, verdicts = [], [], [], 0.0, []
         for j, (start, end) in enumerate(plan.spans):
             if end == start:
                 continue
@@ -449,10 +459,8 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
             if got.average is None:
                 log.warning("%s: span %d [%d, %d) from reducer %s is missing and NOT applied: %s", plan.label,
                             j, start, end, short_id(plan.peer_ids[j]), got.why)
-            if got.offence:
-                servicer.exclusions.report(str(plan.peer_ids[j]), Offence.BAD_AVERAGE, f"{plan.label}: {got.why}")
-            elif j != plan.my_index:
-                _note_silence(plan, j, got, results, servicer.exclusions)
+            if j != plan.my_index and (verdict := _verdict(plan, j, got, results)) is not None:
+                verdicts.append(verdict)
             spans.append(Span(start, end, got.average))
             contributors.append(got.contributors)
             pieces.append(got.pieces)
@@ -468,7 +476,7 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
         downlink = (sum(b for _, _, b in arrivals), max(e for _, e, _ in arrivals) - min(s for s, _, _ in arrivals)
                     ) if arrivals else None
         return AllReduceResult(spans, contributors, traffic, total_weight, list(red.flagged), pieces, uplink,
-                               downlink)
+                               downlink, verdicts)
     finally:
         asyncio.get_running_loop().call_later(time_left(deadline), servicer.unregister,
                                               plan.group_id)

@@ -22,7 +22,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable, Optional, Sequence
 
 import torch
 from hivemind.averaging.group_info import GroupInfo
@@ -33,9 +33,11 @@ from hivemind.utils import get_dht_time
 from peer.config import SwarmConfig
 from peer.net.round.allreduce import AllReduceResult, AllReduceServicer, run_allreduce
 from peer.net.round.group import MAX_GROUP_SIZE, GroupError, GroupPlan, slot_bounds
+from peer.net.flow.bandwidth import Bandwidth
 from peer.net.flow.streams import StreamGuard
 from peer.net.round.matchmaking import form_group
 from peer.net.round.reduction import Lifted, LiftError, Pieces, encode_pieces
+from peer.net.trust.exclusion import Verdict
 from peer.outer.codec import get_codec
 from peer.proto import allreduce_pb2 as pb
 from peer.util import time_left
@@ -201,12 +203,13 @@ class GroupCensus:
 
 def swarm_lift(plan: GroupPlan, *, p2p: P2P, dht: DHT, servicer: AllReduceServicer, cfg: SwarmConfig, prefix: str,
                live: int, deadline: float, excluded: Callable[[str], bool], guard: StreamGuard,
-               download_bytes_per_second: float) -> SlotLift:
+               bandwidth: Bandwidth, learn: Callable[[Sequence[Verdict]], object]) -> SlotLift:
     """The :class:`SlotLift` of a swarm's round: level-2 groups by matchmaking under ``{prefix}_s{slot}`` (target:
     the groups of the :class:`GroupCensus`, read for at most 40% of the time to ``deadline``; short of it, whoever
     came within three quarters of the time left, at least ``cfg.matchmaking_time``; alone, the slot holds our
     group's average), the all-reduce on the swarm's servicer with the round's timeouts, within ``deadline``.
-    ``live``: the live peers the round was launched with. Must run in the event loop that owns ``p2p``."""
+    ``live``: the live peers the round was launched with; ``bandwidth``: the owner's caps; ``learn``: takes the
+    level-2 all-reduces' verdicts on their reducers. Must run in the event loop that owns ``p2p``."""
     expected = math.ceil(live / plan.slots)  # (the groups plan_levels aims at)
     # Groups whose members came late form late: wait for the roster up to 40% of the round's time (at least
     # matchmaking_time); the slots' all-reduces need only a few seconds of what is left.
@@ -223,9 +226,11 @@ def swarm_lift(plan: GroupPlan, *, p2p: P2P, dht: DHT, servicer: AllReduceServic
     async def run(slot_plan: GroupPlan, part: torch.Tensor, weight: float, seconds: float) -> AllReduceResult:
         # (measured deadlines: level 1's deadline already follows the links, level 2 gets half of what it leaves)
         parts = seconds / 2 if cfg.deadlines == "measured" else min(cfg.part_timeout, seconds / 2)
-        return await run_allreduce(p2p, servicer, slot_plan, part, weight, part_timeout=parts,
-                                   allreduce_timeout=seconds, connect_timeout=cfg.request_timeout,
-                                   chunk_bytes=cfg.chunk_bytes)
+        result = await run_allreduce(p2p, servicer, slot_plan, part, weight, part_timeout=parts,
+                                     allreduce_timeout=seconds, connect_timeout=cfg.request_timeout,
+                                     chunk_bytes=cfg.chunk_bytes, bandwidth=bandwidth)
+        learn(result.verdicts)
+        return result
 
     return SlotLift(plan, form=form, run=run, deadline=deadline, chunk_elems=max(1, cfg.chunk_bytes // 4),
-                    groups=census.groups, download_bytes_per_second=download_bytes_per_second)
+                    groups=census.groups, download_bytes_per_second=bandwidth.download.rate())

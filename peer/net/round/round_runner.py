@@ -26,7 +26,7 @@ from peer.net.policy.agreement import quorum_size
 from peer.net.round.allreduce import run_allreduce
 from peer.net.view.attendance import early_assembly
 from peer.net.policy.consensus import laggards, nobody_coming, swarm_is_past
-from peer.net.trust.exclusion import Offence
+from peer.net.trust.exclusion import Offence, Verdict
 from peer.net.round.group import PROTOCOL_VERSION, GroupError, GroupPlan
 from peer.net.round.levels import Levels, plan_levels, swarm_lift
 from peer.net.flow.links import plan_deadlines
@@ -50,13 +50,14 @@ log = logging.getLogger(__name__)
 class Lesson:
     """What round ``here`` taught, for the swarm to apply. ``came``: the members of the group we met (None: none);
     ``judge``: whether it tells who stayed away (a one-level round: the group, or that no group of ours assembled;
-    a level of bounded groups is a subset by design); ``offences``: (peer, offence, why); ``uplink``/``downlink``:
-    link samples of the all-reduce (``LinkMeter.observe``'s arguments)."""
+    a level of bounded groups is a subset by design); ``verdicts``: what it concluded of peers (offences, reducers
+    that answered or stayed silent); ``uplink``/``downlink``: link samples of the all-reduce (``LinkMeter.observe``'s
+    arguments)."""
 
     here: tuple[int, int]
     came: Optional[frozenset[str]] = None
     judge: bool = False
-    offences: tuple[tuple[str, Offence, str], ...] = ()
+    verdicts: tuple[Verdict, ...] = ()
     uplink: Optional[tuple] = None
     downlink: Optional[tuple] = None
 
@@ -227,7 +228,7 @@ class RoundRunner:
             log.warning("%s: member %s left out of the group: %s", self.label, short_id(who), why)
         # a dropped member neither came nor becomes a partner (partners count in every later quorum)
         self._learn(out, Lesson(self.here, came=frozenset(str(pid) for pid in plan.peer_ids), judge=not self.levels,
-                                offences=tuple((who, Offence.BAD_INFO, f"{self.label}: {why}")
+                                verdicts=tuple(Verdict(who, f"{self.label}: {why}", Offence.BAD_INFO)
                                                for who, why in plan.dropped)))
         out.group_size = len(plan.peer_ids)
         verdict = plan.verdict
@@ -250,14 +251,13 @@ class RoundRunner:
             lift = swarm_lift(plan, p2p=sw.p2p, dht=sw.dht, servicer=sw.servicer, cfg=self.cfg,
                               prefix=round_prefix(sw.run_key, self.fragment, self.round),
                               live=self.target_group_size, deadline=now + deadlines.allreduce - deadlines.part / 2,
-                              excluded=sw.refused, guard=sw.guard,
-                              download_bytes_per_second=sw.bandwidth.download.rate())
+                              excluded=sw.refused, guard=sw.guard, bandwidth=sw.bandwidth,
+                              learn=lambda verdicts: sw.learn(Lesson(self.here, verdicts=tuple(verdicts))))
         result = await run_allreduce(sw.p2p, sw.servicer, plan, delta, weight,
                                      part_timeout=deadlines.part, allreduce_timeout=deadlines.allreduce,
                                      connect_timeout=self.cfg.request_timeout, chunk_bytes=self.cfg.chunk_bytes,
-                                     lift=lift)
-        if result.uplink or result.downlink:
-            sw.learn(Lesson(self.here, uplink=result.uplink, downlink=result.downlink))
+                                     lift=lift, bandwidth=sw.bandwidth)
+        sw.learn(Lesson(self.here, uplink=result.uplink, downlink=result.downlink, verdicts=tuple(result.verdicts)))
         out.spans, out.contributors, out.total_weight = result.spans, result.contributors, result.total_weight
         out.flagged = result.flagged
         out.bytes_sent, out.bytes_received = result.traffic.sent, result.traffic.received

@@ -35,6 +35,18 @@ class Offence(enum.StrEnum):
     BAD_STATE = "bad_state"  # a state download's part that no honest donor sends (state_transfer.DonorLied)
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """What a step of a round concluded about ``peer``, as data for :meth:`Exclusions.apply`: an ``offence``
+    (counts toward exclusion), else, of a reducer, whether its span ``answered`` or stayed silent while
+    another reducer's came (``why`` names the fragment and round)."""
+
+    peer: str
+    why: str = ""
+    offence: Optional[Offence] = None
+    answered: bool = False
+
+
 @dataclass
 class Exclusions:
     """The offence ledger of this peer. ``on_exclude(peer, why)`` is called once per excluded peer (from
@@ -91,6 +103,15 @@ class Exclusions:
         """A reducer whose span arrived: its run of silent rounds is over."""
         with self._lock:
             self._silent.pop(peer, None)
+
+    def apply(self, verdict: Verdict) -> None:
+        """Counts ``verdict`` (:meth:`report`, :meth:`answered` or :meth:`silent`)."""
+        if verdict.offence is not None:
+            self.report(verdict.peer, verdict.offence, verdict.why)
+        elif verdict.answered:
+            self.answered(verdict.peer)
+        else:
+            self.silent(verdict.peer, verdict.why)
 
     def __contains__(self, peer: object) -> bool:
         return str(peer) in self._excluded
