@@ -1,4 +1,4 @@
-"""``swarm-peer export`` and ``swarm-peer sample`` (peer/run/export.py, peer/cli/take_home.py).
+"""``swarm-peer export``, ``sample`` and ``eval`` (peer/run/export.py, peer/cli/take_home.py).
 
 The swarm case (:func:`assert_exports_agree_and_load_plainly`, run at the end of tests/test_swarm.py's
 three-peer test) exports each peer's shared model and loads it in a Python that cannot import swarmloco; the
@@ -8,11 +8,14 @@ error cases need no swarm. The README walkthrough (tests/test_walkthrough.py) co
 from __future__ import annotations
 
 import json
+import math
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
+from helpers import events
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -73,12 +76,24 @@ def assert_exports_agree_and_load_plainly(run_root: Path, names: list[str]) -> N
     again = swarm_peer("sample", "--run-dir", str(run_root / names[0]), "--prompt", "ab", "--tokens", "24")
     assert again.stdout == sample.stdout  # seeded: the same text twice
 
+    # ... and measured: the same held-out loss from every peer's checkpoint (the same shared weights), lower than the
+    # untrained model's, a number as the peers' own evaluations report it
+    held = {}
+    for name in names:
+        done = swarm_peer("eval", "--run-dir", str(run_root / name), "--sequences", "32")
+        assert done.returncode == 0, done.stderr
+        held[name] = float(re.match(r"held-out loss (\S+) nats, perplexity ", done.stdout).group(1))
+    assert len(set(held.values())) == 1, held
+    last_eval = events(run_root, names[0], "eval")[-1]["loss"]
+    assert held[names[0]] < math.log(256) and abs(held[names[0]] - last_eval) < 0.5, (held, last_eval)
+
 
 def test_export_and_sample_name_what_to_fix(tmp_path):
     empty = tmp_path / "run"
     (empty / "checkpoints").mkdir(parents=True)
     for args in (["export", "--run-dir", str(empty), "--out", str(tmp_path / "out")],
                  ["sample", "--run-dir", str(empty), "--prompt", "x"],
+                 ["eval", "--run-dir", str(empty)],
                  ["export", "--run-dir", str(tmp_path / "missing"), "--out", str(tmp_path / "out")]):
         done = swarm_peer(*args)
         assert done.returncode == 2, done

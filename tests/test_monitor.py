@@ -23,10 +23,25 @@ PIDS = ["QmPeerAaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaA", "QmPeerBbbbbbbbbbbbbb
 
 
 def record(i: int, *, age: float = 1.0, paused: bool = False, loss=3.0, rounds=(5, 4), digests=("aa", "bb"),
-           version="0.1.0", client_mode=False, tps=100.0) -> ProgressRecord:
+           version="0.1.0", client_mode=False, tps=100.0, eval_loss=None, eval_round=0) -> ProgressRecord:
     return ProgressRecord(peer_id=PIDS[i], step=100 + i, round=rounds[0], rounds=list(rounds), digests=list(digests),
                           tokens_per_second=tps, client_mode=client_mode, paused=paused, loss=loss, version=version,
-                          time=NOW - age)
+                          time=NOW - age, eval_loss=eval_loss, eval_round=eval_round)
+
+
+def test_the_held_out_loss_is_the_median_at_the_newest_evaluated_round():
+    """One peer's word does not move it: the median of what the peers at the newest evaluated round report."""
+    history = LossHistory()
+    view = snapshot([record(0, eval_loss=2.0, eval_round=10), record(1, eval_loss=2.2, eval_round=10),
+                     record(2, eval_loss=0.0, eval_round=10),  # a liar claims a perfect model
+                     record(3, eval_loss=2.9, eval_round=5)], NOW, TTL, history, {})  # an older evaluation
+    assert (view["eval_loss"], view["eval_round"]) == (2.0, 10) and history.data[-1][3] == 2.0
+    assert view["peers"][0]["eval_loss"] == 2.0
+    none = snapshot([record(0)], NOW, TTL, history, {})
+    assert (none["eval_loss"], none["eval_round"]) == (None, 0) and history.data[-1][3] is None
+    for bad in (float("nan"), -0.5, 1e7):
+        with pytest.raises(ValidationError):
+            record(0, eval_loss=bad)
 
 
 def test_the_view_counts_live_peers_sums_tokens_and_checks_digests():

@@ -63,11 +63,20 @@ def test_three_peers_of_different_tau_agree_on_every_round_and_learn(procs, tmp_
     taus = {"p0": ["--outer-tau", "0"], "p1": ["--outer-tau", "2", "--outer-eager"],
             "p2": ["--outer-tau", "5", "--outer-eager"]}
     names = list(taus)
-    peers = [start_peer(procs, tmp_path, n, initial, 100, *taus[n]) for n in names]
+    peers = [start_peer(procs, tmp_path, n, initial, 100, "--eval-every", "2", *taus[n]) for n in names]
     for name, proc in zip(names, peers):
         assert wait_exit(proc, 300) == 0, proc.tail()
         assert not proc.session_pids(), f"{name} left processes behind: {proc.session_pids()}"
     assert_one_digest_per_applied_round(tmp_path, names, shared=9)
+    # the shared model on held-out data after fragment 0's rounds 2 and 4, on every peer: the same parameters (each
+    # evaluation names its digests) give the same loss, whatever the peer's tau
+    evals = {n: events(tmp_path, n, "eval") for n in names}
+    assert all([e["rounds"][0] for e in got] == [2, 4] for got in evals.values()), evals
+    by_state: dict[tuple, list[float]] = {}
+    for got in evals.values():
+        for e in got:
+            by_state.setdefault(tuple(e["digests"]), []).append(e["loss"])
+    assert len(by_state) == 2 and all(len(v) == 3 and max(v) - min(v) <= 1e-5 for v in by_state.values()), by_state
     rounds = {n: {(e["fragment"], e["round"]): e for e in events(tmp_path, n, "round")} for n in names}
     # tiny preset: 6 blocks, 3 per fragment -> P = 2; H = 20: fragment 0 syncs at 20, 40, .., 100,
     # fragment 1 (offset 10) at 30, 50, 70, 90

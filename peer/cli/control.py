@@ -16,7 +16,7 @@ from google.protobuf import json_format
 from google.protobuf.descriptor import FieldDescriptor
 
 from peer.config import RunConfig, default_of
-from peer.control.client import DEFAULT_TIMEOUT, ControlClient, ControlError
+from peer.control.client import DEFAULT_TIMEOUT, ControlClient, ControlError, describe_held_out
 from peer.control.limits import Limits, describe_limits
 from peer.proto import control_pb2 as pb
 
@@ -85,6 +85,7 @@ def describe_status(s: pb.StatusReply) -> str:
     loss = "-" if math.isnan(s.loss) else f"{s.loss:.4f}"
     lines = [f"peer {s.peer_id} ({state}{': ' + s.detail if s.detail else ''})",
              f"  step {s.step}, loss {loss}, {s.tokens_per_second:.0f} tok/s on {s.device}, tau {s.tau}",
+             f"  shared model, held-out loss: {describe_held_out(s)}",
              f"  peers: {s.live_peers} live, {s.paused_peers} paused; next sync: {s.next_sync}",
              f"  rounds: {rounds}; up {s.bytes_up} B, down {s.bytes_down} B",
              f"  limits: {describe_limits(s.limits)}"]

@@ -1,7 +1,8 @@
-"""``swarm-peer export`` and ``swarm-peer sample``: the model a run dir holds, taken home or tried out.
+"""``swarm-peer export``, ``sample`` and ``eval``: the model a run dir holds, taken home, tried out or measured.
 
     swarm-peer export --run-dir R --out DIR [--weights shared|local] [--force]
     swarm-peer sample --run-dir R --prompt TEXT [--tokens 200] [--temperature 0.8] [--top-k 50] [--seed 0]
+    swarm-peer eval --run-dir R [--data PATH ...] [--sequences 256]
 
 Both read the run dir's newest checkpoint only (no swarm, no config file: the checkpoint holds the resolved
 config); they may run while the peer trains. What they write and how it loads: peer/run/export.py.
@@ -12,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-COMMANDS = ("export", "sample")
+COMMANDS = ("export", "sample", "eval")
 
 
 def add_parsers(sub) -> None:
@@ -32,7 +33,13 @@ def add_parsers(sub) -> None:
     sa.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (0: all; default 50)")
     sa.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     sa.add_argument("--tokenizer", default="", help="tokenizer.json to use instead of the run's prepared data's")
-    for parser in (ex, sa):
+    ev = sub.add_parser("eval", help="the held-out loss of a run dir's newest checkpoint",
+                        description="Evaluate the model of a run dir's newest checkpoint on held-out data: the "
+                        "held-out part (data.holdout) of the run's own data, or of --data read the way the run "
+                        "reads its data (the same data.source). Prints the mean cross-entropy and perplexity.")
+    ev.add_argument("--data", nargs="+", default=None, help="data paths in place of the run's data.paths")
+    ev.add_argument("--sequences", type=int, default=256, help="held-out sequences to evaluate (default 256)")
+    for parser in (ex, sa, ev):
         parser.add_argument("--run-dir", required=True, help="the peer's run dir (holds checkpoints/)")
         parser.add_argument("--weights", choices=("shared", "local"), default="shared",
                             help="shared: the swarm's outer parameters G (every peer holds the same); local: this "
@@ -44,7 +51,7 @@ def run(ns: argparse.Namespace) -> int:
     from peer.errors import SetupError
 
     try:
-        return _export(ns) if ns.command == "export" else _sample(ns)
+        return {"export": _export, "sample": _sample, "eval": _eval}[ns.command](ns)
     except SetupError as e:
         print(f"swarm-peer: error: {e}", file=sys.stderr)
         return 2
@@ -73,4 +80,16 @@ def _sample(ns: argparse.Namespace) -> int:
                    temperature=ns.temperature, top_k=ns.top_k, seed=ns.seed)
     print(f"({saved.path.name}, step {saved.step}, {ns.weights} weights, tokenizer {codec.name})", file=sys.stderr)
     print(ns.prompt + codec.decode(ids))
+    return 0
+
+
+def _eval(ns: argparse.Namespace) -> int:
+    from peer.run.evaluation import evaluate_checkpoint
+    from peer.run.export import load_run
+
+    saved = load_run(ns.run_dir)
+    e = evaluate_checkpoint(saved, data_paths=ns.data, sequences=ns.sequences, weights=ns.weights)
+    print(f"held-out loss {e.loss:.4f} nats, perplexity {e.perplexity:.2f}: {e.sequences} sequences "
+          f"of {e.tokens // e.sequences} tokens; {ns.weights} weights of {saved.path.name} (step {saved.step}, "
+          f"fragment rounds {e.rounds})")
     return 0

@@ -15,7 +15,7 @@ from textual.app import App, ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import DataTable, Footer, Header, Sparkline, Static
 
-from peer.control.client import ControlClient, ControlError
+from peer.control.client import ControlClient, ControlError, describe_held_out
 from peer.control.limits import describe_limits
 from peer.proto import control_pb2 as pb
 from peer.run.events import fmt_bytes
@@ -94,7 +94,7 @@ class TopApp(App):
         rounds = ", ".join(f"{k} {v}" for k, v in sorted(s.rounds_by_status.items())) or "none yet"
         self.query_one("#figures", Static).update(
             f"peers {s.live_peers} live, {s.paused_peers} paused   next sync {s.next_sync}\n"
-            f"rounds: {rounds}\n"
+            f"rounds: {rounds}   held-out loss {describe_held_out(s)}\n"
             f"up {fmt_bytes(s.bytes_up)}  down {fmt_bytes(s.bytes_down)}   host peak {fmt_bytes(s.host_peak_bytes)}"
             f"   excluded {len(s.excluded_peers)}\n"
             f"limits: {describe_limits(s.limits)}")

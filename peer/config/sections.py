@@ -54,6 +54,9 @@ class DataConfig:
             "distribution).")
     shard: int = setting(-1, local=True, help="This peer's data shard; -1 derives it from the peer id, so every peer "
             "reads its own stream.")
+    holdout: float = setting(0.01, help="Fraction of a text, bin or tokens corpus held out of training (its last "
+            "tokens), on which the shared model is evaluated (run.eval_every); the synthetic corpus holds out a sample "
+            "stream of its own.")
 
     def __post_init__(self) -> None:
         check(self.source in ("synthetic", "text", "bin", "tokens"), "data.source",
@@ -65,6 +68,7 @@ class DataConfig:
         check(0 <= self.micro_batch <= self.batch_size, "data.micro_batch", "in [0, data.batch_size]",
                self.micro_batch)
         check(self.shard >= -1, "data.shard", ">= -1", self.shard)
+        check(0.0 <= self.holdout <= 0.5, "data.holdout", "in [0, 0.5]", self.holdout)
 
 
 @dataclass(kw_only=True)
@@ -315,6 +319,11 @@ class RunConfig:
     log_json: str = setting("", local=True, help="Path of a JSON-lines event log (step and round events); empty "
             "disables.")
     log_every: int = setting(10, local=True, help="Inner steps between two step events / log lines.")
+    eval_every: int = setting(10, local=True, help="Evaluate the shared model (the outer parameters G, not this "
+            "peer's weights) on the held-out data after every N applied rounds of fragment 0 (0 = never): loss and "
+            "perplexity in the events, the status, the metrics and the monitor.")
+    eval_sequences: int = setting(32, local=True, help="Held-out sequences of each evaluation (the same ones every "
+            "time, on every peer).")
     status_interval: float = setting(2.0, local=True, help="Seconds between console status lines (0 disables).")
     log_level: str = setting("INFO", local=True, help="Python log level of the console log.")
     checkpoint_minutes: float = setting(10.0, local=True, help="Minutes between checkpoints in RUN_DIR/checkpoints "
@@ -336,6 +345,8 @@ class RunConfig:
         check(bool(self.run_dir), "run.run_dir", "a directory path", self.run_dir)
         check(self.max_steps >= 0, "run.max_steps", ">= 0", self.max_steps)
         check(self.log_every >= 1, "run.log_every", ">= 1", self.log_every)
+        check(self.eval_every >= 0, "run.eval_every", ">= 0 (0 = never)", self.eval_every)
+        check(1 <= self.eval_sequences <= 4096, "run.eval_sequences", "in [1, 4096]", self.eval_sequences)
         check(self.status_interval >= 0, "run.status_interval", ">= 0", self.status_interval)
         check(self.checkpoint_minutes >= 0, "run.checkpoint_minutes", ">= 0", self.checkpoint_minutes)
         check(self.checkpoint_rounds >= 0, "run.checkpoint_rounds", ">= 0", self.checkpoint_rounds)

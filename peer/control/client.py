@@ -8,6 +8,7 @@ does not answer, a limit it refused.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Iterator, Optional
@@ -104,3 +105,10 @@ class ControlClient:
         except grpc.RpcError as e:
             if e.code() not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE):
                 raise ControlError(f"WatchEvents: {e.details()}") from None
+
+
+def describe_held_out(s: pb.StatusReply) -> str:
+    """The shared model's held-out loss of a status, in words ("-" before the first evaluation)."""
+    if s.eval_round == 0 or math.isnan(s.eval_loss):
+        return "-"
+    return f"{s.eval_loss:.4f}, perplexity {s.eval_perplexity:.2f} (round {s.eval_round})"

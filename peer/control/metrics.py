@@ -29,6 +29,9 @@ GAUGES = [
     ("device_peak_bytes", "Peak GPU memory allocated by torch (bytes).", "device_peak_bytes"),
     ("uptime_seconds", "Seconds since the peer started.", "uptime_seconds"),
     ("idle_seconds", "Seconds since the last inner step.", "idle_seconds"),
+    ("eval_loss", "Held-out cross-entropy of the shared model at its last evaluation (nats).", "eval_loss"),
+    ("eval_perplexity", "Held-out perplexity of the shared model at its last evaluation.", "eval_perplexity"),
+    ("eval_round", "Fragment 0's round the last evaluation of the shared model was made at.", "eval_round"),
 ]
 COUNTERS = [
     ("sent_bytes", "All-reduce bytes sent.", "bytes_up"),

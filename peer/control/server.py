@@ -57,9 +57,10 @@ class _Servicer(pb_grpc.PeerControlServicer):
         state, detail = self.controls.state()
         fields = dict(self.status_fn())
         fragments = [pb.FragmentStatus(**f) for f in fields.pop("fragments", [])]
-        loss = fields.pop("loss", None)
-        return pb.StatusReply(state=STATES[state], detail=detail, fragments=fragments,
-                              loss=math.nan if loss is None else float(loss),
+        nan_if_none = {k: math.nan if fields.get(k) is None else float(fields[k])
+                       for k in ("loss", "eval_loss", "eval_perplexity")}
+        fields = {k: v for k, v in fields.items() if k not in nan_if_none}
+        return pb.StatusReply(state=STATES[state], detail=detail, fragments=fragments, **nan_if_none,
                               limits=limits_message(self.controls.limits.get()), **fields)
 
     def _reply(self, message: str) -> pb.ControlReply:

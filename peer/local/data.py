@@ -9,9 +9,10 @@ its read position is a JSON-serialisable cursor (``state_dict``), so a restored 
 - :class:`BinShardSource`: pre-tokenized raw little-endian uint16 files (no header), memory-mapped.
 - :class:`TokenShardSource`: ``swarm-peer prepare-data``'s output (peer/local/prepare.py), checked, memory-mapped.
 
-File sources read one cyclic stream in windows of ``seq_len + 1`` tokens with stride ``seq_len`` (every token after
-the first is a target once per pass). A shard starts at its own offset: evenly spaced when ``num_shards`` is known,
-else a seeded pseudo-random one (a volunteer swarm does not know how many shards there will be).
+File sources read one cyclic stream in windows of ``seq_len + 1`` tokens, stride ``seq_len``, but for its last
+``holdout`` fraction, held out to evaluate the shared model (``held_out``: the same windows on every peer; the
+synthetic corpus holds out a stream of its own). A shard starts at its own offset: evenly spaced when ``num_shards``
+is known, else seeded pseudo-random (a volunteer swarm does not know how many shards there will be).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ __all__ = [
 BYTE_VOCAB = 256
 # Domain-separation tags so the chain, the sample streams and file offsets never
 # share random streams even for equal (seed, shard) numbers.
-_TAG_CHAIN, _TAG_SAMPLES, _TAG_OFFSET = 0x4348, 0x534D, 0x4F46
+_TAG_CHAIN, _TAG_SAMPLES, _TAG_OFFSET, _TAG_HELD_OUT = 0x4348, 0x534D, 0x4F46, 0x484F
 
 
 def _derive_seed(*words: int) -> int:
@@ -57,6 +58,7 @@ class TokenSource(Protocol):
     entropy_floor: float | None
 
     def next_batch(self, batch_size: int, seq_len: int) -> Tensor: ...
+    def held_out(self, sequences: int, seq_len: int) -> Tensor | None: ...
     def state_dict(self) -> dict: ...
     def load_state_dict(self, state: dict) -> None: ...
 
@@ -161,9 +163,19 @@ class MarkovSource:
     def next_batch(self, batch_size: int, seq_len: int) -> Tensor:
         """Return int64 ``[batch_size, seq_len + 1]``: independent rows from the chain."""
         _check_shape(batch_size, seq_len)
-        g = torch.Generator().manual_seed(
-            _derive_seed(_TAG_SAMPLES, self.seed, self.shard_index, self._batches_served)
-        )
+        out = self._sample(_derive_seed(_TAG_SAMPLES, self.seed, self.shard_index, self._batches_served),
+                           batch_size, seq_len)
+        self._batches_served += 1
+        return out
+
+    def held_out(self, sequences: int, seq_len: int) -> Tensor:
+        """``[sequences, seq_len + 1]`` rows of the held-out stream: the same chain, a sample stream no shard
+        trains on (its own tag), the same rows on every peer of the run."""
+        _check_shape(sequences, seq_len)
+        return self._sample(_derive_seed(_TAG_HELD_OUT, self.seed), sequences, seq_len)
+
+    def _sample(self, seed: int, batch_size: int, seq_len: int) -> Tensor:
+        g = torch.Generator().manual_seed(seed)
         # Position-major so each u[t] is a contiguous [B] slice for searchsorted.
         u = torch.rand(seq_len + 1, batch_size, generator=g, dtype=torch.float64)
         out = torch.empty(batch_size, seq_len + 1, dtype=torch.int64)
@@ -175,7 +187,6 @@ class MarkovSource:
             idx = torch.searchsorted(self._cum[cur], u[t].unsqueeze(1), right=True).clamp_(max=last)
             cur = self._succ[cur, idx.squeeze(1)]
             out[:, t] = cur
-        self._batches_served += 1
         return out
 
     def state_dict(self) -> dict:
@@ -218,7 +229,10 @@ class _WindowSource:
         seed: int,
         shard_index: int,
         num_shards: int | None,
+        holdout: float = 0.0,
     ) -> None:
+        if not 0.0 <= holdout < 1.0:
+            raise ValueError(f"data.holdout must be in [0, 1), got {holdout}")
         if seed < 0 or shard_index < 0:
             raise ValueError(f"seed and shard_index must be >= 0, got {seed}, {shard_index}")
         if num_shards is not None and not 0 <= shard_index < num_shards:
@@ -230,7 +244,11 @@ class _WindowSource:
         self._arrays = [arr for _, arr in segments]
         self._starts = np.cumsum([0] + [len(a) for a in self._arrays])
         self.label = ", ".join(self._names)  # what ``check`` calls the data
-        self.num_tokens = n = int(self._starts[-1])
+        total = int(self._starts[-1])
+        self.held_tokens = int(total * holdout)  # the stream's last tokens: never trained on
+        self.num_tokens = n = total - self.held_tokens  # the training stream
+        if n < 1:
+            raise ValueError(f"{self.label}: data.holdout = {holdout} leaves no tokens to train on")
         base = _derive_seed(_TAG_OFFSET, seed) % n
         if num_shards is None:
             self._start = _derive_seed(_TAG_OFFSET, seed, shard_index) % n
@@ -273,6 +291,16 @@ class _WindowSource:
         self._position = int((self._position + batch_size * seq_len) % self.num_tokens)
         return batch
 
+    def held_out(self, sequences: int, seq_len: int) -> Tensor | None:
+        """Up to ``sequences`` consecutive windows of the held-out tokens (the same on every peer), as
+        ``[k, seq_len + 1]``; None if fewer than ``seq_len + 1`` tokens are held out."""
+        _check_shape(sequences, seq_len)
+        k = min(sequences, (self.held_tokens - 1) // seq_len) if self.held_tokens > seq_len else 0
+        if k == 0:
+            return None
+        starts = self.num_tokens + seq_len * np.arange(k, dtype=np.int64)
+        return torch.from_numpy(self._gather(starts[:, None] + np.arange(seq_len + 1, dtype=np.int64)))
+
     def state_dict(self) -> dict:
         return {
             "kind": self.kind,
@@ -287,7 +315,8 @@ class _WindowSource:
         mine = self.state_dict()
         for key in ("kind", "seed", "shard_index", "num_tokens"):
             if state.get(key) != mine[key]:
-                raise ValueError(f"data cursor is for {key}={state.get(key)!r}, this source has {mine[key]!r}")
+                hint = " (the data or data.holdout changed)" if key == "num_tokens" else ""
+                raise ValueError(f"data cursor is for {key}={state.get(key)!r}, this source has {mine[key]!r}{hint}")
         self._position = int(state["position"]) % self.num_tokens
 
 
@@ -310,7 +339,8 @@ class TextFileSource(_WindowSource):
 
     kind = "text"
 
-    def __init__(self, paths: list[str], seed: int, shard_index: int = 0, num_shards: int | None = None) -> None:
+    def __init__(self, paths: list[str], seed: int, shard_index: int = 0, num_shards: int | None = None, *,
+                 holdout: float = 0.0) -> None:
         if not paths:
             raise ValueError("text source needs at least one path in data.paths")
         segments = []
@@ -318,7 +348,7 @@ class TextFileSource(_WindowSource):
             _check_file(path)
             with open(path, "rb") as f:  # raw bytes == byte_encode of the decoded text
                 segments.append((path, np.frombuffer(f.read(), dtype=np.uint8)))
-        super().__init__(segments, BYTE_VOCAB, seed, shard_index, num_shards)
+        super().__init__(segments, BYTE_VOCAB, seed, shard_index, num_shards, holdout)
 
 
 class BinShardSource(_WindowSource):
@@ -331,7 +361,8 @@ class BinShardSource(_WindowSource):
     kind = "bin"
 
     def __init__(
-        self, paths: list[str], vocab_size: int, seed: int, shard_index: int = 0, num_shards: int | None = None
+        self, paths: list[str], vocab_size: int, seed: int, shard_index: int = 0, num_shards: int | None = None, *,
+        holdout: float = 0.0,
     ) -> None:
         if not paths:
             raise ValueError("bin source needs at least one path in data.paths")
@@ -343,7 +374,7 @@ class BinShardSource(_WindowSource):
             if os.path.getsize(path) % 2:
                 raise ValueError(f"{path}: size is odd, not a uint16 token file")
             segments.append((path, np.memmap(path, dtype="<u2", mode="r")))
-        super().__init__(segments, vocab_size, seed, shard_index, num_shards)
+        super().__init__(segments, vocab_size, seed, shard_index, num_shards, holdout)
 
 
 def _sha256_file(path: Path) -> str:
@@ -368,7 +399,7 @@ class TokenShardSource(_WindowSource):
     kind = "tokens"
 
     def __init__(self, path: str, vocab_size: int, seed: int, shard_index: int = 0, num_shards: int | None = None,
-                 *, verify_checksums: bool = True) -> None:
+                 *, verify_checksums: bool = True, holdout: float = 0.0) -> None:
         file, manifest = read_manifest(path)
         self.manifest, self.manifest_path = manifest, file
         data_vocab = int(manifest["vocab_size"])
@@ -394,7 +425,7 @@ class TokenShardSource(_WindowSource):
                 segments.append((name, np.memmap(shard_path, dtype=dtype, mode="r")))
         if not segments:
             raise ValueError(f"{file}: the prepared data holds no tokens; prepare it again from non-empty inputs")
-        super().__init__(segments, vocab_size, seed, shard_index, num_shards)
+        super().__init__(segments, vocab_size, seed, shard_index, num_shards, holdout)
         self.label = str(file.parent)
 
 
@@ -406,8 +437,10 @@ def make_source(
     seed: int,
     shard_index: int,
     num_shards: int | None = None,
+    holdout: float = 0.0,
 ) -> MarkovSource | TextFileSource | BinShardSource | TokenShardSource:
-    """Build the data source named by ``kind`` ("synthetic", "text", "bin" or "tokens").
+    """Build the data source named by ``kind`` ("synthetic", "text", "bin" or "tokens"); ``holdout``: the fraction
+    of a file corpus held out of training (the synthetic corpus holds out a stream of its own).
 
     Raises ``ValueError`` with a one-line message naming the option or file to fix:
     unknown kind, paths given to "synthetic", no paths, a missing or empty file, or a
@@ -421,12 +454,12 @@ def make_source(
     if kind == "text":
         if vocab_size != BYTE_VOCAB:
             raise ValueError(f"data.kind = 'text' uses the byte tokenizer: set vocab_size = 256 (got {vocab_size})")
-        return TextFileSource(list(paths), seed, shard_index, num_shards)
+        return TextFileSource(list(paths), seed, shard_index, num_shards, holdout=holdout)
     if kind == "bin":
-        return BinShardSource(list(paths), vocab_size, seed, shard_index, num_shards)
+        return BinShardSource(list(paths), vocab_size, seed, shard_index, num_shards, holdout=holdout)
     if kind == "tokens":
         if len(paths) != 1:
             raise ValueError(f"data.source = 'tokens' takes one path in data.paths (the directory swarm-peer "
                              f"prepare-data wrote, or its manifest.json), got {len(paths)}")
-        return TokenShardSource(paths[0], vocab_size, seed, shard_index, num_shards)
+        return TokenShardSource(paths[0], vocab_size, seed, shard_index, num_shards, holdout=holdout)
     raise ValueError(f"unknown data.kind {kind!r}; choose 'synthetic', 'text', 'bin' or 'tokens'")

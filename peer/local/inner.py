@@ -113,6 +113,26 @@ def non_finite_message(step: int, loss: float, grad_norm: float) -> str:
     return f"inner step {step}: gradient norm is {grad_norm}; lower the lr"
 
 
+@torch.no_grad()
+def mean_ce(model: nn.Module, batch: Tensor, *, params: Optional[dict[str, Tensor]] = None, chunk: int = 0,
+            autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> float:
+    """Mean next-token cross-entropy (nats) of ``model`` (in eval mode; left so) on ``batch`` (int64
+    ``[B, T + 1]``, moved to the model's device), with ``params`` ({name: tensor on the model's device}) in place
+    of its own parameters where given (``torch.func.functional_call``: the model is untouched), ``chunk``
+    sequences at a time (0: all at once)."""
+    if batch.dim() != 2 or batch.shape[1] < 2:
+        raise ValueError(f"batch must be [B, T+1] with T >= 1, got shape {tuple(batch.shape)}")
+    device = next(model.parameters()).device
+    batch = batch.to(device)
+    model.eval()
+    total = torch.zeros((), device=device)
+    for part in batch.split(chunk or batch.shape[0]):
+        with autocast():
+            logits = torch.func.functional_call(model, params or {}, (part[:, :-1],))
+        total += lm_loss(logits, part[:, 1:], 0.0)[1] * part.shape[0]
+    return float(total) / batch.shape[0]
+
+
 class InnerLoop:
     """AdamW inner optimizer with schedule, clipping and bf16 autocast on CUDA.
 
@@ -235,6 +255,15 @@ class InnerLoop:
         self.step_count += 1
         return StepStats(lr=lr, tokens=rows * (batch.shape[1] - 1), measured=measured,
                          first_bad=self._first_bad if self.defer_checks else None)
+
+    def evaluate(self, batch: Tensor, params: Optional[dict[str, Tensor]] = None) -> float:
+        """:func:`mean_ce` of the model on ``batch``, with ``params`` in place of its own parameters where given, in
+        chunks of ``micro_batch`` sequences under the training autocast (the optimizer and step count are
+        untouched). Waits for the device."""
+        try:
+            return mean_ce(self.model, batch, params=params, chunk=self.micro_batch, autocast=self._autocast)
+        finally:
+            self.model.train()
 
     def _latch(self, measured: Tensor) -> None:
         """Deferred checks, all on the device: records this step in the latch if it is the first non-finite one,

@@ -116,6 +116,7 @@ class Swarm:
         self._subkey = b""
         # (step, round of fragment 0, tokens/s, last loss), published by the heartbeat
         self._progress: tuple[int, int, float, Optional[float]] = (0, 0, 0.0, None)
+        self._eval: tuple[Optional[float], int] = (None, 0)  # the shared model's held-out loss, and its round
         self.paused = False  # published by the heartbeat: the trainer sets it while its owner pauses it
         self.client_mode = cfg.client_mode  # or set at start when nobody outside can dial us (_check_reachability)
         # who we see: live records, vouched speeds, partners, known peers (peer/net/view/roster.py; fed by the
@@ -235,6 +236,11 @@ class Swarm:
         published = float(loss) if loss is not None and math.isfinite(loss) and 0 <= loss <= 1e6 else None
         self._progress = (step, round_, float(tokens_per_second), published)
 
+    def publish_eval(self, loss: float, round_: int) -> None:
+        """Sets the shared model's held-out loss (evaluated after fragment 0's round ``round_``) that the next
+        heartbeats publish (the monitor's held-out chart). A loss that is not finite and non-negative is not."""
+        self._eval = (float(loss) if math.isfinite(loss) and 0 <= loss <= 1e6 else None, round_)
+
     async def _heartbeat(self) -> None:
         """Publishes our signed progress record and reads the others' every ``progress_period`` s until
         shutdown.
@@ -265,6 +271,7 @@ class Swarm:
                              client_mode=self.client_mode, time=get_dht_time(),
                              rounds=[s.round for s in snaps if s], digests=[s.digest for s in snaps if s],
                              past=self._past_entries(), pass_line=encode_pass(self.access.token) if self.access else "",
+                             eval_loss=self._eval[0], eval_round=self._eval[1],
                              upload_bytes_per_second=self.declared_uplink())
         store = self.dht.store(progress_key(self.run_key), rec.model_dump(), get_dht_time() + self.cfg.progress_ttl,
                                subkey=self._subkey, return_future=True)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rcontrol.proto\x12\x11swarmloco.control\"\x0f\n\rStatusRequest\"M\n\x0e\x46ragmentStatus\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\x12\r\n\x05numel\x18\x04 \x01(\x04\"o\n\x06Limits\x12\x12\n\nduty_cycle\x18\x01 \x01(\r\x12\x0f\n\x07threads\x18\x02 \x01(\r\x12\x14\n\x0c\x61\x63tive_hours\x18\x03 \x01(\t\x12\x13\n\x0bupload_mbps\x18\x04 \x01(\x01\x12\x15\n\rdownload_mbps\x18\x05 \x01(\x01\"\x84\x05\n\x0bStatusReply\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12+\n\x05state\x18\x02 \x01(\x0e\x32\x1c.swarmloco.control.PeerState\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x0c\n\x04loss\x18\x05 \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x06 \x01(\x01\x12\x12\n\nlive_peers\x18\x07 \x01(\r\x12\x14\n\x0cpaused_peers\x18\x08 \x01(\r\x12\x34\n\tfragments\x18\t \x03(\x0b\x32!.swarmloco.control.FragmentStatus\x12\x11\n\tnext_sync\x18\n \x01(\t\x12\x10\n\x08\x62ytes_up\x18\x0b \x01(\x04\x12\x12\n\nbytes_down\x18\x0c \x01(\x04\x12L\n\x10rounds_by_status\x18\r \x03(\x0b\x32\x32.swarmloco.control.StatusReply.RoundsByStatusEntry\x12\x0b\n\x03tau\x18\x0e \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x0f \x01(\t\x12\x17\n\x0fhost_peak_bytes\x18\x10 \x01(\x04\x12\x19\n\x11\x64\x65vice_peak_bytes\x18\x11 \x01(\x04\x12\x16\n\x0e\x65xcluded_peers\x18\x12 \x03(\t\x12)\n\x06limits\x18\x13 \x01(\x0b\x32\x19.swarmloco.control.Limits\x12\x10\n\x08run_hash\x18\x14 \x01(\t\x12\x16\n\x0euptime_seconds\x18\x15 \x01(\x01\x12\x14\n\x0cidle_seconds\x18\x16 \x01(\x01\x1a\x35\n\x13RoundsByStatusEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x0e\n\x0cPauseRequest\"\x0f\n\rResumeRequest\"\x0f\n\rFinishRequest\"L\n\x0c\x43ontrolReply\x12+\n\x05state\x18\x01 \x01(\x0e\x32\x1c.swarmloco.control.PeerState\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xe0\x01\n\x10SetLimitsRequest\x12\x17\n\nduty_cycle\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x14\n\x07threads\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x19\n\x0c\x61\x63tive_hours\x18\x03 \x01(\tH\x02\x88\x01\x01\x12\x18\n\x0bupload_mbps\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1a\n\rdownload_mbps\x18\x05 \x01(\x01H\x04\x88\x01\x01\x42\r\n\x0b_duty_cycleB\n\n\x08_threadsB\x0f\n\r_active_hoursB\x0e\n\x0c_upload_mbpsB\x10\n\x0e_download_mbps\"8\n\x0bLimitsReply\x12)\n\x06limits\x18\x01 \x01(\x0b\x32\x19.swarmloco.control.Limits\"\x1f\n\x0cWatchRequest\x12\x0f\n\x07\x62\x61\x63klog\x18\x01 \x01(\r\"\x15\n\x05\x45vent\x12\x0c\n\x04json\x18\x01 \x01(\t*k\n\tPeerState\x12\x1a\n\x16PEER_STATE_UNSPECIFIED\x10\x00\x12\x0c\n\x08STARTING\x10\x01\x12\x0c\n\x08TRAINING\x10\x02\x12\n\n\x06PAUSED\x10\x03\x12\r\n\tFINISHING\x10\x04\x12\x0b\n\x07PAUSING\x10\x05\x32\xdc\x03\n\x0bPeerControl\x12J\n\x06Status\x12 .swarmloco.control.StatusRequest\x1a\x1e.swarmloco.control.StatusReply\x12I\n\x05Pause\x12\x1f.swarmloco.control.PauseRequest\x1a\x1f.swarmloco.control.ControlReply\x12K\n\x06Resume\x12 .swarmloco.control.ResumeRequest\x1a\x1f.swarmloco.control.ControlReply\x12K\n\x06\x46inish\x12 .swarmloco.control.FinishRequest\x1a\x1f.swarmloco.control.ControlReply\x12P\n\tSetLimits\x12#.swarmloco.control.SetLimitsRequest\x1a\x1e.swarmloco.control.LimitsReply\x12J\n\x0bWatchEvents\x12\x1f.swarmloco.control.WatchRequest\x1a\x18.swarmloco.control.Event0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rcontrol.proto\x12\x11swarmloco.control\"\x0f\n\rStatusRequest\"M\n\x0e\x46ragmentStatus\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\x12\r\n\x05numel\x18\x04 \x01(\x04\"o\n\x06Limits\x12\x12\n\nduty_cycle\x18\x01 \x01(\r\x12\x0f\n\x07threads\x18\x02 \x01(\r\x12\x14\n\x0c\x61\x63tive_hours\x18\x03 \x01(\t\x12\x13\n\x0bupload_mbps\x18\x04 \x01(\x01\x12\x15\n\rdownload_mbps\x18\x05 \x01(\x01\"\xc4\x05\n\x0bStatusReply\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12+\n\x05state\x18\x02 \x01(\x0e\x32\x1c.swarmloco.control.PeerState\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x0c\n\x04loss\x18\x05 \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x06 \x01(\x01\x12\x12\n\nlive_peers\x18\x07 \x01(\r\x12\x14\n\x0cpaused_peers\x18\x08 \x01(\r\x12\x34\n\tfragments\x18\t \x03(\x0b\x32!.swarmloco.control.FragmentStatus\x12\x11\n\tnext_sync\x18\n \x01(\t\x12\x10\n\x08\x62ytes_up\x18\x0b \x01(\x04\x12\x12\n\nbytes_down\x18\x0c \x01(\x04\x12L\n\x10rounds_by_status\x18\r \x03(\x0b\x32\x32.swarmloco.control.StatusReply.RoundsByStatusEntry\x12\x0b\n\x03tau\x18\x0e \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x0f \x01(\t\x12\x17\n\x0fhost_peak_bytes\x18\x10 \x01(\x04\x12\x19\n\x11\x64\x65vice_peak_bytes\x18\x11 \x01(\x04\x12\x16\n\x0e\x65xcluded_peers\x18\x12 \x03(\t\x12)\n\x06limits\x18\x13 \x01(\x0b\x32\x19.swarmloco.control.Limits\x12\x10\n\x08run_hash\x18\x14 \x01(\t\x12\x16\n\x0euptime_seconds\x18\x15 \x01(\x01\x12\x14\n\x0cidle_seconds\x18\x16 \x01(\x01\x12\x11\n\teval_loss\x18\x17 \x01(\x01\x12\x17\n\x0f\x65val_perplexity\x18\x18 \x01(\x01\x12\x12\n\neval_round\x18\x19 \x01(\x04\x1a\x35\n\x13RoundsByStatusEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x0e\n\x0cPauseRequest\"\x0f\n\rResumeRequest\"\x0f\n\rFinishRequest\"L\n\x0c\x43ontrolReply\x12+\n\x05state\x18\x01 \x01(\x0e\x32\x1c.swarmloco.control.PeerState\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xe0\x01\n\x10SetLimitsRequest\x12\x17\n\nduty_cycle\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x14\n\x07threads\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x19\n\x0c\x61\x63tive_hours\x18\x03 \x01(\tH\x02\x88\x01\x01\x12\x18\n\x0bupload_mbps\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1a\n\rdownload_mbps\x18\x05 \x01(\x01H\x04\x88\x01\x01\x42\r\n\x0b_duty_cycleB\n\n\x08_threadsB\x0f\n\r_active_hoursB\x0e\n\x0c_upload_mbpsB\x10\n\x0e_download_mbps\"8\n\x0bLimitsReply\x12)\n\x06limits\x18\x01 \x01(\x0b\x32\x19.swarmloco.control.Limits\"\x1f\n\x0cWatchRequest\x12\x0f\n\x07\x62\x61\x63klog\x18\x01 \x01(\r\"\x15\n\x05\x45vent\x12\x0c\n\x04json\x18\x01 \x01(\t*k\n\tPeerState\x12\x1a\n\x16PEER_STATE_UNSPECIFIED\x10\x00\x12\x0c\n\x08STARTING\x10\x01\x12\x0c\n\x08TRAINING\x10\x02\x12\n\n\x06PAUSED\x10\x03\x12\r\n\tFINISHING\x10\x04\x12\x0b\n\x07PAUSING\x10\x05\x32\xdc\x03\n\x0bPeerControl\x12J\n\x06Status\x12 .swarmloco.control.StatusRequest\x1a\x1e.swarmloco.control.StatusReply\x12I\n\x05Pause\x12\x1f.swarmloco.control.PauseRequest\x1a\x1f.swarmloco.control.ControlReply\x12K\n\x06Resume\x12 .swarmloco.control.ResumeRequest\x1a\x1f.swarmloco.control.ControlReply\x12K\n\x06\x46inish\x12 .swarmloco.control.FinishRequest\x1a\x1f.swarmloco.control.ControlReply\x12P\n\tSetLimits\x12#.swarmloco.control.SetLimitsRequest\x1a\x1e.swarmloco.control.LimitsReply\x12J\n\x0bWatchEvents\x12\x1f.swarmloco.control.WatchRequest\x1a\x18.swarmloco.control.Event0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STATUSREPLY_ROUNDSBYSTATUSENTRY']._loaded_options = None
   _globals['_STATUSREPLY_ROUNDSBYSTATUSENTRY']._serialized_options = b'8\001'
-  _globals['_PEERSTATE']._serialized_start=1361
-  _globals['_PEERSTATE']._serialized_end=1468
+  _globals['_PEERSTATE']._serialized_start=1425
+  _globals['_PEERSTATE']._serialized_end=1532
   _globals['_STATUSREQUEST']._serialized_start=36
   _globals['_STATUSREQUEST']._serialized_end=51
   _globals['_FRAGMENTSTATUS']._serialized_start=53
@@ -42,25 +42,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LIMITS']._serialized_start=132
   _globals['_LIMITS']._serialized_end=243
   _globals['_STATUSREPLY']._serialized_start=246
-  _globals['_STATUSREPLY']._serialized_end=890
-  _globals['_STATUSREPLY_ROUNDSBYSTATUSENTRY']._serialized_start=837
-  _globals['_STATUSREPLY_ROUNDSBYSTATUSENTRY']._serialized_end=890
-  _globals['_PAUSEREQUEST']._serialized_start=892
-  _globals['_PAUSEREQUEST']._serialized_end=906
-  _globals['_RESUMEREQUEST']._serialized_start=908
-  _globals['_RESUMEREQUEST']._serialized_end=923
-  _globals['_FINISHREQUEST']._serialized_start=925
-  _globals['_FINISHREQUEST']._serialized_end=940
-  _globals['_CONTROLREPLY']._serialized_start=942
-  _globals['_CONTROLREPLY']._serialized_end=1018
-  _globals['_SETLIMITSREQUEST']._serialized_start=1021
-  _globals['_SETLIMITSREQUEST']._serialized_end=1245
-  _globals['_LIMITSREPLY']._serialized_start=1247
-  _globals['_LIMITSREPLY']._serialized_end=1303
-  _globals['_WATCHREQUEST']._serialized_start=1305
-  _globals['_WATCHREQUEST']._serialized_end=1336
-  _globals['_EVENT']._serialized_start=1338
-  _globals['_EVENT']._serialized_end=1359
-  _globals['_PEERCONTROL']._serialized_start=1471
-  _globals['_PEERCONTROL']._serialized_end=1947
+  _globals['_STATUSREPLY']._serialized_end=954
+  _globals['_STATUSREPLY_ROUNDSBYSTATUSENTRY']._serialized_start=901
+  _globals['_STATUSREPLY_ROUNDSBYSTATUSENTRY']._serialized_end=954
+  _globals['_PAUSEREQUEST']._serialized_start=956
+  _globals['_PAUSEREQUEST']._serialized_end=970
+  _globals['_RESUMEREQUEST']._serialized_start=972
+  _globals['_RESUMEREQUEST']._serialized_end=987
+  _globals['_FINISHREQUEST']._serialized_start=989
+  _globals['_FINISHREQUEST']._serialized_end=1004
+  _globals['_CONTROLREPLY']._serialized_start=1006
+  _globals['_CONTROLREPLY']._serialized_end=1082
+  _globals['_SETLIMITSREQUEST']._serialized_start=1085
+  _globals['_SETLIMITSREQUEST']._serialized_end=1309
+  _globals['_LIMITSREPLY']._serialized_start=1311
+  _globals['_LIMITSREPLY']._serialized_end=1367
+  _globals['_WATCHREQUEST']._serialized_start=1369
+  _globals['_WATCHREQUEST']._serialized_end=1400
+  _globals['_EVENT']._serialized_start=1402
+  _globals['_EVENT']._serialized_end=1423
+  _globals['_PEERCONTROL']._serialized_start=1535
+  _globals['_PEERCONTROL']._serialized_end=2011
 # @@protoc_insertion_point(module_scope)

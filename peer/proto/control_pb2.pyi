@@ -53,7 +53,7 @@ class Limits(_message.Message):
     def __init__(self, duty_cycle: _Optional[int] = ..., threads: _Optional[int] = ..., active_hours: _Optional[str] = ..., upload_mbps: _Optional[float] = ..., download_mbps: _Optional[float] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("peer_id", "state", "detail", "step", "loss", "tokens_per_second", "live_peers", "paused_peers", "fragments", "next_sync", "bytes_up", "bytes_down", "rounds_by_status", "tau", "device", "host_peak_bytes", "device_peak_bytes", "excluded_peers", "limits", "run_hash", "uptime_seconds", "idle_seconds")
+    __slots__ = ("peer_id", "state", "detail", "step", "loss", "tokens_per_second", "live_peers", "paused_peers", "fragments", "next_sync", "bytes_up", "bytes_down", "rounds_by_status", "tau", "device", "host_peak_bytes", "device_peak_bytes", "excluded_peers", "limits", "run_hash", "uptime_seconds", "idle_seconds", "eval_loss", "eval_perplexity", "eval_round")
     class RoundsByStatusEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,9 @@ class StatusReply(_message.Message):
     RUN_HASH_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EVAL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    EVAL_PERPLEXITY_FIELD_NUMBER: _ClassVar[int]
+    EVAL_ROUND_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     state: PeerState
     detail: str
@@ -105,7 +108,10 @@ class StatusReply(_message.Message):
     run_hash: str
     uptime_seconds: float
     idle_seconds: float
-    def __init__(self, peer_id: _Optional[str] = ..., state: _Optional[_Union[PeerState, str]] = ..., detail: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., live_peers: _Optional[int] = ..., paused_peers: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., next_sync: _Optional[str] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., rounds_by_status: _Optional[_Mapping[str, int]] = ..., tau: _Optional[int] = ..., device: _Optional[str] = ..., host_peak_bytes: _Optional[int] = ..., device_peak_bytes: _Optional[int] = ..., excluded_peers: _Optional[_Iterable[str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., run_hash: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ...) -> None: ...
+    eval_loss: float
+    eval_perplexity: float
+    eval_round: int
+    def __init__(self, peer_id: _Optional[str] = ..., state: _Optional[_Union[PeerState, str]] = ..., detail: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., live_peers: _Optional[int] = ..., paused_peers: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., next_sync: _Optional[str] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., rounds_by_status: _Optional[_Mapping[str, int]] = ..., tau: _Optional[int] = ..., device: _Optional[str] = ..., host_peak_bytes: _Optional[int] = ..., device_peak_bytes: _Optional[int] = ..., excluded_peers: _Optional[_Iterable[str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., run_hash: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., eval_loss: _Optional[float] = ..., eval_perplexity: _Optional[float] = ..., eval_round: _Optional[int] = ...) -> None: ...
 
 class PauseRequest(_message.Message):
     __slots__ = ()

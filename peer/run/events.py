@@ -3,7 +3,8 @@
 JSON events (one object per line, ``--log-json``): ``start``, ``step`` (every ``log_every`` steps:
 step, loss, ce, tokens, time, ...), ``round`` (after each sync: fragment, round, status,
 group_size, bytes_sent, bytes_received, seconds, digest, spans_applied, spans_missing, ...),
-``catch_up``, ``resume`` and ``stop``.
+``eval`` (the shared model on held-out data, every ``run.eval_every`` rounds: loss, perplexity, rounds,
+digests; peer/run/evaluation.py), ``catch_up``, ``resume`` and ``stop``.
 """
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ def open_data(cfg: PeerConfig, shard: int):
     sha256 (a full read of the shards; see ``TokenShardSource``)."""
     try:
         source = make_source(cfg.data.source, paths=cfg.data.paths, vocab_size=cfg.data.vocab_size,
-                             seed=cfg.data.seed, shard_index=shard)
+                             seed=cfg.data.seed, shard_index=shard, holdout=cfg.data.holdout)
         check = getattr(source, "check", None)
         if check is not None:
             check(cfg.model.seq_len)

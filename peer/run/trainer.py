@@ -30,6 +30,7 @@ from peer.config import PeerConfig
 from peer.errors import JoinError, SetupError
 from peer.net.plumbing.dht import check_maddrs, ensure_identity, relay_options
 from peer.control.controls import PeerState
+from peer.run.evaluation import Evaluation, SharedEval
 from peer.run.events import EventLog, setup_logging
 from peer.run.ledger import RoundLedger
 from peer.run.catch_up import StateSync
@@ -108,6 +109,7 @@ class Trainer:
         self.engine: Optional[StreamingEngine] = None  # set in _train
         self.sync: StateSync  # our fragments' states against the swarm's: created in _train, with the engine
         self.auto_tau: Optional[AutoTau] = None
+        self.evaluation: Optional[SharedEval] = None  # the shared model on held-out data: created in _train
         self.status: Optional[StatusLine] = None
         self._realigned: Optional[tuple[float, consensus.Realignment]] = None  # when and how we last moved up
         self._step, self._tok_s = 0, 0.0  # for the status line while blocked
@@ -248,6 +250,11 @@ class Trainer:
                               drift_check_period=cfg.swarm.drift_check_period,
                               recheck_after=cfg.swarm.progress_period / 4)
         self._floor = getattr(source, "entropy_floor", None)
+        held = source.held_out(cfg.run.eval_sequences, cfg.model.seq_len) if cfg.run.eval_every else None
+        if cfg.run.eval_every and held is None:
+            log.info("the shared model will not be evaluated: data.holdout = %s holds out fewer tokens than one "
+                     "sequence (model.seq_len + 1)", cfg.data.holdout)
+        self.evaluation = SharedEval(inner, fragments, held, every=cfg.run.eval_every, report=self._report_eval)
         self.status = StatusLine(cfg.run.status_interval, label)
         parts = dict(model=model, inner=inner, source=source, engine=engine)
         self._device = str(next(model.parameters()).device)
@@ -298,6 +305,7 @@ class Trainer:
             self.swarm.update_progress(step, engine.states[0].round, tok_s, self._loss)
             engine.launch_due(step)
             engine.apply_due(step)
+            self.evaluation.maybe(engine.states, self.sync.digest)
             if self.sync.due():
                 step = self._catch_up(engine, step, joining=False)
             self.checkpoints.save_if_due(step, rounds_done=self.ledger.done,
@@ -380,7 +388,20 @@ class Trainer:
                     next_sync=engine.schedule.describe_next(self._step) if engine else "-",
                     bytes_up=self.ledger.bytes_up, bytes_down=self.ledger.bytes_down, tau=int(tau), device=self._device,
                     idle_seconds=time.monotonic() - self._last_step_at,
-                    excluded_peers=sorted(swarm.exclusions.excluded()) if swarm else [])
+                    excluded_peers=sorted(swarm.exclusions.excluded()) if swarm else [], **self._eval_figures())
+
+    def _eval_figures(self) -> dict:
+        last = self.evaluation.last if self.evaluation is not None else None
+        if last is None:
+            return dict(eval_loss=None, eval_perplexity=None, eval_round=0)
+        return dict(eval_loss=last.loss, eval_perplexity=last.perplexity, eval_round=last.rounds[0])
+
+    def _report_eval(self, e: Evaluation) -> None:
+        log.info("the shared model's held-out loss: %.4f, perplexity %.2f (%d sequences; fragments at rounds %s, "
+                 "digests %s)", e.loss, e.perplexity, e.sequences, e.rounds, " ".join(d[:12] for d in e.digests))
+        self.events.emit("eval", step=self._step, loss=e.loss, perplexity=e.perplexity, rounds=e.rounds,
+                         digests=e.digests, sequences=e.sequences, tokens=e.tokens)
+        self.swarm.publish_eval(e.loss, e.rounds[0])
 
     # ---- phase -------------------------------------------------------------------------------
     def _catch_up(self, engine: StreamingEngine, step: int, **kw) -> int:

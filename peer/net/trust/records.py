@@ -52,6 +52,10 @@ class ProgressRecord(BaseModel):
     paused: StrictBool = False
     # the loss of its last inner step (the monitor's loss chart); None before the first step
     loss: Optional[Annotated[StrictFloat, Field(ge=0.0, le=1e6, allow_inf_nan=False)]] = None
+    # the shared model's held-out loss at its last evaluation (peer/run/evaluation.py) and fragment 0's round it was
+    # made at (the monitor's held-out chart); None before the first
+    eval_loss: Optional[Annotated[StrictFloat, Field(ge=0.0, le=1e6, allow_inf_nan=False)]] = None
+    eval_round: Count = 0
     version: Annotated[StrictStr, Field(max_length=32)] = ""  # its swarmloco version (the monitor's peer list)
     # its uplink in bytes/s as its reducers timed its parts (peer/net/flow/links.py; 0: not measured yet): a joiner
     # gives it, as a state donor, the time its share takes through that link
