@@ -1,6 +1,6 @@
 """Codec throughput beside a plain tensor copy of the same data, in the same run.
 
-    .venv/bin/python bench/codec.py [--numel 16777216] [--device cpu|cuda] [--reps 10] [--codecs e3m0,fp8,bf16]
+    .venv/bin/python bench/codec.py [--numel 16777216] [--device cpu|cuda] [--reps 10] [--codecs e3m0,fp8,bf16,topk32]
 
 For each codec prints encode (tensor -> EncodedTensor, via ``peer.codec.encode``) and decode
 (message -> fp32 tensor, via ``peer.codec.decode``) throughput in GB/s of fp32 data
@@ -40,7 +40,7 @@ def main(argv=None) -> None:
     ap.add_argument("--numel", type=int, default=1 << 24)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--codecs", default="e3m0,fp8,bf16")
+    ap.add_argument("--codecs", default="e3m0,fp8,bf16,topk32,topk64,topk128")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
     args = ap.parse_args(argv)
 

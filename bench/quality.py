@@ -132,6 +132,9 @@ METHODS: list[Method] = [
 EXTRA: list[Method] = [
     Method("tau5_alpha0", "5", "+ FP4, tau=5, alpha=0 merge", codec="e3m0", tau=(5,)),
     Method("full_alpha0", "5", "FP4, tau=5, alpha=0 merge, eager", codec="e3m0", tau=(5,), eager=True),
+    # issue 31: sparse codecs (the k largest of every 4096 elements, with error feedback, which they need)
+    *[Method(f"topk{k}_ef", "31", f"Streaming + top-{k}/4096 + error feedback", codec=f"topk{k}", error_feedback=True)
+      for k in (32, 64, 128)],
 ]
 BY_KEY = {m.key: m for m in METHODS + EXTRA}
 

@@ -47,8 +47,13 @@ def test_one_arbitrary_part_moves_the_result_at_most_the_bound(seed, n_honest, d
     the center and the radius stay within the honest parts' reach, and with them fixed the attacker moves the
     result at most influence_bound."""
     honest = honest_parts(seed, n_honest, d, spread=0.3)
-    weights = [1.0 + (i % 3) for i in range(n_honest)]  # heterogeneous honest peers (1x to 3x)
-    bad = attack(kind, honest, seed)
+    assert_bounded_influence(honest, attack(kind, honest, seed), lie)
+
+
+def assert_bounded_influence(honest: list[torch.Tensor], bad: torch.Tensor, lie: float) -> None:
+    """The rule's bound with ``bad`` among ``honest`` and its weight ``lie`` times the largest honest one (also
+    for sparse parts: tests/test_topk.py)."""
+    weights = [1.0 + (i % 3) for i in range(len(honest))]  # heterogeneous honest peers (1x to 3x)
     parts, declared = honest + [bad], weights + [lie * max(weights)]
     out = aggregate(parts, declared, CLIPPED)
     assert torch.isfinite(out.value).all()

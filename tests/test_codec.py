@@ -18,6 +18,7 @@ from peer.outer.state import ErrorFeedback
 from peer.proto import codec_pb2
 
 ALL = ["fp32", "bf16", "fp8", "e3m0"]
+SPARSE = ["topk32", "topk64", "topk128"]  # (their own tests: tests/test_topk.py)
 LEVELS = [0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]
 THRESHOLDS = [0.5, 1.5, 3.0, 6.0, 12.0, 24.0, 48.0]
 FLT_MAX = torch.finfo(torch.float32).max
@@ -216,7 +217,7 @@ def test_round_trip_shapes_and_dtypes(name, shape, dtype):
             assert torch.equal(y, x.float())
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", ALL + SPARSE)
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 @pytest.mark.parametrize("where", [0, 70, -1])
 def test_non_finite_input_is_rejected(name, bad, where):
@@ -309,12 +310,12 @@ def test_malformed_fp8_bf16_fp32_payloads():
 
 
 def test_registry_and_keys():
-    assert set(CODECS) == set(ALL)
-    assert codec_key("e3m0") == "e3m0v1" and codec_key("fp32") == "fp32v1"
+    assert set(CODECS) == set(ALL + SPARSE)
+    assert codec_key("e3m0") == "e3m0v1" and codec_key("fp32") == "fp32v1" and codec_key("topk32") == "topk32v1"
     assert codec_key(make_codec("e3m0", stochastic_rounding=True)) == "e3m0v1"
-    for name in ALL:
+    for name in ALL + SPARSE:
         c = get_codec(name)
-        assert c.name == name and c.version == 1 and c.block_size in (1, 64)
+        assert c.name == name and c.version == 1 and c.block_size in (1, 64, 4096)
     assert get_codec("e3m0").block_size == 64 and get_codec("fp8").block_size == 64
     with pytest.raises(ValueError):
         get_codec("fp4")
@@ -437,7 +438,7 @@ def test_error_feedback_residual_semantics():
 # ---------------------------------------------------------------------------------- determinism
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", ALL + SPARSE)
 def test_decode_is_deterministic(name):
     torch.manual_seed(4)
     msg = encode(torch.randn(5000) * 3, name)
@@ -449,7 +450,7 @@ def test_decode_is_deterministic(name):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", ALL + SPARSE)
 def test_cuda_matches_cpu(name):
     torch.manual_seed(6)
     x = torch.randn(100_003) * 2

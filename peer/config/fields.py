@@ -12,7 +12,8 @@ from dataclasses import field
 from typing import Any, Callable, Optional
 
 
-CODEC_NAMES = ("e3m0", "fp8", "bf16", "fp32")  # peer/outer/codec.py's CODECS (a test keeps them equal)
+# peer/outer/codec.py's CODECS (a test keeps them equal); the top-k ones need outer.error_feedback
+CODEC_NAMES = ("e3m0", "fp8", "bf16", "fp32", "topk32", "topk64", "topk128")
 
 
 class ConfigError(ValueError):

@@ -120,7 +120,8 @@ class OuterConfig:
     clock_origin: float = setting(0.0, help="Clock schedule: swarm time (unix seconds) at which round 0 of fragment "
             "0 starts.")
     codec: str = setting("e3m0", help="Wire codec of outer gradients: e3m0 (FP4, 4.5 bits/element), fp8, bf16 or "
-            "fp32 (ablations).")
+            "fp32 (ablations); topk32, topk64, topk128 (the k largest of every 4096 elements, 0.13-0.5 bits/element, "
+            "for home uplinks; they need outer.error_feedback).")
     error_feedback: bool = setting(False, local=True, help="Carry each round's codec rounding error into the next "
             "round's outer gradient (per fragment).")
     stochastic_rounding: bool = setting(False, local=True, help="Round FP4/FP8 codes stochastically (unbiased) "
@@ -160,6 +161,9 @@ class OuterConfig:
         check(self.schedule in ("steps", "clock"), "outer.schedule", "steps or clock", self.schedule)
         check(self.round_seconds > 0, "outer.round_seconds", "> 0", self.round_seconds)
         check(self.codec in CODEC_NAMES, "outer.codec", " or ".join(CODEC_NAMES), self.codec)
+        check(not self.codec.startswith("topk") or self.error_feedback, "outer.error_feedback",
+              f"true with outer.codec = {self.codec} (a sparse codec sends a few percent of each round's outer "
+              "gradient; error feedback carries the rest into the next rounds)", self.error_feedback)
         check(self.tau == "auto" or (isinstance(self.tau, int) and 0 <= self.tau <= self.sync_every), "outer.tau",
                "auto or an integer in [0, outer.sync_every]", self.tau)
         check(self.tau_max >= 1, "outer.tau_max", ">= 1 (auto tau is also kept below outer.sync_every)",

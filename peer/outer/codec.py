@@ -8,7 +8,8 @@ of the matchmaking key, so peers with different codecs never share a group.
 Codecs (byte layouts: protos/codec.proto, docs/algorithm.md section 6): ``fp32``; ``bf16`` (round to nearest even,
 saturating); ``fp8`` (e4m3fn, a float32 scale ``absmax / 448`` per block of 64); ``e3m0`` (FP4 in
 ``peer/outer/e3m0.py``: scale ``absmax / 64`` per block of 64, two codes per byte, exact round to nearest with ties
-away from zero, optionally stochastic: ``make_codec("e3m0", stochastic_rounding=True)``).
+away from zero, optionally stochastic: ``make_codec("e3m0", stochastic_rounding=True)``); ``topk32/64/128`` (the k
+largest of every 4096 elements, index and FP4 code in 16 bits: ``peer/outer/topk.py``; with error feedback).
 
 Vectorized torch on the input's device, in chunks; message bytes are on the host. Decoding is deterministic: the
 same bytes give bitwise identical tensors (the all-reduce relies on it). Shared parts: ``peer/outer/wire.py``.
@@ -16,20 +17,22 @@ same bytes give bitwise identical tensors (the all-reduce relies on it). Shared 
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
 from peer.outer.e3m0 import E3M0Codec
+from peer.outer.topk import TOPK_KS, TopKCodec
 from peer.outer.wire import (_BF16_MAX, _FLT_MAX, _LITTLE, _Blocks, Codec, CodecError, _check_float, _check_scales,
                              _default_chunk, _host_buffer, _le_f32, _le_f32_bytes, _nonfinite_error, _read, _scratch,
                              _to_bytes)
 from peer.proto import codec_pb2
 
-__all__ = ["CODECS", "Codec", "CodecError", "CodecLike", "E3M0Codec", "codec_key", "decode", "encode", "get_codec",
-           "make_codec", "roundtrip"]
+__all__ = ["CODECS", "SPARSE_CODECS", "Codec", "CodecError", "CodecLike", "E3M0Codec", "codec_key", "decode",
+           "encode", "get_codec", "make_codec", "roundtrip"]
 
 
 # ------------------------------------------------------------------------------------------ fp32
@@ -175,8 +178,11 @@ class Fp8Codec:
 
 # --------------------------------------------------------------------------------- registry & API
 
-CODECS: dict[str, Codec] = {"fp32": Fp32Codec(), "bf16": Bf16Codec(), "fp8": Fp8Codec(), "e3m0": E3M0Codec()}
-_FACTORIES = {"fp32": Fp32Codec, "bf16": Bf16Codec, "fp8": Fp8Codec, "e3m0": E3M0Codec}
+CODECS: dict[str, Codec] = {"fp32": Fp32Codec(), "bf16": Bf16Codec(), "fp8": Fp8Codec(), "e3m0": E3M0Codec(),
+                            **{f"topk{k}": TopKCodec(k) for k in TOPK_KS}}
+_FACTORIES: dict[str, Callable[..., Codec]] = {"fp32": Fp32Codec, "bf16": Bf16Codec, "fp8": Fp8Codec, "e3m0": E3M0Codec,
+              **{f"topk{k}": functools.partial(TopKCodec, k) for k in TOPK_KS}}
+SPARSE_CODECS = tuple(f"topk{k}" for k in TOPK_KS)  # they need error feedback (peer/outer/topk.py)
 
 CodecLike = Union[str, Codec]
 
