@@ -39,6 +39,12 @@ Bytes per peer: what a peer sends in a butterfly all-reduce, 2 (M-1) / M encoded
 replica); data-parallel sends one fp32 gradient per step that way. The swarm's is measured
 (``bytes_sent`` of its round events).
 
+``--text DIR``: real text instead of the synthetic corpus: ``swarm-peer prepare-data``'s output (its vocabulary
+is the model's); replica m of seed s reads shard m of M from an offset of its own, the eval set is the corpus'
+held-out last ``TEXT_HOLDOUT`` (``TokenSource.held_out``, as a peer's evaluation), and there is no entropy floor
+(the table's "gap" is then the CE itself). ``--stdlib-text DIR`` first writes Python's standard library sources as
+one .txt file and prepares it into DIR (a BPE of ``--vocab-size``), unless DIR already holds it.
+
 Writes ``results.json`` into ``--out-dir`` and the loss curves to ``--plot`` (matplotlib).
 """
 
@@ -66,7 +72,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from peer.outer.codec import get_codec  # noqa: E402
-from peer.local.data import MarkovSource  # noqa: E402
+from peer.local.data import MarkovSource, TokenShardSource  # noqa: E402
 from peer.outer.fragments import partition  # noqa: E402
 from peer.local.inner import InnerLoop  # noqa: E402
 from peer.local.model import build_model, count_parameters, lm_loss  # noqa: E402
@@ -76,6 +82,7 @@ from peer.outer.engine import StreamingEngine  # noqa: E402
 from peer.outer.settings import OuterSettings  # noqa: E402
 
 EVAL_SHARD = 10_000
+TEXT_HOLDOUT = 0.02  # of a --text corpus: the held-out tokens the table's eval CE is measured on
 SHARD_STRIDE = 100  # replica m of seed s reads shard SHARD_STRIDE * s + m
 
 
@@ -154,6 +161,7 @@ class Setup:
     warmup_steps: int = 20
     data_seed: int = 1234
     vocab_size: int = 64
+    text: str = ""  # a prepared corpus (swarm-peer prepare-data) instead of the synthetic one
     eval_seqs: int = 128  # the final eval (the table)
     # the robust rule of methods with aggregator="clipped" (peer/outer/aggregate.py; bench/attacks.py varies them)
     clip_factor: float = AggregationRule().clip_factor
@@ -203,7 +211,45 @@ def make_inner(model: torch.nn.Module, setup: Setup) -> InnerLoop:
 
 
 def eval_batch(setup: Setup) -> torch.Tensor:
+    if setup.text:
+        held = text_source(setup, 0, 0, 1).held_out(setup.eval_seqs, setup.seq_len)
+        if held is None:
+            raise ValueError(f"{setup.text}: too short to hold out {setup.eval_seqs} sequences")
+        return held
     return MarkovSource(setup.vocab_size, setup.data_seed, EVAL_SHARD).next_batch(setup.eval_seqs, setup.seq_len)
+
+
+def text_source(setup: Setup, seed: int, shard: int, shards: int) -> TokenShardSource:
+    return TokenShardSource(setup.text, setup.vocab_size, setup.data_seed + seed, shard, shards,
+                            verify_checksums=False, holdout=TEXT_HOLDOUT)
+
+
+def training_sources(setup: Setup, seed: int) -> list:
+    """Replica m's data: its shard of the synthetic corpus, or of the --text corpus' training tokens."""
+    M = setup.replicas
+    if setup.text:
+        return [text_source(setup, seed, m, M) for m in range(M)]
+    return [MarkovSource(setup.vocab_size, setup.data_seed, SHARD_STRIDE * seed + m) for m in range(M)]
+
+
+def prepare_stdlib_text(out_dir: Path, vocab_size: int) -> Path:
+    """Python's standard library sources (the top-level .py files, sorted) as one .txt document each, prepared
+    into ``out_dir`` by ``swarm-peer prepare-data``'s code (a byte-level BPE of ``vocab_size``)."""
+    import sysconfig
+
+    from peer.local.prepare import prepare
+
+    if (out_dir / "manifest.json").is_file():
+        return out_dir
+    src = out_dir.with_name(out_dir.name + "-txt")
+    src.mkdir(parents=True, exist_ok=True)
+    inputs = []
+    for py in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        txt = src / (py.stem + ".txt")
+        txt.write_text(py.read_text(encoding="utf-8", errors="replace"))
+        inputs.append(txt)
+    prepare(inputs, out_dir, vocab_size=vocab_size)
+    return out_dir
 
 
 @torch.no_grad()
@@ -240,7 +286,7 @@ def run_one(method: Method, setup: Setup, seed: int, tamper: Optional[dict] = No
     res = RunResult(method.key, seed)
     M, H, steps = setup.replicas, setup.H, setup.steps
     held_out = eval_batch(setup)
-    sources = [MarkovSource(setup.vocab_size, setup.data_seed, SHARD_STRIDE * seed + m) for m in range(M)]
+    sources = training_sources(setup, seed)
     losses: list[float] = []
 
     if method.dp:
@@ -576,6 +622,10 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=2, help="simulator runs in parallel processes (1 torch thread each)")
     ap.add_argument("--swarm", action=argparse.BooleanOptionalAction, default=None,
                     help="also run the full method as a real loopback swarm (default: on, off with --quick)")
+    ap.add_argument("--text", type=Path, default=None, help="a prepared corpus (swarm-peer prepare-data) instead of "
+                    "the synthetic one; its vocabulary is the model's")
+    ap.add_argument("--stdlib-text", type=Path, default=None, help="prepare Python's standard library sources into "
+                    "this directory (BPE of --vocab-size) if not there yet, and train on them (as --text)")
     ap.add_argument("--out-dir", type=Path, default=REPO / "runs/bench_quality")
     ap.add_argument("--plot", type=Path, default=REPO / "docs/quality.png")
     ap.add_argument("--replot", type=Path, help="only print the table and draw the plot of a results.json")
@@ -587,16 +637,25 @@ def main(argv=None) -> int:
         report(results, saved["floor"], saved["title"], args.plot)
         return 0
 
+    text = prepare_stdlib_text(args.stdlib_text, args.vocab_size) if args.stdlib_text else args.text
+    vocab = args.vocab_size
+    if text:
+        from peer.local.manifest import read_manifest
+        vocab = int(read_manifest(str(text))[1]["vocab_size"])
     setup = Setup(replicas=args.replicas, preset=args.preset, seq_len=args.seq_len, batch_size=args.batch_size,
                   H=args.sync_every or (16 if args.quick else 20), rounds=args.rounds or (6 if args.quick else 8),
-                  inner_lr=args.inner_lr, vocab_size=args.vocab_size, fragment_blocks=args.fragment_blocks)
-    swarm = args.swarm if args.swarm is not None else not args.quick
+                  inner_lr=args.inner_lr, vocab_size=vocab, fragment_blocks=args.fragment_blocks,
+                  text=str(text or ""))
+    swarm = args.swarm if args.swarm is not None else not args.quick and not text
+    if swarm and text:
+        ap.error("--swarm trains on the synthetic corpus only; drop --text/--stdlib-text or pass --no-swarm")
     methods = [BY_KEY[k] for k in args.methods.split(",")] if args.methods else list(METHODS)
     methods += [m for m in EXTRA if args.extra and m not in methods]
-    floor = MarkovSource(setup.vocab_size, setup.data_seed, 0).entropy_floor
+    floor = 0.0 if text else MarkovSource(setup.vocab_size, setup.data_seed, 0).entropy_floor  # (text: unknown)
     model, blocks = setup.build(0)
     nparams, P = count_parameters(model), len(partition(model, blocks, setup.fragment_blocks))
-    title = (f"{setup.preset} ({nparams:,} params, P={P}), vocab {setup.vocab_size}, M={setup.replicas} replicas, "
+    title = (f"{setup.preset} ({nparams:,} params, P={P}), {'text ' + Path(text).name if text else 'synthetic'} "
+             f"vocab {setup.vocab_size}, M={setup.replicas} replicas, "
              f"seq {setup.seq_len} x batch {setup.batch_size}, H={setup.H}, {setup.steps} steps "
              f"({setup.steps * setup.seq_len * setup.batch_size:,} tokens per peer), inner AdamW lr "
              f"{setup.inner_lr:g}, outer Nesterov 0.7/0.9, {args.seeds} seeds")
