@@ -103,8 +103,9 @@ def test_throttled_peer_overlaps_rounds_and_swarm_agrees(lab, procs, tmp_path):
     # done before that bound were surely done while the round was in flight.
     step_time = {e["step"]: e["time"] for e in events(tmp_path, SLOW, "step")}
     assert sorted(step_time) == list(range(1, MAX_STEPS + 1))
+    blocked = {e["step"]: e["blocked_seconds"] for e in events(tmp_path, SLOW, "step")}
     started = launch_log_times(peers[SLOW].lines(), step_time[1])
-    overlapped = {}
+    overlapped, waited_through = {}, set()
     for key in all_ok:
         e = rounds[SLOW][key]
         launch = e["launch_step"]
@@ -115,9 +116,15 @@ def test_throttled_peer_overlaps_rounds_and_swarm_agrees(lab, procs, tmp_path):
         assert key in started, f"no 'looking for a group' line for {key} in {peers[SLOW].log_path}"
         in_flight_until = max(step_time[launch], started[key]) + e["seconds"]
         overlapped[key] = sum(step_time[s] < in_flight_until for s in range(launch + 1, e["step"] + 1))
-    # every round overlapped training; in at least one the peer trained through all TAU steps and then still
+        # Right after this launch the trainer may wait for an earlier round's aggregate (fragment 1 launches at the
+        # step fragment 0's round is applied); over the slow link that wait can last this whole round, and then no
+        # step could run beside it.
+        if blocked[launch + 1] - blocked[launch] >= 0.9 * (in_flight_until - step_time[launch]):
+            waited_through.add(key)
+    # every other round overlapped training; in at least one the peer trained through all TAU steps and then still
     # waited for the slow link (fewer than TAU only where the CPU was slower than the link, e.g. a loaded machine)
-    assert overlapped and all(v >= 1 for v in overlapped.values()), overlapped
+    judged = {k: v for k, v in overlapped.items() if k not in waited_through}
+    assert judged and all(v >= 1 for v in judged.values()), (overlapped, waited_through)
     assert any(v == TAU for v in overlapped.values()), overlapped
     # the slow link really was slow: its rounds' bytes took at least bytes / rate seconds
     for key in all_ok:
