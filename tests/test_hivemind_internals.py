@@ -82,3 +82,43 @@ def test_the_dht_process_reads_a_message_whole_when_it_arrives_in_two_writes():
     assert whole.recv() == message  # (waits the 0.3 s for the body)
     timer.join()
     assert not os.get_blocking(reader.fileno())  # (left as the event loop set it)
+
+
+def test_threads_that_store_large_values_at_once_do_not_corrupt_the_dht_pipe():
+    """hivemind's DHT methods send on one pipe from whichever thread calls them, a message over 16 KiB in two
+    writes: two threads storing 1 MiB values at once interleaved their bytes and the DHT process died on the
+    corrupt message. send_whole_messages lets one message through at a time: the process lives and answers."""
+    import threading
+
+    from hivemind.utils import get_dht_time
+
+    from peer.net.plumbing.dht import create_dht
+
+    dht = create_dht(initial_peers=[], host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[], identity_path=None,
+                     client_mode=False)
+    big = {"pad": "x" * (1 << 20)}  # (each refused by the node's storage bounds: only the pipe is tested)
+    answered = threading.Event()
+
+    def stores(tag: str) -> None:
+        for i in range(20):
+            dht.store(f"key-{tag}", big, get_dht_time() + 60, subkey=b"s%d" % i, return_future=True)
+
+    def work() -> None:  # (a dead DHT process leaves senders blocked on a full pipe: the test waits with a deadline)
+        threads = [threading.Thread(target=stores, args=(tag,), daemon=True) for tag in "ab"]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert dht.store("small", 1, get_dht_time() + 60, return_future=True).result(timeout=30)
+        assert dht.get("small", latest=True, return_future=True).result(timeout=30).value == 1
+        answered.set()
+
+    threading.Thread(target=work, daemon=True).start()
+    try:
+        assert answered.wait(90), "the DHT process stopped answering: its pipe was corrupted"
+        assert dht.is_alive()
+    finally:
+        if answered.is_set():
+            dht.shutdown()
+        else:
+            dht.kill()

@@ -309,7 +309,7 @@ def _parent_bound_dht_class():
     import hivemind
 
     from peer.net.plumbing import dht_storage  # (imported here, in the parent: the DHT process is forked)
-    from peer.net.plumbing.hivemind_internals import read_whole_messages
+    from peer.net.plumbing.hivemind_internals import read_whole_messages, send_whole_messages
 
     if _PARENT_BOUND_DHT is None or _PARENT_BOUND_DHT.__bases__[0] is not hivemind.DHT:  # (tests swap DHT)
 
@@ -317,6 +317,7 @@ def _parent_bound_dht_class():
             def __init__(self, *args, **kwargs):
                 super().__init__(*args, **kwargs)
                 self._creator_pid = os.getpid()  # read in the forked child
+                send_whole_messages(self)  # (one sender at a time: our threads all call the DHT)
 
             def run(self) -> None:
                 _die_with_parent(self._creator_pid)

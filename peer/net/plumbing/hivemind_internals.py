@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable
 
 PRIVATE = {  # module: the private names we rely on
-    "hivemind.dht.dht": ["DHT._inner_pipe"],
+    "hivemind.dht.dht": ["DHT._inner_pipe", "DHT._outer_pipe"],
     "hivemind.p2p.p2p_daemon": ["P2P._client", "P2P.receive_raw_data", "P2P.FORCE_REACHABILITY_MAPPING"],
     "hivemind.dht.protocol": ["DHTLocalStorage", "DHTProtocol.record_validator", "DHTProtocol.authorizer"],
     "hivemind.dht.validation": ["CompositeValidator._validators"],
@@ -54,6 +54,31 @@ def request_and_record_checkers(node: Any) -> list:
     validators (CompositeValidator keeps them in a private list)."""
     validators = list(getattr(node.protocol.record_validator, "_validators", ()))
     return [getattr(node.protocol, "authorizer", None), *validators]
+
+
+def send_whole_messages(dht: Any) -> None:
+    """In our process, once the DHT is created: its end of the pipe to the DHT process sends one message at a
+    time. hivemind's DHT methods send on it from whichever thread calls them, and Python writes a message over
+    16 KiB as a header and then the body: a send from another thread between the two interleaved its bytes,
+    the DHT process read a corrupt message and died (two threads storing 1 MiB values did it at once)."""
+    dht._outer_pipe = _OneSenderAtATime(dht._outer_pipe)
+
+
+class _OneSenderAtATime:
+    """A pipe end whose :meth:`send` holds a lock (see :func:`send_whole_messages`); the rest is the wrapped
+    connection's."""
+
+    def __init__(self, connection: Any):
+        import threading
+
+        self._connection, self._lock = connection, threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._connection, name)
+
+    def send(self, obj: Any) -> None:
+        with self._lock:
+            self._connection.send(obj)
 
 
 class _WholeMessages:
