@@ -15,7 +15,11 @@ ATTACK is one of:
 - ``shadowing``: publishes the same forged state, and records under the honest peers' own ids claiming it,
   1,000 rounds and 10^6 steps ahead (issue 28; signed with its own key, the only one it holds);
 - ``far_ahead``: publishes the same forged state and a record claiming to be 1,000 rounds and 10^6 steps ahead;
-- ``forged_donor``: advertises the swarm's digest but serves a negated G to whoever downloads from it.
+- ``forged_donor``: advertises the swarm's digest but serves a negated G to whoever downloads from it;
+- ``stream_hog``: ``HOG_IDENTITIES`` more identities on this peer's host (each its own libp2p daemon) open
+  ``HOG_STREAMS`` streams each to every peer this one is connected to (the reduce and download handlers in
+  turn), send nothing, hold them, and open new ones as the peers close them (issue 28's exhaustion);
+- ``record_flood``: stores ``FLOOD_RECORDS`` records of 1 MiB each under the run's progress key at every beat.
 
 Every forged thing is logged on this process's console ("HOSTILE: ..."), so a bench can count it. Not part
 of the product: it imports it and patches it in this process only.
@@ -35,6 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 log = logging.getLogger("hostile")
 SYBILS = 6
+HOG_IDENTITIES, HOG_STREAMS = 34, 16  # issue 28: 34 identities, each up to the per-peer stream budget
+FLOOD_RECORDS, FLOOD_BYTES = 40, 1 << 20
 
 
 def lying_reducer() -> None:
@@ -187,8 +193,77 @@ def forged_donor() -> None:
     state_transfer.StateServicer._serve = forged
 
 
+def _argv_value(flag: str) -> str:
+    return sys.argv[sys.argv.index(flag) + 1] if flag in sys.argv else ""
+
+
+def stream_hog() -> None:
+    """Starts the hog in a thread of its own once the swarm has started (it reads whom the swarm's daemon is
+    connected to)."""
+    import threading
+
+    from peer.net import swarm
+
+    start = swarm.Swarm.start
+
+    def started(self, *args, **kwargs):
+        start(self, *args, **kwargs)
+        threading.Thread(target=asyncio.run, args=(_hog(self),), name="hostile-hog", daemon=True).start()
+
+    swarm.Swarm.start = started
+
+
+async def _hog(sw) -> None:
+    import resource
+
+    from hivemind.p2p import P2P
+
+    from peer.net.round.allreduce import AllReduceServicer
+    from peer.net.state_transfer import StateServicer
+
+    handles = [AllReduceServicer._get_handle_name(None, "rpc_reduce"),
+               StateServicer._get_handle_name(None, "rpc_download")]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
+    maddr = _argv_value("--host-maddrs") or "/ip4/127.0.0.1/tcp/0"
+    maddr = "/".join(maddr.split("/")[:3]) + "/tcp/0"  # this host's address, a port of each daemon's own
+    hogs = await asyncio.gather(*[P2P.create(host_maddrs=[maddr]) for _ in range(HOG_IDENTITIES)])
+    log.warning("HOSTILE: %d more identities on %s", len(hogs), maddr)
+    held: dict[tuple[int, str], list] = {}
+    me = str(sw.peer_id)
+    while True:
+        peers = asyncio.run_coroutine_threadsafe(sw.p2p._client.list_peers(), sw._loop).result(30)
+        targets = {str(info.peer_id): info for info in peers if str(info.peer_id) in sw.live_peers()
+                   and str(info.peer_id) != me}
+        opened = 0
+        for i, hog in enumerate(hogs):
+            for pid, info in targets.items():
+                streams = [(r, w) for r, w in held.get((i, pid), []) if not (w.is_closing() or getattr(r, "_eof", 0))]
+                try:
+                    if not streams:
+                        await asyncio.wait_for(hog._client.connect(info.peer_id, info.addrs), 5)
+                    while len(streams) < HOG_STREAMS:
+                        _, reader, writer = await asyncio.wait_for(
+                            hog._client.stream_open(info.peer_id, [handles[len(streams) % len(handles)]]), 5)
+                        streams.append((reader, writer))  # held open, nothing sent
+                        opened += 1
+                except Exception:  # refused or reset: try again next pass
+                    pass
+                held[(i, pid)] = streams
+        log.warning("HOSTILE: holding %d streams to %d peers (%d new)", sum(map(len, held.values())),
+                    len(targets), opened)
+        await asyncio.sleep(2.0)
+
+
+def record_flood() -> None:
+    def flood(rec):
+        return [(None, rec)] + [(f"flood{i}".encode(), {"pad": "x" * FLOOD_BYTES}) for i in range(FLOOD_RECORDS)]
+
+    log.warning("HOSTILE: %d records of %d bytes at every beat", FLOOD_RECORDS, FLOOD_BYTES)
+    _rewrite_records(flood)
+
+
 ATTACKS = {f.__name__: f for f in (lying_reducer, round_breaker, sybil_majority, far_ahead, forged_donor,
-                                   shadowing)}
+                                   shadowing, stream_hog, record_flood)}
 
 
 def main() -> int:

@@ -10,8 +10,8 @@ twice, one method after the other, each in a fresh lab:
 
 - ``blocking``: DiLoCo -- the whole model in one fragment, fp32 on the wire, tau = 0 (every H steps the
   peer stops and waits for the all-reduce: ``--outer-fragment-blocks 0 --outer-codec fp32 --outer-tau 0``);
-- ``streaming``: the full method -- fragments of k blocks, FP4 (e3m0) on the wire, overlap tau and eager
-  updates (``--outer-fragment-blocks K --outer-codec e3m0 --outer-tau TAU --outer-eager``).
+- ``streaming``: the full method -- fragments of k blocks, FP4 (e3m0, or ``--codec``) on the wire, overlap tau
+  and eager updates (``--outer-fragment-blocks K --outer-codec e3m0 --outer-tau TAU --outer-eager``).
 
 Per peer it reads the last JSON ``step`` event: ``compute_seconds`` (time in inner steps) and
 ``blocked_seconds`` (time the trainer waited for aggregates), and reports
@@ -81,9 +81,10 @@ def methods(args) -> list[Method]:
     return [
         Method("blocking", ["--outer-fragment-blocks", "0", "--outer-codec", "fp32", "--outer-tau", "0"],
                "DiLoCo: 1 fragment, fp32, tau 0"),
-        Method("streaming", ["--outer-fragment-blocks", str(args.fragment_blocks), "--outer-codec", "e3m0",
-                             "--outer-tau", str(args.tau), "--outer-eager"],
-               f"k={args.fragment_blocks} blocks/fragment, e3m0, tau {args.tau}, eager"),
+        Method("streaming", ["--outer-fragment-blocks", str(args.fragment_blocks), "--outer-codec", args.codec,
+                             "--outer-tau", str(args.tau), "--outer-eager",
+                             *(["--outer-error-feedback"] if args.codec.startswith("topk") else [])],
+               f"k={args.fragment_blocks} blocks/fragment, {args.codec}, tau {args.tau}, eager"),
     ]
 
 
@@ -171,6 +172,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sync-every", type=int, default=50, help="H: inner steps between syncs of a fragment")
     ap.add_argument("--tau", type=int, default=20, help="overlap of the streaming method (inner steps)")
     ap.add_argument("--fragment-blocks", type=int, default=3, help="k of the streaming method")
+    ap.add_argument("--codec", default="e3m0", help="wire codec of the streaming method (a topk codec adds "
+                    "--outer-error-feedback)")
     ap.add_argument("--seq-len", type=int, default=32)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--chunk-bytes", type=int, default=262144, help="fp32 bytes per streamed all-reduce message")

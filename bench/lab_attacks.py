@@ -1,0 +1,167 @@
+"""Attacks on a peer's resources from a host of the attacker's own (issue 28), in a netns lab (tests/netns.py).
+
+    .venv/bin/python bench/lab_attacks.py                    # clean, stream_hog, record_flood: ~5 min, as root
+    .venv/bin/python bench/lab_attacks.py --attacks stream_hog
+
+Host 0 runs the bootstrap node, hosts 1..``--honest`` the honest peers, the last host one more peer: honest in
+``clean``, bench/hostile_peer.py otherwise (``stream_hog``: 34 more identities on its host holding streams;
+``record_flood``: 40 records of 1 MiB at every beat). Each peer listens on its own host's address, so the
+per-host stream budget (``swarm.max_streams_per_host``) sees the attacker's identities as one host, as it would
+on the internet; on loopback every peer counts alone. The settings of bench/swarm_attacks.py (tiny preset,
+seq 32 x batch 4, H = 20, 2 fragments), ``--steps`` steps (400).
+
+Prints one table (and writes ``--out``, JSON): per attack, the honest peers' final training CE against the
+clean run, their rounds that ended ok, the largest resident memory and open files of one honest peer (its
+processes together: the peer, its DHT process, its libp2p daemon; sampled every 0.5 s), the streams the honest
+peers refused (their logs' last count) and whether any refusal was the per-host budget's, and the attacker's
+forged actions (its ``HOSTILE:`` lines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "bench"))
+
+from helpers import Proc, events  # noqa: E402
+from netns import NetnsLab, netns_available, start_lab_swarm  # noqa: E402
+from swarm_attacks import final_ce  # noqa: E402
+from test_swarm import FAST, wait_exit  # noqa: E402
+
+ATTACKS = ["clean", "stream_hog", "record_flood"]
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def tree_usage(proc: Proc) -> tuple[int, int]:
+    """(resident bytes, open files) of ``proc``'s session: the peer and every process it started."""
+    rss = files = 0
+    for pid in proc.session_pids():
+        try:
+            rss += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE
+            files += len(os.listdir(f"/proc/{pid}/fd"))
+        except (OSError, IndexError, ValueError):  # it exited between the listing and the read
+            pass
+    return rss, files
+
+
+class Sampler:
+    """Peak :func:`tree_usage` of each honest peer, every ``period`` s until :meth:`stop` (its owner stops it)."""
+
+    def __init__(self, peers: dict[str, Proc], period: float = 0.5):
+        self.peers, self.period = peers, period
+        self.peak = {n: (0, 0) for n in peers}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            for n, proc in self.peers.items():
+                rss, files = tree_usage(proc)
+                self.peak[n] = (max(self.peak[n][0], rss), max(self.peak[n][1], files))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+def refusals(log_text: str) -> tuple[int, bool]:
+    """(the last "N refused so far" count, whether a refusal named the host's budget) of one peer's log."""
+    counts = [int(m) for m in re.findall(r"(\d+) refused so far", log_text)]
+    return (counts[-1] if counts else 0), "from this peer's host" in log_text
+
+
+def one_run(attack: str, honest: int, steps: int, out: Path) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    procs: list = []
+    lab = NetnsLab(honest + 2).create()
+    size = honest + 1
+    flags = ["--max-steps", str(steps), "--min-peers", str(size), *FAST, "--log-every", "2"]
+    sampler = None
+    try:
+        t0 = time.monotonic()
+        _, initial, peers = start_lab_swarm(lab, procs, out, [flags] * honest)
+        host, run_dir = honest + 1, out / "x"
+        entry = ["-m", "peer"] if attack == "clean" else [str(REPO / "bench" / "hostile_peer.py"), attack]
+        cmd = [sys.executable, *entry, "run", "--config", str(REPO / "configs/demo.toml"), "--initial-peers",
+               *initial, "--host-maddrs", f"/ip4/{lab.addr(host)}/tcp/0", "--run-dir", str(run_dir), "--log-json",
+               str(run_dir / "events.jsonl"), "--no-reachability-check", *flags]
+        bad = Proc.start(lab.run_args(host, cmd), log_path=out / "x.log", cwd=REPO)
+        procs.append(bad)
+        sampler = Sampler(peers)
+        for proc in peers.values():
+            wait_exit(proc, 900)
+        wall = time.monotonic() - t0
+    finally:
+        if sampler is not None:
+            sampler.stop()
+        for proc in procs:
+            if proc.returncode is None or proc.session_pids():
+                proc.kill_group(signal.SIGKILL)
+        lab.close()
+    names = list(peers)
+    refused = [refusals((out / f"{n}.log").read_text(errors="replace")) for n in names]
+    return {
+        "attack": attack,
+        "honest_ce": sum(final_ce(out, n) for n in names) / len(names),
+        "ok_rounds": sum(1 for n in names for e in events(out, n, "round") if e["status"] == "ok"),
+        "rounds": sum(1 for n in names for e in events(out, n, "round")),
+        "peak_rss": max(sampler.peak[n][0] for n in names),
+        "peak_files": max(sampler.peak[n][1] for n in names),
+        "refused": sum(r for r, _ in refused),
+        "host_budget": any(h for _, h in refused),
+        "hostile_lines": sum("HOSTILE:" in line for line in (out / "x.log").read_text(errors="replace").splitlines()),
+        "wall_seconds": wall,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--attacks", default=",".join(ATTACKS))
+    ap.add_argument("--honest", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=400, help="(the attacker's 34 daemons take ~10 s to start)")
+    ap.add_argument("--out-dir", default="runs/bench_lab_attacks")
+    ap.add_argument("--out", default=None, help="JSON results (default OUT_DIR/results.json)")
+    args = ap.parse_args()
+    ok, why = netns_available()
+    if not ok:
+        print(f"lab_attacks: {why}", file=sys.stderr)
+        return 2
+    attacks = [a for a in args.attacks.split(",") if a]
+    if "clean" not in attacks:
+        attacks.insert(0, "clean")
+    print(f"{len(attacks)} runs: {args.honest} honest + 1 peer (honest in 'clean') on hosts of their own, "
+          f"{args.steps} steps, {platform.node()}, {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
+    rows = []
+    for attack in attacks:
+        t0 = time.monotonic()
+        rows.append(one_run(attack, args.honest, args.steps, Path(args.out_dir) / attack))
+        print(f"  {attack:<13} honest CE {rows[-1]['honest_ce']:.4f} ({time.monotonic() - t0:.0f} s)", flush=True)
+    clean = rows[0]["honest_ce"]
+    print("\n| attack | honest final CE | vs clean | honest rounds ok | peak memory of a peer (GiB) "
+          "| peak open files of a peer | streams refused (per-host budget) | forged actions | honest run (s) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['attack']} | {r['honest_ce']:.4f} | {100 * (r['honest_ce'] / clean - 1):+.2f}% | "
+              f"{r['ok_rounds']}/{r['rounds']} | {r['peak_rss'] / 2**30:.2f} | {r['peak_files']} | "
+              f"{r['refused']} ({'yes' if r['host_budget'] else 'no'}) | {r['hostile_lines']} | "
+              f"{r['wall_seconds']:.0f} |")
+    out = Path(args.out or Path(args.out_dir) / "results.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
