@@ -20,7 +20,6 @@ forged actions (its ``HOSTILE:`` lines).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import re
@@ -36,7 +35,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from helpers import Proc, events  # noqa: E402
 from netns import NetnsLab, netns_available, start_lab_swarm  # noqa: E402
-from swarm_attacks import final_ce  # noqa: E402
+from swarm_attacks import final_ce, run_attacks  # noqa: E402
 from test_swarm import FAST, wait_exit  # noqa: E402
 
 ATTACKS = ["clean", "stream_hog", "record_flood"]
@@ -138,16 +137,11 @@ def main() -> int:
     if not ok:
         print(f"lab_attacks: {why}", file=sys.stderr)
         return 2
-    attacks = [a for a in args.attacks.split(",") if a]
-    if "clean" not in attacks:
-        attacks.insert(0, "clean")
+    attacks = ["clean"] + [a for a in args.attacks.split(",") if a and a != "clean"]
     print(f"{len(attacks)} runs: {args.honest} honest + 1 peer (honest in 'clean') on hosts of their own, "
           f"{args.steps} steps, {platform.node()}, {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
-    rows = []
-    for attack in attacks:
-        t0 = time.monotonic()
-        rows.append(one_run(attack, args.honest, args.steps, Path(args.out_dir) / attack))
-        print(f"  {attack:<13} honest CE {rows[-1]['honest_ce']:.4f} ({time.monotonic() - t0:.0f} s)", flush=True)
+    rows = run_attacks(attacks, lambda attack, out: one_run(attack, args.honest, args.steps, out), args.out_dir,
+                       args.out)
     clean = rows[0]["honest_ce"]
     print("\n| attack | honest final CE | vs clean | honest rounds ok | peak memory of a peer (GiB) "
           "| peak open files of a peer | streams refused (per-host budget) | forged actions | honest run (s) |")
@@ -157,9 +151,6 @@ def main() -> int:
               f"{r['ok_rounds']}/{r['rounds']} | {r['peak_rss'] / 2**30:.2f} | {r['peak_files']} | "
               f"{r['refused']} ({'yes' if r['host_budget'] else 'no'}) | {r['hostile_lines']} | "
               f"{r['wall_seconds']:.0f} |")
-    out = Path(args.out or Path(args.out_dir) / "results.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=1))
     return 0
 
 

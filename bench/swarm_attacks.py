@@ -119,6 +119,21 @@ def one_run(attack: str, honest: int, steps: int, out: Path) -> dict:
     }
 
 
+def run_attacks(attacks: list[str], run, out_dir: str, out: str | None) -> list[dict]:
+    """``run(attack, its out dir)`` for each attack, clean first, with a progress line each; the rows are written
+    as JSON to ``out`` (default OUT_DIR/results.json) and returned. (bench/lab_attacks.py uses it too.)"""
+    attacks = ["clean"] + [a for a in attacks if a and a != "clean"]
+    rows = []
+    for attack in attacks:
+        t0 = time.monotonic()
+        rows.append(run(attack, Path(out_dir) / attack))
+        print(f"  {attack:<15} honest CE {rows[-1]['honest_ce']:.4f} ({time.monotonic() - t0:.0f} s)", flush=True)
+    path = Path(out or Path(out_dir) / "results.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rows, indent=1))
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--attacks", default=",".join(ATTACKS))
@@ -129,17 +144,12 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="JSON results (default OUT_DIR/results.json)")
     args = ap.parse_args()
     EXTRA.extend(["--outer-aggregator", args.aggregator])
-    attacks = [a for a in args.attacks.split(",") if a]
-    if "clean" not in attacks:
-        attacks.insert(0, "clean")
+    attacks = ["clean"] + [a for a in args.attacks.split(",") if a and a != "clean"]
     print(f"{len(attacks)} runs: {args.honest} honest + 1 peer (honest in 'clean'), {args.steps} steps, "
           f"aggregator {args.aggregator}, "
           f"{platform.node()}, {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
-    rows = []
-    for attack in attacks:
-        t0 = time.monotonic()
-        rows.append(one_run(attack, args.honest, args.steps, Path(args.out_dir) / attack))
-        print(f"  {attack:<15} honest CE {rows[-1]['honest_ce']:.4f} ({time.monotonic() - t0:.0f} s)", flush=True)
+    rows = run_attacks(attacks, lambda attack, out: one_run(attack, args.honest, args.steps, out), args.out_dir,
+                       args.out)
     clean = rows[0]["honest_ce"]
     print("\n| attack | honest final CE | vs clean | honest rounds ok | attacker excluded by | first at round "
           "| catch-ups (from a forged state) | forged actions | honest run (s) | matchmaking median / p90 (s) "
@@ -151,9 +161,6 @@ def main() -> int:
               f"{r['first_exclusion_round'] if r['first_exclusion_round'] is not None else '-'} | "
               f"{r['catch_ups']} ({r['forged_catch_ups']}) | {r['hostile_lines']} | {r['wall_seconds']:.0f} | "
               f"{r['matchmaking_median']:.1f} / {r['matchmaking_p90']:.1f} | {r['absences']} |")
-    out = Path(args.out or Path(args.out_dir) / "results.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=1))
     return 0
 
 
