@@ -62,7 +62,7 @@ class TopKCodec:
         codes, scales = e3m0_reference_codes(blocks.gather(1, index))  # scale: the block's absmax / 64
         entries = (index.to(torch.int32) << 4) | codes.to(torch.int32)
         entries = entries.reshape(-1)[:entries_for(n, self.k)]  # (the padding sorts last in the last block)
-        data = entries.to(torch.int32).cpu().numpy().astype("<u2").tobytes()
+        data = entries.cpu().numpy().astype("<u2").tobytes()
         return codec_pb2.EncodedTensor(codec=self.name, codec_version=self.version, numel=n, block_size=BLOCK,
                                        data=data, scales=_le_f32_bytes(scales.cpu()))
 
