@@ -16,7 +16,8 @@ import math
 import threading
 import time
 from functools import partial
-from typing import Any, Optional
+from collections.abc import Awaitable, Callable
+from typing import Optional
 
 import torch
 from hivemind.dht import DHT
@@ -50,7 +51,8 @@ from peer.util import VERSION, Stopped, result_or_stop, short_id
 log = logging.getLogger(__name__)
 
 PAST_ROUNDS = 4  # rounds per fragment a record remembers (consensus.digest_at): rounds may be faster than records
-# Heartbeats in flight at once: each is bounded by progress_ttl, so this bounds the DHT load of a stalled DHT.
+# Stores and reads of progress records in flight at once (each kind): each is bounded by progress_ttl, so this
+# bounds the DHT load of a stalled DHT.
 MAX_BEATS_IN_FLIGHT = 4
 HOST_LISTING_PERIOD = 0.5  # seconds between two listings of the daemon's connections (per-host stream budgets)
 
@@ -246,20 +248,22 @@ class Swarm:
         shutdown.
 
         It runs in the networking thread, so the record stays fresh while the trainer is blocked in a long
-        round. Each beat is its own task: while a DHT node is unreachable a store or get waits for it (up to
-        ``dht_timeout`` per RPC), and a slow beat must not delay the next one (a peer that publishes less
-        often than ``progress_ttl`` drops out of the others' view). At most ``MAX_BEATS_IN_FLIGHT`` are in flight.
+        round. Stores and reads are separate tasks, each bounded by ``progress_ttl``: while DHT nodes are
+        unreachable a store waits for them (``dht_timeout`` per RPC, several in a row), and neither a slow store
+        nor a slow read may delay the next read or store (a peer that publishes or reads less often than
+        ``progress_ttl`` drops out of view). At most ``MAX_BEATS_IN_FLIGHT`` of each kind are in flight.
         """
-        beats: set[asyncio.Task] = set()
+        flights: dict[Callable[[], Awaitable[None]], set[asyncio.Task]] = {self._publish: set(), self._read: set()}
         while True:
-            if len(beats) < MAX_BEATS_IN_FLIGHT:
-                task = asyncio.ensure_future(self._beat())
-                beats.add(task)
-                task.add_done_callback(beats.discard)
+            for beat, tasks in flights.items():
+                if len(tasks) < MAX_BEATS_IN_FLIGHT:
+                    task = asyncio.ensure_future(beat())
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
             await asyncio.sleep(self.cfg.progress_period)
 
-    async def _beat(self) -> None:
-        """One store of our record and one read of everyone's, side by side, each bounded by ``progress_ttl``."""
+    async def _publish(self) -> None:
+        """Stores our progress record (bounded by ``progress_ttl``; a failed store is logged, nothing else)."""
         t0 = time.monotonic()
         step, round_, tps, loss = self._progress
         snaps = self._snapshots()
@@ -273,27 +277,36 @@ class Swarm:
                              past=self._past_entries(), pass_line=encode_pass(self.access.token) if self.access else "",
                              eval_loss=self._eval[0], eval_round=self._eval[1],
                              upload_bytes_per_second=self.declared_uplink())
-        store = self.dht.store(progress_key(self.run_key), rec.model_dump(), get_dht_time() + self.cfg.progress_ttl,
-                               subkey=self._subkey, return_future=True)
-        fetch = self.dht.get(progress_key(self.run_key), latest=True, return_future=True)
-        results: tuple[Any, ...] = await asyncio.gather(asyncio.wait_for(store, self.cfg.progress_ttl),
-                                                  asyncio.wait_for(fetch, self.cfg.progress_ttl),
-                                                  self._read_revocations(), return_exceptions=True)
-        stored, found, _ = results
-        for what, result in (("store", stored), ("get", found)):
-            if isinstance(result, BaseException):
-                log.debug("peer %s: progress %s failed: %s", short_id(self.peer_id), what, type(result).__name__)
+        try:
+            await asyncio.wait_for(self.dht.store(progress_key(self.run_key), rec.model_dump(),
+                                                  get_dht_time() + self.cfg.progress_ttl, subkey=self._subkey,
+                                                  return_future=True), self.cfg.progress_ttl)
+        except Exception as e:
+            log.debug("peer %s: progress store failed: %s", short_id(self.peer_id), type(e).__name__)
+        log.debug("peer %s: progress store took %.1f s", short_id(self.peer_id), time.monotonic() - t0)
+
+    async def _read(self) -> None:
+        """Reads everyone's progress records and the revocation lists (each bounded by ``progress_ttl``), merges
+        the records into the roster, then greets the peers that came into view or, alone, reconnects."""
+        t0 = time.monotonic()
+        revocations = asyncio.ensure_future(self._read_revocations())
+        try:
+            found = await asyncio.wait_for(self.dht.get(progress_key(self.run_key), latest=True, return_future=True),
+                                           self.cfg.progress_ttl)
+        except Exception as e:
+            log.debug("peer %s: progress get failed: %s", short_id(self.peer_id), type(e).__name__)
+            found = None
         accept = None if self.admission.open else self.admission.accept_record
-        arrived = self.roster.merge(None if isinstance(found, BaseException) else found, dht_now=get_dht_time(),
-                                    me=self.peer_id, accept=accept)
+        arrived = self.roster.merge(found, dht_now=get_dht_time(), me=self.peer_id, accept=accept)
         self._first_read.set()
         others = [pid for pid in self.live_peers() if pid != self.peer_id]
-        log.debug("peer %s: progress beat took %.1f s, %d others live", short_id(self.peer_id), time.monotonic() - t0,
-                  len(others))
+        log.debug("peer %s: progress read took %.1f s, %d others live", short_id(self.peer_id),
+                  time.monotonic() - t0, len(others))
         if not others:
             await self._reconnect()
         elif arrived:
             await self._greet(arrived)
+        await asyncio.gather(revocations, return_exceptions=True)
 
     async def _reconnect(self) -> None:
         """We see no other peer: ping the initial peers and the peers we saw before that our DHT node lost
