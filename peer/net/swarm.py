@@ -15,8 +15,6 @@ import logging
 import math
 import threading
 import time
-from functools import partial
-from collections.abc import Awaitable, Callable
 from typing import Optional
 
 import torch
@@ -25,7 +23,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
 from peer.net.round.allreduce import AllReduceServicer
-from peer.net.trust.auth import Admission, RunAccess, encode_pass, identity_key, revocation_key, revoke_in_dht
+from peer.net.trust.auth import Admission, RunAccess, encode_pass, identity_key
 from peer.net.flow.bandwidth import Bandwidth
 from peer.net.view.activity import RoundActivity, RoundStage
 from peer.net.policy.agreement import quorum_count
@@ -35,8 +33,7 @@ from peer.net.policy.consensus import live_count
 from peer.outer.aggregate import AggregationRule
 from peer.outer.codec import codec_key, get_codec
 from peer.config import SwarmConfig
-from peer.net.plumbing.dht import create_dht, peers_of, reconnect
-from peer.net.plumbing.hivemind_internals import connect
+from peer.net.plumbing.dht import create_dht, peers_of
 from peer.net.trust.exclusion import Exclusions, Offence
 from peer.net.flow.links import DeadlinePolicy, LinkMeter, slow_donors_last, state_deadline
 from peer.net.flow.streams import HostBook, StreamGuard, cap_frame_size, frame_limit_for
@@ -45,15 +42,13 @@ from peer.net.trust.progress import dht_security, progress_key
 from peer.net.view.roster import Roster
 from peer.net.round.round_runner import Lesson, RoundRunner
 from peer.net.trust.records import MAX_PAST, ProgressRecord
+from peer.net.heartbeat import Heartbeat
 from peer.net.state_transfer import DownloadError, Snapshot, StateServicer, download
-from peer.util import VERSION, Stopped, result_or_stop, short_id
+from peer.util import VERSION, Stopped, result_or_stop
 
 log = logging.getLogger(__name__)
 
 PAST_ROUNDS = 4  # rounds per fragment a record remembers (consensus.digest_at): rounds may be faster than records
-# Stores and reads of progress records in flight at once (each kind): each is bounded by progress_ttl, so this
-# bounds the DHT load of a stalled DHT.
-MAX_BEATS_IN_FLIGHT = 4
 HOST_LISTING_PERIOD = 0.5  # seconds between two listings of the daemon's connections (per-host stream budgets)
 
 
@@ -124,11 +119,8 @@ class Swarm:
         # who we see: live records, vouched speeds, partners, known peers (peer/net/view/roster.py; fed by the
         # heartbeat)
         self.roster = Roster(ttl=cfg.progress_ttl, exclusions=self.exclusions, admitted=self.admission.admitted)
-        self._first_read = threading.Event()  # set once the heartbeat's first read of the records ended
         self.attendance = Attendance()  # whom our rounds wait for (peer/net/view/attendance.py; swarm-net only)
-        self._reconnecting = False
-        self._dht_revoked: frozenset[str] = frozenset()  # revocations our DHT process applies (auth.revoke_in_dht)
-        self._initial_peers: dict[str, list[str]] = {}  # {peer id: its multiaddrs}, dialed by _reconnect
+        self._heartbeat: Optional[Heartbeat] = None  # our record out, everyone's in (set by start())
         # rounds in flight, by (fragment, round): added and removed by run_round on swarm-net, read by activity()
         self._rounds: dict[tuple[int, int], RoundRunner] = {}
         self._past: dict[int, dict[int, str]] = {}  # fragment -> {round: digest} of our last snapshots (replaced whole)
@@ -147,16 +139,19 @@ class Swarm:
                               record_validators=validators, startup_timeout=self.cfg.startup_timeout,
                               wait_timeout=self.cfg.dht_timeout, join_timeout=self.cfg.join_timeout, stop=stop,
                               **auth)
-        self._initial_peers = peers_of(self.cfg.initial_peers)  # checked by create_dht
         self._thread.start()
         self._p2p = self._call(self.dht.replicate_p2p(), self.cfg.startup_timeout)
+        self._heartbeat = Heartbeat(self.cfg, dht=self.dht, p2p=self.p2p, run_key=self.run_key, subkey=self._subkey,
+                                    peer_id=self.peer_id, roster=self.roster, admission=self.admission,
+                                    access=access, record=self._record,
+                                    initial_peers=peers_of(self.cfg.initial_peers))  # (checked by create_dht)
         if not self.cfg.client_mode:
             self._call(self.servicer.add_p2p_handlers(self.p2p), self.cfg.startup_timeout)
             self._call(self.state_servicer.add_p2p_handlers(self.p2p), self.cfg.startup_timeout)
             self._call(self.dial_back.add_p2p_handlers(self.p2p), self.cfg.startup_timeout)
             if self.cfg.reachability_check and self.cfg.initial_peers and not self.cfg.relay_via:  # relayed: dialable
                 asyncio.run_coroutine_threadsafe(self._check_reachability(), self._loop)
-        asyncio.run_coroutine_threadsafe(self._heartbeat(), self._loop)
+        asyncio.run_coroutine_threadsafe(self._heartbeat.run(), self._loop)
 
     async def _check_reachability(self) -> None:
         """Goes on in client mode if nobody outside can dial us (peer/net/plumbing/dial_back.py); rounds that started
@@ -243,126 +238,26 @@ class Swarm:
         heartbeats publish (the monitor's held-out chart). A loss that is not finite and non-negative is not."""
         self._eval = (float(loss) if math.isfinite(loss) and 0 <= loss <= 1e6 else None, round_)
 
-    async def _heartbeat(self) -> None:
-        """Publishes our signed progress record and reads the others' every ``progress_period`` s until
-        shutdown.
-
-        It runs in the networking thread, so the record stays fresh while the trainer is blocked in a long
-        round. Stores and reads are separate tasks, each bounded by ``progress_ttl``: while DHT nodes are
-        unreachable a store waits for them (``dht_timeout`` per RPC, several in a row), and neither a slow store
-        nor a slow read may delay the next read or store (a peer that publishes or reads less often than
-        ``progress_ttl`` drops out of view). At most ``MAX_BEATS_IN_FLIGHT`` of each kind are in flight.
-        """
-        flights: dict[Callable[[], Awaitable[None]], set[asyncio.Task]] = {self._publish: set(), self._read: set()}
-        while True:
-            for beat, tasks in flights.items():
-                if len(tasks) < MAX_BEATS_IN_FLIGHT:
-                    task = asyncio.ensure_future(beat())
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
-            await asyncio.sleep(self.cfg.progress_period)
-
-    async def _publish(self) -> None:
-        """Stores our progress record (bounded by ``progress_ttl``; a failed store is logged, nothing else)."""
-        t0 = time.monotonic()
+    def _record(self) -> ProgressRecord:
+        """Our progress record as of now (the heartbeat publishes it; called on swarm-net)."""
         step, round_, tps, loss = self._progress
         snaps = self._snapshots()
         activity = self.activity()
         seeking = [[a.fragment, a.round] for a in activity if a.stage is not RoundStage.ALLREDUCE]
         averaging = [[a.fragment, a.round] for a in activity if a.stage is RoundStage.ALLREDUCE]
-        rec = ProgressRecord(peer_id=self.peer_id, step=step, round=round_, tokens_per_second=tps, seeking=seeking,
+        return ProgressRecord(peer_id=self.peer_id, step=step, round=round_, tokens_per_second=tps, seeking=seeking,
                              averaging=averaging, paused=self.paused, loss=loss, version=VERSION,
                              client_mode=self.client_mode, time=get_dht_time(),
                              rounds=[s.round for s in snaps if s], digests=[s.digest for s in snaps if s],
                              past=self._past_entries(), pass_line=encode_pass(self.access.token) if self.access else "",
                              eval_loss=self._eval[0], eval_round=self._eval[1],
                              upload_bytes_per_second=self.declared_uplink())
-        try:
-            await asyncio.wait_for(self.dht.store(progress_key(self.run_key), rec.model_dump(),
-                                                  get_dht_time() + self.cfg.progress_ttl, subkey=self._subkey,
-                                                  return_future=True), self.cfg.progress_ttl)
-        except Exception as e:
-            log.debug("peer %s: progress store failed: %s", short_id(self.peer_id), type(e).__name__)
-        log.debug("peer %s: progress store took %.1f s", short_id(self.peer_id), time.monotonic() - t0)
-
-    async def _read(self) -> None:
-        """Reads everyone's progress records and the revocation lists (each bounded by ``progress_ttl``), merges
-        the records into the roster, then greets the peers that came into view or, alone, reconnects."""
-        t0 = time.monotonic()
-        revocations = asyncio.ensure_future(self._read_revocations())
-        try:
-            found = await asyncio.wait_for(self.dht.get(progress_key(self.run_key), latest=True, return_future=True),
-                                           self.cfg.progress_ttl)
-        except Exception as e:
-            log.debug("peer %s: progress get failed: %s", short_id(self.peer_id), type(e).__name__)
-            found = None
-        accept = None if self.admission.open else self.admission.accept_record
-        arrived = self.roster.merge(found, dht_now=get_dht_time(), me=self.peer_id, accept=accept)
-        self._first_read.set()
-        others = [pid for pid in self.live_peers() if pid != self.peer_id]
-        log.debug("peer %s: progress read took %.1f s, %d others live", short_id(self.peer_id),
-                  time.monotonic() - t0, len(others))
-        if not others:
-            await self._reconnect()
-        elif arrived:
-            await self._greet(arrived)
-        await asyncio.gather(revocations, return_exceptions=True)
-
-    async def _reconnect(self) -> None:
-        """We see no other peer: ping the initial peers and the peers we saw before that our DHT node lost
-        (see :func:`peer.net.plumbing.dht.reconnect`). One at a time; bounded by 3 x ``dht_timeout``."""
-        peers = {**{pid: [] for pid in self.roster.known()}, **self._initial_peers}
-        if self._reconnecting or not peers:
-            return
-        self._reconnecting = True
-        try:
-            size = await asyncio.wait_for(reconnect(self.dht, peers, self.cfg.dht_timeout), 3 * self.cfg.dht_timeout)
-            log.debug("peer %s: alone, pinged %d known peers: %d in the DHT routing table", short_id(self.peer_id),
-                      len(peers), size)
-        except Exception as e:
-            log.debug("peer %s: reconnect failed: %s", short_id(self.peer_id), type(e).__name__)
-        finally:
-            self._reconnecting = False
-
-    async def _greet(self, arrived: list[str]) -> None:
-        """Opens a libp2p connection to each peer that just came into view (:meth:`Roster.merge`), at the
-        addresses our daemon knows, within ``request_timeout``. A peer back from an outage has its own dials
-        refused by libp2p's dial backoff for a while; its streams use the connection we open. Nothing else
-        (no DHT request, no routing-table change)."""
-        async def dial(pid: str) -> None:
-            await connect(self.p2p, PeerID.from_base58(pid), [])
-
-        tasks = [asyncio.ensure_future(dial(pid)) for pid in arrived]
-        done, pending = await asyncio.wait(tasks, timeout=self.cfg.request_timeout)
-        for task in pending:
-            task.cancel()
-        failed = sum(1 for task in done if task.exception() is not None) + len(pending)
-        log.debug("peer %s: greeted %d arriving peers (%d not reached)", short_id(self.peer_id), len(arrived),
-                  failed)
 
     def wait_first_read(self, timeout: float) -> bool:
         """Blocks until the heartbeat has read the others' progress records once (found or not), up to
         ``timeout`` s; False on timeout. Call it before a decision that needs the swarm's view, such as the
         catch-up of a peer that just joined: until then :meth:`live_peers` is empty."""
-        return self._first_read.wait(timeout)
-
-    async def _read_revocations(self) -> None:
-        """Authenticated runs: reads the authority's revocation lists (published by its bootstrap nodes) and
-        stops admitting the peers they name. Bounded by ``progress_ttl``; a failed read changes nothing."""
-        if self.access is None:
-            return
-        found = await asyncio.wait_for(self.dht.get(revocation_key(self.access.checker.authority_bytes), latest=True,
-                                                    return_future=True), self.cfg.progress_ttl)
-        if found is None or not isinstance(found.value, dict):
-            return
-        for entry in found.value.values():
-            for pid in sorted(self.admission.revoke_listed(getattr(entry, "value", None))):
-                log.warning("peer %s: the run authority revoked peer %s's pass: no longer admitted",
-                            short_id(self.peer_id), short_id(pid))
-        if new := self.admission.revoked - self._dht_revoked:  # our DHT process checks requests with its own checker
-            await asyncio.wait_for(self.dht.run_coroutine(partial(revoke_in_dht, new), return_future=True),
-                                   self.cfg.progress_ttl)
-            self._dht_revoked |= new
+        return self._heartbeat is not None and self._heartbeat.wait_first_read(timeout)
 
     @property
     def pass_ended(self) -> Optional[str]:
