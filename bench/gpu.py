@@ -11,11 +11,12 @@
    not in it: bench/utilization.py measures links). Same model, batch, precision and device; the two loops
    alternate in ``--blocks`` blocks of ``--steps`` steps, so drift in clocks or thermals hits both. Prints the
    mean wall time per step of each over all blocks (syncs included), the overhead ratio (goal: peer <= 1.02 x
-   plain), tokens/s and, on CUDA, the model FLOPs utilization (6 N tokens/s + attention, against the device's
-   dense bf16 peak where known).
-2. **Memory.** Per preset, in a child process of its own: peak VRAM (``torch.cuda.max_memory_allocated``) and the
-   peak host RSS (VmHWM) of the peer loop; beside them, what the model, AdamW and the outer state take by
-   their sizes.
+   plain), tokens/s, on CUDA the model FLOPs utilization (6 N tokens/s + attention, against the device's
+   dense bf16 peak where known), and the training thread's time in each launch and each apply that had work
+   (median and max; goal < 5 ms). Both loops use ``--micro-batch`` and ``--activation-checkpointing``.
+2. **Memory.** Per preset and loop, in a child process of its own that runs that loop alone (H + tau + 2 steps:
+   every fragment launched and applied): peak VRAM (``torch.cuda.max_memory_allocated``) and peak host RSS
+   (VmHWM); beside them, what the model, AdamW and the outer state take by their sizes.
 3. **Codec.** bench/codec.py on the device: FP4 e3m0 encode and decode throughput against the device's copy
    bandwidth (goal >= 50%).
 4. **CUDA tests.** ``pytest -q -rs tests -k cuda`` (skipped without a device).
@@ -30,6 +31,7 @@ import concurrent.futures
 import datetime
 import json
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -78,8 +80,9 @@ def flops_per_token(model, n_layers: int, d_model: int, seq_len: int) -> float:
     return 6 * count_parameters(model) + 12 * n_layers * d_model * seq_len
 
 
-def plain_step_fn(model, device: torch.device, clip: float, compile: bool = False):
-    """A plain PyTorch training step of the same model: what a peer's step is compared with."""
+def plain_step_fn(model, device: torch.device, clip: float, compile: bool = False, micro_batch: int = 0):
+    """A plain PyTorch training step of the same model: what a peer's step is compared with. ``micro_batch``: the
+    batch in chunks of that many rows, each loss scaled by its share of the rows (the peer's accumulation)."""
     forward = torch.compile(model) if compile else model
     decay, no_decay = split_decay_params(model)
     fused = {"fused": True} if device.type == "cuda" else {}
@@ -91,10 +94,11 @@ def plain_step_fn(model, device: torch.device, clip: float, compile: bool = Fals
     def step(batch: torch.Tensor) -> None:
         batch = batch.to(device, non_blocking=True)
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            logits = forward(batch[:, :-1])
-        loss, _ = lm_loss(logits, batch[:, 1:], INNER["z_loss"])
-        loss.backward()
+        for chunk in batch.split(micro_batch or batch.shape[0]):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                logits = forward(chunk[:, :-1])
+            loss, _ = lm_loss(logits, chunk[:, 1:], INNER["z_loss"])
+            (loss * (chunk.shape[0] / batch.shape[0])).backward()
         torch.nn.utils.clip_grad_norm_(params, clip)
         for group in opt.param_groups:
             group["lr"] = lr_at(step_count[0], lr=INNER["lr"], warmup_steps=INNER["warmup_steps"],
@@ -120,23 +124,45 @@ def one_preset(args) -> dict:
     n = count_parameters(model)
     source = MarkovSource(args.vocab, seed=1)
     batches = [source.next_batch(args.batch, args.seq_len) for _ in range(8)]
-    plain = plain_step_fn(model, device, INNER["grad_clip"], args.compile)
+    plain = plain_step_fn(model, device, INNER["grad_clip"], args.compile, args.micro_batch)
     inner = InnerLoop(model, device=device, micro_batch=args.micro_batch, compile=args.compile, **INNER)
     fragments = partition(model, blocks, 3, "strided")
     settings = OuterSettings(H=args.sync_every, tau=args.tau, eager=True)
     engine = StreamingEngine(fragments, settings, EchoTransport("e3m0"))
     peer_step = [0]
+    # the training thread's time in each launch and apply that had work (seconds), while `timed` is set
+    blocked: dict[str, list[float]] = {"launch": [], "apply": []}
+    timed = [False]
 
     def peer(batch):
         inner.step(batch)
         peer_step[0] += 1
-        engine.launch_due(peer_step[0])
-        engine.apply_due(peer_step[0])
+        step = peer_step[0]
+        launching = any(engine.schedule.due(step, p) is not None for p in range(len(fragments)))
+        t0 = time.perf_counter()
+        engine.launch_due(step)
+        t1 = time.perf_counter()
+        applying = any(q and q[0].launch_step + q[0].tau <= step for q in engine.pending)
+        engine.apply_due(step)
+        t2 = time.perf_counter()
+        if timed[0]:
+            for name, busy, seconds in (("launch", launching, t1 - t0), ("apply", applying, t2 - t1)):
+                if busy:
+                    blocked[name].append(seconds)
 
     for fn in (plain, peer):  # warm-up: allocator, kernels, autotuning
         for i in range(3):
             fn(batches[i % len(batches)])
     sync(device)
+    if args.loop != "both":  # memory of one loop alone, in this process: enough steps for every fragment's round
+        fn = plain if args.loop == "plain" else peer
+        for i in range(args.sync_every + args.tau + 2):
+            fn(batches[i % len(batches)])
+        sync(device)
+        engine.close()
+        return {"preset": args.one, "loop": args.loop, "host_peak_rss_bytes": host_peak_bytes(),
+                "peak_vram_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+    timed[0] = True
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times: dict[str, list[float]] = {"plain": [], "peer": []}
@@ -170,6 +196,8 @@ def one_preset(args) -> dict:
         "mfu": {k: v * 1e12 / peak for k, v in tflops.items()} if peak else None,
         "peak_vram_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "host_peak_rss_bytes": host_peak_bytes(),
+        "blocked_s": {k: {"count": len(v), "median": statistics.median(v) if v else None, "max": max(v, default=None)}
+                      for k, v in blocked.items()},
         "bytes_by_size": {"model_fp32": 4 * n, "adamw": 8 * n, "outer_state": 4 * n * outer_copies,
                           "outer_copies": outer_copies},
     }
@@ -211,6 +239,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip", default="", help="comma list of sections to skip: codec, tests")
     ap.add_argument("--out", default="runs/bench_gpu.json")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # internal: one preset in this process
+    ap.add_argument("--loop", default="both", choices=["both", "plain", "peer"], help=argparse.SUPPRESS)  # (--one)
     args = ap.parse_args(argv)
     if args.one:
         print(json.dumps(one_preset(args)))
@@ -223,25 +252,37 @@ def main(argv=None) -> int:
           f"H {args.sync_every}, tau {args.tau}, eager, e3m0, {args.blocks} blocks x {args.steps} steps per loop")
     results = []
     for preset in args.presets.split(","):
-        child = [sys.executable, __file__, "--one", preset, *[a for a in sys.argv[1:] if a != "--one"]]
-        done = subprocess.run(child, capture_output=True, text=True, timeout=3600)
-        if done.returncode != 0:
-            print(f"{preset}: failed: {done.stderr.strip().splitlines()[-1:]}")
-            results.append({"preset": preset, "error": done.stderr[-3000:]})
-            continue
-        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        result: dict = {}
+        for loop in ("both", "plain", "peer"):  # the timing (loops alternating), then each loop's memory alone
+            child = [sys.executable, __file__, *sys.argv[1:], "--one", preset, "--loop", loop]
+            done = subprocess.run(child, capture_output=True, text=True, timeout=3600)
+            if done.returncode != 0:
+                print(f"{preset} ({loop}): failed: {done.stderr.strip().splitlines()[-1:]}")
+                result = {"preset": preset, "error": done.stderr[-3000:]}
+                break
+            out = json.loads(done.stdout.strip().splitlines()[-1])
+            if loop == "both":
+                result = out
+            else:
+                result.setdefault("memory", {})[loop] = {k: out[k] for k in ("host_peak_rss_bytes", "peak_vram_bytes")}
+        results.append(result)
     print("\n| preset | params | plain s/step | peer s/step | peer / plain | rounds | tokens/s (peer) "
-          "| MFU plain / peer | peak VRAM | host peak RSS | model + AdamW + outer state (by size) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| MFU plain / peer | launch ms (median / max) | apply ms (median / max) | peak VRAM plain / peer "
+          "| host peak RSS plain / peer | model + AdamW + outer state (by size) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
-            print(f"| {r['preset']} | failed | | | | | | | | | |")
+            print(f"| {r['preset']} | failed |" + " |" * 11)
             continue
         mfu = "—" if not r["mfu"] else f"{r['mfu']['plain']:.1%} / {r['mfu']['peer']:.1%}"
-        size = r["bytes_by_size"]
+        size, mem = r["bytes_by_size"], r["memory"]
+        ms = {k: "—" if not b["count"] else f"{1e3 * b['median']:.1f} / {1e3 * b['max']:.1f}"
+              for k, b in r["blocked_s"].items()}
         print(f"| {r['preset']} | {r['params'] / 1e6:.1f}M | {r['plain_s_per_step']:.4f} | {r['peer_s_per_step']:.4f} "
               f"| {r['overhead']:.3f} | {r['rounds_applied']} | {r['tokens_per_s']['peer']:.0f} | {mfu} "
-              f"| {gib(r['peak_vram_bytes'])} | {gib(r['host_peak_rss_bytes'])} "
+              f"| {ms['launch']} | {ms['apply']} "
+              f"| {gib(mem['plain']['peak_vram_bytes'])} / {gib(mem['peer']['peak_vram_bytes'])} "
+              f"| {gib(mem['plain']['host_peak_rss_bytes'])} / {gib(mem['peer']['host_peak_rss_bytes'])} "
               f"| {gib(size['model_fp32'])} + {gib(size['adamw'])} + {gib(size['outer_state'])} "
               f"({size['outer_copies']} copies) |")
     skip = set(filter(None, args.skip.split(",")))
