@@ -12,7 +12,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from peer.outer.codec import CODECS, CodecError, E3M0Codec, codec_key, decode, encode, get_codec, make_codec, roundtrip
+from peer.outer.codec import (CODECS, CodecError, E3M0Codec, all_finite, codec_key, decode, encode, get_codec,
+                              make_codec, roundtrip)
 from peer.outer.e3m0 import e3m0_byte_table, e3m0_code_values, e3m0_reference_codes
 from peer.outer.state import ErrorFeedback
 from peer.proto import codec_pb2
@@ -519,3 +520,18 @@ def test_other_codecs_properties(values, log_scale, name):
         assert nb == len(encode(x, name).scales) // 4
     else:  # bf16 and fp32 are projections
         assert torch.equal(decode(encode(y, name)), y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_all_finite_agrees_with_isfinite_all(dtype):
+    """The one-reduction finiteness check (min and max propagate NaN) says what ``isfinite(x).all()`` says."""
+    big = torch.finfo(dtype).max
+    x = torch.linspace(-1, 1, 10_001, dtype=torch.float64).to(dtype)
+    cases = [x, x[::3], torch.empty(0, dtype=dtype), torch.tensor([big, -big, -0.0], dtype=dtype)]
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for at in (0, 5_000, 10_000):
+            y = x.clone()
+            y[at] = bad
+            cases += [y, y.view(1, -1).t()]
+    for case in cases:
+        assert all_finite(case) == bool(torch.isfinite(case).all()), case

@@ -25,6 +25,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 
 from peer.net.flow.bandwidth import Pacer, share, stream_pacer
 from peer.net.flow.streams import StreamGuard, drain, single_request
+from peer.outer.codec import all_finite
 from peer.outer.state import DIGEST_BLOCK, block_digests, digest_of_blocks
 from peer.proto import state_pb2 as pb
 from peer.util import next_by, short_id, time_left
@@ -188,7 +189,7 @@ class _Assembly:
         """Checks the blocks of ``[start, end)`` (block-aligned) against the trusted digests."""
         assert self.blocks is not None
         G, v = self.G[start:end], self.v[start:end]
-        if not (bool(torch.isfinite(G).all()) and bool(torch.isfinite(v).all())):
+        if not (all_finite(G) and all_finite(v)):
             raise DonorLied(f"non-finite values in [{start}, {end})")
         if block_digests(G, v) != self.blocks[start // DIGEST_BLOCK:math.ceil(end / DIGEST_BLOCK)]:
             raise DonorLied(f"elements [{start}, {end}) do not match their block digests")

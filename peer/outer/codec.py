@@ -28,11 +28,11 @@ from peer.outer.e3m0 import E3M0Codec
 from peer.outer.topk import TOPK_KS, TopKCodec
 from peer.outer.wire import (_BF16_MAX, _FLT_MAX, _LITTLE, _Blocks, Codec, CodecError, _check_float, _check_scales,
                              _default_chunk, _host_buffer, _le_f32, _le_f32_bytes, _nonfinite_error, _read, _scratch,
-                             _to_bytes)
+                             _to_bytes, all_finite)
 from peer.proto import codec_pb2
 
-__all__ = ["CODECS", "SPARSE_CODECS", "Codec", "CodecError", "CodecLike", "E3M0Codec", "codec_key", "decode",
-           "encode", "get_codec", "make_codec", "roundtrip"]
+__all__ = ["CODECS", "SPARSE_CODECS", "Codec", "CodecError", "CodecLike", "E3M0Codec", "all_finite", "codec_key",
+           "decode", "encode", "get_codec", "make_codec", "roundtrip"]
 
 
 # ------------------------------------------------------------------------------------------ fp32
@@ -46,7 +46,7 @@ class Fp32Codec:
     def encode_flat(self, flat: torch.Tensor) -> codec_pb2.EncodedTensor:
         flat = _check_float(flat)
         data = flat.to(torch.float32)
-        if not bool(torch.isfinite(data).all()):
+        if not all_finite(data):
             raise _nonfinite_error()
         return codec_pb2.EncodedTensor(codec=self.name, codec_version=self.version, numel=flat.numel(),
                                        data=_le_f32_bytes(data))
@@ -54,7 +54,7 @@ class Fp32Codec:
     def decode_flat(self, msg: codec_pb2.EncodedTensor, device: Optional[torch.device] = None) -> torch.Tensor:
         data, _ = _read(msg, self, block_size=0, data_len=4 * msg.numel, n_scales=0)
         out = _le_f32(data).clone()  # our own writable copy
-        if not bool(torch.isfinite(out).all()):
+        if not all_finite(out):
             raise CodecError("fp32 piece has non-finite values")
         return out.to(device) if device is not None else out
 
@@ -84,7 +84,7 @@ class Bf16Codec:
             t = torch.bitwise_and(yc.view(torch.int16), 0x7FFF, out=tmp[:yc.numel()])
             peaks[k] = t.amax()  # >= 0x7F80: Inf/NaN in the input, or a finite value beyond the bf16 max
         if n and int(peaks.max()) >= 0x7F80:
-            if not bool(torch.isfinite(flat).all()):
+            if not all_finite(flat):
                 raise _nonfinite_error()
             out.clamp_(-_BF16_MAX, _BF16_MAX)  # finite values that rounded to Inf saturate instead
         bits = out.view(torch.int16).cpu()

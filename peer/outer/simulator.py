@@ -24,6 +24,7 @@ from peer.outer.aggregate import AggregationRule, aggregate
 from peer.outer.codec import Codec, get_codec
 from peer.outer.rounds import RoundOutcome, RoundStatus, Span
 from peer.outer.engine import StreamingEngine
+from peer.outer.wire import all_finite
 
 
 Tamper = Callable[[torch.Tensor, float], tuple[torch.Tensor, float]]  # (delta, weight) -> what is sent
@@ -93,7 +94,7 @@ class FakeTransport:
         if len(parts) == self.num_replicas:
             nbytes, kept = 0, {}
             for i in sorted(parts):
-                if not bool(torch.isfinite(parts[i][0]).all()):  # a reducer refuses it (peer.net.round.allreduce)
+                if not all_finite(parts[i][0]):  # a reducer refuses it (peer.net.round.allreduce)
                     self._offence(i, key)
                     continue
                 decoded, size = self._roundtrip(parts[i][0])

@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 import torch
 
 from peer.outer.rounds import Span
+from peer.outer.wire import all_finite
 
 
 @dataclass
@@ -204,7 +205,7 @@ class ErrorFeedback:
         if sent.shape != decoded_sent.shape:
             raise ValueError(f"sent {tuple(sent.shape)} and decoded {tuple(decoded_sent.shape)} differ in shape")
         residual = sent.detach().to(torch.float32) - decoded_sent.detach().to(device=sent.device, dtype=torch.float32)
-        if not bool(torch.isfinite(residual).all()):
+        if not all_finite(residual):
             raise ValueError("error feedback residual is not finite")
         self.residual = residual
         return residual

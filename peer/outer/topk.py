@@ -20,7 +20,7 @@ import torch
 
 from peer.outer.e3m0 import e3m0_code_values, e3m0_reference_codes
 from peer.outer.wire import (_FLT_MAX, _check_float, _check_scales, _le_f32, _le_f32_bytes, _nonfinite_error, _read,
-                             CodecError)
+                             CodecError, all_finite)
 from peer.proto import codec_pb2
 
 BLOCK = 4096  # elements per block: a 12-bit index
@@ -49,11 +49,14 @@ class TopKCodec:
         flat = _check_float(flat)
         n = flat.numel()
         x = flat.detach().to(torch.float32)
-        if not bool(torch.isfinite(x).all()):
+        if not all_finite(x):
             raise _nonfinite_error()
         n_blocks = -(-n // BLOCK)
-        blocks = torch.zeros(n_blocks * BLOCK, dtype=torch.float32, device=x.device)
-        blocks[:n] = x
+        if n % BLOCK:  # zero-padded to whole blocks
+            blocks = torch.zeros(n_blocks * BLOCK, dtype=torch.float32, device=x.device)
+            blocks[:n] = x
+        else:
+            blocks = x
         blocks = blocks.view(n_blocks, BLOCK)
         magnitude = blocks.abs()
         if n % BLOCK:  # the padding is never chosen: every real element outranks it

@@ -18,7 +18,7 @@ import torch
 from peer.net.trust.exclusion import Exclusions, Offence
 from peer.net.round.group import GroupPlan
 from peer.outer.aggregate import aggregate
-from peer.outer.codec import Codec, CodecError
+from peer.outer.codec import Codec, CodecError, all_finite
 from peer.proto import allreduce_pb2 as pb
 from peer.proto import codec_pb2
 from peer.util import short_id, time_left
@@ -68,7 +68,7 @@ def decode_piece(codec: Codec, piece, offset: int, filled: int, length: int) -> 
     if piece.codec != codec.name or piece.codec_version != codec.version:
         raise CodecError(f"piece uses codec {piece.codec} v{piece.codec_version}, group uses {codec.name}")
     values = codec.decode_flat(piece)
-    if values.numel() != piece.numel or not bool(torch.isfinite(values).all()):
+    if values.numel() != piece.numel or not all_finite(values):
         raise CodecError("piece decodes to the wrong size or to non-finite values")
     return values
 
