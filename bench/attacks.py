@@ -5,6 +5,7 @@ invocation.
     .venv/bin/python bench/attacks.py                           # 4 honest + 1 attacker: ~6 min on 2 cores
     .venv/bin/python bench/attacks.py --honest 8 --attackers 2  # ~15 min
     .venv/bin/python bench/attacks.py --attacks scale1000,weight_lie --rules clipped
+    .venv/bin/python bench/attacks.py --codec topk32 --rules clipped   # a sparse codec (with error feedback)
 
 Each run trains bench/quality.py's full method (FP4 e3m0, tau 5, replay merge, eager; tiny preset on the
 synthetic Markov corpus, ``--quick`` length: 6 rounds of H = 16) in the simulator
@@ -41,6 +42,8 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from quality import BY_KEY, RunResult, Setup, run_one  # noqa: E402
 
+from peer.outer.codec import SPARSE_CODECS, get_codec  # noqa: E402
+
 
 def _noise(delta: torch.Tensor, weight: float) -> tuple[torch.Tensor, float]:
     g = torch.Generator().manual_seed(int(delta.numel()))
@@ -67,12 +70,22 @@ ATTACKS = {  # what an attacker does to (its outer gradient, its declared weight
 RULES = {"mean": "full", "clipped": "full_clipped"}  # bench/quality.py's methods: the full method, each rule
 
 
-def run_job(job: tuple[str, str, dict, int, int]) -> tuple[str, str, RunResult]:
-    attack, rule, setup, attackers, seed = job
+def method_of(rule: str, codec: str):
+    """The rule's full method of bench/quality.py, with ``codec`` on the wire where given (a sparse codec with the
+    error feedback it requires)."""
+    method = BY_KEY[RULES[rule]]
+    if not codec or codec == method.codec:
+        return method
+    return dataclasses.replace(method, key=f"{method.key}_{codec}", codec=codec,
+                               error_feedback=method.error_feedback or codec in SPARSE_CODECS)
+
+
+def run_job(job: tuple[str, str, dict, int, int, str]) -> tuple[str, str, RunResult]:
+    attack, rule, setup, attackers, seed, codec = job
     setup = Setup(**setup)
     fn = ATTACKS[attack]
     tamper = {} if fn is None else {setup.replicas - 1 - k: fn for k in range(attackers)}
-    return attack, rule, run_one(BY_KEY[RULES[rule]], setup, seed, tamper=tamper)
+    return attack, rule, run_one(method_of(rule, codec), setup, seed, tamper=tamper)
 
 
 def main() -> int:
@@ -85,6 +98,8 @@ def main() -> int:
     ap.add_argument("--clip-factor", type=float, default=Setup.clip_factor, help="of the clipped rule")
     ap.add_argument("--weight-cap", type=float, default=Setup.weight_cap, help="of the clipped rule")
     ap.add_argument("--clip-iterations", type=int, default=Setup.clip_iterations, help="of the clipped rule")
+    ap.add_argument("--codec", default="", help="the wire codec (default: the full method's, FP4 e3m0); a sparse "
+                    "one (topk32, ...) with error feedback")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", type=Path, default=REPO / "runs/bench_attacks/results.json")
     args = ap.parse_args()
@@ -96,10 +111,16 @@ def main() -> int:
     for rule in rules:
         if rule not in RULES:
             ap.error(f"unknown rule {rule!r}; known: {', '.join(RULES)}")
+    if args.codec:
+        try:
+            get_codec(args.codec)
+        except ValueError:
+            ap.error(f"unknown codec {args.codec!r}")
     setup = Setup(replicas=args.honest + args.attackers, H=16, rounds=6, clip_factor=args.clip_factor,
                   weight_cap=args.weight_cap, clip_iterations=args.clip_iterations)
-    jobs = [(a, r, dataclasses.asdict(setup), args.attackers, args.seed) for a in attacks for r in rules]
-    print(f"{len(jobs)} runs: {args.honest} honest + {args.attackers} attacker(s), rules {rules} (clipped: "
+    jobs = [(a, r, dataclasses.asdict(setup), args.attackers, args.seed, args.codec) for a in attacks for r in rules]
+    print(f"{len(jobs)} runs: {args.honest} honest + {args.attackers} attacker(s), codec "
+          f"{method_of(rules[0], args.codec).codec}, rules {rules} (clipped: "
           f"clip factor {setup.clip_factor}, weight cap {setup.weight_cap}, {setup.clip_iterations} step(s)), "
           f"{setup.steps} steps each, {args.jobs} jobs", flush=True)
     t0 = time.perf_counter()
@@ -130,6 +151,7 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(date=time.strftime("%Y-%m-%d"), machine=platform.platform(),
                                         honest=args.honest, attackers=args.attackers, seed=args.seed,
+                                        codec=method_of(rules[0], args.codec).codec,
                                         setup=dataclasses.asdict(setup), rows=rows), indent=1))
     return 0
 
