@@ -232,9 +232,11 @@ def test_eager_launch_jump_uses_share_one_over_M_for_equal_peers():
                 assert pend.launch_step == t
                 d = pend.delta / M
                 expected = -LR * (d + MOMENTUM * (MOMENTUM * st.v + d))
-                if not torch.allclose(st.E, expected, rtol=RTOL, atol=ATOL):
+                # alpha = 0: the jump is from theta = G - Delta to G + E, so E = jump - Delta
+                E = pend.jump - pend.delta
+                if not torch.allclose(E, expected, rtol=RTOL, atol=ATOL):
                     # the share the engine used instead: E is linear in it where v = 0 ... solve elementwise
-                    s = (st.E + LR * MOMENTUM ** 2 * st.v) / (-LR * (1 + MOMENTUM) * pend.delta)
+                    s = (E + LR * MOMENTUM ** 2 * st.v) / (-LR * (1 + MOMENTUM) * pend.delta)
                     bad.append(f"step {t} fragment {p} round {pend.round} replica {m}: share {s.median():.4f} "
                                f"!= 1/M = {1 / M:.4f}")
     assert not bad, "eager jump not scaled by 1/M for equal peers:\n" + "\n".join(bad)

@@ -170,9 +170,10 @@ class StreamingEngine:
             tau = self.cfg.tau if self.tau_fn is None else self.tau_fn()
             jump = None
             if self.cfg.eager and 0 < tau < self.cfg.H:
-                # Apply our own share now; the aggregate corrects it when it arrives.
-                st.E = self.opt.effect(st.v, self._share(p) * delta)
-                merged = self._merged(theta, st.G + st.E)
+                # Apply our own share now; the aggregate corrects it when it arrives. The eager term E lives only
+                # here: the round's jump (kept with it) is all that its apply needs to undo what did not arrive.
+                eager_term = self.opt.effect(st.v, self._share(p) * delta)
+                merged = self._merged(theta, st.G + eager_term)
                 jump = merged - theta
                 scatter(frag, merged)
                 theta = merged
@@ -305,8 +306,6 @@ class StreamingEngine:
         if prepared is None or prepared.base is not st.G:
             prepared = self._prepare(outcome, st.G, st.v)
         st.G, st.v, applied = prepared.G, prepared.v, prepared.applied
-        if st.E is not None:
-            st.E[applied] = 0
         device = device_of(frag)
         theta = gather(frag)
         replay = pend.theta_at_launch if self.cfg.merge == "replay" else None
@@ -315,8 +314,6 @@ class StreamingEngine:
         if pend.jump is not None:  # nothing arrived there: undo our eager jump, keep the progress
             missing = ~applied
             theta = torch.where(to_device(missing, device), theta - to_device(pend.jump, device), theta)
-            if st.E is not None:
-                st.E[missing] = 0
         scatter(frag, theta)
         delivered = outcome.status == RoundStatus.OFF_BASE  # (our part is in the group's result: not sent again)
         if not bool(applied.all()) and not delivered:
@@ -373,8 +370,6 @@ class StreamingEngine:
         st, frag = self.states[p], self.fragments[p]
         if jump is not None:
             frag.assign(frag.flat() - jump)
-            if st.E is not None:
-                st.E.zero_()
         st.tokens_since_sync += int(weight)
 
     def adopt(self, p: int, G: torch.Tensor, v: torch.Tensor, round_: int) -> None:
@@ -396,10 +391,10 @@ class StreamingEngine:
         self.fragments[p].assign(G)
 
     def _eager_terms(self) -> tuple[str, ...]:
-        """The per-peer terms this peer's settings use: E holds the eager jump (eager on) or the divergence
-        from G (tau = H); u is the momentum of the eager one-outer-step machine (eager on, tau = H). Otherwise
-        neither is allocated nor saved."""
-        return ((("E",) if self.cfg.eager or self.one_outer_step else ())
+        """The per-peer terms this peer's settings keep between rounds, with tau = H only: E, the divergence from
+        G, and with eager updates u, the eager machine's momentum. Otherwise neither is allocated nor saved (an
+        eager jump with tau < H is kept with its round in flight: :class:`Pending`'s ``jump``)."""
+        return ((("E",) if self.one_outer_step else ())
                 + (("u",) if self.cfg.eager and self.one_outer_step else ()))
 
     def state_dict(self) -> dict:
