@@ -246,12 +246,13 @@ class Swarm:
         seeking = [[a.fragment, a.round] for a in activity if a.stage is not RoundStage.ALLREDUCE]
         averaging = [[a.fragment, a.round] for a in activity if a.stage is RoundStage.ALLREDUCE]
         return ProgressRecord(peer_id=self.peer_id, step=step, round=round_, tokens_per_second=tps, seeking=seeking,
-                             averaging=averaging, paused=self.paused, loss=loss, version=VERSION,
-                             client_mode=self.client_mode, time=get_dht_time(),
-                             rounds=[s.round for s in snaps if s], digests=[s.digest for s in snaps if s],
-                             past=self._past_entries(), pass_line=encode_pass(self.access.token) if self.access else "",
-                             eval_loss=self._eval[0], eval_round=self._eval[1],
-                             upload_bytes_per_second=self.declared_uplink())
+                              averaging=averaging, paused=self.paused, loss=loss, version=VERSION,
+                              client_mode=self.client_mode, time=get_dht_time(),
+                              rounds=[s.round for s in snaps if s], digests=[s.digest for s in snaps if s],
+                              past=self._past_entries(),
+                              pass_line=encode_pass(self.access.token) if self.access else "",
+                              eval_loss=self._eval[0], eval_round=self._eval[1],
+                              upload_bytes_per_second=self.declared_uplink())
 
     def wait_first_read(self, timeout: float) -> bool:
         """Blocks until the heartbeat has read the others' progress records once (found or not), up to
