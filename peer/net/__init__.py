@@ -6,7 +6,8 @@
 - ``view``: this peer's view of the swarm (whom we see and met, whom a round waits for, rounds in flight);
 - ``policy``: pure decisions from the records (consensus, agreement), no I/O;
 - ``round``: one round on the wire (matchmaking, the group's plan, the all-reduce, two levels, the runner);
-- here: ``swarm`` (the owner of all of it: the networking thread, heartbeat, rounds), ``state_transfer``
+- here: ``swarm`` (the owner of all of it: the networking thread, rounds), its ``heartbeat`` (our progress
+  record out, everyone's in), ``state_transfer``
   (snapshots and verified downloads), ``transport`` (the engine's transport over the swarm), ``probe`` (the
   doctor's look at a swarm).
 
