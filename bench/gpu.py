@@ -128,7 +128,11 @@ def one_preset(args) -> dict:
     inner = InnerLoop(model, device=device, micro_batch=args.micro_batch, compile=args.compile, **INNER)
     fragments = partition(model, blocks, 3, "strided")
     settings = OuterSettings(H=args.sync_every, tau=args.tau, eager=True)
-    engine = StreamingEngine(fragments, settings, EchoTransport("e3m0"))
+    # as the trainer does: each applied state's digest is taken once, at its outcome, and read at the next launch
+    digests: dict[int, str] = {}
+    engine = StreamingEngine(fragments, settings, EchoTransport("e3m0"),
+                             on_outcome=lambda frag, st, outcome, step: digests.__setitem__(frag.index, st.digest()),
+                             digest_of=lambda p: digests[p] if p in digests else engine.states[p].digest())
     peer_step = [0]
     # the training thread's time in each launch and apply that had work (seconds), while `timed` is set
     blocked: dict[str, list[float]] = {"launch": [], "apply": []}

@@ -297,6 +297,8 @@ class StreamingEngine:
                     return RoundOutcome(p, pend.round, RoundStatus.MISSED, error=why)
 
     def _merged(self, theta: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.cfg.alpha == 0.0:  # (the default) the target itself: the blend changes no value but a zero's sign
+            return target
         return self.cfg.alpha * theta + (1.0 - self.cfg.alpha) * target
 
     def _apply_streaming(self, p: int, pend: Pending, outcome: RoundOutcome, prepared: Optional[Prepared]) -> None:

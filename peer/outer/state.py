@@ -42,8 +42,12 @@ class NesterovSGD:
 
     @torch.no_grad()
     def effect(self, v: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """How much one step with ``delta`` would move the parameters (``new G - G``), no state change."""
-        return -self.lr * (delta + self.momentum * (self.momentum * v + delta))
+        """How much one step with ``delta`` would move the parameters (``new G - G``), no state change:
+        ``-lr * (delta + momentum * (momentum * v + delta))``, in place on one buffer (the same operations in
+        the same order: the same bits)."""
+        out = v * self.momentum
+        out.add_(delta).mul_(self.momentum).add_(delta)
+        return out.mul_(-self.lr)
 
 
 @dataclass
