@@ -1,5 +1,7 @@
 """Checkpoints: atomic writes, corruption detection, keep-K, and resuming a real peer process."""
 
+import errno
+import io
 import logging
 import signal
 import subprocess
@@ -47,6 +49,52 @@ def test_damaged_newest_checkpoint_is_reported_and_the_previous_used(tmp_path, c
     assert any(newest.name in r.getMessage() and reason in r.getMessage() for r in caplog.records)
     with pytest.raises(checkpoint.CheckpointError, match=reason):
         checkpoint.read(newest)
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.01, 0.1, 0.5, 0.99])
+def test_a_full_disk_at_any_byte_is_an_oserror_and_leaves_the_previous_checkpoint(tmp_path, monkeypatch, fraction):
+    """Wherever the disk fills, the caller sees ENOSPC (torch's archive writer would turn most of them into its
+    own RuntimeError while it closes the archive) and the previous checkpoint is the newest."""
+    size = checkpoint.save(tmp_path, 1, payload(1)).stat().st_size
+    room = int(fraction * size)
+    real_fdopen = checkpoint.os.fdopen
+
+    class Disk(io.RawIOBase):
+        """A file on a disk with ``room`` bytes left."""
+
+        def __init__(self, fd):
+            super().__init__()
+            self.f, self.left = real_fdopen(fd, "wb"), room
+
+        def writable(self):
+            return True
+
+        def write(self, data):
+            if len(data) > self.left:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            self.left -= len(data)
+            return self.f.write(data)
+
+        def seek(self, *args):
+            return self.f.seek(*args)
+
+        def flush(self):
+            self.f.flush()
+
+        def fileno(self):
+            return self.f.fileno()
+
+        def close(self):
+            super().close()  # (flushes first)
+            self.f.close()
+
+    monkeypatch.setattr(checkpoint.os, "fdopen", lambda fd, mode: Disk(fd))
+    with pytest.raises(OSError) as failed:
+        checkpoint.save(tmp_path, 2, payload(2))
+    assert failed.value.errno == errno.ENOSPC
+    monkeypatch.undo()
+    assert checkpoint.load_latest(tmp_path)[1]["step"] == 1
+    assert not list(tmp_path.glob(".ckpt-*"))
 
 
 def test_nothing_to_load(tmp_path):

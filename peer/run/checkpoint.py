@@ -42,11 +42,13 @@ def _fsync_dir(folder: Path) -> None:
 
 
 class _Hashing(io.RawIOBase):
-    """A write-only file for ``torch.save`` that hashes and counts what it passes on to ``f``."""
+    """A write-only file for ``torch.save`` that hashes and counts what it passes on to ``f``, and keeps the
+    ``OSError`` of a write that failed (``error``)."""
 
     def __init__(self, f):
         super().__init__()
         self.f, self.sha256, self.length = f, hashlib.sha256(), 0
+        self.error: Optional[OSError] = None
 
     def writable(self) -> bool:
         return True
@@ -54,7 +56,11 @@ class _Hashing(io.RawIOBase):
     def write(self, data) -> int:
         self.sha256.update(data)
         self.length += len(data)
-        return self.f.write(data)
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
 
 
 def save(folder: str | Path, step: int, payload: dict[str, Any], keep: int = 3) -> Path:
@@ -68,7 +74,14 @@ def save(folder: str | Path, step: int, payload: dict[str, Any], keep: int = 3) 
             # The body streams to the file through the hash (no copy of it in memory); its header goes in last.
             f.write(bytes(HEADER))
             body = _Hashing(f)
-            torch.save(payload, cast(IO[bytes], body))  # (torch only calls write)
+            try:
+                torch.save(payload, cast(IO[bytes], body))  # (torch only calls write)
+            except Exception:
+                # A failed write (a full disk) mostly comes out of torch as a RuntimeError of its archive
+                # writer, raised while it closes the archive: the caller must see the OSError.
+                if body.error is not None:
+                    raise body.error from None
+                raise
             f.seek(0)
             f.write(MAGIC + body.length.to_bytes(8, "little") + body.sha256.digest())
             f.flush()
