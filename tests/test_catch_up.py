@@ -60,7 +60,7 @@ class Engine:
     def expected_round(self, p: int) -> int:
         return max(self.states[p].last_applied, self.in_flight)
 
-    def adopt(self, p, G, v, round_):
+    def adopt(self, p, G, v, round_, blocks=None):
         self.adopted.append((p, round_))
         self.states[p].applied_rounds = [round_]
 

@@ -8,6 +8,8 @@ import torch
 from peer.outer.fragments import Fragment
 from peer.outer.rounds import RoundOutcome, Span
 from peer.outer.engine import StreamingEngine
+from peer.outer import state as state_module
+from peer.outer.state import FragmentState, digest_of
 from peer.outer.settings import AutoTau, OuterSettings, clamp_tau
 from peer.util import Ema
 
@@ -255,24 +257,83 @@ def test_an_early_aggregate_is_prepared_off_the_training_thread_and_applied_at_l
                    for t in threading.enumerate())
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (bench/gpu.py runs it on one)")
-@pytest.mark.parametrize("merge", ["alpha", "replay"])
-def test_cuda_engine_gives_the_cpu_engine_bit_for_bit_and_applies_without_waiting(merge):
-    """The same rounds (half of each aggregate missing, eager jumps undone there) on a CUDA parameter and a CPU
-    one: the weights and G agree bit for bit (the merge runs on the device with the same elementwise operations).
-    The applies, which come after the aggregate is in, make no synchronizing call."""
-    def half(f, r, d):  # (odd rounds ok, even ones partial: applied nowhere, the jump undone)
-        return RoundOutcome(f, r, "ok" if r % 2 else "partial", spans=[Span(0, 4, d[:4].clone()), Span(4, 8, None)],
-                            total_weight=20.0)
+@pytest.mark.parametrize("tau, eager", [(0, False), (2, True), (4, True)])
+def test_applied_states_are_replaced_never_written_and_their_digest_is_taken_once(tau, eager):
+    """Every applied state's G, v stay as they were when applied (a published state shares them), and the digest
+    each outcome reads (taken on the worker where the aggregate came early) is the digest of what is there."""
+    def full(f, r, d):
+        return RoundOutcome(f, r, "ok", spans=[Span(0, 8, d.clone())], total_weight=20.0)
 
-    settings = OuterSettings(H=4, tau=2, eager=True, lr=0.7, momentum=0.9, alpha=0.25, merge=merge,
+    seen = []  # (G, v, their values then, the digest the state gave then)
+
+    def on_outcome(frag, st, outcome, step):
+        seen.append((st.G, st.v, st.G.clone(), st.v.clone(), st.digest()))
+        if tau < 4:  # alpha = 0, the whole aggregate in: the weights are G (what the merge gives), not a bit else
+            assert torch.equal(frag.flat(), st.G)
+
+    p = torch.nn.Parameter(torch.zeros(8))
+    eng = StreamingEngine([Fragment(0, ["w"], [p])], OuterSettings(H=4, tau=tau, eager=eager), ScriptedTransport(full),
+                          group_size_hint=lambda: 2, on_outcome=on_outcome)
+    for step in range(1, 21):
+        with torch.no_grad():
+            p -= torch.linspace(0.1, 0.8, 8) * step
+        eng.launch_due(step)
+        eng.apply_due(step)
+    eng.close()
+    assert len(seen) >= 3 and eng.states[0].applied_rounds
+    for G, v, G_then, v_then, digest in seen:
+        assert torch.equal(G, G_then) and torch.equal(v, v_then)
+        assert digest == digest_of(G_then, v_then)
+
+
+def test_a_state_digest_is_computed_once_per_state_and_follows_any_change():
+    st = FragmentState.from_params(torch.arange(10.0))
+    calls = []
+    real = state_module.block_digests
+
+    def fresh():  # the digest of what is there now (not counted)
+        return state_module.digest_of_blocks(real(st.G, st.v))
+
+    try:
+        state_module.block_digests = lambda G, v: calls.append(1) or real(G, v)
+        first = st.digest()
+        assert st.digest() == first == fresh() and len(calls) == 1  # cached
+        st.G[3] += 1.0  # written in place (the engine never does; the cache still sees it)
+        assert st.digest() == fresh() != first and len(calls) == 2
+        st.v = torch.ones(10)  # replaced
+        assert st.digest() == fresh() and len(calls) == 3
+        st.remember_blocks(real(st.G, st.v))  # taken elsewhere (the worker, a verified download)
+        assert st.digest() == fresh() and len(calls) == 3
+        with torch.inference_mode():  # (tensors without a version counter: never taken from the cache)
+            st.G = torch.zeros(10)
+            assert st.digest() == fresh()
+            st.G[0] = 5.0
+            assert st.digest() == fresh()
+    finally:
+        state_module.block_digests = real
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (bench/gpu.py runs it on one)")
+@pytest.mark.parametrize("merge, alpha", [("alpha", 0.25), ("replay", 0.25), ("alpha", 0.0)])
+def test_cuda_engine_gives_the_cpu_engine_bit_for_bit_and_applies_without_waiting(merge, alpha):
+    """The same rounds (whole ones, ones with half of the aggregate missing, partial ones: applied nowhere, the
+    eager jumps undone) on a CUDA parameter and a CPU one: the weights and G agree bit for bit (the merge runs on
+    the device with the same elementwise operations). The applies, which come after the aggregate is in, make no
+    synchronizing call."""
+    def half(f, r, d):
+        if r % 3 == 1:
+            return RoundOutcome(f, r, "ok", spans=[Span(0, 8, d.clone())], total_weight=20.0)
+        return RoundOutcome(f, r, "ok" if r % 3 == 2 else "partial",
+                            spans=[Span(0, 4, d[:4].clone()), Span(4, 8, None)], total_weight=20.0)
+
+    settings = OuterSettings(H=4, tau=2, eager=True, lr=0.7, momentum=0.9, alpha=alpha, merge=merge,
                              wait_timeout=0.01)
     runs = []
     for device in ("cpu", "cuda"):
         p = torch.nn.Parameter(torch.zeros(8, device=device))
         eng = StreamingEngine([Fragment(0, ["w"], [p])], settings, ScriptedTransport(half),
                               group_size_hint=lambda: 2)
-        for step in range(1, 13):
+        for step in range(1, 17):  # rounds 1 (whole), 2 (half), 3 (partial) applied
             with torch.no_grad():
                 p -= torch.linspace(0.1, 0.8, 8, device=device) * step
             eng.launch_due(step)

@@ -29,7 +29,8 @@ from peer.outer.codec import Codec, roundtrip
 from peer.outer.fragments import Fragment
 from peer.outer.offload import OuterWorker, device_of, gather, scatter, snapshot, to_device
 from peer.outer.rounds import Handle, RoundOutcome, RoundStatus, Transport
-from peer.outer.state import ErrorFeedback, FragmentState, NesterovSGD, advance_shared, merge_into, merge_target
+from peer.outer.state import (ErrorFeedback, FragmentState, NesterovSGD, advance_shared, block_digests, merge_into,
+                              merge_target)
 from peer.outer.schedule import ClockSchedule, StepsSchedule
 from peer.outer.settings import OuterSettings
 from peer.util import time_left
@@ -69,6 +70,8 @@ class Prepared:
     v: torch.Tensor
     applied: torch.Tensor  # bool mask: the elements an aggregate arrived for
     target: torch.Tensor  # merge_target(G)
+    blocks: list[bytes]  # block_digests(G, v): the new state's digest, taken off the training thread
+    whole: bool  # every element arrived
 
 
 class StreamingEngine:
@@ -266,7 +269,8 @@ class StreamingEngine:
         """The aggregate applied to copies of ``G, v`` (the worker, or the training thread where it came late)."""
         G, v = base.clone(), base_v.clone()
         applied = advance_shared(G, v, outcome.applied_spans(), self.opt)
-        return Prepared(outcome, base, G, v, applied, merge_target(G, self.cfg.alpha, self.cfg.merge == "replay"))
+        return Prepared(outcome, base, G, v, applied, merge_target(G, self.cfg.alpha, self.cfg.merge == "replay"),
+                        block_digests(G, v), bool(applied.all()))
 
     def _first_events(self, step: int) -> None:
         # Alg. 3 applies nothing at its first sync (t = H): the replica keeps its local weights as the
@@ -308,17 +312,22 @@ class StreamingEngine:
         if prepared is None or prepared.base is not st.G:
             prepared = self._prepare(outcome, st.G, st.v)
         st.G, st.v, applied = prepared.G, prepared.v, prepared.applied
+        st.remember_blocks(prepared.blocks)
         device = device_of(frag)
-        theta = gather(frag)
         replay = pend.theta_at_launch if self.cfg.merge == "replay" else None
-        merge_into(theta, to_device(prepared.target, device), outcome.applied_spans(), self.cfg.alpha,
-                   replay_from=None if replay is None else to_device(replay, device))
-        if pend.jump is not None:  # nothing arrived there: undo our eager jump, keep the progress
-            missing = ~applied
-            theta = torch.where(to_device(missing, device), theta - to_device(pend.jump, device), theta)
-        scatter(frag, theta)
+        if prepared.whole and self.cfg.alpha == 0.0 and replay is None:
+            # (the default) every element arrived: theta <- G, the merge's value, with nothing left to undo
+            scatter(frag, prepared.target)
+        else:
+            theta = gather(frag)
+            merge_into(theta, to_device(prepared.target, device), outcome.applied_spans(), self.cfg.alpha,
+                       replay_from=None if replay is None else to_device(replay, device))
+            if pend.jump is not None and not prepared.whole:  # nothing arrived there: undo the jump, keep progress
+                missing = ~applied
+                theta = torch.where(to_device(missing, device), theta - to_device(pend.jump, device), theta)
+            scatter(frag, theta)
         delivered = outcome.status == RoundStatus.OFF_BASE  # (our part is in the group's result: not sent again)
-        if not bool(applied.all()) and not delivered:
+        if not prepared.whole and not delivered:
             self._restore_residual(p, pend, ~applied)
         if bool(applied.any()):
             st.applied_rounds.append(pend.round)
@@ -329,10 +338,12 @@ class StreamingEngine:
     def _apply_one_outer_step(self, p: int, prev: Pending, fresh: Pending, outcome: RoundOutcome) -> None:
         frag, st = self.fragments[p], self.states[p]
         arrived = [(s, s.average) for s in outcome.applied_spans() if s.average is not None]
-        for span, average in arrived:
-            sl = slice(span.start, span.end)
-            self.opt.step_(st.G[sl], st.v[sl], average)
-        if arrived:
+        if arrived:  # (G, v are replaced, never written in place: see FragmentState)
+            G, v = st.G.clone(), st.v.clone()
+            for span, average in arrived:
+                sl = slice(span.start, span.end)
+                self.opt.step_(G[sl], v[sl], average)
+            st.G, st.v = G, v
             self._record_share(p, prev, outcome)
         if self.cfg.eager and st.E is not None and st.u is not None:
             self.opt.step_(st.E, st.u, self._share(p) * (fresh.delta - prev.delta))
@@ -374,16 +385,20 @@ class StreamingEngine:
             frag.assign(frag.flat() - jump)
         st.tokens_since_sync += int(weight)
 
-    def adopt(self, p: int, G: torch.Tensor, v: torch.Tensor, round_: int) -> None:
+    def adopt(self, p: int, G: torch.Tensor, v: torch.Tensor, round_: int,
+              blocks: Optional[list[bytes]] = None) -> None:
         """Replaces fragment p's shared state by the swarm's (downloaded) one and resets the local
         weights to it; rounds of p in flight are forgotten. Local progress on p is dropped: it was made
-        from a state the swarm no longer holds."""
+        from a state the swarm no longer holds. ``blocks``: the state's block digests, where they were
+        verified (a download)."""
         for pend in self.pending[p]:
             pend.handle.cancel()
             pend.base.cancel()
         self.pending[p].clear()
         st = self.states[p]
         st.G, st.v = G.clone(), v.clone()
+        if blocks:
+            st.remember_blocks(blocks)
         st.reset_eager()
         st.round, st.tokens_since_sync = round_, 0
         st.applied_rounds = [round_]

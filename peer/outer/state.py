@@ -55,7 +55,11 @@ class FragmentState:
     """Outer state of one fragment. Must be created from the same theta_0 on every peer.
 
     ``E`` is allocated when ``eager_terms`` names it, ``u`` likewise (see the module docstring);
-    ``E_in_sync_point`` says the inner phase starts from ``G + E`` (``tau = H``) instead of ``G``."""
+    ``E_in_sync_point`` says the inner phase starts from ``G + E`` (``tau = H``) instead of ``G``.
+
+    ``G`` and ``v`` are replaced, never written in place, once they are the state: a published state (served to
+    downloaders from another thread) shares them instead of copying them, and their digest is computed once
+    (:meth:`digest_blocks`)."""
 
     G: torch.Tensor
     v: torch.Tensor
@@ -65,6 +69,8 @@ class FragmentState:
     round: int = 0
     tokens_since_sync: int = 0
     applied_rounds: list[int] = field(default_factory=list)
+    # (G, its version, v, its version, their block digests): the cache of digest_blocks
+    _blocks: Optional[tuple] = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_params(cls, flat: torch.Tensor, eager_terms: Sequence[str] = (),
@@ -98,7 +104,26 @@ class FragmentState:
 
     def digest(self) -> str:
         """Hex hash of the shared outer state ``G, v`` (equal on all peers after the same rounds)."""
-        return digest_of(self.G, self.v)
+        return digest_of_blocks(self.digest_blocks())
+
+    def digest_blocks(self) -> list[bytes]:
+        """:func:`block_digests` of ``G, v`` as they are now, computed once per state: the cache is keyed by the
+        two tensors and their in-place version counters, so no writer has to remember to clear it."""
+        if self._blocks is not None and self._holds(self._blocks):
+            return self._blocks[4]
+        blocks = block_digests(self.G, self.v)
+        self.remember_blocks(blocks)
+        return blocks
+
+    def remember_blocks(self, blocks: list[bytes]) -> None:
+        """Takes ``blocks`` as the :func:`block_digests` of ``G, v`` as they are now (computed elsewhere: on the
+        engine's worker, or verified in a download). Not kept for inference-mode tensors (no version counter)."""
+        untracked = self.G.is_inference() or self.v.is_inference()
+        self._blocks = None if untracked else (self.G, self.G._version, self.v, self.v._version, list(blocks))
+
+    def _holds(self, cached: tuple) -> bool:
+        G, g_version, v, v_version, _ = cached
+        return G is self.G and v is self.v and G._version == g_version and v._version == v_version
 
 
 # Elements per block of the digest: a state download verifies every block it receives on its own, so parts of a
@@ -141,7 +166,9 @@ def apply_round(state: FragmentState, theta: torch.Tensor, spans: Sequence[Span]
     (The engine runs the same two halves apart: :func:`advance_shared` off the training thread as soon as the
     aggregate is in, :func:`merge_into` at ``launch + tau``.)
     """
-    applied = advance_shared(state.G, state.v, spans, opt)
+    G, v = state.G.clone(), state.v.clone()  # (replaced, never written in place: see FragmentState)
+    applied = advance_shared(G, v, spans, opt)
+    state.G, state.v = G, v
     if state.E is not None:
         state.E[applied] = 0
     theta = theta.clone()
@@ -166,8 +193,9 @@ def advance_shared(G: torch.Tensor, v: torch.Tensor, spans: Sequence[Span], opt:
 
 def merge_target(G: torch.Tensor, alpha: float, replay: bool) -> torch.Tensor:
     """What :func:`merge_into` adds: ``(1 - alpha) * G`` for the alpha merge, ``G`` itself for the replay merge
-    (computed ahead, on the host, so the merge at ``launch + tau`` is one multiply-add per element)."""
-    return G if replay else (1.0 - alpha) * G
+    and with ``alpha = 0`` (the same values: no copy). Computed ahead, on the host, so the merge at ``launch + tau``
+    is one multiply-add per element."""
+    return G if replay or alpha == 0.0 else (1.0 - alpha) * G
 
 
 def merge_into(theta: torch.Tensor, target: torch.Tensor, spans: Sequence[Span], alpha: float, *,

@@ -22,7 +22,7 @@ from peer.net.swarm import Swarm
 from peer.outer.engine import StreamingEngine
 from peer.outer.fragments import Fragment
 from peer.outer.schedule import StepsSchedule
-from peer.outer.state import FragmentState, block_digests, digest_of_blocks
+from peer.outer.state import FragmentState, digest_of_blocks
 from peer.run.events import EventLog
 from peer.run.pace import PaceWatch
 
@@ -105,11 +105,12 @@ class StateSync:
         return plans
 
     def publish(self, frag: Fragment, st: FragmentState, step: int, *, adopted: bool = False) -> str:
-        """Serves (and advertises) the fragment's shared state as it is now; returns its digest."""
-        G, v = st.G.clone(), st.v.clone()
-        blocks = block_digests(G, v)  # (served with every download: donors' parts are verified block by block)
+        """Serves (and advertises) the fragment's shared state as it is now; returns its digest. The snapshot
+        shares ``G, v`` (never written in place: see FragmentState); their block digests are served with every
+        download, so donors' parts are verified block by block."""
+        blocks = st.digest_blocks()
         digest = digest_of_blocks(blocks)
-        self.swarm.publish_snapshot(Snapshot(frag.index, st.last_applied, step, G, v, digest, blocks),
+        self.swarm.publish_snapshot(Snapshot(frag.index, st.last_applied, step, st.G, st.v, digest, blocks),
                                     adopted=adopted)
         self.on_fragment(frag.index, st.last_applied, digest, frag.numel)
         self._digests[frag.index] = digest
@@ -153,7 +154,7 @@ class StateSync:
                 log.warning("fragment %d: could not catch up (%s): %s", plan.fragment, plan.reason, e)
                 failed += 1
                 continue
-            engine.adopt(plan.fragment, snap.G, snap.v, snap.round)
+            engine.adopt(plan.fragment, snap.G, snap.v, snap.round, snap.blocks)
             self.suspect.discard(plan.fragment)
             self.owed.pop(plan.fragment, None)
             donor_steps.append(plausible_donor_step(snap.step, plan.fragment, snap.round, len(engine.states),
