@@ -75,3 +75,19 @@ def test_digest_changes_with_the_shared_state_g_and_v_only():
     assert d1 != d0
     st.G[2] = torch.nextafter(st.G[2], torch.tensor(10.0))  # one ulp of the parameters
     assert st.digest() not in (d0, d1)
+
+
+def test_effect_is_the_move_of_one_outer_step_without_changing_the_state():
+    """The eager jump's E: what step_ would add to G for ``scale * delta`` (up to rounding), written into ``out``."""
+    torch.manual_seed(0)
+    opt = NesterovSGD(lr=0.7, momentum=0.9)
+    G, v, delta = torch.randn(1000), torch.randn(1000), torch.randn(1000)
+    before = (G.clone(), v.clone())
+    out = torch.empty(1000)
+    E = opt.effect(v, delta, scale=0.25, out=out)
+    assert E.data_ptr() == out.data_ptr() and torch.equal(G, before[0]) and torch.equal(v, before[1])
+    stepped_G, stepped_v = G.clone(), v.clone()
+    opt.step_(stepped_G, stepped_v, 0.25 * delta)
+    torch.testing.assert_close(E, stepped_G - G, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(opt.effect(v, delta), opt.effect(v, delta, scale=1.0, out=torch.empty(1000)), rtol=0,
+                               atol=0)

@@ -108,6 +108,7 @@ class StreamingEngine:
         self._ef_updates: list[Optional[concurrent.futures.Future]] = [None] * len(fragments)
         self.worker = OuterWorker()  # the host math of arrived aggregates and error feedback (stopped by close)
         self.digest_of = digest_of or (lambda p: self.states[p].digest())
+        self._scratch_buffer: Optional[torch.Tensor] = None  # see _scratch
 
     def close(self) -> None:
         """Stops the engine's worker thread (its state stays readable). Must be called once the engine is done."""
@@ -173,16 +174,31 @@ class StreamingEngine:
             tau = self.cfg.tau if self.tau_fn is None else self.tau_fn()
             jump = None
             if self.cfg.eager and 0 < tau < self.cfg.H:
-                # Apply our own share now; the aggregate corrects it when it arrives. The eager term E lives only
-                # here: the round's jump (kept with it) is all that its apply needs to undo what did not arrive.
-                eager_term = self.opt.effect(st.v, self._share(p) * delta)
-                merged = self._merged(theta, st.G + eager_term)
-                jump = merged - theta
-                scatter(frag, merged)
-                theta = merged
+                jump, theta = self._eager_jump(p, theta, delta)
             theta_at_launch = theta if self.cfg.merge == "replay" else None
             self.pending[p].append(Pending(r, step, delta, weight, handle, tau, theta_at_launch, jump,
                                            residual_before=residual_before, base=base))
+
+    def _eager_jump(self, p: int, theta: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Moves fragment ``p``'s weights from ``theta`` to ``G + E``, ``E = effect(v, share * delta)``: our own share
+        of the round, applied now; the aggregate corrects it when it arrives. Returns the jump (kept with the round:
+        all that its apply needs to undo where nothing arrived; E itself is not kept) and the weights jumped to.
+        ``theta``'s buffer becomes the jump's; ``E`` is computed in the engine's scratch buffer (a fresh
+        fragment-sized buffer costs more in page faults than its arithmetic), except where the replay merge keeps
+        the weights jumped to with the round."""
+        st = self.states[p]
+        term = self.opt.effect(st.v, delta, scale=self._share(p), out=self._scratch(theta.numel()))
+        # (G + E and E + G are the same bits)
+        merged = self._merged(theta, term + st.G if self.cfg.merge == "replay" else term.add_(st.G))
+        scatter(self.fragments[p], merged)
+        return torch.sub(merged, theta, out=theta), merged
+
+    def _scratch(self, numel: int) -> torch.Tensor:
+        """An fp32 host buffer of ``numel`` elements, reused by every launch (allocated once, at the size of the
+        largest fragment). Its contents are dead once the launch that used it returns."""
+        if self._scratch_buffer is None:
+            self._scratch_buffer = torch.empty(max(frag.numel for frag in self.fragments))
+        return self._scratch_buffer[:numel]
 
     def _update_error_feedback(self, p: int, sent: torch.Tensor) -> None:
         """(On the worker.) The codec's rounding error of what we sent, for our next Delta."""

@@ -41,12 +41,15 @@ class NesterovSGD:
         G.sub_(delta + self.momentum * v, alpha=self.lr)
 
     @torch.no_grad()
-    def effect(self, v: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """How much one step with ``delta`` would move the parameters (``new G - G``), no state change:
-        ``-lr * (delta + momentum * (momentum * v + delta))``, in place on one buffer (the same operations in
-        the same order: the same bits)."""
-        out = v * self.momentum
-        out.add_(delta).mul_(self.momentum).add_(delta)
+    def effect(self, v: torch.Tensor, delta: torch.Tensor, *, scale: float = 1.0,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """How much one step with ``scale * delta`` would move the parameters (``new G - G``), no state change:
+        :meth:`step_`'s update expanded, ``-lr * (momentum^2 * v + (1 + momentum) * scale * delta)`` (equal to it
+        up to rounding), in one buffer (``out``, else a new one): three passes, no temporary."""
+        if out is None:
+            out = torch.empty_like(v)
+        torch.mul(v, self.momentum * self.momentum, out=out)
+        out.add_(delta, alpha=(1.0 + self.momentum) * scale)
         return out.mul_(-self.lr)
 
 
