@@ -1,7 +1,7 @@
 """Compute utilization of peers on a shaped link: blocking DiLoCo vs. the full method, in one invocation.
 
     sudo .venv/bin/python bench/utilization.py [--rate-mbit 50] [--steps 300] [--preset tiny] [--peers 4]
-                                               [--sync-every 50] [--tau 20] [--seq-len 32] [--batch-size 4]
+                                               [--sync-every 50] [--tau 20|auto] [--seq-len 32] [--batch-size 4]
 
 Builds a network lab (``tests/netns.py``: Linux network namespaces on a private bridge, 10.77.0.0/24,
 nothing routed outside it), puts a bootstrap node in host 0 and ``--peers`` peers in hosts 1..N, and
@@ -82,7 +82,7 @@ def methods(args) -> list[Method]:
         Method("blocking", ["--outer-fragment-blocks", "0", "--outer-codec", "fp32", "--outer-tau", "0"],
                "DiLoCo: 1 fragment, fp32, tau 0"),
         Method("streaming", ["--outer-fragment-blocks", str(args.fragment_blocks), "--outer-codec", args.codec,
-                             "--outer-tau", str(args.tau), "--outer-eager",
+                             "--outer-tau", str(args.tau), "--outer-tau-max", str(args.tau_max), "--outer-eager",
                              *(["--outer-error-feedback"] if args.codec.startswith("topk") else [])],
                f"k={args.fragment_blocks} blocks/fragment, {args.codec}, tau {args.tau}, eager"),
     ]
@@ -170,7 +170,9 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="tiny", help="model preset (peer/local/model.py)")
     ap.add_argument("--peers", type=int, default=4)
     ap.add_argument("--sync-every", type=int, default=50, help="H: inner steps between syncs of a fragment")
-    ap.add_argument("--tau", type=int, default=20, help="overlap of the streaming method (inner steps)")
+    ap.add_argument("--tau", type=lambda x: x if x == "auto" else int(x), default=20,
+                    help="overlap of the streaming method (inner steps, or auto)")
+    ap.add_argument("--tau-max", type=int, default=40, help="the bound of --tau auto (inner steps, < H)")
     ap.add_argument("--fragment-blocks", type=int, default=3, help="k of the streaming method")
     ap.add_argument("--codec", default="e3m0", help="wire codec of the streaming method (a topk codec adds "
                     "--outer-error-feedback)")
@@ -184,8 +186,9 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=140.0, help="seconds per method before giving up")
     ap.add_argument("--out-dir", type=Path, default=REPO / "runs/bench_utilization")
     args = ap.parse_args(argv)
-    if not 0 <= args.tau <= args.sync_every or args.peers < 2 or args.steps < args.sync_every:
-        ap.error("need 0 <= --tau <= --sync-every, --peers >= 2 and --steps >= --sync-every")
+    if (args.tau != "auto" and not 0 <= args.tau <= args.sync_every) or args.peers < 2 \
+            or args.steps < args.sync_every:
+        ap.error("need 0 <= --tau <= --sync-every (or auto), --peers >= 2 and --steps >= --sync-every")
 
     args.pin = shutil.which("taskset") if args.pin else None
     ok, reason = netns_available()

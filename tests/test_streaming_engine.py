@@ -162,8 +162,8 @@ def test_replay_merge_keeps_the_local_steps_made_during_overlap():
 
 
 def test_auto_tau_hides_the_measured_round_time_within_bounds():
-    """From the trainer's step time (which it alone updates) and the measured round time: at least 1, at most
-    tau_max, and always below H (clamp_tau, the one bound the engine relies on)."""
+    """From the trainer's step time (which it alone updates) and the slowest of the last 8 rounds: at least 1, at
+    most tau_max, and always below H (clamp_tau, the one bound the engine relies on)."""
     steps = Ema(0.3)
     auto = AutoTau(tau_max=8, H=20, step_time=steps)
     assert auto() == 8  # nothing measured yet: overlap as much as allowed
@@ -172,6 +172,13 @@ def test_auto_tau_hides_the_measured_round_time_within_bounds():
     assert auto() == 5  # ceil(0.35 / 0.1) + 1
     auto.observe_round(100.0)
     assert auto() == 8
+    for _ in range(7):  # the slowest of the last 8 rounds: the slow one still counts...
+        auto.observe_round(0.35)
+    assert auto() == 8
+    auto.observe_round(0.35)  # ... until 8 rounds came after it
+    assert auto() == 5
+    auto.observe_round(0.55)
+    assert auto() == 7  # a slower round raises it at once
     fast = AutoTau(tau_max=8, H=20, step_time=Ema())
     fast.step_time.observe(1.0)
     fast.observe_round(0.01)

@@ -6,6 +6,7 @@ per round from this peer's measured step and round times (the trainer asks it at
 
 from __future__ import annotations
 
+import collections
 import math
 from dataclasses import dataclass
 
@@ -51,22 +52,24 @@ def clamp_tau(tau: int, H: int) -> int:
 
 
 class AutoTau:
-    """``tau = auto``: enough inner steps to hide this peer's measured round time, at least 1 and at most
-    ``tau_max`` (within :func:`clamp_tau`).
+    """``tau = auto``: enough inner steps to hide this peer's round time, at least 1 and at most ``tau_max``
+    (within :func:`clamp_tau`).
 
-    ``tau = ceil(round_seconds / step_seconds) + 1`` from moving averages: the step time is the trainer's
-    (``step_time``, which it alone updates), the round time ours (:meth:`observe_round`); ``tau_max`` until both
-    have been measured (overlap as much as allowed while nothing is known).
+    ``tau = ceil(round_seconds / step_seconds) + 1``: the step time is the trainer's moving average (``step_time``,
+    which it alone updates); the round time is the slowest of our last ``window`` averaged rounds
+    (:meth:`observe_round`): a round that outlasts the overlap stalls training, and covering the average round
+    leaves about half of them stalling. ``tau_max`` until both have been measured (overlap as much as allowed
+    while nothing is known).
     """
 
-    def __init__(self, tau_max: int, H: int, step_time: Ema, smoothing: float = 0.3):
+    def __init__(self, tau_max: int, H: int, step_time: Ema, window: int = 8):
         self.tau_max, self.H, self.step_time = tau_max, H, step_time
-        self.round_time = Ema(smoothing)
+        self.rounds: collections.deque[float] = collections.deque(maxlen=window)
 
     def observe_round(self, seconds: float) -> None:
-        self.round_time.observe(seconds)
+        self.rounds.append(seconds)
 
     def __call__(self) -> int:
-        step, round_ = self.step_time.value, self.round_time.value
+        step, round_ = self.step_time.value, max(self.rounds, default=None)
         tau = self.tau_max if not step or round_ is None else max(1, min(self.tau_max, math.ceil(round_ / step) + 1))
         return clamp_tau(tau, self.H)
