@@ -80,6 +80,7 @@ def main(argv=None) -> int:
     for _ in range(5):
         train_step()
     baseline = sorted(train_step() for _ in range(10))[5]  # median step without a write
+    Path(args.dir).mkdir(parents=True, exist_ok=True)  # (runs/ does not exist in a fresh clone)
     folder = Path(tempfile.mkdtemp(prefix="ckpt-stall-", dir=args.dir))
     parts = dict(model=model, inner=inner, source=_Source(), engine=engine)
     size = 0

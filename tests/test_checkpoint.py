@@ -191,6 +191,9 @@ class _Parts:
     def state_dict(self):
         return {"w": self.model.weight}  # the live tensor, as state_dict()s hand it out
 
+    def immutable_tensors(self):
+        return []
+
     def parts(self):
         return dict(model=self.model, inner=self.inner, source=self.source, engine=self.engine)
 
@@ -241,6 +244,54 @@ def test_a_background_checkpoint_holds_the_state_of_its_step_and_the_newest_wait
     assert sorted(saved) == [1, 3]
     assert saved[1]["model"]["weight"].eq(1.0).all() and saved[3]["model"]["weight"].eq(3.0).all()
     assert saved[3]["engine"]["w"].eq(3.0).all()
+
+
+def test_a_background_checkpoint_shares_the_outer_state_and_still_holds_that_of_its_step(tmp_path, monkeypatch):
+    """G and v are replaced, never written in place: the copy for the writer holds them as they are (no second
+    copy of the outer state in host memory), and rounds applied while it waits do not reach the file."""
+    from peer.outer.engine import StreamingEngine
+    from peer.outer.fragments import Fragment
+    from peer.outer.rounds import RoundOutcome, Span
+    from peer.outer.settings import OuterSettings
+    from peer.run import resume
+    from test_streaming_engine import ScriptedTransport
+
+    def whole(f, r, d):
+        return RoundOutcome(f, r, "ok", spans=[Span(0, 8, d.clone())], total_weight=2.0)
+
+    p, ckpts = _Parts(), _checkpoints(tmp_path)
+    w = torch.nn.Parameter(torch.zeros(8))
+    p.engine = StreamingEngine([Fragment(0, ["w"], [w])], OuterSettings(H=2, tau=1), ScriptedTransport(whole))
+
+    def train(steps):
+        for step in steps:
+            with torch.no_grad():
+                w.sub_(1.0)
+            p.engine.launch_due(step)
+            p.engine.apply_due(step)
+
+    train(range(1, 5))
+    at_save = (p.engine.states[0].G, p.engine.states[0].G.clone())
+    started, release, held = threading.Event(), threading.Event(), []
+    real_save = checkpoint.save
+
+    def slow_save(folder, step, payload, keep=3):
+        held.append(payload["engine"]["fragments"][0]["G"])
+        started.set()
+        assert release.wait(30), "never released"
+        return real_save(folder, step, payload, keep=keep)
+
+    monkeypatch.setattr(resume.checkpoint, "save", slow_save)
+    ckpts.save(4, **p.parts())
+    assert started.wait(30)
+    train(range(5, 9))  # two more rounds applied while the writer waits
+    release.set()
+    ckpts.close()
+    p.engine.close()
+    assert held[0] is at_save[0]  # shared, not copied
+    assert not torch.equal(p.engine.states[0].G, at_save[1])
+    _, saved = checkpoint.load_latest(tmp_path / "checkpoints")
+    assert torch.equal(saved["engine"]["fragments"][0]["G"], at_save[1])
 
 
 def test_a_failed_background_write_is_tried_again_and_a_waited_save_is_written_before_it_returns(tmp_path,

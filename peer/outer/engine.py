@@ -430,6 +430,11 @@ class StreamingEngine:
         return ((("E",) if self.one_outer_step else ())
                 + (("u",) if self.cfg.eager and self.one_outer_step else ()))
 
+    def immutable_tensors(self) -> list[torch.Tensor]:
+        """The tensors of the outer state that are replaced, never written in place (every fragment's ``G`` and
+        ``v``: see FragmentState): a copy of :meth:`state_dict` may hold them as they are."""
+        return [t for st in self.states for t in (st.G, st.v)]
+
     def state_dict(self) -> dict:
         """Outer state for a checkpoint (tensors and plain values only). Rounds in flight are saved
         as what is needed to forget them on load: their aggregates cannot be waited for after a restart.

@@ -8,7 +8,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Collection, Optional
 
 import torch
 
@@ -22,15 +22,18 @@ log = logging.getLogger(__name__)
 RETRY_S = 60.0
 
 
-def detached(value: Any) -> Any:
+def detached(value: Any, shared: Collection[int] = ()) -> Any:
     """A copy of ``value`` (dicts, lists and tuples of tensors and plain values) that training cannot change any
-    more: every tensor cloned to the CPU. (state_dict()s hold the live tensors.)"""
+    more: every tensor cloned to the CPU, except the CPU tensors whose ``id`` is in ``shared`` (never written in
+    place: held as they are). (state_dict()s hold the live tensors.)"""
     if isinstance(value, torch.Tensor):
+        if id(value) in shared and value.device.type == "cpu":
+            return value
         return value.detach().to("cpu", copy=True)
     if isinstance(value, dict):
-        return {k: detached(v) for k, v in value.items()}
+        return {k: detached(v, shared) for k, v in value.items()}
     if type(value) in (list, tuple):  # (exactly: a named tuple's fields are not positional)
-        return type(value)(detached(v) for v in value)
+        return type(value)(detached(v, shared) for v in value)
     return value
 
 
@@ -88,7 +91,8 @@ class RunCheckpoints:
                     self._writing = False
                     self._lock.notify_all()
             return
-        payload = detached(payload)
+        # (the outer state's G, v are replaced, never written in place: the writer may hold them as they are)
+        payload = detached(payload, {id(t) for t in engine.immutable_tensors()})
         with self._lock:
             if self._closed:
                 return
