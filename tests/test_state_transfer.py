@@ -88,6 +88,30 @@ def test_a_donor_that_names_another_round_is_refused_whatever_its_digest(monkeyp
     assert lies and "as round 1009, want 9" in lies[0], lies
 
 
+@pytest.mark.parametrize("cuts", [1, 1000])
+def test_a_stream_cut_short_is_asked_again_once(monkeypatch, cuts):
+    """An answer that ends before its part without a word from the donor (the transport closed the stream) is
+    asked for again from the same donor, once: the only donor's state still arrives; a donor whose streams keep
+    ending early is given up."""
+    serve, cut = StateServicer._serve, [0]
+
+    async def short(self, request, pacer):
+        async for i, msg in _enumerate(serve(self, request, pacer)):
+            if i == 1 and cut[0] < cuts:
+                cut[0] += 1
+                return  # a clean end of the stream, one chunk into the part
+            yield msg
+
+    monkeypatch.setattr(StateServicer, "_serve", short)
+    if cuts == 1:
+        good, got = run_async(_scenario(1000, ["good"]))
+        assert torch.equal(got.G, good.G) and torch.equal(got.v, good.v) and cut[0] == 1
+    else:
+        with pytest.raises(DownloadError, match="StopAsyncIteration"):
+            run_async(_scenario(1000, ["good"]))
+        assert cut[0] == 2
+
+
 def test_download_fails_cleanly_without_an_honest_donor():
     with pytest.raises(DownloadError, match="no donor delivered"):
         run_async(_scenario(1000, ["dying", "lying"]))

@@ -259,6 +259,7 @@ async def download(p2p: P2P, donors: Sequence[PeerID], fragment: int, *, round_:
     async def worker(donor: PeerID) -> None:
         deadline = time.monotonic() + (timeout_per_donor[donor] if isinstance(timeout_per_donor, Mapping)
                                        else timeout_per_donor)
+        cut_short = False  # a stream of this donor's ended before its part did (forgiven once)
         while got.done < total:
             if not got.parts:  # every part is taken: wait in case one comes back (its donor failed)
                 changed.clear()
@@ -273,6 +274,12 @@ async def download(p2p: P2P, donors: Sequence[PeerID], fragment: int, *, round_:
             except Exception as e:  # a dead, slow, busy or lying donor: its part goes to the next one
                 got.parts.insert(0, part)
                 changed.set()
+                if isinstance(e, StopAsyncIteration) and not cut_short and time.monotonic() < deadline:
+                    # the stream ended without a word from the donor (the transport closed it): ask it once more
+                    cut_short = True
+                    log.info("state download of fragment %d from %s: a stream ended early; asking again", fragment,
+                             short_id(donor))
+                    continue
                 log.warning("state download of fragment %d from %s failed: %s: %s", fragment, short_id(donor),
                             type(e).__name__, e)
                 errors.append(f"{short_id(donor)}: {type(e).__name__}")
