@@ -195,7 +195,7 @@ class Proc:
         return f"Proc(pid={self.pid}, returncode={self.returncode}, log={str(self.log_path)!r})"
 
 
-MESH_DIALS = 3  # dials per pair before p2p_mesh gives up
+MESH_DIAL_S = 20.0  # how long p2p_mesh dials a pair before it gives up
 
 
 async def p2p_mesh(n: int):
@@ -213,16 +213,26 @@ async def p2p_mesh(n: int):
         for b in p2ps:
             if a is not b:
                 addrs = [m.decapsulate("/p2p/" + str(b.peer_id)) for m in await b.get_visible_maddrs()]
-                for attempt in range(MESH_DIALS):
-                    try:
-                        await a._client.connect(b.peer_id, addrs)
-                        break
-                    except ControlFailure:
-                        # (a dial that crosses the daemon's own bootstrap dial to p2ps[0] can fail its handshake:
-                        # CI saw "noise: message is too short"; the next dial finds the connection made)
-                        if attempt == MESH_DIALS - 1:
-                            raise
+                await _dial(a, b, addrs, ControlFailure)
     return p2ps
+
+
+async def _dial(a, b, addrs, failure) -> None:
+    """Connects daemon ``a`` to ``b``. A dial that crosses the daemon's own bootstrap dial can fail its handshake
+    ("noise: message is too short"), and libp2p then refuses dials to that address for a few seconds ("dial
+    backoff"): the connection may exist anyway (the other dial made it), else it is dialed again once the backoff
+    is over, within MESH_DIAL_S seconds."""
+    deadline = time.monotonic() + MESH_DIAL_S
+    while True:
+        try:
+            await a._client.connect(b.peer_id, addrs)
+            return
+        except failure:
+            if any(info.peer_id == b.peer_id for info in await a._client.list_peers()):
+                return
+            if time.monotonic() >= deadline:
+                raise
+            await asyncio.sleep(0.5)  # (polling the backoff's end: libp2p has no event for it)
 
 
 @contextlib.contextmanager
