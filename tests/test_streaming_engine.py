@@ -8,6 +8,7 @@ import torch
 from peer.outer.fragments import Fragment
 from peer.outer.rounds import RoundOutcome, Span
 from peer.outer.engine import StreamingEngine
+from peer.outer.offload import HostBuffers
 from peer.outer import state as state_module
 from peer.outer.state import FragmentState, digest_of
 from peer.outer.settings import AutoTau, OuterSettings, clamp_tau
@@ -403,3 +404,55 @@ def test_error_feedback_residual_goes_with_an_adopted_state_and_comes_back_when_
     eng.adopt(0, torch.ones(8), torch.zeros(8), 3)  # a download replaces the state and drops local progress
     assert eng.error_feedback[0].residual is None
     eng.close()
+
+
+def test_host_buffers_hand_out_views_and_take_back_only_their_own():
+    pool = HostBuffers(16, keep=2)
+    a, b, c = pool.take(16), pool.take(8), pool.take(4)
+    assert (a.numel(), b.numel(), c.numel(), pool.allocated) == (16, 8, 4, 3)
+    pool.give(a, torch.empty(16), None, b, c)  # a foreign tensor and None are ignored; c is over keep
+    d, e = pool.take(16), pool.take(3)
+    assert pool.allocated == 3 and {d.data_ptr(), e.data_ptr()} == {a.data_ptr(), b.data_ptr()}
+    pool.give(e, e)  # twice: taken back once
+    assert pool.take(1).data_ptr() == e.data_ptr() and pool.take(1) is not None and pool.allocated == 4
+    with pytest.raises(ValueError, match="17 elements"):
+        pool.take(17)
+
+
+@pytest.mark.parametrize("tau, eager", [(0, False), (2, True), (4, False)])
+def test_launches_reuse_their_host_vectors_once_rounds_are_over(tau, eager):
+    """Steady state: a launch takes its snapshot, Delta and scratch vectors from the engine's pool (a fresh
+    fragment-sized vector costs page faults): one round in flight needs at most three."""
+    def full(f, r, d):
+        return RoundOutcome(f, r, "ok", spans=[Span(0, 8, d.clone())], total_weight=20.0)
+
+    p, eng, _ = one_param_engine(OuterSettings(H=4, tau=tau, eager=eager, lr=0.7, momentum=0.9), full)
+    for step in range(1, 41):
+        with torch.no_grad():
+            p -= 0.1 * step
+        eng.launch_due(step)
+        eng.apply_due(step)
+    eng.close()
+    assert eng.states[0].applied_rounds[-1] >= 9 and 1 <= eng.buffers.allocated <= 3
+
+
+def test_a_delta_the_transport_never_answered_for_is_not_reused():
+    """A round given up at its deadline may still be sending its Delta (the transport's contract: Delta is not
+    modified until the round's future is done): later launches must not write into it."""
+    held = []
+
+    class NeverAnswers(ScriptedTransport):
+        def launch(self, *, delta, **kw):
+            held.append((delta, delta.clone()))
+            return super().launch(delta=delta, **kw)
+
+    p = torch.nn.Parameter(torch.zeros(8))
+    eng = StreamingEngine([Fragment(0, ["w"], [p])], OuterSettings(H=2, tau=1, eager=True, wait_timeout=0.01),
+                          NeverAnswers(lambda f, r, d: None), group_size_hint=lambda: 2)
+    for step in range(1, 13):
+        with torch.no_grad():
+            p -= 0.1 * step
+        eng.launch_due(step)
+        eng.apply_due(step)
+    eng.close()
+    assert len(held) == 6 and all(torch.equal(sent, copy) for sent, copy in held)

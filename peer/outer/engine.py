@@ -27,7 +27,7 @@ import torch
 
 from peer.outer.codec import Codec, roundtrip
 from peer.outer.fragments import Fragment
-from peer.outer.offload import OuterWorker, device_of, gather, scatter, snapshot, to_device
+from peer.outer.offload import HostBuffers, OuterWorker, device_of, gather, scatter, snapshot, to_device
 from peer.outer.rounds import Handle, RoundOutcome, RoundStatus, Transport
 from peer.outer.state import (ErrorFeedback, FragmentState, NesterovSGD, advance_shared, block_digests, merge_into,
                               merge_target)
@@ -57,6 +57,7 @@ class Pending:
     # (round, digest) of the state this round's average is applied to; resolved by the engine (tau = H: once the
     # previous round is applied), cancelled when that never happens
     base: "concurrent.futures.Future[tuple[int, str]]" = field(default_factory=concurrent.futures.Future)
+    answered: bool = False  # the outcome came from the transport (which no longer reads ``delta``)
 
 
 @dataclass
@@ -108,7 +109,10 @@ class StreamingEngine:
         self._ef_updates: list[Optional[concurrent.futures.Future]] = [None] * len(fragments)
         self.worker = OuterWorker()  # the host math of arrived aggregates and error feedback (stopped by close)
         self.digest_of = digest_of or (lambda p: self.states[p].digest())
-        self._scratch_buffer: Optional[torch.Tensor] = None  # see _scratch
+        # the launches' fragment-sized host vectors, reused (see _retire): a snapshot and Delta per round in flight
+        on_cuda = bool(fragments) and device_of(fragments[0]).type == "cuda"
+        self.buffers = HostBuffers(max((f.numel for f in fragments), default=0), pinned=on_cuda,
+                                   keep=2 * len(fragments) + 1)
 
     def close(self) -> None:
         """Stops the engine's worker thread (its state stays readable). Must be called once the engine is done."""
@@ -152,15 +156,15 @@ class StreamingEngine:
                 continue
             # Synchronous: the eager jump below needs theta at this step before the next update, and a round the
             # transport keeps home is reported at once (docs/architecture.md, "Off the training thread").
-            theta = snapshot(frag).wait()
-            delta = st.outer_gradient(theta)
+            theta = snapshot(frag, out=self.buffers.take(frag.numel)).wait()
+            delta = st.outer_gradient(theta, out=self.buffers.take(frag.numel))
             weight = float(max(st.tokens_since_sync, 1))
             st.tokens_since_sync = 0
             residual_before = None
             if self.error_feedback is not None:
                 self._settle_error_feedback(p)
                 residual_before = self.error_feedback[p].residual
-                delta = self.error_feedback[p].compensate(delta)
+                delta = self.error_feedback[p].compensate(delta, out=delta)
             base: concurrent.futures.Future[tuple[int, str]] = concurrent.futures.Future()
             if not self.pending[p]:  # (tau = H: the previous round in flight is applied first, see _apply_next)
                 base.set_result((st.last_applied, self.digest_of(p)))
@@ -168,6 +172,7 @@ class StreamingEngine:
                                            expected_round=self.expected_round(p), base=base)
             if not self.one_outer_step and handle.done() and self._not_launched(p, r, weight, handle, step):
                 base.cancel()
+                self.buffers.give(theta, delta)  # (the transport is done with it)
                 continue
             if self.error_feedback is not None and self.ef_codec is not None:  # what the peers will decode
                 self._ef_updates[p] = self.worker.submit(self._update_error_feedback, p, delta)
@@ -176,6 +181,8 @@ class StreamingEngine:
             if self.cfg.eager and 0 < tau < self.cfg.H:
                 jump, theta = self._eager_jump(p, theta, delta)
             theta_at_launch = theta if self.cfg.merge == "replay" else None
+            if jump is None and theta_at_launch is None:
+                self.buffers.give(theta)
             self.pending[p].append(Pending(r, step, delta, weight, handle, tau, theta_at_launch, jump,
                                            residual_before=residual_before, base=base))
 
@@ -183,22 +190,18 @@ class StreamingEngine:
         """Moves fragment ``p``'s weights from ``theta`` to ``G + E``, ``E = effect(v, share * delta)``: our own share
         of the round, applied now; the aggregate corrects it when it arrives. Returns the jump (kept with the round:
         all that its apply needs to undo where nothing arrived; E itself is not kept) and the weights jumped to.
-        ``theta``'s buffer becomes the jump's; ``E`` is computed in the engine's scratch buffer (a fresh
-        fragment-sized buffer costs more in page faults than its arithmetic), except where the replay merge keeps
-        the weights jumped to with the round."""
+        ``theta``'s buffer becomes the jump's; ``E`` is computed in a pooled buffer (a fresh fragment-sized buffer
+        costs more in page faults than its arithmetic), given back here unless the weights jumped to are in it
+        and the replay merge keeps them with the round."""
         st = self.states[p]
-        term = self.opt.effect(st.v, delta, scale=self._share(p), out=self._scratch(theta.numel()))
+        scratch = self.buffers.take(theta.numel())
+        term = self.opt.effect(st.v, delta, scale=self._share(p), out=scratch)
         # (G + E and E + G are the same bits)
         merged = self._merged(theta, term + st.G if self.cfg.merge == "replay" else term.add_(st.G))
         scatter(self.fragments[p], merged)
-        return torch.sub(merged, theta, out=theta), merged
-
-    def _scratch(self, numel: int) -> torch.Tensor:
-        """An fp32 host buffer of ``numel`` elements, reused by every launch (allocated once, at the size of the
-        largest fragment). Its contents are dead once the launch that used it returns."""
-        if self._scratch_buffer is None:
-            self._scratch_buffer = torch.empty(max(frag.numel for frag in self.fragments))
-        return self._scratch_buffer[:numel]
+        jump = torch.sub(merged, theta, out=theta)
+        self.buffers.give(scratch)  # (the replay merge keeps a copy: ``term + G``)
+        return jump, merged
 
     def _update_error_feedback(self, p: int, sent: torch.Tensor) -> None:
         """(On the worker.) The codec's rounding error of what we sent, for our next Delta."""
@@ -268,6 +271,15 @@ class StreamingEngine:
         self.on_outcome(self.fragments[p], self.states[p], outcome, step)
         if queue and not queue[0].base.done():  # tau = H: the next round's base is the state now
             queue[0].base.set_result((self.states[p].last_applied, self.digest_of(p)))
+        self._retire(p, pend)
+
+    def _retire(self, p: int, pend: Pending) -> None:
+        """Gives a round's host vectors back to the pool once the round is over (applied, given up or forgotten):
+        its jump (read by the engine only; a checkpoint's copy clones it) and its ``Delta`` where the transport
+        answered (a round given up at its deadline may still be sending it) and the worker's error-feedback
+        updates, which read it, have run."""
+        update = self._ef_updates[p]  # (the newest of p's: the worker runs them in order)
+        self.buffers.give(pend.jump, pend.delta if pend.answered and (update is None or update.done()) else None)
 
     def _prefetch(self) -> None:
         """Hands every aggregate that is in but not yet due to the worker (streaming modes: the tau = H machine
@@ -278,6 +290,7 @@ class StreamingEngine:
             for pend in queue:
                 if pend.prepared is None and pend.handle.done():
                     outcome = pend.handle.result(timeout=0)
+                    pend.answered = True
                     st = self.states[p]
                     pend.prepared = self.worker.submit(self._prepare, outcome, st.G, st.v)
 
@@ -308,7 +321,9 @@ class StreamingEngine:
     def _wait_until_deadline(self, pend: Pending, p: int, deadline: float) -> RoundOutcome:
         while True:
             try:
-                return pend.handle.result(timeout=min(0.2, time_left(deadline)))
+                outcome = pend.handle.result(timeout=min(0.2, time_left(deadline)))
+                pend.answered = True
+                return outcome
             except TimeoutError:
                 self.on_wait()
                 if self.stop.is_set() or time.monotonic() >= deadline:
@@ -376,9 +391,12 @@ class StreamingEngine:
                 pend.handle.cancel()
                 pend.base.cancel()
                 self._forget(p, pend.weight, pend.jump)
+            given_up = list(queue)
             queue.clear()
             if oldest is not None:
                 self._restore_residual(p, oldest, None)
+            for pend in given_up:
+                self._retire(p, pend)
 
     def _restore_residual(self, p: int, pend: Pending, where: Optional[torch.Tensor]) -> None:
         """Puts back the error-feedback residual from before ``pend``'s launch where its round delivered nothing
@@ -410,6 +428,7 @@ class StreamingEngine:
         for pend in self.pending[p]:
             pend.handle.cancel()
             pend.base.cancel()
+            self._retire(p, pend)
         self.pending[p].clear()
         st = self.states[p]
         st.G, st.v = G.clone(), v.clone()

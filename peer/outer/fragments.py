@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
@@ -34,9 +34,9 @@ class Fragment:
     def numel(self) -> int:
         return sum(p.numel() for p in self.params)
 
-    def flat(self) -> torch.Tensor:
-        """A new fp32 CPU vector with the current values of the fragment's parameters."""
-        return torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in self.params])
+    def flat(self, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """An fp32 CPU vector with the current values of the fragment's parameters: a new one, or ``out``."""
+        return torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in self.params], out=out)
 
     @torch.no_grad()
     def assign(self, flat: torch.Tensor) -> None:

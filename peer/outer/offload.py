@@ -1,17 +1,17 @@
 """Moving the outer engine's work off the training thread: a worker thread for the host math, and the transfers
 between a fragment's parameters (on their device) and the host's fp32 outer state.
 
-The outer state (``G, v, E, u``) lives on the host in fp32; the parameters live on the training device. On the
-CPU every transfer below is a plain copy (or none) and the results are the ones the synchronous engine gives,
-bit for bit. On CUDA:
+The outer state (``G, v, E, u``) lives on the host in fp32, the parameters on the training device. On the CPU every
+transfer below is a plain copy (or none), bit for bit the synchronous engine's. On CUDA:
 
-- :func:`snapshot` gathers the fragment on the device (a device-to-device copy, in stream order before any later
-  update of the parameters, so nothing has to fence the optimizer) and copies that into a pinned host buffer on
-  a side stream; :meth:`Snapshot.wait` waits for that copy only (an event), not for the whole device queue.
-- :func:`to_device` stages a host vector in pinned memory and copies it without blocking the host (the caching
-  host allocator keeps the staging buffer until the copy has run).
+- :func:`snapshot` gathers the fragment on the device (in stream order before any later update of the
+  parameters) and copies it to a pinned host buffer on a side stream; :meth:`Snapshot.wait` waits for that copy.
+- :func:`to_device` stages a host vector in pinned memory and copies it without blocking the host.
 - :func:`gather` / :func:`scatter` read and write the parameters as one flat fp32 vector on their own device, so
-  a merge is computed where the parameters are, with no device-to-host copy at all.
+  a merge is computed where the parameters are.
+
+:class:`HostBuffers` keeps the launch's fragment-sized host vectors between rounds: a fresh one costs page faults
+(or a new pinned allocation) that outweigh its arithmetic.
 """
 
 from __future__ import annotations
@@ -37,6 +37,46 @@ class OuterWorker:
     def close(self) -> None:
         """Waits for the task running now, drops the queued ones and ends the thread (idempotent)."""
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+class HostBuffers:
+    """fp32 host vectors of up to ``numel`` elements, handed out by :meth:`take` and taken back by :meth:`give`
+    for the next :meth:`take` (at most ``keep`` are kept; pinned where ``pinned``). One writer: the thread that
+    launches rounds. The contract is the giver's: a vector is given back only once nothing reads or writes it
+    any more (not the transport, not the worker, not a checkpoint's copy)."""
+
+    def __init__(self, numel: int, *, pinned: bool = False, keep: int = 4):
+        self.numel, self.pinned, self.keep = numel, pinned, keep
+        self._free: list[tuple[torch.Tensor, Any]] = []  # (buffer, the CUDA event after its last use, or None)
+        self._ours: dict[int, torch.Tensor] = {}  # data_ptr -> a whole buffer handed out by take
+        self.allocated = 0  # buffers allocated since start (the rest were reused)
+
+    def take(self, numel: int) -> torch.Tensor:
+        """A vector of ``numel`` elements (contents undefined)."""
+        if numel > self.numel:
+            raise ValueError(f"a buffer of {numel} elements asked of a pool of {self.numel}")
+        if self._free:
+            whole, used = self._free.pop()
+            if used is not None:  # a copy to the device enqueued before it was given back may still read it
+                used.synchronize()
+        else:
+            whole = torch.empty(self.numel, pin_memory=self.pinned)
+            self.allocated += 1
+        self._ours[whole.data_ptr()] = whole
+        return whole[:numel]
+
+    def give(self, *vectors: Optional[torch.Tensor]) -> None:
+        """Takes back vectors handed out by :meth:`take` (anything else, and None, is ignored). On CUDA, copies
+        from them already enqueued on the current stream may still run: :meth:`take` waits for those."""
+        for vector in vectors:
+            whole = None if vector is None else self._ours.pop(vector.data_ptr(), None)
+            if whole is None or len(self._free) >= self.keep:
+                continue
+            used = None
+            if self.pinned:
+                used = torch.cuda.Event()
+                used.record()
+            self._free.append((whole, used))
 
 
 def device_of(frag: Fragment) -> torch.device:
@@ -78,17 +118,18 @@ class Snapshot:
         return self._host
 
 
-def snapshot(frag: Fragment) -> Snapshot:
-    """Starts copying the fragment's current values to the host (CPU: done at once). Must be called on the
-    training thread at the step boundary whose values are wanted: later updates are ordered after the gather."""
+def snapshot(frag: Fragment, out: Optional[torch.Tensor] = None) -> Snapshot:
+    """Starts copying the fragment's current values to the host (CPU: done at once), into ``out`` where given
+    (fp32, ``frag.numel`` elements; pinned on CUDA). Must be called on the training thread at the step boundary
+    whose values are wanted: later updates are ordered after the gather."""
     device = device_of(frag)
     if device.type != "cuda":
-        return Snapshot(frag.flat())
+        return Snapshot(frag.flat(out=out))
     on_device = gather(frag)
     gathered = torch.cuda.Event()
     gathered.record()
     side = _side_stream(device)
-    host = torch.empty(on_device.numel(), dtype=torch.float32, pin_memory=True)
+    host = out if out is not None else torch.empty(on_device.numel(), dtype=torch.float32, pin_memory=True)
     with torch.cuda.stream(side):
         side.wait_event(gathered)
         host.copy_(on_device, non_blocking=True)

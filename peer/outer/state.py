@@ -95,9 +95,10 @@ class FragmentState:
             return self.G + self.E
         return self.G
 
-    def outer_gradient(self, theta: torch.Tensor) -> torch.Tensor:
-        """``Delta = S - theta``: how far this peer moved since its last sync of this fragment."""
-        return self.sync_point() - theta
+    def outer_gradient(self, theta: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``Delta = S - theta``: how far this peer moved since its last sync of this fragment (into ``out``
+        where given)."""
+        return torch.sub(self.sync_point(), theta, out=out)
 
     def reset_eager(self) -> None:
         """Zeroes the eager terms (after an adoption, or when nothing of an eager jump is left)."""
@@ -228,13 +229,14 @@ class ErrorFeedback:
     def __init__(self) -> None:
         self.residual: Optional[torch.Tensor] = None
 
-    def compensate(self, delta: torch.Tensor) -> torch.Tensor:
+    def compensate(self, delta: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``delta + residual`` (``delta`` itself while there is no residual), into ``out`` where given."""
         if self.residual is None:
             return delta
         if self.residual.shape != delta.shape:
             raise ValueError(f"error feedback residual has shape {tuple(self.residual.shape)}, "
                              f"delta has {tuple(delta.shape)}")
-        return delta + self.residual.to(device=delta.device, dtype=delta.dtype)
+        return torch.add(delta, self.residual.to(device=delta.device, dtype=delta.dtype), out=out)
 
     def update(self, sent: torch.Tensor, decoded_sent: torch.Tensor) -> torch.Tensor:
         if sent.shape != decoded_sent.shape:
