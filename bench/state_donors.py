@@ -44,14 +44,14 @@ async def serve(addr: str, elements: int) -> None:
     from hivemind.p2p import P2P
 
     from peer.net.flow.streams import StreamGuard
-    from peer.net.state_transfer import Snapshot, StateServicer
+    from peer.net.state_transfer import ServedState, StateServicer
     from peer.outer.state import digest_of
 
     G, v = state(elements)
     p2p = await P2P.create(host_maddrs=[f"/ip4/{addr}/tcp/0"], nat_port_map=False)
     servicer = StateServicer(CHUNK_ELEMS, guard=StreamGuard(per_peer=8, total=64), request_timeout=10,
                              stream_timeout=600, max_uploads=4)
-    servicer.publish(Snapshot(0, 1, 10, G, v, digest_of(G, v)))
+    servicer.publish(ServedState(0, 1, 10, G, v, digest_of(G, v)))
     await servicer.add_p2p_handlers(p2p)
     maddr = [str(m).split("/p2p/")[0] for m in await p2p.get_visible_maddrs() if addr in str(m)][0]
     print(f"{maddr}/p2p/{p2p.peer_id}", flush=True)

@@ -15,7 +15,7 @@ from peer.control.limits import Limits
 from peer.net.flow.bandwidth import BURST_S, MIN_RATE, Bandwidth, Pacer, cap_warnings, share
 from peer.net.flow.credit import MIN_WINDOW, WINDOW_S, CreditError, SendWindow, window
 from peer.net.flow.streams import StreamGuard
-from peer.net.state_transfer import Snapshot, StateServicer, download
+from peer.net.state_transfer import ServedState, StateServicer, download
 from peer.outer.state import digest_of
 
 
@@ -138,7 +138,7 @@ def test_a_capped_state_transfer_takes_at_least_its_bytes_over_the_cap(side):
     numel, rate = 1_000_000, 16 * MBIT
     samples = []
     G, v = torch.randn(numel), torch.randn(numel)
-    snap = Snapshot(0, 3, 30, G, v, digest_of(G, v))
+    snap = ServedState(0, 3, 30, G, v, digest_of(G, v))
 
     async def fetch(upload: float, down: float):
         donor_bw, receiver_bw = Bandwidth(lambda: (upload, 0.0)), Bandwidth(lambda: (0.0, down))

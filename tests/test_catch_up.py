@@ -10,7 +10,7 @@ import threading
 import torch
 
 from peer.net.trust.records import ProgressRecord
-from peer.net.state_transfer import Snapshot
+from peer.net.state_transfer import ServedState
 from peer.outer.state import FragmentState
 from peer.run.catch_up import StateSync
 from peer.run.events import EventLog
@@ -43,7 +43,7 @@ class Swarm:
 
     def download_state(self, fragment, donors, *, round_, numel, digest, stop=None):
         self.downloads.append((fragment, round_, digest, sorted(donors)))
-        return Snapshot(fragment, round_, 100, torch.ones(numel), torch.zeros(numel), digest)
+        return ServedState(fragment, round_, 100, torch.ones(numel), torch.zeros(numel), digest)
 
 
 class Engine:

@@ -4,7 +4,7 @@ of a reducer's result, and the records the consensus rules act on (Swarm.vouched
 import torch
 
 from peer.net.trust.span_checks import PLAUSIBLE, implausible
-from peer.net.trust.exclusion import MAX_TRACKED, Exclusions, Offence, Verdict
+from peer.net.trust.exclusion import MAX_TRACKED, Exclusions, Offence, PeerVerdict
 
 
 def test_a_peer_is_excluded_at_the_threshold_once_and_says_why():
@@ -33,15 +33,15 @@ def test_a_reducer_silent_in_rounds_in_a_row_is_excluded_one_silence_is_forgiven
     assert ledger.silent("hang", "round 3") and "hang" in ledger and told == ["hang"]
     assert "sleepy" not in ledger and "3 rounds in a row" in ledger.excluded()["hang"]
     # the same through Verdicts, as a round returns them (Swarm.learn applies them)
-    ledger.apply(Verdict("slow", "round 1"))
-    ledger.apply(Verdict("slow", answered=True))
-    ledger.apply(Verdict("slow", "round 3"))
-    ledger.apply(Verdict("slow", "round 4"))
+    ledger.apply(PeerVerdict("slow", "round 1"))
+    ledger.apply(PeerVerdict("slow", answered=True))
+    ledger.apply(PeerVerdict("slow", "round 3"))
+    ledger.apply(PeerVerdict("slow", "round 4"))
     assert "slow" not in ledger
-    ledger.apply(Verdict("slow", "round 5"))
+    ledger.apply(PeerVerdict("slow", "round 5"))
     assert "slow" in ledger
     for r in range(3):
-        ledger.apply(Verdict("liar", f"round {r}: a negated average", Offence.BAD_AVERAGE))
+        ledger.apply(PeerVerdict("liar", f"round {r}: a negated average", Offence.BAD_AVERAGE))
     assert "liar" in ledger and "negated" in ledger.excluded()["liar"]
 
 

@@ -1,13 +1,19 @@
 """hivemind's private names we rely on (peer/net/plumbing/hivemind_internals.py) still exist: a hivemind upgrade that
-renames one fails here, not in a swarm."""
+renames one fails here, not in a swarm; and no other module of peer/ or bootstrap/ uses one it does not list."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import re
+import textwrap
+from pathlib import Path
+from typing import Iterator, Optional
 
-from peer.net.plumbing.hivemind_internals import PRIVATE
+from peer.net.plumbing.hivemind_internals import IN_SUBCLASSES, PRIVATE
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _has(obj, name: str) -> bool:
@@ -21,7 +27,7 @@ def _has(obj, name: str) -> bool:
 
 def test_every_private_name_we_use_is_still_there():
     missing = []
-    for module_name, names in PRIVATE.items():
+    for module_name, names in [*PRIVATE.items(), *IN_SUBCLASSES.items()]:
         module = importlib.import_module(module_name)
         for dotted in names:
             owner, _, attr = dotted.rpartition(".")
@@ -41,6 +47,176 @@ def test_the_project_touches_hivemind_private_names_only_there():
     offenders = [f"{p.relative_to(root)}: {n}" for p in [*root.glob("peer/**/*.py"), *root.glob("bootstrap/*.py")]
                  if p.name != "hivemind_internals.py" for n in names if n in p.read_text()]
     assert not offenders, offenders
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__") and name != "_"
+
+
+def hivemind_private_names() -> set[str]:
+    """Every ``_name`` hivemind's sources define: functions, classes, methods, attributes and variables (its
+    generated ``*_pb2`` modules aside)."""
+    import hivemind
+
+    names = set()
+    for path in Path(hivemind.__file__).parent.rglob("*.py"):
+        if path.name.endswith("_pb2.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+    return set(filter(_private, names))
+
+
+def _dotted(expr: ast.expr) -> Optional[str]:
+    if isinstance(expr, ast.Name):
+        return expr.id
+    if isinstance(expr, ast.Attribute):
+        head = _dotted(expr.value)
+        return head and f"{head}.{expr.attr}"
+    return None
+
+
+def _hivemind_base(cls: ast.ClassDef, tree: ast.Module) -> Optional[type]:
+    """The hivemind class ``cls`` subclasses, if any (its base's name resolved through the file's imports)."""
+    names = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update({a.asname or a.name.split(".")[0]: a.name if a.asname else a.name.split(".")[0]
+                          for a in node.names})
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names})
+    for base in cls.bases:
+        head, _, rest = (_dotted(base) or "").partition(".")
+        full = ".".join(filter(None, [names.get(head, head), rest]))
+        if full.split(".")[0] == "hivemind":
+            module, _, name = full.rpartition(".")
+            return getattr(importlib.import_module(module), name)
+    return None
+
+
+def _hivemind_members(cls: type) -> tuple[set[str], set[str]]:
+    """(the methods and class attributes, the instance attributes: ``self.x = ``) that the hivemind classes of
+    ``cls``'s MRO define in their source."""
+    members, state = set(), set()
+    for c in cls.__mro__:
+        if not c.__module__.startswith("hivemind"):
+            continue
+        node = ast.parse(textwrap.dedent(inspect.getsource(c))).body[0]
+        assert isinstance(node, ast.ClassDef)
+        for statement in node.body:
+            if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                members.add(statement.name)
+            elif isinstance(statement, (ast.Assign, ast.AnnAssign)):
+                targets = statement.targets if isinstance(statement, ast.Assign) else [statement.target]
+                members.update(t.id for t in targets if isinstance(t, ast.Name))
+        state.update(n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
+                     and isinstance(n.value, ast.Name) and n.value.id == "self")
+    return members, state
+
+
+def _listed() -> set[tuple[type, str]]:
+    """(class, attribute) for each entry of IN_SUBCLASSES: what our subclasses may override or use."""
+    out = set()
+    for module_name, names in IN_SUBCLASSES.items():
+        for dotted in names:
+            owner, _, attr = dotted.rpartition(".")
+            obj = getattr(importlib.import_module(module_name), owner) if owner else None
+            if inspect.isclass(obj):
+                out.add((obj, attr))
+    return out
+
+
+def private_uses(path: Path, private: set[str], listed: set[tuple[type, str]]) -> Iterator[str]:
+    """What ``path`` touches of hivemind's that is private, but for the (class, name) pairs ``listed`` in subclasses:
+
+    - ``x._name`` and the string ``"_name"`` (``getattr``, a pickled state) for a private name of hivemind's,
+      where ``x`` is not ``self`` or ``cls`` (``super()._name`` is checked as ``self``'s);
+    - in a subclass of a hivemind class: a method that overrides a private one, ``self._name`` of a private
+      name its hivemind bases define, ``self.name`` of an instance attribute they set (undocumented state).
+    """
+    tree = ast.parse(path.read_text())
+    where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    subclasses: dict[ast.AST, tuple[type, set[str], set[str], set[str]]] = {}
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        base = _hivemind_base(cls, tree)
+        if base is not None:
+            own = {s.name for s in cls.body if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef))}
+            allowed = {attr for owner, attr in listed if issubclass(base, owner)}
+            subclasses[cls] = (base, *_hivemind_members(base), allowed)
+            for name in own:
+                if _private(name) and name in subclasses[cls][1] and name not in allowed:
+                    yield f"{where}: {cls.name}.{name} overrides {base.__name__}.{name}"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in private:
+            yield f"{where}:{node.lineno}: {node.value!r}"
+        if not isinstance(node, ast.Attribute):
+            continue
+        on_self = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls") or (
+            isinstance(node.value, ast.Call) and _dotted(node.value.func) == "super")
+        if not on_self:
+            if node.attr in private:
+                yield f"{where}:{node.lineno}: {ast.unparse(node)}"
+            continue
+        cls = next((c for c in subclasses if any(n is node for n in ast.walk(c))), None)
+        if cls is None:
+            continue
+        base, members, state, allowed = subclasses[cls]
+        if node.attr in allowed:
+            continue
+        if _private(node.attr) and node.attr in members | state or (
+                not _private(node.attr) and node.attr in state - members and not hasattr(base, node.attr)):
+            yield f"{where}:{node.lineno}: {ast.unparse(node)} ({base.__name__}'s)"
+
+
+def _sources() -> list[Path]:
+    return [p for p in sorted([*ROOT.glob("peer/**/*.py"), *ROOT.glob("bootstrap/**/*.py")])
+            if p.name != "hivemind_internals.py" and not p.name.endswith(("_pb2.py", "_pb2_grpc.py"))]
+
+
+def test_no_module_but_hivemind_internals_uses_a_private_name_of_hivemind_unlisted():
+    """Every private name of hivemind's that peer/ and bootstrap/ use goes through a function of hivemind_internals,
+    and every override of a private method or use of a hivemind class's undocumented state in a subclass is an
+    entry of its IN_SUBCLASSES."""
+    private, listed = hivemind_private_names(), _listed()
+    assert {"_remove_outdated", "_public_key", "_request_join_group", "_client"} <= private  # (the scan sees)
+    offenders = [use for path in _sources() for use in private_uses(path, private, listed)]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_private_name_scan_finds_each_kind_of_use(tmp_path: Path):
+    """What the scan above would have caught: each private use hivemind_internals now wraps or lists."""
+    sample = tmp_path / "sample.py"
+    sample.write_text(textwrap.dedent("""
+        import hivemind
+        from hivemind.averaging.matchmaking import Matchmaking
+        from hivemind.dht.storage import DHTLocalStorage
+
+        class M(Matchmaking):
+            async def _request_join_group(self, leader):
+                return await super()._request_join_group(leader)
+
+        class S(DHTLocalStorage):
+            def used(self):
+                self._remove_outdated()
+
+        class D(hivemind.DHT):
+            def run(self):
+                print(self.kwargs)
+
+        def der(public_key):
+            return public_key._public_key
+
+        key = {"_private_key": b""}
+    """))
+    found = list(private_uses(sample, hivemind_private_names(), set()))
+    for expected in ("M._request_join_group overrides", "super()._request_join_group", "self._remove_outdated",
+                     "self.kwargs", "public_key._public_key", "'_private_key'"):
+        assert any(expected in use for use in found), (expected, found)
 
 
 def test_the_dht_process_reads_a_message_whole_when_it_arrives_in_two_writes():

@@ -1,9 +1,11 @@
 """The folders of ``peer/`` are layers (peer/__init__.py): each imports only the layers below it, and the pure
-ones import no networking. A newcomer can trust the folder names; this test keeps them true."""
+ones import no networking; ``bootstrap/`` imports only the modules of ``peer/`` docs/architecture.md's Layout
+table names. A newcomer can trust the folder names; this test keeps them true."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PEER = Path(__file__).resolve().parents[1] / "peer"
@@ -20,8 +22,10 @@ ALLOWED = {
 # Files allowed one more layer: `swarm-peer prepare-data` is a local job (text -> token shards), no run.
 EXTRA = {"cli/prepare_data.py": {"local"}}
 # Modules that are pure policy or pure math: no hivemind, no sockets, no asyncio.
-PURE = ["outer", "local", "net/policy", "net/trust/records.py", "control/controls.py", "control/limits.py",
-        "control/feed.py", "monitor/view.py"]
+# Checked on each module's own imports: one may still import a shared module (peer.util has asyncio helpers).
+PURE = ["outer", "local", "net/policy", "net/trust/records.py", "net/trust/exclusion.py", "net/trust/span_checks.py",
+        "net/view/attendance.py", "net/view/activity.py", "run/pace.py", "run/ledger.py", "control/controls.py",
+        "control/limits.py", "control/feed.py", "monitor/view.py"]
 NETWORKING = ("hivemind", "socket", "asyncio", "grpc")
 
 
@@ -44,7 +48,7 @@ def layer_of(module: str) -> str:
 def test_every_layer_imports_only_the_layers_below_it():
     wrong = []
     for layer, allowed in ALLOWED.items():
-        for path in sorted((PEER / layer).glob("*.py")):
+        for path in sorted((PEER / layer).rglob("*.py")):  # (subfolders too: peer/net/plumbing/, ...)
             for module in imports(path):
                 extra = EXTRA.get(str(path.relative_to(PEER)), set())
                 if module.startswith("peer.") and layer_of(module) not in allowed | extra | {layer}:
@@ -53,7 +57,8 @@ def test_every_layer_imports_only_the_layers_below_it():
 
 
 def test_the_pure_modules_import_no_networking():
-    paths = [p for entry in PURE for p in ([PEER / entry] if entry.endswith(".py") else (PEER / entry).glob("*.py"))]
+    paths = [p for entry in PURE for p in ([PEER / entry] if entry.endswith(".py") else (PEER / entry).rglob("*.py"))]
+    assert all(p.exists() for p in paths), [str(p) for p in paths if not p.exists()]
     assert len(paths) > 10
     wrong = [f"{p.relative_to(PEER.parent)} imports {m}" for p in paths for m in imports(p)
              if m.split(".")[0] in NETWORKING]
@@ -65,6 +70,19 @@ def test_shared_modules_import_no_layer():
         assert not [m for m in imports(PEER / name) if m.startswith("peer.")], name
     for path in sorted((PEER / "config").glob("*.py")):  # the settings import nothing of peer but themselves
         assert not [m for m in imports(path) if m.startswith("peer.") and layer_of(m) != "config"], path.name
+
+
+def test_bootstrap_imports_only_what_the_layout_table_says():
+    """The ``bootstrap/`` row of docs/architecture.md's Layout table lists the modules of ``peer/`` it may import:
+    bootstrap/ imports no other (type-only and function-level imports too), and each one listed is imported."""
+    row = next(line for line in (PEER.parent / "docs" / "architecture.md").read_text().splitlines()
+               if line.startswith("| `bootstrap/` |"))
+    listed = set(re.findall(r"`(peer\.[\w.]+)`", row.split("|")[3]))
+    graph = module_graph()
+    imported = {m for name, deps in graph.items() if name.split(".")[0] == "bootstrap" for m in deps
+                if m.split(".")[0] == "peer"}
+    assert imported == listed, {"imported, not in the table": sorted(imported - listed),
+                                "in the table, not imported": sorted(listed - imported)}
 
 
 # Import cycles allowed: none (the round runner reads the swarm through round_runner.SwarmView).

@@ -12,7 +12,7 @@ from hivemind.p2p import P2P
 from helpers import p2p_mesh, run_async
 from peer.outer.state import DIGEST_BLOCK, block_digests, digest_of, digest_of_blocks
 from peer.net.flow.streams import StreamGuard, cap_frame_size, frame_limit_for
-from peer.net.state_transfer import DownloadError, Snapshot, StateServicer, download
+from peer.net.state_transfer import DownloadError, ServedState, StateServicer, download
 
 SERVING = dict(guard=StreamGuard(per_peer=4, total=64), request_timeout=2.0, stream_timeout=30.0)
 
@@ -41,14 +41,14 @@ async def _enumerate(aiter):
 async def _scenario(numel, donors_kind, on_lie=None):
     torch.manual_seed(0)
     G, v = torch.randn(numel), torch.randn(numel)
-    good = Snapshot(0, 9, 90, G, v, digest_of(G, v))
+    good = ServedState(0, 9, 90, G, v, digest_of(G, v))
     p2ps = await p2p_mesh(1 + len(donors_kind))
     try:
         for kind, p in zip(donors_kind, p2ps[1:]):
             servicer = StateServicer(100, **SERVING)
             if kind == "dying":
                 dying(servicer)
-            snap = good if kind != "lying" else Snapshot(0, 9, 90, G + 1, v, good.digest)  # claims the good digest
+            snap = good if kind != "lying" else ServedState(0, 9, 90, G + 1, v, good.digest)  # claims the good digest
             servicer.publish(snap)
             await servicer.add_p2p_handlers(p)
         return good, await download(p2ps[0], [p.peer_id for p in p2ps[1:]], 0, round_=9, numel=numel,
@@ -138,7 +138,7 @@ def test_a_state_comes_in_verified_parts_from_several_donors_and_a_liar_costs_on
     numel = 2 * DIGEST_BLOCK + 1000
     torch.manual_seed(1)
     G, v = torch.randn(numel), torch.randn(numel)
-    good = Snapshot(0, 9, 90, G, v, digest_of(G, v))
+    good = ServedState(0, 9, 90, G, v, digest_of(G, v))
 
     async def main(kinds, parallel):
         p2ps = await p2p_mesh(1 + len(kinds))
@@ -146,7 +146,7 @@ def test_a_state_comes_in_verified_parts_from_several_donors_and_a_liar_costs_on
             servicers = []
             for kind, p in zip(kinds, p2ps[1:]):
                 servicer = counting(StateServicer(100_000, **SERVING, max_uploads=0 if kind == "busy" else 2))
-                liar = Snapshot(0, 9, 90, G + 1, v, good.digest, block_digests(G, v))  # true header, false values
+                liar = ServedState(0, 9, 90, G + 1, v, good.digest, block_digests(G, v))  # true header, false values
                 servicer.publish(liar if kind == "lying" else good)
                 await servicer.add_p2p_handlers(p)
                 servicers.append(servicer)
@@ -192,7 +192,7 @@ def test_never_finished_requests_are_bounded_per_peer_and_end_at_their_deadline(
             G, v = torch.randn(1000), torch.randn(1000)
             guard = StreamGuard(per_peer=4, total=64)
             servicer = StateServicer(100, guard=guard, request_timeout=1.0, stream_timeout=30.0)
-            servicer.publish(Snapshot(0, 9, 90, G, v, digest_of(G, v)))
+            servicer.publish(ServedState(0, 9, 90, G, v, digest_of(G, v)))
             await servicer.add_p2p_handlers(victim)
             fds_before = _fds(victim)
             name = StateServicer._get_handle_name(None, "rpc_download")
@@ -233,7 +233,7 @@ def test_a_frame_declaring_a_huge_length_is_refused_before_its_body_is_read(capl
         try:
             G, v = torch.randn(1000), torch.randn(1000)
             servicer = StateServicer(100, **SERVING)
-            servicer.publish(Snapshot(0, 9, 90, G, v, digest_of(G, v)))
+            servicer.publish(ServedState(0, 9, 90, G, v, digest_of(G, v)))
             await servicer.add_p2p_handlers(victim)
             rss_before = _rss()
             _, reader, writer = await attacker.call_binary_stream_handler(

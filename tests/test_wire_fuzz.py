@@ -37,7 +37,7 @@ from peer.net.flow.streams import StreamGuard
 from peer.net.round.matchmaking import JoinServicer
 from peer.net.trust.progress import make_validators, progress_key
 from peer.net.trust.records import ProgressRecord
-from peer.net.state_transfer import Snapshot, StateServicer
+from peer.net.state_transfer import ServedState, StateServicer
 from peer.outer.codec import get_codec
 from peer.outer.state import digest_of
 from peer.proto import allreduce_pb2 as pb
@@ -171,7 +171,7 @@ def test_rpc_download_answers_any_request_within_its_deadline(requests, hang):
         guard = StreamGuard(per_peer=4, total=16)
         servicer = StateServicer(100, guard=guard, request_timeout=0.2, stream_timeout=5.0)
         G, v = torch.randn(NUMEL), torch.randn(NUMEL)
-        servicer.publish(Snapshot(0, 3, 30, G, v, digest_of(G, v)))
+        servicer.publish(ServedState(0, 3, 30, G, v, digest_of(G, v)))
         responses = await _drive(servicer.rpc_download(_stream(requests, then_hang=hang), _context(STRANGER)))
         assert responses and all(isinstance(r, state_pb2.StateChunk) for r in responses)
         # one request and the end of the stream (what every honest requester sends), for a state we hold

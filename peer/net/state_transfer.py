@@ -1,6 +1,6 @@
 """State transfer: a joining or drifted peer downloads a fragment's shared outer state from donors.
 
-Every peer keeps an immutable :class:`Snapshot` of each fragment's ``G, v, round`` taken right after it applied a
+Every peer keeps an immutable :class:`ServedState` of each fragment's ``G, v, round`` taken right after it applied a
 round, serves ranges of it with ``StateServicer.rpc_download`` (protos/state.proto) in chunks of at most
 ``chunk_elems`` elements, and advertises ``(round, digest)`` in its progress record. The digest is made of the
 state's block digests (:func:`peer.outer.state.block_digests`), which every answer carries, so a receiver can
@@ -45,8 +45,9 @@ class DonorLied(DownloadError):
 
 
 @dataclass(frozen=True)
-class Snapshot:
-    """A fragment's shared outer state after ``round`` rounds (tensors are never modified)."""
+class ServedState:
+    """A fragment's shared outer state after ``round`` rounds, as a donor serves it and :func:`download` returns it
+    (tensors are never modified)."""
 
     fragment: int
     round: int
@@ -81,10 +82,10 @@ class StateServicer(ServicerBase):
         # per requester: (the rate it declared, its pacer), so the parts it asks for one after another share one
         # budget (a fresh pacer per part would let each part's first bytes through at once); the latest 64
         self._to_requester: dict[str, tuple[float, Pacer]] = {}
-        self.snapshots: dict[int, Snapshot] = {}  # the newest, per fragment
-        self.previous: dict[int, Snapshot] = {}
+        self.snapshots: dict[int, ServedState] = {}  # the newest, per fragment
+        self.previous: dict[int, ServedState] = {}
 
-    def publish(self, snap: Snapshot) -> None:
+    def publish(self, snap: ServedState) -> None:
         old = self.snapshots.get(snap.fragment)
         if old is not None and old.round != snap.round:
             self.previous[snap.fragment] = old
@@ -237,7 +238,7 @@ async def download(p2p: P2P, donors: Sequence[PeerID], fragment: int, *, round_:
                    timeout_per_donor: Union[float, Mapping[PeerID, float]], max_chunk_elems: int,
                    pacer: Optional[Pacer] = None, parallel: int = 3,
                    on_sample: Optional[Callable[[int, float], None]] = None,
-                   on_lie: Optional[Callable[[str, str], object]] = None) -> Snapshot:
+                   on_lie: Optional[Callable[[str, str], object]] = None) -> ServedState:
     """Downloads round ``round_`` of fragment ``fragment`` (``numel`` elements, ``digest``) from up to
     ``parallel`` of ``donors`` at once, part by part, each part verified; a donor that fails a part (dead, slow,
     busy, lying) is dropped and its part goes to the next. Each donor in use gets ``timeout_per_donor`` seconds
@@ -309,4 +310,4 @@ async def download(p2p: P2P, donors: Sequence[PeerID], fragment: int, *, round_:
     if got.done < total or got.blocks is None:
         tried = "; ".join(errors) or "no donors"
         raise DownloadError(f"fragment {fragment}: no donor delivered a verified state ({tried})")
-    return Snapshot(fragment, got.round, got.step, got.G, got.v, digest, got.blocks)
+    return ServedState(fragment, got.round, got.step, got.G, got.v, digest, got.blocks)

@@ -43,7 +43,7 @@ from peer.net.view.roster import Roster
 from peer.net.round.round_runner import Lesson, RoundRunner
 from peer.net.trust.records import MAX_PAST, ProgressRecord
 from peer.net.heartbeat import Heartbeat
-from peer.net.state_transfer import DownloadError, Snapshot, StateServicer, download
+from peer.net.state_transfer import DownloadError, ServedState, StateServicer, download
 from peer.util import VERSION, Stopped, result_or_stop
 
 log = logging.getLogger(__name__)
@@ -287,7 +287,7 @@ class Swarm:
         snaps = self._snapshots()
         return [s.round for s in snaps if s] if all(snaps) else []
 
-    def _snapshots(self) -> list[Optional[Snapshot]]:
+    def _snapshots(self) -> list[Optional[ServedState]]:
         """Our published snapshot per fragment (None: not published yet)."""
         return [self.state_servicer.snapshots.get(p) for p in range(len(self.state_servicer.snapshots))]
 
@@ -303,7 +303,7 @@ class Swarm:
         per_fragment = min(PAST_ROUNDS - 1, MAX_PAST // max(1, len(past)))
         return [(p, r, d) for p, rounds in sorted(past.items()) for r, d in list(rounds.items())[-1 - per_fragment:-1]]
 
-    def publish_snapshot(self, snap: Snapshot, *, adopted: bool = False) -> None:
+    def publish_snapshot(self, snap: ServedState, *, adopted: bool = False) -> None:
         """Serves ``snap`` to joiners and advertises its (round, digest) with the next heartbeat (and, for
         PAST_ROUNDS rounds after, in the record's ``past``). ``adopted``: a state downloaded from the swarm,
         which replaces our earlier rounds' digests (they were of a state we left). May be called from any
@@ -319,7 +319,7 @@ class Swarm:
         return [dict(past.get(p, {})) for p in range(num_fragments)]
 
     def download_state(self, fragment: int, donors: list[str], *, round_: int, numel: int, digest: str,
-                       stop: Optional[threading.Event] = None) -> Snapshot:
+                       stop: Optional[threading.Event] = None) -> ServedState:
         """Blocking: the fragment's state ``digest`` in parts from up to ``state_donors`` donors at once
         (:func:`~peer.net.state_transfer.download`); DownloadError if they run out (donor ids come from other
         peers' records: one that does not parse is skipped) or ``stop`` is set (the download is cancelled)."""

@@ -1,4 +1,4 @@
-"""Top-k sparse codecs for home uplinks (issue 31; byte layout in protos/codec.proto): ``topk32``, ``topk64``,
+"""Top-k sparse codecs for home uplinks (byte layout in protos/codec.proto): ``topk32``, ``topk64``,
 ``topk128`` send, of every block of 4096 elements, the k of largest magnitude, each as one little-endian uint16:
 its index in the block (12 bits) and its FP4 E3M0 code (4 bits, :mod:`peer.outer.e3m0`'s rounding against the
 block scale ``absmax / 64``). ``topk32`` is 0.13 bits per element, 34 times fewer than ``e3m0``.

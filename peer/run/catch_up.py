@@ -17,7 +17,7 @@ import time
 from typing import Callable, Optional
 
 from peer.net.policy.consensus import CatchUp, plan_catch_up, plan_owed, plausible_donor_step, step_after_catch_up
-from peer.net.state_transfer import DownloadError, Snapshot
+from peer.net.state_transfer import DownloadError, ServedState
 from peer.net.swarm import Swarm
 from peer.outer.engine import StreamingEngine
 from peer.outer.fragments import Fragment
@@ -110,7 +110,7 @@ class StateSync:
         download, so donors' parts are verified block by block."""
         blocks = st.digest_blocks()
         digest = digest_of_blocks(blocks)
-        self.swarm.publish_snapshot(Snapshot(frag.index, st.last_applied, step, st.G, st.v, digest, blocks),
+        self.swarm.publish_snapshot(ServedState(frag.index, st.last_applied, step, st.G, st.v, digest, blocks),
                                     adopted=adopted)
         self.on_fragment(frag.index, st.last_applied, digest, frag.numel)
         self._digests[frag.index] = digest

@@ -30,7 +30,9 @@ CLOCK_TOLERANCE_S = 3.0  # hivemind refuses a DHT peer whose time differs by mor
 CHECKPOINT_BYTES_PER_PARAM = 4 * (1 + 2 + 2)
 
 
-class Verdict(enum.StrEnum):
+class CheckVerdict(enum.StrEnum):
+    """How one :class:`Check` came out."""
+
     OK = "ok"
     WARN = "warn"  # works, but worth knowing (not a failure)
     FAIL = "fail"
@@ -39,7 +41,7 @@ class Verdict(enum.StrEnum):
 @dataclasses.dataclass(frozen=True)
 class Check:
     name: str
-    verdict: Verdict
+    verdict: CheckVerdict
     found: str
     fix: str = ""
 
@@ -73,7 +75,8 @@ def _versions() -> Check:
     import hivemind
 
     cuda = torch.version.cuda or "none (CPU build)"
-    return Check("versions", Verdict.OK, f"torch {torch.__version__} (CUDA {cuda}), hivemind {hivemind.__version__}")
+    return Check("versions", CheckVerdict.OK,
+                 f"torch {torch.__version__} (CUDA {cuda}), hivemind {hivemind.__version__}")
 
 
 def _device(cfg: PeerConfig) -> Check:
@@ -81,14 +84,14 @@ def _device(cfg: PeerConfig) -> Check:
     try:
         preflight.check_device(name)
     except SetupError as e:
-        return Check("device", Verdict.FAIL, str(e), "use --inner-device cpu, or install the driver / CUDA torch")
+        return Check("device", CheckVerdict.FAIL, str(e), "use --inner-device cpu, or install the driver / CUDA torch")
     if name == "cpu" or not torch.cuda.is_available():
         hint = "" if name == "cpu" else "no CUDA device: auto trains on the CPU"
-        return Check("device", Verdict.OK if name == "cpu" else Verdict.WARN, f"CPU: {os.cpu_count()} cores, "
+        return Check("device", CheckVerdict.OK if name == "cpu" else CheckVerdict.WARN, f"CPU: {os.cpu_count()} cores, "
                      f"inner.threads {cfg.inner.threads or 'default'}", hint)
     index = int(name.partition(":")[2] or 0) if name.startswith("cuda") else 0
     free, total = torch.cuda.mem_get_info(index)
-    return Check("device", Verdict.OK, f"{torch.cuda.get_device_name(index)}: {free / 2**30:.1f} GiB free of "
+    return Check("device", CheckVerdict.OK, f"{torch.cuda.get_device_name(index)}: {free / 2**30:.1f} GiB free of "
                  f"{total / 2**30:.1f} GiB")
 
 
@@ -96,16 +99,17 @@ def _model(cfg: PeerConfig) -> tuple[Check, Optional[int]]:
     try:
         params = preflight.check_model(cfg)
     except SetupError as e:
-        return Check("model", Verdict.FAIL, str(e), "fix the model setting named above"), None
-    return Check("model", Verdict.OK, f"{params:,} parameters; forward returns logits"), params
+        return Check("model", CheckVerdict.FAIL, str(e), "fix the model setting named above"), None
+    return Check("model", CheckVerdict.OK, f"{params:,} parameters; forward returns logits"), params
 
 
 def _data(cfg: PeerConfig) -> Check:
     try:
         source = preflight.open_data(cfg, max(0, cfg.data.shard))
     except SetupError as e:
-        return Check("data", Verdict.FAIL, str(e), "fix data.paths / data.vocab_size, or run swarm-peer prepare-data")
-    return Check("data", Verdict.OK, f"{cfg.data.source}: readable, ids within the vocabulary of "
+        return Check("data", CheckVerdict.FAIL, str(e),
+                     "fix data.paths / data.vocab_size, or run swarm-peer prepare-data")
+    return Check("data", CheckVerdict.OK, f"{cfg.data.source}: readable, ids within the vocabulary of "
                  f"{cfg.data.vocab_size} (shard {source.shard_index})")
 
 
@@ -115,11 +119,12 @@ def _run_dir(cfg: PeerConfig) -> Check:
     try:
         lock.acquire()
     except RuntimeError as e:
-        return Check("run dir", Verdict.FAIL, str(e), "stop that peer (swarm-peer finish) or use another --run-dir")
+        return Check("run dir", CheckVerdict.FAIL, str(e),
+                     "stop that peer (swarm-peer finish) or use another --run-dir")
     except OSError as e:
-        return Check("run dir", Verdict.FAIL, f"{run_dir}: {e.strerror or e}", "use a writable --run-dir")
+        return Check("run dir", CheckVerdict.FAIL, f"{run_dir}: {e.strerror or e}", "use a writable --run-dir")
     lock.release()
-    return Check("run dir", Verdict.OK, f"{run_dir.resolve()} is writable and not in use")
+    return Check("run dir", CheckVerdict.OK, f"{run_dir.resolve()} is writable and not in use")
 
 
 def _disk(cfg: PeerConfig, params: Optional[int]) -> Check:
@@ -128,30 +133,31 @@ def _disk(cfg: PeerConfig, params: Optional[int]) -> Check:
         where = where.parent
     free = shutil.disk_usage(where).free
     if params is None:
-        return Check("disk", Verdict.WARN, f"{free / 2**30:.1f} GiB free (model size unknown)")
+        return Check("disk", CheckVerdict.WARN, f"{free / 2**30:.1f} GiB free (model size unknown)")
     # keep + 1: the newest ones are kept, and a new one is written before the oldest is deleted
     need = (cfg.run.checkpoint_keep + 1) * CHECKPOINT_BYTES_PER_PARAM * params
-    verdict = Verdict.OK if free >= need else Verdict.FAIL
+    verdict = CheckVerdict.OK if free >= need else CheckVerdict.FAIL
     return Check("disk", verdict, f"{free / 2**30:.2f} GiB free, {cfg.run.checkpoint_keep + 1} checkpoints need about "
-                 f"{need / 2**30:.2f} GiB", "" if verdict is Verdict.OK else
+                 f"{need / 2**30:.2f} GiB", "" if verdict is CheckVerdict.OK else
                  "free some space, or lower run.checkpoint_keep, or use a --run-dir on a larger disk")
 
 
 def _reachable_from_outside(cfg: PeerConfig) -> Check:
     sw = cfg.swarm
     if sw.client_mode:
-        return Check("reachability", Verdict.OK, "client mode: this peer dials out only (it reduces no span)")
+        return Check("reachability", CheckVerdict.OK, "client mode: this peer dials out only (it reduces no span)")
     announced = list(sw.announce_maddrs) or [m for m in sw.host_maddrs if not re.search(r"/ip4/0\.0\.0\.0/", m)]
     ips = [ipaddress.ip_address(m.split("/")[2]) for m in announced if re.match(r"^/ip[46]/", m)]
     public = [ip for ip in ips if ip.is_global]
     fixed_port = any(re.search(r"/tcp/[1-9]\d*", m) for m in sw.host_maddrs)
     if public and fixed_port:
-        return Check("reachability", Verdict.OK, f"announces {', '.join(map(str, public))} on a fixed port (not "
+        return Check("reachability", CheckVerdict.OK, f"announces {', '.join(map(str, public))} on a fixed port (not "
                      f"dialed back: make sure the port is forwarded to this machine)")
     if ips and all(ip.is_loopback for ip in ips):
-        return Check("reachability", Verdict.WARN, "listens on loopback only: only peers on this machine can dial it",
+        return Check("reachability", CheckVerdict.WARN,
+                     "listens on loopback only: only peers on this machine can dial it",
                      "for a swarm beyond this machine: --host-maddrs /ip4/0.0.0.0/tcp/PORT")
-    return Check("reachability", Verdict.WARN, "no public address announced: peers behind other NATs may not dial "
+    return Check("reachability", CheckVerdict.WARN, "no public address announced: peers behind other NATs may not dial "
                  "this one", "forward a port and pass --host-maddrs /ip4/0.0.0.0/tcp/PORT --announce-maddrs "
                  "/ip4/PUBLIC_IP/tcp/PORT, or run with --client-mode")
 
@@ -160,7 +166,7 @@ def _reachable_from_outside(cfg: PeerConfig) -> Check:
 def _network(cfg: PeerConfig, timeout: float) -> list[Check]:
     sw = cfg.swarm
     if not sw.initial_peers:
-        return [Check("bootstrap", Verdict.OK if sw.new_swarm else Verdict.FAIL,
+        return [Check("bootstrap", CheckVerdict.OK if sw.new_swarm else CheckVerdict.FAIL,
                       "new swarm: no initial peers" if sw.new_swarm else "no initial peers given",
                       "" if sw.new_swarm else "pass --initial-peers (the line swarm-bootstrap prints)")]
     from peer.net.plumbing.reachability import diagnose_initial_peers
@@ -170,10 +176,11 @@ def _network(cfg: PeerConfig, timeout: float) -> list[Check]:
     for line in answers:
         address, _, why = line.partition(": ")
         ok = why.startswith("answers")
-        out.append(Check("bootstrap", Verdict.OK if ok else Verdict.FAIL, f"{address}: answers" if ok else line,
+        out.append(Check("bootstrap", CheckVerdict.OK if ok else CheckVerdict.FAIL,
+                         f"{address}: answers" if ok else line,
                          "" if ok else
                          "check the address (swarm-bootstrap prints it), that the node runs and its port is open"))
-    if not any(c.verdict is Verdict.OK for c in out):
+    if not any(c.verdict is CheckVerdict.OK for c in out):
         return out + [_reachable_from_outside(cfg)]
     return out + [_dialed_back(cfg, timeout)] + _swarm_view(cfg, timeout)
 
@@ -194,21 +201,22 @@ def _dialed_back(cfg: PeerConfig, timeout: float) -> Check:
     try:
         reply, mine = ask_to_be_dialed(cfg, timeout=timeout)
     except Exception as e:  # the daemon could not listen there (a port in use: is a peer running?)
-        return Check("reachability", Verdict.FAIL, f"could not listen on {' '.join(cfg.swarm.host_maddrs)}: "
+        return Check("reachability", CheckVerdict.FAIL, f"could not listen on {' '.join(cfg.swarm.host_maddrs)}: "
                      f"{type(e).__name__}: {str(e)[:200]}", "free the port (stop the peer that uses it) or pick "
                      "another in --host-maddrs")
     if reply is None:
         return _reachable_from_outside(cfg)
     if reply.reachable:
-        return Check("reachability", Verdict.OK, f"an initial peer dialed this machine back at {reply.address}")
+        return Check("reachability", CheckVerdict.OK, f"an initial peer dialed this machine back at {reply.address}")
     natted = not_dialable(reply, mine)
     if natted and not reply.dialed:
-        return Check("reachability", Verdict.FAIL, f"nobody outside can dial this machine: {natted}", NAT_FIX)
+        return Check("reachability", CheckVerdict.FAIL, f"nobody outside can dial this machine: {natted}", NAT_FIX)
     if not reply.dialed:  # no node would try: say why, and judge from the addresses
         judged = _reachable_from_outside(cfg)
-        return Check("reachability", Verdict.WARN, f"no initial peer would dial this machine back ({reply.error}); "
+        return Check("reachability", CheckVerdict.WARN,
+                     f"no initial peer would dial this machine back ({reply.error}); "
                      f"from the addresses: {judged.found}", judged.fix)
-    return Check("reachability", Verdict.FAIL, f"an initial peer could not dial this machine back: {reply.error}",
+    return Check("reachability", CheckVerdict.FAIL, f"an initial peer could not dial this machine back: {reply.error}",
                  NAT_FIX)
 
 
@@ -219,18 +227,18 @@ def _swarm_view(cfg: PeerConfig, timeout: float) -> list[Check]:
     try:
         probe = probe_swarm(cfg, timeout=timeout)
     except Exception as e:  # the DHT did not come up: the bootstrap checks above say why, if they can
-        return [Check("swarm", Verdict.FAIL, f"could not join the DHT: {type(e).__name__}: {e}",
+        return [Check("swarm", CheckVerdict.FAIL, f"could not join the DHT: {type(e).__name__}: {e}",
                       "see the bootstrap checks above")]
     checks = []
     for peer, skew, rtt in probe.clocks:
         ok = abs(skew) <= CLOCK_TOLERANCE_S
-        checks.append(Check("clock", Verdict.OK if ok else Verdict.FAIL, f"{skew:+.2f} s against {peer[-8:]} "
+        checks.append(Check("clock", CheckVerdict.OK if ok else CheckVerdict.FAIL, f"{skew:+.2f} s against {peer[-8:]} "
                             f"(+-{rtt / 2:.2f} s)", "" if ok else
                             "synchronize this machine's clock (enable NTP: timedatectl set-ntp true)"))
     if not probe.clocks:
-        checks.append(Check("clock", Verdict.WARN, "no initial peer answered a ping: clock not compared"))
+        checks.append(Check("clock", CheckVerdict.WARN, "no initial peer answered a ping: clock not compared"))
     live = probe.live_peers
-    checks.append(Check("swarm", Verdict.OK if live else Verdict.WARN,
+    checks.append(Check("swarm", CheckVerdict.OK if live else CheckVerdict.WARN,
                         f"{live} peer(s) of this run (hash {cfg.run_hash()}) live" +
                         (f", at steps {probe.steps}" if probe.steps else ""),
                         "" if live else "nobody trains this run yet (or another config: compare the run hash)"))
@@ -239,8 +247,8 @@ def _swarm_view(cfg: PeerConfig, timeout: float) -> list[Check]:
 
 def summary(checks: list[Check]) -> tuple[int, str]:
     """Exit status (0 when nothing failed) and one closing line."""
-    failed = [c for c in checks if c.verdict is Verdict.FAIL]
-    warned = [c for c in checks if c.verdict is Verdict.WARN]
+    failed = [c for c in checks if c.verdict is CheckVerdict.FAIL]
+    warned = [c for c in checks if c.verdict is CheckVerdict.WARN]
     if failed:
         return 1, f"{len(failed)} check(s) failed: {', '.join(c.name for c in failed)}"
     return 0, "ready to join" + (f" ({len(warned)} warning(s))" if warned else "")

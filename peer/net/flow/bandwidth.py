@@ -26,8 +26,8 @@ BURST_S = 0.25  # after an idle spell a pacer lets this many seconds' worth of b
 # 1 byte/s holds a sender no longer than its deadlines allow anyway, and an honest one cannot ask for less.
 MIN_RATE = MIN_MBPS * MBIT
 # What crosses the link per byte of our messages: TCP/IP headers (~3.6% at a 1448-byte MSS) and libp2p's noise
-# and yamux framing. The pacers run at the cap over this, so the link carries the cap; measured in the network
-# lab without it: 1.045-1.060x the cap (docs/benchmarks.md, "Bandwidth caps").
+# and yamux framing. The pacers run at the cap over this, so the link, not just our messages, stays within the
+# cap (docs/benchmarks.md, "Bandwidth caps").
 WIRE_OVERHEAD = 1.05
 
 

@@ -1,4 +1,4 @@
-"""What one DHT node keeps for others, bounded (issue 28).
+"""What one DHT node keeps for others, bounded.
 
 hivemind's ``DHTLocalStorage`` keeps every record anyone stores until the expiration its writer chose, of any size
 and count: 40 records of 1 MiB from one stranger grew each honest peer's processes by 4 GB. :class:`BoundedStorage`
@@ -24,7 +24,7 @@ from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
 from hivemind.utils import get_dht_time
 
 from peer.config.fields import MAX_RECORD_TTL
-from peer.net.plumbing.hivemind_internals import use_dht_storage
+from peer.net.plumbing.hivemind_internals import drop_expired, use_dht_storage
 
 ENTRY_OVERHEAD = 64  # bytes counted per stored entry beyond its value and subkey (heap entry, dict slot)
 
@@ -60,7 +60,7 @@ class BoundedStorage(DHTLocalStorage):
 
     def used(self) -> int:
         """Bytes held (counted when each key was last stored to)."""
-        self._remove_outdated()
+        drop_expired(self)
         self._sizes = {k: n for k, n in self._sizes.items() if k in self.data}
         return sum(self._sizes.values())
 

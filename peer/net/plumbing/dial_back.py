@@ -151,8 +151,8 @@ async def ask_initial_peers(p2p: P2P, initial_peers: Sequence[str], maddrs: Sequ
             except Exception as e:  # (a node without the service, gone, or a connection that closed under us)
                 log.debug("dial-back from %s (attempt %d of %d): %s: %s", text, attempt + 1, ASKS_PER_NODE,
                           type(e).__name__, e)
-                # (CI once saw the stream end with no reply within a second of joining, the node's service up: a
-                # connection that failed under the request, not an answer; asked once more before the next node)
+                # (a stream that ends with no reply is a connection that failed under the request, not an
+                # answer, even from a node whose service is up: that node is asked once more before the next)
                 if attempt + 1 < ASKS_PER_NODE:
                     await asyncio.sleep(ASK_AGAIN_AFTER)
         if reply is None:  # the next node

@@ -1,21 +1,36 @@
 """Every use of hivemind 1.1.12's private API, in one place: what a hivemind upgrade must be checked against.
 
-Each function below wraps one private attribute and says why no public API serves; ``PRIVATE`` lists them all
-(with the one private method we override, ``Matchmaking._check_reasons_to_reject`` in peer/net/round/matchmaking.py),
-and tests/test_hivemind_internals.py checks that each still exists. Nothing else in the project touches
-hivemind's private names.
+Each function below wraps one private attribute and says why no public API serves; ``PRIVATE`` lists them all.
+``IN_SUBCLASSES`` lists what our subclasses of hivemind's classes override of their private methods or use of
+their undocumented state, and why. tests/test_hivemind_internals.py checks that each name still exists, and that
+no other module of peer/ or bootstrap/ touches a private name of hivemind's that these do not list.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-PRIVATE = {  # module: the private names we rely on
-    "hivemind.dht.dht": ["DHT._inner_pipe", "DHT._outer_pipe"],
+if TYPE_CHECKING:
+    from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
+
+PRIVATE = {  # module: the private names the functions below use
+    "hivemind.dht.dht": ["DHT._inner_pipe", "DHT._outer_pipe", "DHT.kwargs"],
     "hivemind.p2p.p2p_daemon": ["P2P._client", "P2P.receive_raw_data", "P2P.FORCE_REACHABILITY_MAPPING"],
     "hivemind.dht.protocol": ["DHTLocalStorage", "DHTProtocol.record_validator", "DHTProtocol.authorizer"],
     "hivemind.dht.validation": ["CompositeValidator._validators"],
-    "hivemind.averaging.matchmaking": ["Matchmaking._check_reasons_to_reject"],
+    "hivemind.utils.crypto": ["RSAPrivateKey._private_key", "RSAPublicKey._public_key"],
+    "hivemind.dht.storage": ["DHTLocalStorage._remove_outdated"],
+}
+IN_SUBCLASSES = {  # module: what our subclasses override of a hivemind class or read and write of its state
+    # peer/net/round/matchmaking.py's _Matchmaking overrides how a leader vets a join request (to refuse stale,
+    # absurd or unplannable ones; it sets ``target_group_size`` to assemble once the expected peers joined) and
+    # how a follower asks a leader (a stream the leader closed is a failed request, not the end of the search).
+    "hivemind.averaging.matchmaking": ["Matchmaking._check_reasons_to_reject", "Matchmaking._request_join_group",
+                                       "Matchmaking.target_group_size", "Matchmaking.current_followers",
+                                       "Matchmaking.request_timeout", "Matchmaking.peer_id"],
+    # peer/net/plumbing/dht_storage.py's BoundedStorage counts the bytes of the records it keeps: it reads the
+    # stored entries, once the expired ones are dropped (:func:`drop_expired`).
+    "hivemind.dht.storage": ["DHTLocalStorage.data"],
 }
 
 
@@ -47,6 +62,37 @@ def use_dht_storage(storage_class: type) -> None:
     import hivemind.dht.protocol as protocol
 
     protocol.DHTLocalStorage = storage_class
+
+
+def private_key_from_der(der: bytes) -> RSAPrivateKey:
+    """hivemind's RSAPrivateKey around a DER (TraditionalOpenSSL) key, as its pickling restores one (it has no
+    constructor from bytes; its pickled state names its private ``_private_key``)."""
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    key = RSAPrivateKey.__new__(RSAPrivateKey)
+    key.__setstate__({"_private_key": der})
+    return key
+
+
+def public_key_der(public_key: RSAPublicKey) -> bytes:
+    """The DER (SubjectPublicKeyInfo) encoding of hivemind's RSAPublicKey, the bytes a libp2p peer id hashes
+    (hivemind's ``to_bytes`` gives the OpenSSH encoding; the key it wraps is private)."""
+    from cryptography.hazmat.primitives import serialization
+
+    return public_key._public_key.public_bytes(serialization.Encoding.DER,
+                                               serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+def drop_expired(storage: Any) -> None:
+    """Drops the expired entries of hivemind's ``TimedStorage`` (a ``DHTLocalStorage``) from its ``data``, as its
+    own reads do first (it offers no public way to do only that)."""
+    storage._remove_outdated()
+
+
+def dht_kwargs(dht: Any) -> dict:
+    """The keyword arguments a ``hivemind.DHT`` was created with, which its process hands its DHT node and P2P
+    (it keeps them in an undocumented attribute)."""
+    return dht.kwargs
 
 
 def request_and_record_checkers(node: Any) -> list:

@@ -3,7 +3,8 @@
 Invariant: every peer that applies round r of fragment f holds the same digest (of ``G, v``) after it. The update
 is deterministic and the average reaches every member as the same bytes, so it holds when (1) all appliers start
 from one base, (2) each applies the whole average (the engine applies only ``ok`` rounds), and (3) only one group
-of the round applies. :func:`agree` decides (1) and (3) from the members' ``MemberInfo`` alone (one :class:`Verdict`):
+of the round applies. :func:`agree` decides (1) and (3) from the members' ``MemberInfo`` alone (one
+:class:`GroupVerdict`):
 
 - the group's base is the one most members declared (ties: the later round, then the smaller digest); a member
   with another base contributes but applies nothing, and downloads the result (``off_base``);
@@ -25,7 +26,7 @@ DIGEST_CHARS = 64  # at most, hex (a blake2b-128 digest is 32)
 
 
 @dataclass(frozen=True)
-class Verdict:
+class GroupVerdict:
     """What every member of one group concludes from the same infos."""
 
     base: str  # the group's base digest
@@ -40,7 +41,7 @@ def valid_base(info: pb.MemberInfo) -> bool:
     return 0 < len(info.base) <= DIGEST_CHARS and all(c in "0123456789abcdef" for c in info.base)
 
 
-def agree(infos: Sequence[pb.MemberInfo], *, two_level: bool) -> Verdict:
+def agree(infos: Sequence[pb.MemberInfo], *, two_level: bool) -> GroupVerdict:
     """The group's verdict from its members' infos (checked by :meth:`peer.net.round.group.GroupPlan.from_group`)."""
     holders: dict[str, list[int]] = {}
     for i, info in enumerate(infos):
@@ -51,7 +52,7 @@ def agree(infos: Sequence[pb.MemberInfo], *, two_level: bool) -> Verdict:
     declared = sorted(max(1, info.expected) for info in infos)
     expected = declared[len(declared) // 2]
     quorum = two_level or 2 * len(infos) > expected
-    return Verdict(base, rounds[base], tuple(holders[base]), quorum, expected)
+    return GroupVerdict(base, rounds[base], tuple(holders[base]), quorum, expected)
 
 
 def quorum_count(expected: Collection[str], live: Iterable[str], partnered: Callable[[str], bool], me: str) -> int:

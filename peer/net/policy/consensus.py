@@ -68,7 +68,7 @@ def in_step_with(rec: ProgressRecord, my_rounds: Sequence[int]) -> bool:
 def plausible_lead(rec: ProgressRecord, H: int, num_fragments: int) -> bool:
     """Whether ``rec``'s step fits its rounds: not past the launch of fragment 0's round after next (one failed
     round in between). A step far ahead of its rounds is either a peer that trained alone (a 2-peer swarm
-    while the other was away) or a forged record (issue 13: it would move every peer's step, and with it the
+    while the other was away) or a forged record (it would move every peer's step, and with it the
     learning-rate schedule, to the end of the run): :func:`realign` follows it only with the others' support."""
     return bool(rec.rounds) and rec.step <= sync_step(0, rec.rounds[0] + 2, num_fragments, H)
 

@@ -31,7 +31,7 @@ from hivemind.p2p import P2P, P2PContext, ServicerBase
 
 from peer.net.flow.bandwidth import Bandwidth
 from peer.net.flow.credit import CreditError, SendWindow, window
-from peer.net.trust.exclusion import Exclusions, Offence, Verdict
+from peer.net.trust.exclusion import Exclusions, Offence, PeerVerdict
 from peer.net.round.group import GroupPlan, valid_weight
 from peer.net.flow.streams import StreamGuard, first_message
 from peer.net.round.reduction import Lift, Pieces, SpanReduction, Traffic, decode_piece, encode_pieces
@@ -61,7 +61,7 @@ class AllReduceResult:
     # longest of their times; of the averages we read, all their bytes and the window they came in
     uplink: Optional[tuple[int, float]] = None
     downlink: Optional[tuple[int, float]] = None
-    verdicts: list[Verdict] = field(default_factory=list)  # of the remote reducers: offences, answered, silent
+    verdicts: list[PeerVerdict] = field(default_factory=list)  # of the remote reducers: offences, answered, silent
 
     @property
     def complete(self) -> bool:
@@ -363,17 +363,17 @@ def _span_from_responses(plan: GroupPlan, j: int, responses: list[pb.ReduceRespo
     return SpanResult(out, contributors, "", total, pieces=[(msg.offset, msg.piece) for msg in responses])
 
 
-def _verdict(plan: GroupPlan, j: int, got: SpanResult, results: dict[int, SpanResult]) -> Optional[Verdict]:
+def _verdict(plan: GroupPlan, j: int, got: SpanResult, results: dict[int, SpanResult]) -> Optional[PeerVerdict]:
     """What we conclude of remote reducer ``j``: an offence (its span failed our checks), that it answered, that
     it stayed silent (timed out while another remote reducer's span arrived: the network is not simply ours),
     or nothing."""
     peer, why = str(plan.peer_ids[j]), f"{plan.label}: {got.why}"
     if got.offence:
-        return Verdict(peer, why, offence=Offence.BAD_AVERAGE)
+        return PeerVerdict(peer, why, offence=Offence.BAD_AVERAGE)
     if got.average is not None:
-        return Verdict(peer, answered=True)
+        return PeerVerdict(peer, answered=True)
     if got.timed_out and any(r.average is not None for k, r in results.items() if k not in (j, plan.my_index)):
-        return Verdict(peer, why)
+        return PeerVerdict(peer, why)
     return None
 
 

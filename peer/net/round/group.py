@@ -13,7 +13,7 @@ from google.protobuf.message import DecodeError
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.p2p import PeerID
 
-from peer.net.policy.agreement import Verdict, agree, valid_base
+from peer.net.policy.agreement import GroupVerdict, agree, valid_base
 from peer.outer.aggregate import MAX_WEIGHT, AggregationRule
 from peer.outer.codec import Codec
 from peer.proto import allreduce_pb2 as pb
@@ -144,7 +144,7 @@ class GroupPlan:
     slots: int = 0
     held: tuple[range, ...] = ()
     part_codec: Optional[Codec] = None  # how members encode their parts (None: ``codec``; level 2 uses fp8)
-    verdict: Optional[Verdict] = None  # which members apply the average (peer/net/policy/agreement.py); None: level 2
+    verdict: Optional[GroupVerdict] = None  # which members apply the average (policy/agreement.py); None: level 2
     dropped: tuple[tuple[str, str], ...] = ()  # (peer id, why): members of the group left out of the plan
 
     @property

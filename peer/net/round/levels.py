@@ -37,7 +37,7 @@ from peer.net.flow.bandwidth import Bandwidth
 from peer.net.flow.streams import StreamGuard
 from peer.net.round.matchmaking import form_group
 from peer.net.round.reduction import Lifted, LiftError, Pieces, encode_pieces
-from peer.net.trust.exclusion import Verdict
+from peer.net.trust.exclusion import PeerVerdict
 from peer.outer.codec import get_codec
 from peer.proto import allreduce_pb2 as pb
 from peer.util import time_left
@@ -203,7 +203,7 @@ class GroupCensus:
 
 def swarm_lift(plan: GroupPlan, *, p2p: P2P, dht: DHT, servicer: AllReduceServicer, cfg: SwarmConfig, prefix: str,
                live: int, deadline: float, excluded: Callable[[str], bool], guard: StreamGuard,
-               bandwidth: Bandwidth, learn: Callable[[Sequence[Verdict]], object]) -> SlotLift:
+               bandwidth: Bandwidth, learn: Callable[[Sequence[PeerVerdict]], object]) -> SlotLift:
     """The :class:`SlotLift` of a swarm's round: level-2 groups by matchmaking under ``{prefix}_s{slot}`` (target:
     the groups of the :class:`GroupCensus`, read for at most 40% of the time to ``deadline``; short of it, whoever
     came within three quarters of the time left, at least ``cfg.matchmaking_time``; alone, the slot holds our

@@ -26,7 +26,7 @@ from peer.net.policy.agreement import quorum_size
 from peer.net.round.allreduce import run_allreduce
 from peer.net.view.attendance import early_assembly
 from peer.net.policy.consensus import laggards, nobody_coming, swarm_is_past
-from peer.net.trust.exclusion import Offence, Verdict
+from peer.net.trust.exclusion import Offence, PeerVerdict
 from peer.net.round.group import PROTOCOL_VERSION, GroupError, GroupPlan
 from peer.net.round.levels import Levels, plan_levels, swarm_lift
 from peer.net.flow.links import plan_deadlines
@@ -57,7 +57,7 @@ class Lesson:
     here: tuple[int, int]
     came: Optional[frozenset[str]] = None
     judge: bool = False
-    verdicts: tuple[Verdict, ...] = ()
+    verdicts: tuple[PeerVerdict, ...] = ()
     uplink: Optional[tuple] = None
     downlink: Optional[tuple] = None
 
@@ -228,7 +228,7 @@ class RoundRunner:
             log.warning("%s: member %s left out of the group: %s", self.label, short_id(who), why)
         # a dropped member neither came nor becomes a partner (partners count in every later quorum)
         self._learn(out, Lesson(self.here, came=frozenset(str(pid) for pid in plan.peer_ids), judge=not self.levels,
-                                verdicts=tuple(Verdict(who, f"{self.label}: {why}", Offence.BAD_INFO)
+                                verdicts=tuple(PeerVerdict(who, f"{self.label}: {why}", Offence.BAD_INFO)
                                                for who, why in plan.dropped)))
         out.group_size = len(plan.peer_ids)
         verdict = plan.verdict

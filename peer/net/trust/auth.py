@@ -1,5 +1,5 @@
-"""Authenticated runs: an operator's run authority admits volunteers by peer id (issue 13; docs/architecture.md,
-"Hostile peers").
+"""Authenticated runs: an operator's run authority admits volunteers by peer id (docs/architecture.md, "Hostile
+peers").
 
 An open run (``swarm.authority`` empty) admits anyone and says so at start. In an authenticated run,
 ``swarm.authority`` is the public half of the operator's RSA authority key (so it is in the run hash), and:
@@ -29,7 +29,6 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
-from cryptography.hazmat.primitives import serialization
 from google.protobuf.message import DecodeError
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.protocol import DHTProtocol
@@ -40,7 +39,7 @@ from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.auth import TokenAuthorizerBase
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
-from peer.net.plumbing.hivemind_internals import request_and_record_checkers
+from peer.net.plumbing.hivemind_internals import private_key_from_der, public_key_der, request_and_record_checkers
 from peer.net.trust.records import MAX_PASS_CHARS, PEER_ID, ProgressRecord
 
 PASS_PREFIX = "swarmloco-pass:"
@@ -51,13 +50,6 @@ _OWNER_KEY = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX, re.DOTALL)
 
 
 # ---- keys ------------------------------------------------------------------------------------
-def private_key_from_der(der: bytes) -> RSAPrivateKey:
-    """hivemind's RSAPrivateKey around a DER (TraditionalOpenSSL) key, as its pickling restores one."""
-    key = RSAPrivateKey.__new__(RSAPrivateKey)
-    key.__setstate__({"_private_key": der})
-    return key
-
-
 def identity_key(identity_path: str | Path) -> RSAPrivateKey:
     """The RSA key of a libp2p identity file (``dht.ensure_identity`` wrote it): the peer id is its hash."""
     return private_key_from_der(crypto_pb2.PrivateKey.FromString(Path(identity_path).read_bytes()).data)
@@ -67,9 +59,7 @@ def peer_id_of(public_key: RSAPublicKey) -> str:
     """The libp2p peer id (base58) of an RSA public key: the multihash of its protobuf encoding."""
     from hivemind.p2p import PeerID
 
-    der = public_key._public_key.public_bytes(serialization.Encoding.DER,
-                                              serialization.PublicFormat.SubjectPublicKeyInfo)
-    encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
+    encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=public_key_der(public_key)).SerializeToString()
     return PeerID(b"\x12\x20" + hashlib.sha256(encoded).digest()).to_base58()  # multihash: sha2-256, 32 bytes
 
 

@@ -36,7 +36,7 @@ class Offence(enum.StrEnum):
 
 
 @dataclass(frozen=True)
-class Verdict:
+class PeerVerdict:
     """What a step of a round concluded about ``peer``, as data for :meth:`Exclusions.apply`: an ``offence``
     (counts toward exclusion), else, of a reducer, whether its span ``answered`` or stayed silent while
     another reducer's came (``why`` names the fragment and round)."""
@@ -104,7 +104,7 @@ class Exclusions:
         with self._lock:
             self._silent.pop(peer, None)
 
-    def apply(self, verdict: Verdict) -> None:
+    def apply(self, verdict: PeerVerdict) -> None:
         """Counts ``verdict`` (:meth:`report`, :meth:`answered` or :meth:`silent`)."""
         if verdict.offence is not None:
             self.report(verdict.peer, verdict.offence, verdict.why)
