@@ -24,8 +24,8 @@ EXTRA = {"cli/prepare_data.py": {"local"}}
 # Modules that are pure policy or pure math: no hivemind, no sockets, no asyncio.
 # Checked on each module's own imports: one may still import a shared module (peer.util has asyncio helpers).
 PURE = ["outer", "local", "net/policy", "net/trust/records.py", "net/trust/exclusion.py", "net/trust/span_checks.py",
-        "net/view/attendance.py", "net/view/activity.py", "run/pace.py", "run/ledger.py", "control/controls.py",
-        "control/limits.py", "control/feed.py", "monitor/view.py"]
+        "net/view/attendance.py", "net/view/activity.py", "run/pace.py", "run/ledger.py", "run/throughput.py",
+        "control/controls.py", "control/limits.py", "control/feed.py", "monitor/view.py"]
 NETWORKING = ("hivemind", "socket", "asyncio", "grpc")
 
 

@@ -186,6 +186,8 @@ def test_auto_tau_hides_the_measured_round_time_within_bounds():
     assert fast() == 2
     assert AutoTau(tau_max=8, H=4, step_time=Ema())() == 3  # below H, whatever tau_max says
     assert [clamp_tau(t, 4) for t in (-1, 0, 3, 4, 9)] == [0, 0, 3, 3, 3]
+    assert [clamp_tau(t, 20, tau_max=8) for t in (-1, 0, 1, 8, 9)] == [1, 1, 1, 8, 8]  # auto's bounds: 1 to tau_max
+    assert [clamp_tau(t, H, tau_max=8) for t, H in ((9, 4), (0, 4), (5, 1))] == [3, 1, 0]  # ... within 0 to H - 1
 
 
 def test_outer_state_holds_the_eager_terms_only_when_they_are_used():

@@ -15,7 +15,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
-from peer.net.trust.records import ProgressRecord
+from peer.net.trust.records import ProgressRecord, live_at
 
 HISTORY_POINTS = 720  # one hour at the default 5 s poll
 
@@ -76,7 +76,7 @@ def snapshot(records: Iterable[ProgressRecord], now: float, ttl: float, history:
     """The JSON API's reply (``/api/swarm``) for the records at DHT time ``now``; adds a point to ``history``."""
     newest: dict[str, ProgressRecord] = {}
     for rec in records:  # one record per peer id: the newest (a peer that restarted may have two subkeys)
-        if rec.time + ttl >= now and (rec.peer_id not in newest or rec.time > newest[rec.peer_id].time):
+        if live_at(rec, now, ttl) and (rec.peer_id not in newest or rec.time > newest[rec.peer_id].time):
             newest[rec.peer_id] = rec
     live = sorted(newest.values(), key=lambda r: r.peer_id)
     training = [r for r in live if not r.paused]

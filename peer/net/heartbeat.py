@@ -45,7 +45,8 @@ MAX_IN_FLIGHT = 4
 class Heartbeat:
     """Publishes ``record()`` (called at each store, on ``swarm-net``) under ``subkey`` of the run's progress key
     and merges everyone's records into ``roster``. ``initial_peers`` ({peer id: multiaddrs}) are pinged, with the
-    peers seen before, while we see no one (:meth:`_reconnect`)."""
+    peers seen before, while we see no one (:meth:`_reconnect`). Its own fields (the first read, reconnecting, the
+    revocations our DHT applies) are written by its tasks only, on ``swarm-net``."""
 
     def __init__(self, cfg: SwarmConfig, *, dht: DHT, p2p: P2P, run_key: str, subkey: bytes, peer_id: str,
                  roster: Roster, admission: Admission, access: Optional[RunAccess],

@@ -21,7 +21,7 @@ from peer.net.trust.auth import PassChecker, record_admitted
 from peer.net.plumbing.dht import create_dht, shutdown_dht
 from peer.net.plumbing.dial_back import ask_initial_peers
 from peer.net.trust.progress import make_validators, progress_key
-from peer.net.trust.records import ProgressRecord
+from peer.net.trust.records import ProgressRecord, live_at
 from peer.net.swarm import swarm_key
 from peer.proto import reachability_pb2
 
@@ -66,7 +66,7 @@ def probe_swarm(cfg: PeerConfig, *, timeout: float) -> Probe:
         clocks = dht.run_coroutine(ping, return_future=True).result(timeout * (len(peers) + 1))
         now = get_dht_time()
         steps = [rec.step for rec in read_records(dht, run_key, timeout=2 * timeout)
-                 if rec.time + sw.progress_ttl >= now and not rec.paused]
+                 if live_at(rec, now, sw.progress_ttl) and not rec.paused]
         return Probe(clocks=clocks, live_peers=len(steps), steps=sorted(steps))
     finally:
         shutdown_dht(dht)

@@ -15,7 +15,7 @@ import logging
 import math
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from hivemind.dht import DHT
@@ -63,14 +63,21 @@ class Swarm:
 
     Must be started before CUDA is initialized (the DHT forks). Every method except :meth:`start`
     must be called after :meth:`start` and before :meth:`shutdown`.
+
+    Who writes its state: what our record publishes (``_progress``, ``_eval``, ``paused``, ``_past``, the served
+    snapshots) the training thread, through :meth:`update_progress`, :meth:`publish_eval`, :meth:`publish_paused`
+    and :meth:`publish_snapshot`; the roster, the attendance, the rounds in flight, ``client_mode`` and the host
+    listing ``swarm-net`` (the heartbeat, the rounds and :meth:`learn`); ``_dht`` and ``_p2p`` :meth:`start` and
+    :meth:`shutdown`, on the thread that owns the swarm.
     """
 
     def __init__(self, cfg: SwarmConfig, *, run_key: str, codec, identity_path: str,
                  rule: Optional[AggregationRule] = None, access: Optional[RunAccess] = None,
-                 bandwidth: Optional[Bandwidth] = None):
+                 bandwidth: Optional[Bandwidth] = None, on_exclude: Optional[Callable[[str, str], None]] = None):
         """``rule``: how our spans are combined when we reduce (the run's; by default the robust rule).
         ``access``: our pass in an authenticated run (None: an open run, anyone may take part).
-        ``bandwidth``: the owner's caps on our all-reduce and state-transfer streams (None: uncapped)."""
+        ``bandwidth``: the owner's caps on our all-reduce and state-transfer streams (None: uncapped).
+        ``on_exclude(peer, why)``: called once per peer we exclude (:class:`Exclusions`; on ``swarm-net``)."""
         self.bandwidth = bandwidth or Bandwidth()
         self.cfg = cfg
         self.codec = get_codec(codec)  # a name or a configured codec instance
@@ -81,7 +88,8 @@ class Swarm:
         self._thread = threading.Thread(target=self._loop.run_forever, name="swarm-net", daemon=True)
         self._dht: Optional[DHT] = None  # set by start(), cleared by shutdown()
         self._p2p: Optional[P2P] = None
-        self.exclusions = Exclusions(threshold=cfg.exclude_after)  # peers we no longer work with (and why)
+        # peers we no longer work with (and why)
+        self.exclusions = Exclusions(threshold=cfg.exclude_after, on_exclude=on_exclude)
         self.access = access
         self.admission = Admission(access.checker if access else None)  # who may take part (authenticated runs)
         if access is not None:
@@ -114,7 +122,7 @@ class Swarm:
         # (step, round of fragment 0, tokens/s, last loss), published by the heartbeat
         self._progress: tuple[int, int, float, Optional[float]] = (0, 0, 0.0, None)
         self._eval: tuple[Optional[float], int] = (None, 0)  # the shared model's held-out loss, and its round
-        self.paused = False  # published by the heartbeat: the trainer sets it while its owner pauses it
+        self.paused = False  # published by the heartbeat: set while the owner pauses the trainer (publish_paused)
         self.client_mode = cfg.client_mode  # or set at start when nobody outside can dial us (_check_reachability)
         # who we see: live records, vouched speeds, partners, known peers (peer/net/view/roster.py; fed by the
         # heartbeat)
@@ -237,6 +245,10 @@ class Swarm:
         """Sets the shared model's held-out loss (evaluated after fragment 0's round ``round_``) that the next
         heartbeats publish (the monitor's held-out chart). A loss that is not finite and non-negative is not."""
         self._eval = (float(loss) if math.isfinite(loss) and 0 <= loss <= 1e6 else None, round_)
+
+    def publish_paused(self, paused: bool) -> None:
+        """Sets whether the next heartbeats say this peer is paused by its owner (in no group, no vote, no wait)."""
+        self.paused = paused
 
     def _record(self) -> ProgressRecord:
         """Our progress record as of now (the heartbeat publishes it; called on swarm-net)."""

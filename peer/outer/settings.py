@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 from peer.config import OuterConfig, default_of
 from peer.util import Ema
@@ -45,10 +46,11 @@ class OuterSettings:
                    wait_timeout=outer.wait_timeout)
 
 
-def clamp_tau(tau: int, H: int) -> int:
+def clamp_tau(tau: int, H: int, tau_max: Optional[int] = None) -> int:
     """A round's overlap as ``tau = auto`` may choose it: 0 to ``H - 1`` inner steps (``tau = H``, the one-outer-step
-    mode, is a fixed setting only)."""
-    return max(0, min(H - 1, tau))
+    mode, is a fixed setting only); with ``tau_max`` (>= 1, as ``[outer]`` checks), also 1 to ``tau_max``."""
+    low, high = (0, H - 1) if tau_max is None else (1, min(H - 1, tau_max))
+    return max(0, min(high, max(low, tau)))
 
 
 class AutoTau:
@@ -71,5 +73,5 @@ class AutoTau:
 
     def __call__(self) -> int:
         step, round_ = self.step_time.value, max(self.rounds, default=None)
-        tau = self.tau_max if not step or round_ is None else max(1, min(self.tau_max, math.ceil(round_ / step) + 1))
-        return clamp_tau(tau, self.H)
+        tau = self.tau_max if not step or round_ is None else math.ceil(round_ / step) + 1
+        return clamp_tau(tau, self.H, self.tau_max)

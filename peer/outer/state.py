@@ -218,12 +218,15 @@ def merge_into(theta: torch.Tensor, target: torch.Tensor, spans: Sequence[Span],
 
 
 class ErrorFeedback:
-    """Residual of a lossy codec for one fragment (off by default; the trainer owns one per fragment).
+    """Residual of a lossy codec for one fragment (off by default; the engine owns one per fragment).
 
     Each round: ``x = ef.compensate(delta)`` (delta + residual), send ``x``, then
     ``ef.update(x, decoded_x)`` with ``decoded_x`` what the peers will decode from our bytes (for a
     deterministic codec ``roundtrip(x, codec)``). The residual ``x - decoded_x`` is added to the next
     round's delta, so quantization errors are delayed instead of lost.
+
+    ``residual`` is written by its :class:`~peer.outer.engine.StreamingEngine` only: :meth:`update` on the engine's
+    worker thread, anything else on the training thread once that update was waited for (one writer at a time).
     """
 
     def __init__(self) -> None:

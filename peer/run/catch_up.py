@@ -30,7 +30,9 @@ log = logging.getLogger(__name__)
 
 
 class StateSync:
-    """Publishes our fragments' states and brings them to the swarm's. Used from the training thread only."""
+    """Publishes our fragments' states and brings them to the swarm's. Used from the training thread only: its
+    fields are written by its own methods (the trainer tells it of rounds through :meth:`note_late`,
+    :meth:`note_partial` and :meth:`owe`)."""
 
     def __init__(self, swarm: Swarm, engine: StreamingEngine, *, events: EventLog, pace: PaceWatch,
                  stop: threading.Event, sync_every: int, on_fragment: Callable[[int, int, str, int], None],
@@ -44,7 +46,7 @@ class StateSync:
         self.on_fragment = on_fragment  # (fragment, round, digest, numel): the control API's view
         self.show_status = show_status
         # fragments whose last partial round left our state off the swarm's (the catch-up asks the majority)
-        self.suspect: set[int] = set()
+        self._suspect: set[int] = set()
         # per fragment, the digest of its state as last published: every change of G, v is published (restore,
         # rounds, adoption), so the drift check reads it here instead of hashing every fragment again
         self._digests: dict[int, str] = {}
@@ -65,6 +67,11 @@ class StateSync:
     def note_late(self) -> None:
         """A round of ours was ``behind`` (the swarm is past it): :meth:`due` says catch up now."""
         self.late = True
+
+    def note_partial(self, fragment: int) -> None:
+        """A round of ``fragment`` was ``partial`` (a span we did not apply): our state of it is likely the odd one,
+        so the next catch-up takes any other digest the swarm holds at our round (consensus.plan_catch_up)."""
+        self._suspect.add(fragment)
 
     def due(self) -> bool:
         """Whether the training loop should call :meth:`catch_up` now: a late round, a repair waiting for records
@@ -128,7 +135,7 @@ class StateSync:
         expected = [engine.expected_round(p) for p in range(len(engine.states))]
         plans = plan_catch_up(records, self.swarm.peer_id, [st.last_applied for st in engine.states],
                               [self.digest(p) for p in range(len(engine.states))],
-                              joining=joining, expected=expected, late=late, suspect=sorted(self.suspect),
+                              joining=joining, expected=expected, late=late, suspect=sorted(self._suspect),
                               my_past=self.swarm.recent_digests(len(engine.states)))
         owed = self._owed_plans(self.swarm.live_peers())
         plans = [plan for plan in plans if plan.fragment not in owed] + list(owed.values())
@@ -155,7 +162,7 @@ class StateSync:
                 failed += 1
                 continue
             engine.adopt(plan.fragment, snap.G, snap.v, snap.round, snap.blocks)
-            self.suspect.discard(plan.fragment)
+            self._suspect.discard(plan.fragment)
             self.owed.pop(plan.fragment, None)
             donor_steps.append(plausible_donor_step(snap.step, plan.fragment, snap.round, len(engine.states),
                                                     self.sync_every))

@@ -33,10 +33,18 @@ class EventLog:
         """``path``: the file (None: no file); ``feed``: also given every event's JSON (the control API's
         WatchEvents)."""
         self._fd: Optional[int] = None
-        self.path = path
-        self.feed = feed
+        self.path: Optional[str] = None
+        self.feed: Optional[Callable[[str], None]] = None
         self.dropped = 0  # events lost to write errors since the last successful write
         self._cut = False  # the last write may have ended mid-line
+        self.open(path, feed)
+
+    def open(self, path: Optional[str], feed: Optional[Callable[[str], None]] = None) -> None:
+        """Writes to ``path`` and ``feed`` from now on (as the constructor's), closing the file written so far: a log
+        made before its run dir was ours (the trainer's) is opened in place, so whoever holds it emits there."""
+        self.close()
+        self.path, self.feed = path, feed
+        self.dropped, self._cut = 0, False
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)

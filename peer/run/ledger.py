@@ -18,7 +18,7 @@ class RoundLedger:
     plain values (the control API's threads read them)."""
 
     def __init__(self, events: EventLog, *, aggregator: str):
-        self.events = events  # replaced by the trainer once the run dir is its own
+        self.events = events  # (the trainer's: opened once the run dir is its own)
         self.aggregator = aggregator
         self.done = 0  # rounds of which at least one span was applied
         self.ok = self.total = 0  # rounds ok, rounds in all

@@ -33,18 +33,18 @@ class OwnerLink:
     """Created by the trainer with its config; :meth:`start` once the run dir is locked and the DHT process has
     forked, :meth:`stop` at exit.
 
-    ``figures`` (set by the trainer) returns the live figures of the status reply; the rest is kept here:
+    ``figures`` (the trainer's) returns the live figures of the status reply; the rest is kept here:
     rounds by status (:meth:`count_round`), the fragments' last published round and digest
-    (:meth:`note_fragment`)."""
+    (:meth:`note_fragment`), written by the training thread and read by the control API's threads."""
 
-    def __init__(self, cfg: PeerConfig, stop_event):
+    def __init__(self, cfg: PeerConfig, stop_event, figures: Callable[[], dict[str, Any]] = dict):
         self.cfg = cfg
         self.stop_event = stop_event
         self.controls = Controls(Limits(duty_cycle=cfg.limits.duty_cycle, threads=cfg.inner.threads,
                                         active_hours=cfg.limits.active_hours, upload_mbps=cfg.limits.upload_mbps,
                                         download_mbps=cfg.limits.download_mbps))
         self.feed = EventFeed()
-        self.figures: Callable[[], dict[str, Any]] = dict
+        self.figures = figures
         self.rounds_by_status: dict[str, int] = {}  # (replaced whole: the control API's threads read it)
         self.fragments: dict[int, dict[str, Any]] = {}  # index -> FragmentStatus fields (replaced whole)
         self.started = time.monotonic()

@@ -49,7 +49,7 @@ class RunCheckpoints:
     """
 
     def __init__(self, cfg: PeerConfig, run_dir: Path, events: EventLog):
-        self.cfg, self.folder, self.events = cfg, run_dir / "checkpoints", events  # events: set again by the trainer
+        self.cfg, self.folder, self.events = cfg, run_dir / "checkpoints", events  # (opened by the trainer in run())
         self._found: Optional[tuple[Path, dict[str, Any]]] = None
         self._failures = 0  # in a row (a full disk): the first is a warning, the others DEBUG
         self._retry_at: Optional[float] = None  # monotonic time to try again after a failed write (None: no failure)

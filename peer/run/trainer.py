@@ -19,7 +19,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from hivemind.utils import get_dht_time
 
@@ -38,6 +38,7 @@ from peer.run.pace import PaceWatch
 from peer.run.resume import RunCheckpoints
 from peer.run.owner import REST_SLICE_S, OwnerLink
 from peer.outer.fragments import Fragment, partition
+from peer.local.inner import StepStats
 from peer.run.local_build import build_local
 from peer.outer.rounds import RoundOutcome, RoundStatus
 from peer.outer.state import FragmentState
@@ -50,6 +51,7 @@ from peer.outer.aggregate import AggregationRule
 from peer.outer.engine import StreamingEngine
 from peer.outer.settings import AutoTau, OuterSettings
 from peer.run.status import StatusLine, describe
+from peer.run.throughput import Throughput
 from peer.net.swarm import Swarm
 from peer.net.flow.bandwidth import Bandwidth
 from peer.util import Ema, short_id
@@ -66,13 +68,17 @@ def shard_of(peer_id: str) -> int:
 
 class StopFlag:
     """Set by SIGINT/SIGTERM; the loop checks it between steps and while waiting for a round. ``wake`` is set too
-    (a paused or resting loop waits on it)."""
+    (a paused or resting loop waits on it). Only the signal handler sets ``event``; the trainer gives ``wake`` at
+    creation or to :meth:`install`."""
 
     def __init__(self, wake: Optional[threading.Event] = None) -> None:
         self.event = threading.Event()
         self.wake = wake
 
-    def install(self) -> None:
+    def install(self, wake: Optional[threading.Event] = None) -> None:
+        """Handles SIGINT and SIGTERM from now on; ``wake``: also set by them (None: the one given at creation)."""
+        if wake is not None:
+            self.wake = wake
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._handle)
 
@@ -87,15 +93,17 @@ EXIT_PASS_ENDED = 2  # our pass was revoked or expired: a setup to fix (a new pa
 
 
 class Trainer:
-    """Runs one peer until ``max_steps`` or a stop signal. Create, then call :meth:`run` once."""
+    """Runs one peer until ``max_steps`` or a stop signal. Create, then call :meth:`run` once.
+
+    Its fields are written by the training thread only (the thread that calls :meth:`run`); the control API's
+    threads read plain values of them through :meth:`_figures`."""
 
     def __init__(self, cfg: PeerConfig):
         self.cfg = cfg
         self.run_dir = Path(cfg.run.run_dir)
         self.stop = StopFlag()
-        self.owner = OwnerLink(cfg, self.stop.event)  # the control API, the limits (started in _run)
-        self.stop.wake = self.owner.controls.wake
-        self.owner.figures = self._figures
+        # the control API, the limits (started in _run)
+        self.owner = OwnerLink(cfg, self.stop.event, figures=self._figures)
         self.run_hash = ""
         self.events = EventLog(None)  # opened in run(), once the run dir is ours
         # Created here (nothing starts before run()); its DHT process forks, so run() starts it before any CUDA.
@@ -112,7 +120,8 @@ class Trainer:
         self.evaluation: Optional[SharedEval] = None  # the shared model on held-out data: created in _train
         self.status: Optional[StatusLine] = None
         self._realigned: Optional[tuple[float, consensus.Realignment]] = None  # when and how we last moved up
-        self._step, self._tok_s = 0, 0.0  # for the status line while blocked
+        self._step = 0  # for the status line while blocked
+        self.throughput = Throughput()  # tokens/s and compute seconds: started again when the loop starts
         self._loss: Optional[float] = None  # the last loss read from the device (every log_every steps)
         self._floor: Optional[float] = None
         self.step_time = Ema(0.3)  # our inner step time, seconds (realignment, tau = auto); written here only
@@ -150,9 +159,8 @@ class Trainer:
             raise SetupError(str(e)) from None
         label = f"peer {short_id(peer_id)}"
         setup_logging(cfg.run.log_level, self.run_dir / "peer.log", label)
-        self.events = EventLog(cfg.run.log_json, feed=self.owner.feed.publish)
-        self.ledger.events = self.checkpoints.events = self.events
-        self.stop.install()
+        self.events.open(cfg.run.log_json, feed=self.owner.feed.publish)  # (the ledger's and checkpoints' too)
+        self.stop.install(wake=self.owner.controls.wake)
         self.peer_id = peer_id
         try:
             return self._setup_and_train(peer_id, label)
@@ -180,8 +188,8 @@ class Trainer:
                      "until %s", fingerprint(access.checker.authority_bytes), access.token.expiration_time)
         self.swarm = Swarm(cfg.swarm, run_key=run_hash, codec=self.codec, identity_path=str(cfg.identity_path),
                            rule=AggregationRule.from_config(cfg.outer), access=access,
-                           bandwidth=Bandwidth(lambda: self.owner.controls.limits.get().byte_rates()))
-        self.swarm.exclusions.on_exclude = lambda peer, why: self.events.emit("peer_excluded", peer=peer, reason=why)
+                           bandwidth=Bandwidth(lambda: self.owner.controls.limits.get().byte_rates()),
+                           on_exclude=lambda peer, why: self.events.emit("peer_excluded", peer=peer, reason=why))
         try:  # the DHT forks a process: start it before anything can initialize CUDA
             try:
                 self.swarm.start(stop=self.stop.event)
@@ -221,6 +229,54 @@ class Trainer:
         log.info("%d peer(s) of this run visible (wanted %d); starting to train", seen, want)
 
     def _train(self, label: str, source) -> int:
+        """Trains from our checkpoint (or the start), in the swarm's state, until ``max_steps``, a stop signal, a
+        finish or the end of our pass; returns the exit code. Each step: the inner step, the ``step`` event, the
+        engine's launches and applies, the shared model's evaluation, the catch-up, the checkpoint."""
+        cfg, controls = self.cfg, self.owner.controls
+        parts = self._build(label, source)
+        engine, inner = parts["engine"], parts["inner"]
+        assert self.status is not None and self.evaluation is not None  # (made by _build)
+        step = self._join(parts)
+        controls.enter(PeerState.TRAINING)
+        self._last_step_at = time.monotonic()
+        self.throughput = Throughput()
+        while not self.stop.event.is_set() and (cfg.run.max_steps == 0 or step < cfg.run.max_steps):
+            if self.swarm.pass_ended or controls.finish_requested:
+                break
+            if (why := controls.pause_reason()) is not None:
+                step = self._pause(step, why, parts)
+                continue
+            self.owner.apply_limits()
+            step = self._realign(engine, step)
+            t_step = time.monotonic()
+            stats = inner.step(source.next_batch(cfg.data.batch_size, cfg.model.seq_len))
+            self._last_step_at = time.monotonic()
+            step_seconds = self._last_step_at - t_step
+            self.step_time.observe(step_seconds)
+            step = self._step = step + 1
+            if step % cfg.run.log_every == 0 or self.status.due():  # the loss waits for the device: not every step
+                self._loss = stats.ce  # (raises FloatingPointError if a step since the last read was not finite)
+            self.throughput.observe(stats.tokens, step_seconds)
+            engine.add_tokens(stats.tokens)
+            if step % cfg.run.log_every == 0:
+                self._log_step(step, stats, engine)
+            self.swarm.update_progress(step, engine.states[0].round, self.throughput.tokens_per_second, self._loss)
+            engine.launch_due(step)
+            engine.apply_due(step)
+            self.evaluation.maybe(engine.states, self.sync.digest)
+            if self.sync.due():
+                step = self._catch_up(engine, step, joining=False)
+            self.checkpoints.save_if_due(step, rounds_done=self.ledger.done,
+                                         applied=bool(engine.states[0].applied_rounds), **parts)
+            if self.status.due():
+                self._show_status()
+            self.owner.rest(step_seconds, self._show_status)
+        return self._finish(step, parts)
+
+    def _build(self, label: str, source) -> dict[str, Any]:
+        """Makes what the loop composes: the model and its inner loop, the fragments, the outer engine and its
+        transport through the swarm, the state sync, the shared model's evaluation and the status line. Returns
+        the parts a checkpoint holds (``model``, ``inner``, ``source``, ``engine``)."""
         cfg = self.cfg
         model, blocks, inner = build_local(cfg, source)
         fragments = partition(model, blocks, cfg.outer.fragment_blocks, cfg.outer.fragment_pattern)
@@ -256,63 +312,35 @@ class Trainer:
                      "sequence (model.seq_len + 1)", cfg.data.holdout)
         self.evaluation = SharedEval(inner, fragments, held, every=cfg.run.eval_every, report=self._report_eval)
         self.status = StatusLine(cfg.run.status_interval, label)
-        parts = dict(model=model, inner=inner, source=source, engine=engine)
         self._device = str(next(model.parameters()).device)
+        return dict(model=model, inner=inner, source=source, engine=engine)
+
+    def _join(self, parts: dict[str, Any]) -> int:
+        """Restores our checkpoint (if any) and publishes our fragments' states, waits for the swarm's peers and
+        catches up with its state; returns the step to train from."""
+        engine, controls = parts["engine"], self.owner.controls
         step = self._step = self.checkpoints.restore(**parts)
-        for frag, st in zip(fragments, engine.states):
+        for frag, st in zip(engine.fragments, engine.states):
             self.sync.publish(frag, st, step)
-        self.owner.controls.enter(PeerState.STARTING, "waiting for peers")
+        controls.enter(PeerState.STARTING, "waiting for peers")
         self._wait_for_peers()
-        self.owner.controls.enter(PeerState.STARTING, "catching up with the swarm")
-        step = self._catch_up(engine, step, joining=True)
-        controls = self.owner.controls
-        controls.enter(PeerState.TRAINING)
-        self._last_step_at = time.monotonic()
-        t_start = time.monotonic()
-        tokens_total, window_tokens, window_t0 = 0, 0, time.monotonic()
-        tok_s, compute_seconds = 0.0, 0.0
-        while not self.stop.event.is_set() and (cfg.run.max_steps == 0 or step < cfg.run.max_steps):
-            if self.swarm.pass_ended or controls.finish_requested:
-                break
-            if (why := controls.pause_reason()) is not None:
-                step = self._pause(step, why, parts)
-                continue
-            self.owner.apply_limits()
-            step = self._realign(engine, step)
-            t_step = time.monotonic()
-            batch = source.next_batch(cfg.data.batch_size, cfg.model.seq_len)
-            stats = inner.step(batch)
-            self._last_step_at = time.monotonic()
-            step_seconds = self._last_step_at - t_step
-            compute_seconds += step_seconds
-            self.step_time.observe(step_seconds)
-            step += 1
-            self._step = step
-            if step % cfg.run.log_every == 0 or self.status.due():  # the loss waits for the device: not every step
-                self._loss = stats.ce  # (raises FloatingPointError if a step since the last read was not finite)
-            tokens_total += stats.tokens
-            window_tokens += stats.tokens
-            engine.add_tokens(stats.tokens)
-            if step % cfg.run.log_every == 0:
-                now = time.monotonic()
-                tok_s, window_tokens, window_t0 = window_tokens / max(now - window_t0, 1e-9), 0, now
-                self._tok_s = tok_s
-                # compute utilization = compute_seconds / (compute_seconds + blocked_seconds)
-                self.events.emit("step", step=step, loss=stats.loss, ce=stats.ce, lr=stats.lr, tokens=tokens_total,
-                                 tokens_per_second=tok_s, elapsed=now - t_start, floor=self._floor,
-                                 compute_seconds=compute_seconds, blocked_seconds=engine.blocked_seconds,
-                                 tau=self.auto_tau() if self.auto_tau else cfg.outer.tau)
-            self.swarm.update_progress(step, engine.states[0].round, tok_s, self._loss)
-            engine.launch_due(step)
-            engine.apply_due(step)
-            self.evaluation.maybe(engine.states, self.sync.digest)
-            if self.sync.due():
-                step = self._catch_up(engine, step, joining=False)
-            self.checkpoints.save_if_due(step, rounds_done=self.ledger.done,
-                                         applied=bool(engine.states[0].applied_rounds), **parts)
-            if self.status.due():
-                self._show_status()
-            self.owner.rest(step_seconds, self._show_status)
+        controls.enter(PeerState.STARTING, "catching up with the swarm")
+        return self._catch_up(engine, step, joining=True)
+
+    def _log_step(self, step: int, stats: StepStats, engine: StreamingEngine) -> None:
+        """The ``step`` event (every ``log_every`` steps): the losses, the throughput of the steps since the last
+        one, and compute against blocked seconds (compute utilization = compute / (compute + blocked))."""
+        t = self.throughput
+        t.lap()
+        self.events.emit("step", step=step, loss=stats.loss, ce=stats.ce, lr=stats.lr, tokens=t.tokens,
+                         tokens_per_second=t.tokens_per_second, elapsed=t.elapsed, floor=self._floor,
+                         compute_seconds=t.compute_seconds, blocked_seconds=engine.blocked_seconds, tau=self._tau())
+
+    def _finish(self, step: int, parts: dict[str, Any]) -> int:
+        """After the loop: completes the rounds in flight (a finish, or ``max_steps``: the others launched their last
+        rounds with ours) or abandons them, writes the last checkpoint and says why it stopped; returns the exit
+        code."""
+        cfg, controls, engine = self.cfg, self.owner.controls, parts["engine"]
         if controls.finish_requested and not self.stop.event.is_set():
             controls.enter(PeerState.FINISHING, "completing the rounds in flight")
             log.info("finishing (asked by the owner): completing the rounds in flight, then a checkpoint")
@@ -331,7 +359,7 @@ class Trainer:
             log.error("%s: no peer of the run works with it any more; ask the operator for a new pass "
                       "(swarm.pass_path). Progress is kept in the checkpoint", ended)
         log.info("stopping after step %d (%s); %d rounds applied", step, reason, self.ledger.done)
-        self.events.emit("stop", step=step, reason=reason, rounds=self.ledger.done, tokens=tokens_total)
+        self.events.emit("stop", step=step, reason=reason, rounds=self.ledger.done, tokens=self.throughput.tokens)
         return EXIT_PASS_ENDED if ended else 0
 
     # ---- the owner's controls ------------------------------------------------------------------
@@ -352,7 +380,7 @@ class Trainer:
         controls.enter(PeerState.PAUSING, f"{why}; completing the rounds in flight")
         engine.drain(step)
         self.checkpoints.save(step, **parts, wait=True)
-        self.swarm.paused = True
+        self.swarm.publish_paused(True)
         log.info("paused after step %d (%s): rounds in flight applied, checkpoint written; the swarm sees this peer "
                  "as paused", step, why)
         self.events.emit("pause", step=step, reason=why)
@@ -366,7 +394,7 @@ class Trainer:
             self._show_status(f"paused: {why}")
             if controls.wake.wait(REST_SLICE_S):
                 controls.wake.clear()
-        self.swarm.paused = False
+        self.swarm.publish_paused(False)
         paused_s = time.monotonic() - t0
         self.events.emit("pause_end", step=step, seconds=paused_s)
         if self.stop.event.is_set() or controls.finish_requested:
@@ -381,14 +409,19 @@ class Trainer:
     def _figures(self) -> dict:
         """The trainer's live figures for the control API's status (read from another thread: plain values)."""
         engine, swarm = self.engine, getattr(self, "swarm", None)
-        tau = self.auto_tau() if self.auto_tau else self.cfg.outer.tau
+        tau = self._tau()  # ("auto" until the engine is built: reported as 0)
         return dict(peer_id=getattr(self, "peer_id", ""), run_hash=self.run_hash, step=self._step, loss=self._loss,
-                    tokens_per_second=self._tok_s, live_peers=swarm.live_count() if swarm else 1,
+                    tokens_per_second=self.throughput.tokens_per_second, live_peers=swarm.live_count() if swarm else 1,
                     paused_peers=len(swarm.paused_peers()) if swarm else 0,
                     next_sync=engine.schedule.describe_next(self._step) if engine else "-",
-                    bytes_up=self.ledger.bytes_up, bytes_down=self.ledger.bytes_down, tau=int(tau), device=self._device,
+                    bytes_up=self.ledger.bytes_up, bytes_down=self.ledger.bytes_down,
+                    tau=tau if isinstance(tau, int) else 0, device=self._device,
                     idle_seconds=time.monotonic() - self._last_step_at,
                     excluded_peers=sorted(swarm.exclusions.excluded()) if swarm else [], **self._eval_figures())
+
+    def _tau(self) -> int | str:
+        """The overlap in force: ``tau = auto``'s choice now, else the configured tau."""
+        return self.auto_tau() if self.auto_tau else self.cfg.outer.tau
 
     def _eval_figures(self) -> dict:
         last = self.evaluation.last if self.evaluation is not None else None
@@ -437,7 +470,7 @@ class Trainer:
         """Prints the status line if it is due (also called while blocked, so the user never sees silence)."""
         if self.status is None or not self.status.due():
             return
-        self.status.show(step=self._step, loss=self._loss, floor=self._floor, tok_s=self._tok_s,
+        self.status.show(step=self._step, loss=self._loss, floor=self._floor, tok_s=self.throughput.tokens_per_second,
                          peers=self.swarm.live_count(), rounds=f"{self.ledger.ok}/{self.ledger.total}",
                          next_sync=self.engine.schedule.describe_next(self._step) if self.engine else "-",
                          up=self.ledger.bytes_up, down=self.ledger.bytes_down, doing=doing or describe(
@@ -472,7 +505,7 @@ class Trainer:
         if outcome.status == RoundStatus.BEHIND:  # the swarm is past it: take its state right after this step
             self.sync.note_late()
         if outcome.status == RoundStatus.PARTIAL:  # a span we did not apply: our state of it is likely the odd one
-            self.sync.suspect.add(frag.index)
+            self.sync.note_partial(frag.index)
         if outcome.status == RoundStatus.OFF_BASE:  # the group applied our part to its base: take its result
             self.sync.owe(frag.index, outcome.round, outcome.appliers)
         digest = self.sync.publish(frag, st, step)

@@ -33,7 +33,8 @@ WIRE_OVERHEAD = 1.05
 
 class Pacer:
     """Paces one direction's messages to ``rate()`` bytes per second (0 = unlimited), shared by all the streams of
-    that direction. Used from one event loop (the swarm's); ``rate`` may be changed from any thread."""
+    that direction. Used from one event loop (the swarm's): its budget (``_free_at``, ``total``) is written by
+    :meth:`delay` only, there; what ``rate`` returns may be changed from any thread (the owner's limits)."""
 
     def __init__(self, rate: Callable[[], float], clock: Callable[[], float] = time.monotonic):
         self.rate = rate

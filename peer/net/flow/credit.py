@@ -40,7 +40,9 @@ def window(declared: float, message_bytes: int) -> int:
 
 class SendWindow:
     """The sender's side of one stream: :meth:`wait` before sending message ``k`` (0-based), :meth:`grant` with
-    every acknowledgement read. ``size`` 0: no credit, :meth:`wait` never waits. Used from one event loop."""
+    every acknowledgement read. ``size`` 0: no credit, :meth:`wait` never waits. Used from one event loop
+    (``swarm-net``): ``sent`` is written by the sending task (:meth:`wait`), ``acked`` by the task reading the
+    acknowledgements (:meth:`grant`)."""
 
     def __init__(self, size: int):
         self.size = size

@@ -145,6 +145,9 @@ class LinkMeter:
     A slower sample is taken at once (a link that slowed must not keep its old deadlines for rounds); a faster
     one moves the estimate by ``smoothing`` (one quick round, e.g. when few bytes were in flight, must not shrink
     the next round's deadlines). Samples of fewer than ``min_bytes`` are too short to time and are skipped.
+
+    The estimate is written by :meth:`observe` only, on ``swarm-net`` (``Swarm.learn``); :meth:`rate` reads it from
+    any thread (one float).
     """
 
     def __init__(self, smoothing: float = 0.3, min_bytes: int = 64 << 10):

@@ -93,7 +93,8 @@ def host_key(addrs: Iterable[str]) -> Optional[str]:
 class HostBook:
     """Which host each remote peer connects from (:func:`host_key`), as the P2P daemon lists its connections
     (:meth:`learn`). A peer not listed yet is :data:`UNRESOLVED`: such peers share one budget until the next
-    listing, so fresh identities gain nothing by being fresh. Used from the handlers' event loop only."""
+    listing, so fresh identities gain nothing by being fresh. Used from the handlers' event loop only: written by
+    :meth:`learn` (the swarm's listing task, ``Swarm._learn_hosts``), read by the stream guard."""
 
     def __init__(self) -> None:
         self._hosts: dict[str, Optional[str]] = {}

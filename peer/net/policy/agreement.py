@@ -61,7 +61,13 @@ def quorum_count(expected: Collection[str], live: Iterable[str], partnered: Call
     other side of a partition, whose records still reach us) keeps counting, so the smaller side of a split never
     holds a majority however long the split lasts; a partner that crashed stops counting when its record
     expires, so survivors go on; strangers (made-up ids) count only while the round waits for them."""
-    return len(set(expected) | {p for p in live if partnered(p)} | {me})
+    return len(set(expected) | set(partners(live, partnered)) | {me})
+
+
+def partners(live: Iterable[str], partnered: Callable[[str], bool]) -> list[str]:
+    """The peers of ``live`` we were in a group with (``partnered``: ``Roster.partnered``), in ``live``'s order: the
+    ones whose records the consensus rules trust and who keep counting in a quorum."""
+    return [p for p in live if partnered(p)]
 
 
 def quorum_size(count: int, min_group_size: int) -> int:

@@ -50,7 +50,8 @@ class PeerVerdict:
 @dataclass
 class Exclusions:
     """The offence ledger of this peer. ``on_exclude(peer, why)`` is called once per excluded peer (from
-    whichever thread reported the last offence)."""
+    whichever thread reported the last offence). The ledgers are written on ``swarm-net`` (the servicers, the rounds
+    and the state downloads report), under the lock; the trainer reads them."""
 
     threshold: int = 3
     on_exclude: Optional[Callable[[str, str], None]] = None

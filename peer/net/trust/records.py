@@ -71,3 +71,10 @@ class ProgressRecord(BaseModel):
         if not PEER_ID.fullmatch(rec.peer_id) or not all(DIGEST.fullmatch(d) for d in digests):
             raise ValueError("progress record with a malformed peer id or digest")
         return rec
+
+
+def live_at(rec: ProgressRecord, now: float, ttl: float) -> bool:
+    """Whether ``rec``, found in one read of the records at DHT time ``now``, is live: written within ``ttl`` seconds
+    (``progress_ttl``). The monitor and the doctor's probe judge so; a peer's own view of the swarm judges by arrival
+    instead (:class:`~peer.net.trust.progress.LiveView`)."""
+    return rec.time + ttl >= now

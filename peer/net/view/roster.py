@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
+from peer.net.policy.agreement import partners
 from peer.net.trust.exclusion import Exclusions
 from peer.net.trust.progress import LiveView, SpeedLedger
 from peer.net.trust.records import ProgressRecord
@@ -89,7 +90,7 @@ class Roster:
         carries a pass. (Whom a round waits for is :mod:`peer.net.view.attendance`'s call: a newcomer has met no one,
         and a group that never waited for it would rarely let it in.)"""
         live = self.live_peers()
-        vouched = {pid: rec for pid, rec in live.items() if self.partnered(pid)}
+        vouched = {pid: live[pid] for pid in partners(live, self.partnered)}
         return vouched or live
 
     def partnered(self, peer: str) -> bool:

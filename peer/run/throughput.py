@@ -1,0 +1,37 @@
+"""The training loop's throughput bookkeeping (pure: no I/O): tokens trained, tokens/s over the last log window,
+seconds in inner steps and since the start. The ``step`` event and the status line report these figures; compute
+utilization is ``compute_seconds / (compute_seconds + blocked_seconds)`` (the engine counts the blocked seconds).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+
+class Throughput:
+    """The counts of one training loop, from its start (creation). Written by the training thread only
+    (:meth:`observe` after each inner step, :meth:`lap` at each logged step); other threads read plain values."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self.started = clock()
+        self.tokens = 0  # trained since the start
+        self.compute_seconds = 0.0  # spent in inner steps since the start
+        self.tokens_per_second = 0.0  # over the last window (0 until the first lap)
+        self.elapsed = 0.0  # seconds from the start to the last lap
+        self._window_tokens, self._window_start = 0, self.started
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """One inner step that trained ``tokens`` in ``seconds``."""
+        self.tokens += tokens
+        self._window_tokens += tokens
+        self.compute_seconds += seconds
+
+    def lap(self) -> None:
+        """Ends the window: :attr:`tokens_per_second` is its rate and :attr:`elapsed` is measured now; the next
+        window starts now."""
+        now = self._clock()
+        self.tokens_per_second = self._window_tokens / max(now - self._window_start, 1e-9)
+        self.elapsed = now - self.started
+        self._window_tokens, self._window_start = 0, now
