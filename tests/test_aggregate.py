@@ -193,3 +193,16 @@ def test_invalid_rules_and_inputs_are_refused():
     with pytest.raises(ValueError):
         aggregate([torch.ones(2)], [1.0, 2.0], CLIPPED)
     assert math.isinf(aggregate([torch.ones(2)], [1.0], MEAN).radius)
+
+
+def test_of_two_parts_neither_is_an_offence_however_far_apart_but_both_are_capped():
+    """With two contributors the lower median is the other part: the rule cannot tell which one is off (an honest
+    peer that trained alone for long declares far more tokens and a far longer part than its partner), so it caps
+    both and reports no offence; from three on, the odd one out is one."""
+    short, long_ = torch.ones(6), torch.full((6,), 1e4)
+    two = aggregate([short, long_], [1.0, 1e6], CLIPPED)
+    assert two.weights == [1.0, 2.0] and two.lengths[1] < 1e-3  # capped: the result is bounded
+    assert torch.allclose(two.value, short * (1 + 2 * 1.25) / (1 + 2))
+    assert not two.offending(0) and not two.offending(1)
+    three = aggregate([short, short.clone(), long_], [1.0, 1.0, 1e6], CLIPPED)
+    assert three.offending(2) and not three.offending(0)

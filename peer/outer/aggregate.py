@@ -97,7 +97,11 @@ class Aggregate:
 
     def offending(self, i: int) -> bool:
         """Part ``i`` was far off the group (an offence, peer/net/trust/exclusion.py): its direction 10 radii from the
-        center, or its length 10 caps beyond the group's median."""
+        center, or its length 10 caps beyond the group's median. Never with fewer than three parts: of two, the
+        lower median is the other part itself, so neither can be told to be the odd one (an honest peer that
+        trained alone for long would be excluded by its only partner); the caps still bound both."""
+        if len(self.weights) < 3:
+            return False
         return self.kept[i] < OFFENCE_CLIP or bool(self.lengths) and self.lengths[i] < OFFENCE_CLIP
 
 
