@@ -421,6 +421,17 @@ def test_host_buffers_hand_out_views_and_take_back_only_their_own():
         pool.take(17)
 
 
+def train_and_sync(p, eng, steps):
+    """``steps`` steps of "training" (p moves by 0.1 x step), each followed by the engine's launches and applies;
+    then the engine is closed."""
+    for step in range(1, steps + 1):
+        with torch.no_grad():
+            p -= 0.1 * step
+        eng.launch_due(step)
+        eng.apply_due(step)
+    eng.close()
+
+
 @pytest.mark.parametrize("tau, eager", [(0, False), (2, True), (4, False)])
 def test_launches_reuse_their_host_vectors_once_rounds_are_over(tau, eager):
     """Steady state: a launch takes its snapshot, Delta and scratch vectors from the engine's pool (a fresh
@@ -429,12 +440,7 @@ def test_launches_reuse_their_host_vectors_once_rounds_are_over(tau, eager):
         return RoundOutcome(f, r, "ok", spans=[Span(0, 8, d.clone())], total_weight=20.0)
 
     p, eng, _ = one_param_engine(OuterSettings(H=4, tau=tau, eager=eager, lr=0.7, momentum=0.9), full)
-    for step in range(1, 41):
-        with torch.no_grad():
-            p -= 0.1 * step
-        eng.launch_due(step)
-        eng.apply_due(step)
-    eng.close()
+    train_and_sync(p, eng, 40)
     assert eng.states[0].applied_rounds[-1] >= 9 and 1 <= eng.buffers.allocated <= 3
 
 
@@ -451,10 +457,5 @@ def test_a_delta_the_transport_never_answered_for_is_not_reused():
     p = torch.nn.Parameter(torch.zeros(8))
     eng = StreamingEngine([Fragment(0, ["w"], [p])], OuterSettings(H=2, tau=1, eager=True, wait_timeout=0.01),
                           NeverAnswers(lambda f, r, d: None), group_size_hint=lambda: 2)
-    for step in range(1, 13):
-        with torch.no_grad():
-            p -= 0.1 * step
-        eng.launch_due(step)
-        eng.apply_due(step)
-    eng.close()
+    train_and_sync(p, eng, 12)
     assert len(held) == 6 and all(torch.equal(sent, copy) for sent, copy in held)
