@@ -191,8 +191,8 @@ class StreamingEngine:
         of the round, applied now; the aggregate corrects it when it arrives. Returns the jump (kept with the round:
         all that its apply needs to undo where nothing arrived; E itself is not kept) and the weights jumped to.
         ``theta``'s buffer becomes the jump's; ``E`` is computed in a pooled buffer (a fresh fragment-sized buffer
-        costs more in page faults than its arithmetic), given back here unless the weights jumped to are in it
-        and the replay merge keeps them with the round."""
+        costs more in page faults than its arithmetic) and given back here (the replay merge keeps its own copy of
+        the weights jumped to, ``term + G``)."""
         st = self.states[p]
         scratch = self.buffers.take(theta.numel())
         term = self.opt.effect(st.v, delta, scale=self._share(p), out=scratch)
@@ -200,7 +200,7 @@ class StreamingEngine:
         merged = self._merged(theta, term + st.G if self.cfg.merge == "replay" else term.add_(st.G))
         scatter(self.fragments[p], merged)
         jump = torch.sub(merged, theta, out=theta)
-        self.buffers.give(scratch)  # (the replay merge keeps a copy: ``term + G``)
+        self.buffers.give(scratch)
         return jump, merged
 
     def _update_error_feedback(self, p: int, sent: torch.Tensor) -> None:
