@@ -134,7 +134,9 @@ class Fp8Codec:
             nbc = xc.numel() // self.block_size
             x2 = xc.view(nbc, self.block_size)
             absmax = x2.abs().amax(1)
-            s = absmax / self.MAX
+            # a tensor divisor: CUDA divides by a host scalar as a product with its rounded reciprocal, which
+            # differs from the CPU's quotient in the last bit (the scales, hence the codes, must be identical)
+            s = absmax / torch.full_like(absmax, self.MAX)
             # absmax near FLT_MAX: step s down one ulp so that 448 * s stays finite (Inf/NaN stay)
             s = torch.where(torch.isinf(s * self.MAX) & torch.isfinite(s), torch.nextafter(s, torch.zeros_like(s)), s)
             scales[b0:b0 + nbc] = s
