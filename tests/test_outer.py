@@ -91,3 +91,17 @@ def test_effect_is_the_move_of_one_outer_step_without_changing_the_state():
     torch.testing.assert_close(E, stepped_G - G, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(opt.effect(v, delta), opt.effect(v, delta, scale=1.0, out=torch.empty(1000)), rtol=0,
                                atol=0)
+
+
+def test_block_digests_are_the_same_hashed_in_parallel(monkeypatch):
+    """A large state is hashed by several threads (BLAKE3 lets go of the GIL): the same digests, in order."""
+    from peer.outer import state
+
+    n = 3 * 64 * state.DIGEST_BLOCK + 12345  # three threads' worth and a partial last block
+    G, v = torch.randn(n), torch.randn(n)
+    monkeypatch.setattr(state, "HASH_THREADS", 1)
+    serial = state.block_digests(G, v)
+    monkeypatch.setattr(state, "HASH_THREADS", 3)
+    assert state.block_digests(G, v) == serial and len(serial) == -(-n // state.DIGEST_BLOCK)
+    G[-1] += 1.0  # (the last block is hashed too)
+    assert state.block_digests(G, v)[-1] != serial[-1]

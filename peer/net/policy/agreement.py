@@ -22,7 +22,7 @@ from typing import Callable, Collection, Iterable, Sequence
 
 from peer.proto import allreduce_pb2 as pb
 
-DIGEST_CHARS = 64  # at most, hex (a blake2b-128 digest is 32)
+DIGEST_CHARS = 64  # at most, hex (a BLAKE3-128 digest is 32)
 
 
 @dataclass(frozen=True)
