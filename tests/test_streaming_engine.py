@@ -323,13 +323,115 @@ def test_a_state_digest_is_computed_once_per_state_and_follows_any_change():
         state_module.block_digests = real
 
 
+def mixed_rounds(f, r, d, kinds=5):
+    """Round r of a script that cycles through every way a round ends: whole, half of the aggregate (ok), half
+    (partial: applied nowhere), never in (missed), and (``kinds = 5``) kept home by the transport (alone)."""
+    kind = ("whole", "half", "partial", "missed", "alone")[(r - 1) % kinds]
+    if kind == "whole":
+        return RoundOutcome(f, r, "ok", spans=[Span(0, d.numel(), d.clone())], total_weight=20.0)
+    if kind in ("half", "partial"):
+        return RoundOutcome(f, r, "ok" if kind == "half" else "partial",
+                            spans=[Span(0, 4, d[:4].clone()), Span(4, d.numel(), None)], total_weight=20.0)
+    return None if kind == "missed" else RoundOutcome(f, r, "alone", group_size=1)
+
+
+def run_mixed(settings, device="cpu", state_on_device=False, no_sync=False, steps=26, kinds=5):
+    """Trains one 8-element parameter on ``device`` through :func:`mixed_rounds`; returns what a peer keeps.
+    ``no_sync``: every launch and apply after the first runs in CUDA's sync debug mode "error"."""
+    p = torch.nn.Parameter(torch.zeros(8, device=device))
+    statuses = []
+    script = lambda f, r, d: mixed_rounds(f, r, d, kinds)  # noqa: E731
+    eng = StreamingEngine([Fragment(0, ["w"], [p])], settings, ScriptedTransport(script),
+                          group_size_hint=lambda: 2, state_on_device=state_on_device,
+                          on_outcome=lambda frag, st, outcome, step: statuses.append((outcome.round, outcome.status)))
+    for step in range(1, steps + 1):
+        with torch.no_grad():
+            p -= torch.linspace(0.1, 0.8, 8, device=device) * step
+        eng.add_tokens(10)
+        if no_sync and step > 2:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            eng.launch_due(step)
+            eng.apply_due(step)
+        finally:
+            if no_sync:
+                torch.cuda.set_sync_debug_mode(0)
+    eng.drain(steps)
+    eng.close()
+    st = eng.states[0]
+    return (p.detach().cpu(), st.G.clone(), st.v.clone(), st.tokens_since_sync, st.round, list(st.applied_rounds),
+            sorted(statuses))
+
+
+@pytest.mark.parametrize("merge, alpha, eager", [("alpha", 0.0, True), ("alpha", 0.25, True), ("replay", 0.25, True),
+                                                 ("alpha", 0.0, False)])
+def test_the_device_path_gives_the_host_path_bit_for_bit(merge, alpha, eager):
+    """The device path (G, v copied to the parameters' device; launches handed to the transport from their own
+    thread) run on the CPU against the host path: after rounds that end in every way the transport launches, the
+    weights, the shared state, the carried tokens and the reported statuses agree bit for bit. With rounds kept
+    home too, everything but the weights does, and those differ in rounding only: the device path jumped and
+    undid the jump at launch + tau, the host path knew at once and never jumped."""
+    settings = OuterSettings(H=4, tau=2, eager=eager, lr=0.7, momentum=0.9, alpha=alpha, merge=merge,
+                             wait_timeout=0.05)
+    host, device = run_mixed(settings, kinds=4), run_mixed(settings, state_on_device=True, kinds=4)
+    for a, b in zip(host, device):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+    assert {status for _, status in host[-1]} == {"ok", "partial", "missed"}
+    host, device = run_mixed(settings), run_mixed(settings, state_on_device=True)
+    torch.testing.assert_close(host[0], device[0], rtol=1e-6, atol=0)
+    for a, b in zip(host[1:], device[1:]):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+    assert {status for _, status in host[-1]} == {"ok", "partial", "missed", "alone"}
+    assert torch.equal(device[0], run_mixed(settings, state_on_device=True)[0])  # (not a matter of timing)
+
+
+def test_the_device_path_is_refused_where_its_terms_live_on_the_host():
+    p = torch.nn.Parameter(torch.zeros(8))
+    with pytest.raises(ValueError, match="no error feedback"):
+        StreamingEngine([Fragment(0, ["w"], [p])], OuterSettings(H=4, tau=4), ScriptedTransport(mixed_rounds),
+                        state_on_device=True)
+
+
+def test_a_deferred_launch_cancelled_before_it_runs_cancels_the_transports_handle():
+    import concurrent.futures
+
+    from peer.outer.device_state import DeferredLaunch
+
+    gate, cancelled = threading.Event(), []
+
+    class Slow:
+        def result(self, timeout=None):
+            raise TimeoutError
+
+        def done(self):
+            return False
+
+        def cancel(self):
+            cancelled.append(1)
+            return True
+
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        started = threading.Event()
+        handle = DeferredLaunch(pool, None, lambda: started.set() or gate.wait(5) and Slow())
+        assert started.wait(5)
+        with pytest.raises(TimeoutError):
+            handle.result(timeout=0.01)
+        assert not handle.done() and not handle.cancel()  # the launch is running: cancelled when it returns
+        gate.set()
+    finally:
+        pool.shutdown(wait=True)
+    assert cancelled == [1]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (bench/gpu.py runs it on one)")
+@pytest.mark.parametrize("state_on_device", [False, True])
 @pytest.mark.parametrize("merge, alpha", [("alpha", 0.25), ("replay", 0.25), ("alpha", 0.0)])
-def test_cuda_engine_gives_the_cpu_engine_bit_for_bit_and_applies_without_waiting(merge, alpha):
+def test_cuda_engine_gives_the_cpu_engine_bit_for_bit_and_applies_without_waiting(merge, alpha, state_on_device):
     """The same rounds (whole ones, ones with half of the aggregate missing, partial ones: applied nowhere, the
     eager jumps undone) on a CUDA parameter and a CPU one: the weights and G agree bit for bit (the merge runs on
     the device with the same elementwise operations). The applies, which come after the aggregate is in, make no
-    synchronizing call."""
+    synchronizing call; on the device path the launches make none either."""
     def half(f, r, d):
         if r % 3 == 1:
             return RoundOutcome(f, r, "ok", spans=[Span(0, 8, d.clone())], total_weight=20.0)
@@ -342,11 +444,16 @@ def test_cuda_engine_gives_the_cpu_engine_bit_for_bit_and_applies_without_waitin
     for device in ("cpu", "cuda"):
         p = torch.nn.Parameter(torch.zeros(8, device=device))
         eng = StreamingEngine([Fragment(0, ["w"], [p])], settings, ScriptedTransport(half),
-                              group_size_hint=lambda: 2)
+                              group_size_hint=lambda: 2, state_on_device=state_on_device and device == "cuda")
         for step in range(1, 17):  # rounds 1 (whole), 2 (half), 3 (partial) applied
             with torch.no_grad():
                 p -= torch.linspace(0.1, 0.8, 8, device=device) * step
-            eng.launch_due(step)
+            if device == "cuda" and state_on_device and step > 4:
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                eng.launch_due(step)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
             if device == "cuda" and step % 4 == 2:  # an apply step (launch + tau), its aggregate prepared
                 torch.cuda.set_sync_debug_mode("error")
             try:
@@ -356,6 +463,19 @@ def test_cuda_engine_gives_the_cpu_engine_bit_for_bit_and_applies_without_waitin
         eng.close()
         runs.append((p.detach().cpu(), eng.states[0].G.clone()))
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (bench/gpu.py runs it on one)")
+@pytest.mark.parametrize("merge, alpha, eager", [("alpha", 0.0, True), ("replay", 0.25, True), ("alpha", 0.0, False)])
+def test_cuda_device_path_gives_the_cpu_host_path_bit_for_bit_through_every_ending(merge, alpha, eager):
+    """:func:`run_mixed` (whole, half, partial, missed and kept-home rounds) through the device path on the CPU and
+    on CUDA, whose launches and applies after the first make no synchronizing call: the same bits."""
+    settings = OuterSettings(H=4, tau=2, eager=eager, lr=0.7, momentum=0.9, alpha=alpha, merge=merge,
+                             wait_timeout=0.05)
+    cpu = run_mixed(settings, state_on_device=True)
+    cuda = run_mixed(settings, device="cuda", state_on_device=True, no_sync=True)
+    for a, b in zip(cpu, cuda):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
 
 
 def test_error_feedback_residual_is_put_back_where_a_launched_round_delivered_nothing():

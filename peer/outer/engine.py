@@ -26,6 +26,7 @@ from typing import Callable, Optional
 import torch
 
 from peer.outer.codec import Codec, roundtrip
+from peer.outer.device_state import DeferredLaunch, DeviceState, Staged, to_host
 from peer.outer.fragments import Fragment
 from peer.outer.offload import HostBuffers, OuterWorker, device_of, gather, scatter, snapshot, to_device
 from peer.outer.rounds import Handle, RoundOutcome, RoundStatus, Transport
@@ -73,6 +74,7 @@ class Prepared:
     target: torch.Tensor  # merge_target(G)
     blocks: list[bytes]  # block_digests(G, v): the new state's digest, taken off the training thread
     whole: bool  # every element arrived
+    staged: Optional[Staged] = None  # the device path: the new G, v on the device
 
 
 class StreamingEngine:
@@ -84,9 +86,12 @@ class StreamingEngine:
                  on_outcome: Callable[[Fragment, FragmentState, RoundOutcome, int], None] = lambda *a: None,
                  error_feedback_codec: Optional[Codec] = None, tau_fn: Optional[Callable[[], int]] = None,
                  schedule: Optional[StepsSchedule | ClockSchedule] = None,
-                 on_wait: Callable[[], None] = lambda: None, digest_of: Optional[Callable[[int], str]] = None):
+                 on_wait: Callable[[], None] = lambda: None, digest_of: Optional[Callable[[int], str]] = None,
+                 state_on_device: Optional[bool] = None):
         """``digest_of(p)``: the digest of fragment p's ``G, v`` as they are now (default: hashed here; the trainer
-        passes the one it published after the last change)."""
+        passes the one it published after the last change). ``state_on_device``: launch and apply on the parameters'
+        device from a copy of ``G, v`` there (peer/outer/device_state.py); None: on CUDA where the device has room,
+        in the streaming modes without error feedback (the others keep the host path)."""
         self.fragments = fragments
         self.cfg = settings
         self.transport = transport
@@ -110,13 +115,36 @@ class StreamingEngine:
         self.worker = OuterWorker()  # the host math of arrived aggregates and error feedback (stopped by close)
         self.digest_of = digest_of or (lambda p: self.states[p].digest())
         # the launches' fragment-sized host vectors, reused (see _retire): a snapshot and Delta per round in flight
-        on_cuda = bool(fragments) and device_of(fragments[0]).type == "cuda"
-        self.buffers = HostBuffers(max((f.numel for f in fragments), default=0), pinned=on_cuda,
-                                   keep=2 * len(fragments) + 1)
+        device = device_of(fragments[0]) if fragments else torch.device("cpu")
+        self.device_state = self._device_state(device, state_on_device)
+        # the device path pools only Delta's host copy, which the device writes (waited for) and never reads
+        self.buffers = HostBuffers(max((f.numel for f in fragments), default=0), pinned=device.type == "cuda",
+                                   keep=2 * len(fragments) + 1,
+                                   device_reads=device.type == "cuda" and self.device_state is None)
+        if self.device_state is not None:  # (allocated and uploaded now, at the start, not at the first launches)
+            self.buffers.give(self.buffers.take(self.buffers.numel))
+            for p, st in enumerate(self.states):
+                self.device_state.current(p, st.G, st.v)
+        self.worker_wait_seconds = 0.0  # the training thread's time waiting for the worker's prepared aggregates
+        # the device path's launches, handed to the transport once Delta is on the host (stopped by close)
+        self._launcher = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="outer-launch")
+                          if self.device_state is not None else None)
+
+    def _device_state(self, device: torch.device, wanted: Optional[bool]) -> Optional[DeviceState]:
+        eligible = not self.one_outer_step and self.error_feedback is None
+        if wanted and not eligible:
+            raise ValueError("the outer state on the device needs 0 <= tau < H and no error feedback")
+        if wanted is None:
+            need = DeviceState.bytes_needed(sum(f.numel for f in self.fragments))
+            wanted = eligible and device.type == "cuda" and torch.cuda.mem_get_info(device)[0] >= 2 * need
+        return (DeviceState(device, len(self.fragments), max(f.numel for f in self.fragments)) if wanted
+                else None)
 
     def close(self) -> None:
-        """Stops the engine's worker thread (its state stays readable). Must be called once the engine is done."""
+        """Stops the engine's threads (its state stays readable). Must be called once the engine is done."""
         self.worker.close()
+        if self._launcher is not None:
+            self._launcher.shutdown(wait=True, cancel_futures=True)
 
     @property
     def one_outer_step(self) -> bool:
@@ -154,6 +182,9 @@ class StreamingEngine:
                 # so a new Delta would send that progress twice. Skip; it is carried to the next one.
                 log.info("fragment %d round %d: skipped, round %d still in flight", p, r, self.pending[p][-1].round)
                 continue
+            if self.device_state is not None:
+                self._launch_on_device(p, r, step)
+                continue
             # Synchronous: the eager jump below needs theta at this step before the next update, and a round the
             # transport keeps home is reported at once (docs/architecture.md, "Off the training thread").
             theta = snapshot(frag, out=self.buffers.take(frag.numel)).wait()
@@ -179,25 +210,49 @@ class StreamingEngine:
             tau = self.cfg.tau if self.tau_fn is None else self.tau_fn()
             jump = None
             if self.cfg.eager and 0 < tau < self.cfg.H:
-                jump, theta = self._eager_jump(p, theta, delta)
+                jump, theta = self._eager_jump(p, theta, delta, st.G, st.v)
             theta_at_launch = theta if self.cfg.merge == "replay" else None
             if jump is None and theta_at_launch is None:
                 self.buffers.give(theta)
             self.pending[p].append(Pending(r, step, delta, weight, handle, tau, theta_at_launch, jump,
                                            residual_before=residual_before, base=base))
 
-    def _eager_jump(self, p: int, theta: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _launch_on_device(self, p: int, r: int, step: int) -> None:
+        """The launch of the device path: every operation on the parameters' device is only enqueued; ``Delta``
+        reaches the transport from the launch thread once it is on the host (peer/outer/device_state.py). A round
+        the transport keeps home is reported at ``launch + tau`` (:meth:`_kept_home`)."""
+        assert self.device_state is not None and self._launcher is not None
+        frag, st = self.fragments[p], self.states[p]
+        copy = self.device_state.current(p, st.G, st.v)
+        theta = gather(frag)
+        delta = torch.sub(copy.G, theta)
+        weight = float(max(st.tokens_since_sync, 1))
+        st.tokens_since_sync = 0
+        base: concurrent.futures.Future[tuple[int, str]] = concurrent.futures.Future()
+        base.set_result((st.last_applied, self.digest_of(p)))  # (no round of p is in flight: see launch_due)
+        host = self.buffers.take(frag.numel)
+        launch = dict(fragment=p, round_=r, delta=host, weight=weight, step=step,
+                      expected_round=self.expected_round(p), base=base)
+        handle = DeferredLaunch(self._launcher, to_host(delta, host), lambda: self.transport.launch(**launch))
+        tau = self.cfg.tau if self.tau_fn is None else self.tau_fn()
+        jump = None
+        if self.cfg.eager and 0 < tau < self.cfg.H:
+            jump, theta = self._eager_jump(p, theta, delta, copy.G, copy.v)
+        theta_at_launch = theta if self.cfg.merge == "replay" else None
+        self.pending[p].append(Pending(r, step, host, weight, handle, tau, theta_at_launch, jump, base=base))
+
+    def _eager_jump(self, p: int, theta: torch.Tensor, delta: torch.Tensor, G: torch.Tensor,
+                    v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Moves fragment ``p``'s weights from ``theta`` to ``G + E``, ``E = effect(v, share * delta)``: our own share
         of the round, applied now; the aggregate corrects it when it arrives. Returns the jump (kept with the round:
         all that its apply needs to undo where nothing arrived; E itself is not kept) and the weights jumped to.
         ``theta``'s buffer becomes the jump's; ``E`` is computed in a pooled buffer (a fresh fragment-sized buffer
         costs more in page faults than its arithmetic) and given back here (the replay merge keeps its own copy of
         the weights jumped to, ``term + G``)."""
-        st = self.states[p]
-        scratch = self.buffers.take(theta.numel())
-        term = self.opt.effect(st.v, delta, scale=self._share(p), out=scratch)
+        scratch = self.buffers.take(theta.numel()) if theta.device.type == "cpu" else torch.empty_like(theta)
+        term = self.opt.effect(v, delta, scale=self._share(p), out=scratch)
         # (G + E and E + G are the same bits)
-        merged = self._merged(theta, term + st.G if self.cfg.merge == "replay" else term.add_(st.G))
+        merged = self._merged(theta, term + G if self.cfg.merge == "replay" else term.add_(G))
         scatter(self.fragments[p], merged)
         jump = torch.sub(merged, theta, out=theta)
         self.buffers.give(scratch)
@@ -230,6 +285,17 @@ class StreamingEngine:
         self.on_outcome(self.fragments[p], st, outcome, step)
         return True
 
+    def _kept_home(self, p: int, pend: Pending, outcome: RoundOutcome, step: int) -> None:
+        """A deferred launch (the device path) that the transport kept home, at its ``launch + tau`` (a fixed step,
+        so the weights do not depend on when the launch thread ran): its eager jump undone, its tokens carried, then
+        reported as :meth:`_not_launched` reports the host path's at once. ``pend`` is out of the queue."""
+        pend.base.cancel()
+        self._forget(p, pend.weight, pend.jump)
+        self._retire(p, pend)
+        self.states[p].round = pend.round
+        outcome.launch_step = pend.launch_step
+        self.on_outcome(self.fragments[p], self.states[p], outcome, step)
+
     # ---- phase 2 ---------------------------------------------------------------------------
     def apply_due(self, step: int) -> None:
         """Applies every aggregate due at ``step`` (launch + tau); blocks up to wait_timeout for it."""
@@ -260,8 +326,13 @@ class StreamingEngine:
         """Waits for fragment ``p``'s oldest round in flight and applies it (reported to ``on_outcome``)."""
         queue = self.pending[p]
         pend = queue.pop(0)
+        t0 = time.monotonic()
         prepared = pend.prepared.result() if pend.prepared is not None else None
+        self.worker_wait_seconds += time.monotonic() - t0
         outcome = prepared.outcome if prepared is not None else self._wait(pend, p)
+        if not RoundStatus(outcome.status).launched:  # (a deferred launch, kept home)
+            self._kept_home(p, pend, outcome, step)
+            return
         outcome.launch_step = pend.launch_step
         if self.one_outer_step:
             self._apply_one_outer_step(p, pend, queue[0], outcome)
@@ -291,11 +362,24 @@ class StreamingEngine:
                 if pend.prepared is None and pend.handle.done():
                     outcome = pend.handle.result(timeout=0)
                     pend.answered = True
+                    if not RoundStatus(outcome.status).launched:
+                        continue  # (kept home: reported at launch + tau, whenever the launch thread got to it)
                     st = self.states[p]
-                    pend.prepared = self.worker.submit(self._prepare, outcome, st.G, st.v)
+                    pend.prepared = self.worker.submit(self._prepare, outcome, st.G, st.v, self._copy(p))
 
-    def _prepare(self, outcome: RoundOutcome, base: torch.Tensor, base_v: torch.Tensor) -> Prepared:
-        """The aggregate applied to copies of ``G, v`` (the worker, or the training thread where it came late)."""
+    def _copy(self, p: int) -> Optional[Staged]:
+        """The device path's copy of fragment p's ``G, v`` as they are now (None on the host path)."""
+        st = self.states[p]
+        return None if self.device_state is None else self.device_state.current(p, st.G, st.v)
+
+    def _prepare(self, outcome: RoundOutcome, base: torch.Tensor, base_v: torch.Tensor,
+                 copy: Optional[Staged]) -> Prepared:
+        """The aggregate applied to copies of ``G, v`` (the worker, or the training thread where it came late): on
+        the host, or on the device from ``copy`` (their copy there) on the device path."""
+        if copy is not None and self.device_state is not None:
+            staged, v, applied = self.device_state.advance(copy, outcome.applied_spans(), self.opt)
+            G = staged.host_G
+            return Prepared(outcome, base, G, v, applied, G, block_digests(G, v), staged.applied is None, staged)
         G, v = base.clone(), base_v.clone()
         applied = advance_shared(G, v, outcome.applied_spans(), self.opt)
         return Prepared(outcome, base, G, v, applied, merge_target(G, self.cfg.alpha, self.cfg.merge == "replay"),
@@ -340,27 +424,39 @@ class StreamingEngine:
         """state.apply_round's two halves: the shared state (prepared ahead where the aggregate came early), then
         the merge, computed where the parameters are (no copy of them to the host), and the eager undo."""
         frag, st = self.fragments[p], self.states[p]
+        delivered = outcome.status == RoundStatus.OFF_BASE  # (our part is in the group's result: not sent again)
+        if prepared is None and all(span.average is None for span in outcome.applied_spans()):
+            # nothing arrived (missed, failed, ...): G, v stay the same tensors (no copy, no new digest), the eager
+            # jump is undone and the progress carried, as the general case below would do
+            self._forget(p, 0 if delivered else pend.weight, pend.jump)
+            if not delivered:
+                self._restore_residual(p, pend, torch.ones(frag.numel, dtype=torch.bool))
+            return
         if prepared is None or prepared.base is not st.G:
-            prepared = self._prepare(outcome, st.G, st.v)
+            prepared = self._prepare(outcome, st.G, st.v, self._copy(p))
         st.G, st.v, applied = prepared.G, prepared.v, prepared.applied
         st.remember_blocks(prepared.blocks)
         device = device_of(frag)
         replay = pend.theta_at_launch if self.cfg.merge == "replay" else None
+        target, arrived = prepared.target, None
+        if prepared.staged is not None and self.device_state is not None:  # (the device path: G is there)
+            staged = self.device_state.install(p, prepared.staged)
+            target = merge_target(staged.G, self.cfg.alpha, replay is not None)
+            arrived = staged.applied
         if prepared.whole and self.cfg.alpha == 0.0 and replay is None:
             # (the default) every element arrived: theta <- G, the merge's value, with nothing left to undo
-            scatter(frag, prepared.target)
+            scatter(frag, target)
         else:
             theta = gather(frag)
-            merge_into(theta, to_device(prepared.target, device), outcome.applied_spans(), self.cfg.alpha,
+            merge_into(theta, to_device(target, device), outcome.applied_spans(), self.cfg.alpha,
                        replay_from=None if replay is None else to_device(replay, device))
             if pend.jump is not None and not prepared.whole:  # nothing arrived there: undo the jump, keep progress
-                missing = ~applied
-                theta = torch.where(to_device(missing, device), theta - to_device(pend.jump, device), theta)
+                missing = ~to_device(applied if arrived is None else arrived, device)
+                theta = torch.where(missing, theta - to_device(pend.jump, device), theta)
             scatter(frag, theta)
-        delivered = outcome.status == RoundStatus.OFF_BASE  # (our part is in the group's result: not sent again)
         if not prepared.whole and not delivered:
             self._restore_residual(p, pend, ~applied)
-        if bool(applied.any()):
+        if prepared.whole or bool(applied.any()):
             st.applied_rounds.append(pend.round)
             self._record_share(p, pend, outcome)
         elif not delivered:
@@ -416,7 +512,7 @@ class StreamingEngine:
     def _forget(self, p: int, weight: float, jump: Optional[torch.Tensor]) -> None:
         st, frag = self.states[p], self.fragments[p]
         if jump is not None:
-            frag.assign(frag.flat() - jump)
+            frag.assign(gather(frag) - to_device(jump, device_of(frag)))
         st.tokens_since_sync += int(weight)
 
     def adopt(self, p: int, G: torch.Tensor, v: torch.Tensor, round_: int,
@@ -465,7 +561,8 @@ class StreamingEngine:
             "fragments": [dict({k: getattr(st, k) for k in terms}, round=st.round,
                                tokens_since_sync=st.tokens_since_sync, applied_rounds=st.applied_rounds[-64:])
                           for st in self.states],
-            "pending": [[dict(round=pd.round, weight=pd.weight, jump=pd.jump) for pd in q] for q in self.pending],
+            "pending": [[dict(round=pd.round, weight=pd.weight, jump=None if pd.jump is None else pd.jump.cpu())
+                         for pd in q] for q in self.pending],
             "last_share": list(self.last_share),
             "error_feedback": None if self.error_feedback is None else [ef.state_dict() for ef in self.error_feedback],
         }

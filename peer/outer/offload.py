@@ -43,10 +43,12 @@ class HostBuffers:
     """fp32 host vectors of up to ``numel`` elements, handed out by :meth:`take` and taken back by :meth:`give`
     for the next :meth:`take` (at most ``keep`` are kept; pinned where ``pinned``). One writer: the thread that
     launches rounds. The contract is the giver's: a vector is given back only once nothing reads or writes it
-    any more (not the transport, not the worker, not a checkpoint's copy)."""
+    any more (not the transport, not the worker, not a checkpoint's copy), except copies to the device already
+    enqueued where ``device_reads`` (then :meth:`take` waits for those)."""
 
-    def __init__(self, numel: int, *, pinned: bool = False, keep: int = 4):
+    def __init__(self, numel: int, *, pinned: bool = False, keep: int = 4, device_reads: Optional[bool] = None):
         self.numel, self.pinned, self.keep = numel, pinned, keep
+        self.device_reads = pinned if device_reads is None else device_reads
         self._free: list[tuple[torch.Tensor, Any]] = []  # (buffer, the CUDA event after its last use, or None)
         self._ours: dict[int, torch.Tensor] = {}  # data_ptr -> a whole buffer handed out by take
         self.allocated = 0  # buffers allocated since start (the rest were reused)
@@ -66,14 +68,15 @@ class HostBuffers:
         return whole[:numel]
 
     def give(self, *vectors: Optional[torch.Tensor]) -> None:
-        """Takes back vectors handed out by :meth:`take` (anything else, and None, is ignored). On CUDA, copies
-        from them already enqueued on the current stream may still run: :meth:`take` waits for those."""
+        """Takes back vectors handed out by :meth:`take` (anything else, and None, is ignored). Where
+        ``device_reads``, copies from them already enqueued on the current stream may still run: :meth:`take` waits
+        for those."""
         for vector in vectors:
             whole = None if vector is None else self._ours.pop(vector.data_ptr(), None)
             if whole is None or len(self._free) >= self.keep:
                 continue
             used = None
-            if self.pinned:
+            if self.device_reads:
                 used = torch.cuda.Event()
                 used.record()
             self._free.append((whole, used))
@@ -128,7 +131,7 @@ def snapshot(frag: Fragment, out: Optional[torch.Tensor] = None) -> Snapshot:
     on_device = gather(frag)
     gathered = torch.cuda.Event()
     gathered.record()
-    side = _side_stream(device)
+    side = side_stream(device)
     host = out if out is not None else torch.empty(on_device.numel(), dtype=torch.float32, pin_memory=True)
     with torch.cuda.stream(side):
         side.wait_event(gathered)
@@ -142,7 +145,7 @@ def snapshot(frag: Fragment, out: Optional[torch.Tensor] = None) -> Snapshot:
 _SIDE_STREAMS: dict[torch.device, Any] = {}
 
 
-def _side_stream(device: torch.device):
+def side_stream(device: torch.device):
     """One copy stream per device, created on first use (from the training thread only)."""
     if device not in _SIDE_STREAMS:
         _SIDE_STREAMS[device] = torch.cuda.Stream(device)

@@ -298,8 +298,11 @@ class Trainer:
                                                                                                     step),
                                  error_feedback_codec=get_codec(cfg.outer.codec) if cfg.outer.error_feedback else None,
                                  tau_fn=self.auto_tau, schedule=schedule, on_wait=self._show_status,
-                                 digest_of=lambda p: self.sync.digest(p))
+                                 digest_of=lambda p: self.sync.digest(p),
+                                 state_on_device={"auto": None, "on": True, "off": False}[cfg.outer.state_on_device])
         self.engine = engine
+        log.info("outer state: on the host%s", "" if engine.device_state is None else
+                 f", a copy on {engine.device_state.device} (launches and applies enqueue work there)")
         self.sync = StateSync(self.swarm, engine, events=self.events, pace=self.pace, stop=self.stop.event,
                               sync_every=cfg.outer.sync_every, on_fragment=self.owner.note_fragment,
                               show_status=self._show_status, owed_timeout=4 * cfg.swarm.progress_period + 2,

@@ -1,0 +1,211 @@
+"""The launch and the apply on the parameters' device, so that the training thread only enqueues work.
+
+The host's fp32 ``G, v`` stay the authority (digests, checkpoints, the state served to downloaders).
+:class:`DeviceState` keeps a copy of each fragment's ``G, v`` on the device:
+
+- launch: ``Delta = G - theta``, the eager jump and its write into the parameters run on the device; ``Delta`` goes
+  to a pinned host buffer on a side stream, and :class:`DeferredLaunch` hands it to the transport from its own
+  thread once the copy is done (a round the transport keeps home is reported at ``launch + tau``, its eager jump
+  undone: the weights then differ from the host path's, which never jumps for it, in rounding only);
+- apply: as soon as the aggregate is in, the worker runs the Nesterov step on the device copy (on a stream of its
+  own) and brings the new ``G, v`` to the host (:meth:`DeviceState.advance`); at ``launch + tau`` the training
+  stream waits for that work (an event, not the host) and copies ``G`` into the parameters.
+
+Every elementwise operation rounds once (no fused multiply-add): a GPU peer's state is the one a CPU peer computes.
+On the CPU every "device" tensor is the host one (the tests run this path here).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+import torch
+
+from peer.outer.offload import side_stream
+from peer.outer.rounds import Handle, RoundOutcome, Span
+from peer.outer.state import advance_shared, check_average
+
+if TYPE_CHECKING:
+    from peer.outer.state import NesterovSGD
+
+
+@dataclass
+class Staged:
+    """A fragment's shared state on the device: ``G, v``, the mask of the elements an aggregate arrived for (only
+    where not every one did), and the event after the work that made them (None on the CPU)."""
+
+    host_G: torch.Tensor  # the host G these are copies of
+    G: torch.Tensor
+    v: torch.Tensor
+    applied: Optional[torch.Tensor]
+    ready: Any = None
+
+
+class DeviceState:
+    """Per fragment, a copy on ``device`` of the host's ``G, v``. Written by the training thread only
+    (:meth:`current`, :meth:`install`); :meth:`advance` runs on the engine's worker and returns its copies instead of
+    storing them."""
+
+    def __init__(self, device: torch.device, n_fragments: int, numel: int):
+        """``numel``: the largest fragment's."""
+        self.device = device
+        self._copies: list[Optional[Staged]] = [None] * n_fragments
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # (the worker's)
+        # the worker's pinned staging (an aggregate in; G and v out), allocated once: pinning memory per round
+        # costs more than the round's arithmetic and holds up the training thread's own CUDA calls meanwhile
+        self._staging = ([torch.empty(numel, pin_memory=True) for _ in range(3)] if self._stream is not None
+                         else None)
+
+    @staticmethod
+    def bytes_needed(numel: int) -> int:
+        """Device bytes the copies take for a model of ``numel`` trainable elements (two fp32 vectors), not counting
+        a round's own while it is prepared."""
+        return 8 * numel
+
+    def advance(self, copy: Staged, spans: Sequence[Span],
+                opt: "NesterovSGD") -> tuple[Staged, torch.Tensor, torch.Tensor]:
+        """(On the worker.) :func:`~peer.outer.state.advance_shared` on the device from ``copy`` (the state's copy
+        when the aggregate came in): new device ``G, v``, not installed, and their host copies, which the caller
+        makes the state. Returns the staged copies (``host_G``: the new host ``G``), the new host ``v`` and the
+        host mask of the elements an aggregate arrived for."""
+        if self._staging is None:  # (the CPU: the "device" copies are host tensors)
+            G, v = copy.G.clone(), copy.v.clone()
+            applied = advance_shared(G, v, spans, opt)
+            return Staged(G, G, v, None if bool(applied.all()) else applied), v, applied
+        inbound, out_G, out_v = self._staging
+        with torch.cuda.stream(self._stream):
+            G, v = copy.G.clone(), copy.v.clone()
+            arrived = []
+            for span in spans:  # (disjoint: each average goes through its own slice of the staging)
+                average = None
+                if span.average is not None:
+                    check_average(span)
+                    staged_in = inbound[span.start:span.start + span.average.numel()].copy_(span.average)
+                    average = staged_in.to(self.device, non_blocking=True)
+                arrived.append(Span(span.start, span.end, average))
+            applied = advance_shared(G, v, arrived, opt)
+            whole = bool(applied.all())
+            out_G[:G.numel()].copy_(G, non_blocking=True)
+            out_v[:v.numel()].copy_(v, non_blocking=True)
+            staged = Staged(G, G, v, None if whole else applied.pin_memory().to(self.device, non_blocking=True))
+            staged.ready = self._record()
+        wait_for(staged.ready)  # (then the staging is free again)
+        staged.host_G = out_G[:G.numel()].clone()  # (host copies of our own: the state outlives the staging)
+        return staged, out_v[:v.numel()].clone(), applied
+
+    def upload(self, G: torch.Tensor, v: torch.Tensor) -> Staged:
+        """Copies of the host state ``G, v``, on their way (:meth:`install` orders the training stream after)."""
+        with self._on_stream():
+            staged = Staged(G, self._to_device(G), self._to_device(v), None)
+            staged.ready = self._record()
+        return staged
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """(On the worker's stream.) Pinned first, so the copy neither blocks the host nor counts as a sync."""
+        if self._stream is None:
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    def install(self, p: int, staged: Staged) -> Staged:
+        """Makes ``staged`` fragment ``p``'s copy; the work enqueued after this call on the current stream runs
+        after the work that made it. Must be called on the training thread when ``staged.host_G`` becomes the
+        state's ``G``."""
+        if staged.ready is not None:
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(staged.ready)
+            for t in (staged.G, staged.v, staged.applied):
+                if t is not None:
+                    t.record_stream(stream)  # (allocated on the worker's stream, read on this one)
+        self._copies[p] = staged
+        return staged
+
+    def current(self, p: int, G: torch.Tensor, v: torch.Tensor) -> Staged:
+        """Fragment ``p``'s copy of the host state ``G, v``, uploaded now where the state changed without
+        :meth:`install` (the start, an adoption, a checkpoint load). Must be called on the training thread."""
+        copy = self._copies[p]
+        if copy is None or copy.host_G is not G:
+            copy = self.install(p, self.upload(G, v))
+        return copy
+
+    def _on_stream(self):
+        return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+
+    def _record(self) -> Any:
+        if self._stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return event
+
+
+POLL_S = 0.0005  # how often wait_for asks an event whether it is done
+
+
+def wait_for(event: Optional[Any]) -> None:
+    """Waits (polling) until the CUDA ``event`` is done (None: at once). Polled rather than synchronized: a
+    synchronize can hold a core spinning, and counts as a sync in CUDA's sync debug mode (a test checks there is
+    none on the training thread, while this runs on others)."""
+    while event is not None and not event.query():
+        time.sleep(POLL_S)
+
+
+def to_host(delta: torch.Tensor, out: torch.Tensor) -> Optional[Any]:
+    """Starts copying ``delta`` into the host vector ``out`` (pinned on CUDA) on a side stream, after the work
+    enqueued so far; returns the event that marks the copy done (None: done already, on the CPU)."""
+    if delta.device.type != "cuda":
+        out.copy_(delta)
+        return None
+    computed = torch.cuda.Event()
+    computed.record()
+    side = side_stream(delta.device)
+    with torch.cuda.stream(side):
+        side.wait_event(computed)
+        out.copy_(delta, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record(side)
+    delta.record_stream(side)
+    return copied
+
+
+class DeferredLaunch:
+    """A round whose transport launch runs on a thread of its own once its ``Delta`` is on the host: a
+    :class:`~peer.outer.rounds.Handle` for the engine. ``cancel`` reaches the transport's handle whenever it
+    comes."""
+
+    def __init__(self, pool: concurrent.futures.ThreadPoolExecutor, copied: Optional[Any],
+                 launch: Callable[[], Handle]):
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._launched: concurrent.futures.Future = pool.submit(self._run, copied, launch)
+
+    def _run(self, copied: Optional[Any], launch: Callable[[], Handle]) -> Handle:
+        wait_for(copied)
+        handle = launch()
+        with self._lock:
+            if self._cancelled:
+                handle.cancel()
+        return handle
+
+    def done(self) -> bool:
+        f = self._launched
+        return f.done() and (f.cancelled() or f.exception() is not None or f.result().done())
+
+    def result(self, timeout: Optional[float] = None) -> RoundOutcome:
+        """The transport's outcome; raises ``TimeoutError`` if it is not in within ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        handle = self._launched.result(timeout)  # (concurrent.futures.TimeoutError is TimeoutError)
+        return handle.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def cancel(self) -> bool:
+        with self._lock:
+            self._cancelled = True
+        if self._launched.cancel():
+            return True
+        if self._launched.done() and self._launched.exception() is None:
+            return self._launched.result().cancel()
+        return False
