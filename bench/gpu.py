@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import cProfile
 import datetime
 import json
 import platform
+import pstats
 import statistics
 import subprocess
 import sys
@@ -132,8 +134,10 @@ def one_preset(args) -> dict:
     digests: dict[int, str] = {}
     engine = StreamingEngine(fragments, settings, EchoTransport("e3m0"),
                              on_outcome=lambda frag, st, outcome, step: digests.__setitem__(frag.index, st.digest()),
-                             digest_of=lambda p: digests[p] if p in digests else engine.states[p].digest())
+                             digest_of=lambda p: digests[p])
+    digests.update({p: st.digest() for p, st in enumerate(engine.states)})  # (the trainer's start publishes them)
     peer_step = [0]
+    profiler = cProfile.Profile() if args.profile_applies else None  # (of the timed applies: where their time goes)
     # the training thread's time in each launch and apply that had work (seconds), while `timed` is set
     blocked: dict[str, list[float]] = {"launch": [], "apply": []}
     timed = [False]
@@ -147,15 +151,21 @@ def one_preset(args) -> dict:
         engine.launch_due(step)
         t1 = time.perf_counter()
         applying = any(q and q[0].launch_step + q[0].tau <= step for q in engine.pending)
+        if profiler is not None and timed[0] and applying:
+            profiler.enable()
         engine.apply_due(step)
+        if profiler is not None:
+            profiler.disable()
         t2 = time.perf_counter()
         if timed[0]:
             for name, busy, seconds in (("launch", launching, t1 - t0), ("apply", applying, t2 - t1)):
                 if busy:
                     blocked[name].append(seconds)
 
-    for fn in (plain, peer):  # warm-up: allocator, kernels, autotuning
-        for i in range(3):
+    # warm-up: allocator, kernels, autotuning; the peer's runs a whole cycle of rounds (every fragment launched
+    # and applied once: its host buffers and the caching allocators hold what a round needs), outside the timing
+    for fn, n_steps in ((plain, 3), (peer, args.sync_every + args.tau + 2)):
+        for i in range(n_steps if args.loop == "both" else 3):
             fn(batches[i % len(batches)])
     sync(device)
     if args.loop != "both":  # memory of one loop alone, in this process: enough steps for every fragment's round
@@ -167,6 +177,7 @@ def one_preset(args) -> dict:
         return {"preset": args.one, "loop": args.loop, "host_peak_rss_bytes": host_peak_bytes(),
                 "peak_vram_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
     timed[0] = True
+    waited = (engine.blocked_seconds, engine.worker_wait_seconds)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times: dict[str, list[float]] = {"plain": [], "peer": []}
@@ -182,6 +193,9 @@ def one_preset(args) -> dict:
         steps += args.steps
     inner.check_finite()
     engine.close()
+    if profiler is not None:
+        with open(args.profile_applies, "w") as f:
+            pstats.Stats(profiler, stream=f).sort_stats("cumulative").print_stats(30)
     rounds = sum(len(st.applied_rounds) for st in engine.states)
     per_step = {k: sum(v) / len(v) for k, v in times.items()}
     tokens = args.batch * args.seq_len
@@ -202,8 +216,13 @@ def one_preset(args) -> dict:
         "host_peak_rss_bytes": host_peak_bytes(),
         "blocked_s": {k: {"count": len(v), "median": statistics.median(v) if v else None, "max": max(v, default=None)}
                       for k, v in blocked.items()},
+        # of the applies' time: waiting for the transport's aggregate, and for the worker's prepared state
+        "launch_s": blocked["launch"], "apply_s": blocked["apply"],
+        "waited_s": {"transport": engine.blocked_seconds - waited[0], "worker": engine.worker_wait_seconds - waited[1]},
+        "outer_on_device": engine.device_state is not None,
         "bytes_by_size": {"model_fp32": 4 * n, "adamw": 8 * n, "outer_state": 4 * n * outer_copies,
-                          "outer_copies": outer_copies},
+                          "outer_copies": outer_copies,
+                          "outer_on_device": 8 * n if engine.device_state is not None else 0},
     }
 
 
@@ -240,8 +259,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tau", type=int, default=5)
     ap.add_argument("--activation-checkpointing", action="store_true")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model in both loops (inner.compile)")
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: codec, tests")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: codec, tests, memory")
     ap.add_argument("--out", default="runs/bench_gpu.json")
+    ap.add_argument("--profile-applies", default="", help="write a cProfile of the timed applies to this file")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # internal: one preset in this process
     ap.add_argument("--loop", default="both", choices=["both", "plain", "peer"], help=argparse.SUPPRESS)  # (--one)
     args = ap.parse_args(argv)
@@ -257,7 +277,9 @@ def main(argv=None) -> int:
     results = []
     for preset in args.presets.split(","):
         result: dict = {}
-        for loop in ("both", "plain", "peer"):  # the timing (loops alternating), then each loop's memory alone
+        skip = set(filter(None, args.skip.split(",")))
+        loops = ("both",) if "memory" in skip else ("both", "plain", "peer")
+        for loop in loops:  # the timing (loops alternating), then each loop's memory alone
             child = [sys.executable, __file__, *sys.argv[1:], "--one", preset, "--loop", loop]
             done = subprocess.run(child, capture_output=True, text=True, timeout=3600)
             if done.returncode != 0:
@@ -279,7 +301,8 @@ def main(argv=None) -> int:
             print(f"| {r['preset']} | failed |" + " |" * 11)
             continue
         mfu = "—" if not r["mfu"] else f"{r['mfu']['plain']:.1%} / {r['mfu']['peer']:.1%}"
-        size, mem = r["bytes_by_size"], r["memory"]
+        size = r["bytes_by_size"]
+        mem = r.get("memory") or {k: {"peak_vram_bytes": None, "host_peak_rss_bytes": None} for k in ("plain", "peer")}
         ms = {k: "—" if not b["count"] else f"{1e3 * b['median']:.1f} / {1e3 * b['max']:.1f}"
               for k, b in r["blocked_s"].items()}
         print(f"| {r['preset']} | {r['params'] / 1e6:.1f}M | {r['plain_s_per_step']:.4f} | {r['peer_s_per_step']:.4f} "
@@ -288,7 +311,11 @@ def main(argv=None) -> int:
               f"| {gib(mem['plain']['peak_vram_bytes'])} / {gib(mem['peer']['peak_vram_bytes'])} "
               f"| {gib(mem['plain']['host_peak_rss_bytes'])} / {gib(mem['peer']['host_peak_rss_bytes'])} "
               f"| {gib(size['model_fp32'])} + {gib(size['adamw'])} + {gib(size['outer_state'])} "
-              f"({size['outer_copies']} copies) |")
+              f"({size['outer_copies']} copies; {gib(size.get('outer_on_device', 0))} of them on the device too) |")
+    for r in results:
+        if "error" not in r:
+            print(f"{r['preset']}: outer state on the device {r['outer_on_device']}; of the applies, waiting for the "
+                  f"transport {r['waited_s']['transport']:.3f} s, for the worker {r['waited_s']['worker']:.3f} s")
     skip = set(filter(None, args.skip.split(",")))
     extra = {}
     if "codec" not in skip:
