@@ -126,7 +126,16 @@ def one_preset(args) -> dict:
     n = count_parameters(model)
     source = MarkovSource(args.vocab, seed=1)
     batches = [source.next_batch(args.batch, args.seq_len) for _ in range(8)]
-    plain = plain_step_fn(model, device, INNER["grad_clip"], args.compile, args.micro_batch)
+    # a memory child builds only the loop it measures (another loop's optimizer or outer state would count)
+    plain = plain_step_fn(model, device, INNER["grad_clip"], args.compile, args.micro_batch) \
+        if args.loop != "peer" else None
+    if args.loop == "plain":
+        assert plain is not None
+        for i in range(args.sync_every + args.tau + 5):
+            plain(batches[i % len(batches)])
+        sync(device)
+        return {"preset": args.one, "loop": args.loop, "host_peak_rss_bytes": host_peak_bytes(),
+                "peak_vram_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
     inner = InnerLoop(model, device=device, micro_batch=args.micro_batch, compile=args.compile, **INNER)
     fragments = partition(model, blocks, 3, "strided")
     settings = OuterSettings(H=args.sync_every, tau=args.tau, eager=True)
@@ -164,15 +173,12 @@ def one_preset(args) -> dict:
 
     # warm-up: allocator, kernels, autotuning; the peer's runs a whole cycle of rounds (every fragment launched
     # and applied once: its host buffers and the caching allocators hold what a round needs), outside the timing
-    for fn, n_steps in ((plain, 3), (peer, args.sync_every + args.tau + 2)):
-        for i in range(n_steps if args.loop == "both" else 3):
-            fn(batches[i % len(batches)])
+    for fn, n_steps in ((plain, 3), (peer, 3 + args.sync_every + args.tau + 2)):
+        if fn is not None:
+            for i in range(n_steps):
+                fn(batches[i % len(batches)])
     sync(device)
-    if args.loop != "both":  # memory of one loop alone, in this process: enough steps for every fragment's round
-        fn = plain if args.loop == "plain" else peer
-        for i in range(args.sync_every + args.tau + 2):
-            fn(batches[i % len(batches)])
-        sync(device)
+    if args.loop != "both":  # the peer's memory alone (the plain loop's above): every fragment's round ran
         engine.close()
         return {"preset": args.one, "loop": args.loop, "host_peak_rss_bytes": host_peak_bytes(),
                 "peak_vram_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
