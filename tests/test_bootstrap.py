@@ -204,3 +204,12 @@ def test_a_relay_under_default_limits_is_started_again_a_bounded_number_of_times
     assert "still reset after 128 KiB after 3 starts" in caplog.text
     assert cli._relay_ok(maddrs, 1, 1.0)
     assert "whether relayed streams carry more than 128 KiB is not known" in caplog.text
+
+
+def test_the_relay_check_says_it_cannot_tell_when_the_relay_does_not_answer():
+    """A relay that accepts no connection (a node still starting, or gone): p2pd fails to connect to it, again
+    until the deadline; the check answers None ("could not tell") instead of raising."""
+    from peer.net.plumbing.relay_check import relay_serves
+
+    nobody = "/ip4/127.0.0.1/tcp/9/p2p/QmV7UHG6LHkBhUCHAfSgbmoYJ5pUeGVGjh13LsGCYDpanT"  # (port 9: refused)
+    assert relay_serves(nobody, 1.5) is None

@@ -32,6 +32,19 @@ def relay_serves(relay: str, timeout: float) -> Optional[bool]:
         return None
 
 
+async def _connected(create, deadline: float):
+    """``await create()`` (a P2P daemon whose bootstrap peers must answer), again every 0.5 s while p2pd says it
+    failed to connect, until ``deadline``; None then (a node just started may not answer yet)."""
+    while True:
+        try:
+            return await create()
+        except Exception as e:  # p2pd: "failed to connect to bootstrap peers"
+            if time.monotonic() >= deadline:
+                log.debug("relay check: %s", e)
+                return None
+            await asyncio.sleep(0.5)
+
+
 async def _probe(relay: str, deadline: float) -> Optional[bool]:
     from hivemind.p2p import P2P, P2PContext
     from hivemind.proto import runtime_pb2
@@ -42,7 +55,10 @@ async def _probe(relay: str, deadline: float) -> Optional[bool]:
     _register_relay_modes(opts)
     common = dict(nat_port_map=False, check_if_identity_free=False)
     # the target listens nowhere: the caller can reach it through the circuit only
-    target = await P2P.create(initial_peers=[relay], no_listen=True, **common, **opts)
+    target = await _connected(lambda: P2P.create(initial_peers=[relay], no_listen=True, **common, **opts), deadline)
+    if target is None:
+        log.debug("relay check: could not connect to %s", relay)
+        return None
     caller = None
     try:
         async def echo(request: runtime_pb2.Tensor, _: P2PContext) -> runtime_pb2.Tensor:
@@ -50,14 +66,11 @@ async def _probe(relay: str, deadline: float) -> Optional[bool]:
 
         await target.add_protobuf_handler("relay_check", echo, runtime_pb2.Tensor)
         circuit = f"{relay}/p2p-circuit/p2p/{target.peer_id}"
-        while caller is None:  # (until the target's reservation is made, the circuit cannot be dialed)
-            try:
-                caller = await P2P.create(initial_peers=[circuit], host_maddrs=_LOCAL, **common)
-            except Exception as e:  # p2pd: "failed to connect to bootstrap peers"
-                if time.monotonic() >= deadline:
-                    log.debug("relay check: no circuit to %s: %s", circuit, e)
-                    return None
-                await asyncio.sleep(0.5)
+        # (until the target's reservation is made, the circuit cannot be dialed)
+        caller = await _connected(lambda: P2P.create(initial_peers=[circuit], host_maddrs=_LOCAL, **common), deadline)
+        if caller is None:
+            log.debug("relay check: no circuit to %s", circuit)
+            return None
         try:
             reply = await asyncio.wait_for(caller.call_protobuf_handler(
                 target.peer_id, "relay_check", runtime_pb2.Tensor(buffer=os.urandom(PROBE_BYTES)),
