@@ -1,5 +1,6 @@
 """Engine behaviour beyond the reference algorithms: failures, eager undo, replay, auto tau, the worker."""
 
+import concurrent.futures
 import threading
 
 import pytest
@@ -37,6 +38,23 @@ class ScriptedTransport:
             def cancel(self):
                 return True
         return H()
+
+
+class FutureTransport:
+    """Each launched round's handle is a ``concurrent.futures.Future`` (as the swarm's are). The script's outcome
+    is set at once where ``at_once`` (None: never), else the test sets it (``futures``, ``launched``)."""
+
+    def __init__(self, outcomes, at_once=True):
+        self.outcomes, self.at_once = outcomes, at_once
+        self.futures, self.launched = [], threading.Event()
+
+    def launch(self, *, fragment, round_, delta, weight, step, expected_round, base=None):
+        future, outcome = concurrent.futures.Future(), self.outcomes(fragment, round_, delta.clone())
+        if self.at_once and outcome is not None:
+            future.set_result(outcome)
+        self.futures.append((future, outcome))
+        self.launched.set()
+        return future
 
 
 def one_param_engine(settings, outcomes, value=0.0, n=8):
@@ -335,13 +353,14 @@ def mixed_rounds(f, r, d, kinds=5):
     return None if kind == "missed" else RoundOutcome(f, r, "alone", group_size=1)
 
 
-def run_mixed(settings, device="cpu", state_on_device=False, no_sync=False, steps=26, kinds=5):
+def run_mixed(settings, device="cpu", state_on_device=False, no_sync=False, steps=26, kinds=5,
+              transport=ScriptedTransport):
     """Trains one 8-element parameter on ``device`` through :func:`mixed_rounds`; returns what a peer keeps.
     ``no_sync``: every launch and apply after the first runs in CUDA's sync debug mode "error"."""
     p = torch.nn.Parameter(torch.zeros(8, device=device))
     statuses = []
     script = lambda f, r, d: mixed_rounds(f, r, d, kinds)  # noqa: E731
-    eng = StreamingEngine([Fragment(0, ["w"], [p])], settings, ScriptedTransport(script),
+    eng = StreamingEngine([Fragment(0, ["w"], [p])], settings, transport(script),
                           group_size_hint=lambda: 2, state_on_device=state_on_device,
                           on_outcome=lambda frag, st, outcome, step: statuses.append((outcome.round, outcome.status)))
     for step in range(1, steps + 1):
@@ -383,6 +402,43 @@ def test_the_device_path_gives_the_host_path_bit_for_bit(merge, alpha, eager):
         assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
     assert {status for _, status in host[-1]} == {"ok", "partial", "missed", "alone"}
     assert torch.equal(device[0], run_mixed(settings, state_on_device=True)[0])  # (not a matter of timing)
+
+
+@pytest.mark.parametrize("state_on_device", [False, True])
+def test_aggregates_handed_over_on_arrival_give_the_same_bits(state_on_device):
+    """Rounds whose handles are futures (the swarm's) have their aggregates prepared by a done callback instead
+    of at the next step boundary: the same weights, state, tokens and statuses as the polled handles give."""
+    settings = OuterSettings(H=4, tau=2, eager=True, lr=0.7, momentum=0.9, wait_timeout=0.05)
+    polled = run_mixed(settings, state_on_device=state_on_device)
+    on_arrival = run_mixed(settings, state_on_device=state_on_device, transport=FutureTransport)
+    for a, b in zip(polled, on_arrival):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+@pytest.mark.parametrize("state_on_device", [False, True])
+def test_an_aggregate_goes_to_the_worker_when_it_arrives_not_at_the_next_step(state_on_device):
+    tr = FutureTransport(lambda f, r, d: RoundOutcome(f, r, "ok", spans=[Span(0, 8, d.clone())], total_weight=20.0),
+                         at_once=False)
+    p = torch.nn.Parameter(torch.zeros(8))
+    eng = StreamingEngine([Fragment(0, ["w"], [p])], OuterSettings(H=2, tau=1, wait_timeout=5.0), tr,
+                          group_size_hint=lambda: 2, state_on_device=state_on_device)
+    try:
+        with torch.no_grad():
+            p -= 1.0
+        eng.launch_due(2)
+        assert tr.launched.wait(5)  # (the device path launches from its own thread)
+        pend = eng.pending[0][0]
+        assert pend.prepared is None
+        future, outcome = tr.futures[0]
+        arrival = threading.Thread(target=future.set_result, args=(outcome,))
+        arrival.start()
+        arrival.join(5)
+        assert pend.prepared is not None and pend.answered  # no step boundary in between
+        prepared = pend.prepared.result(timeout=5)
+        eng.apply_due(3)
+        assert eng.states[0].G is prepared.G and eng.states[0].applied_rounds == [1]
+    finally:
+        eng.close()
 
 
 def test_the_device_path_is_refused_where_its_terms_live_on_the_host():

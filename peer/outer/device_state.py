@@ -181,6 +181,8 @@ class DeferredLaunch:
                  launch: Callable[[], Handle]):
         self._lock = threading.Lock()
         self._cancelled = False
+        self._callbacks: list[Callable[["DeferredLaunch"], None]] = []
+        self._handle: Optional[Handle] = None  # the transport's, once launched
         self._launched: concurrent.futures.Future = pool.submit(self._run, copied, launch)
 
     def _run(self, copied: Optional[Any], launch: Callable[[], Handle]) -> Handle:
@@ -189,7 +191,25 @@ class DeferredLaunch:
         with self._lock:
             if self._cancelled:
                 handle.cancel()
+            self._handle, callbacks = handle, list(self._callbacks)
+        for fn in callbacks:
+            self._forward(handle, fn)
         return handle
+
+    def add_done_callback(self, fn: Callable[["DeferredLaunch"], None]) -> None:
+        """Calls ``fn(self)`` once the transport's outcome is in, where the transport's handle can say so (a
+        ``concurrent.futures.Future``); otherwise never (the engine then finds the outcome at a step boundary)."""
+        with self._lock:
+            handle = self._handle
+            if handle is None:
+                self._callbacks.append(fn)
+                return
+        self._forward(handle, fn)
+
+    def _forward(self, handle: Handle, fn: Callable[["DeferredLaunch"], None]) -> None:
+        add = getattr(handle, "add_done_callback", None)
+        if add is not None:
+            add(lambda _: fn(self))
 
     def done(self) -> bool:
         f = self._launched

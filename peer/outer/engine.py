@@ -59,6 +59,7 @@ class Pending:
     # previous round is applied), cancelled when that never happens
     base: "concurrent.futures.Future[tuple[int, str]]" = field(default_factory=concurrent.futures.Future)
     answered: bool = False  # the outcome came from the transport (which no longer reads ``delta``)
+    retired: bool = False  # taken out of the queue to be applied: no aggregate is handed to the worker any more
 
 
 @dataclass
@@ -113,6 +114,7 @@ class StreamingEngine:
         self.error_feedback = [ErrorFeedback() for _ in fragments] if error_feedback_codec is not None else None
         self._ef_updates: list[Optional[concurrent.futures.Future]] = [None] * len(fragments)
         self.worker = OuterWorker()  # the host math of arrived aggregates and error feedback (stopped by close)
+        self._prepare_lock = threading.Lock()  # Pending.prepared is set by the training thread or a done callback
         self.digest_of = digest_of or (lambda p: self.states[p].digest())
         # the launches' fragment-sized host vectors, reused (see _retire): a snapshot and Delta per round in flight
         device = device_of(fragments[0]) if fragments else torch.device("cpu")
@@ -214,8 +216,11 @@ class StreamingEngine:
             theta_at_launch = theta if self.cfg.merge == "replay" else None
             if jump is None and theta_at_launch is None:
                 self.buffers.give(theta)
-            self.pending[p].append(Pending(r, step, delta, weight, handle, tau, theta_at_launch, jump,
-                                           residual_before=residual_before, base=base))
+            pend = Pending(r, step, delta, weight, handle, tau, theta_at_launch, jump,
+                           residual_before=residual_before, base=base)
+            self.pending[p].append(pend)
+            if not self.one_outer_step:
+                self._prepare_on_arrival(pend, st.G, st.v, None)
 
     def _launch_on_device(self, p: int, r: int, step: int) -> None:
         """The launch of the device path: every operation on the parameters' device is only enqueued; ``Delta``
@@ -239,7 +244,9 @@ class StreamingEngine:
         if self.cfg.eager and 0 < tau < self.cfg.H:
             jump, theta = self._eager_jump(p, theta, delta, copy.G, copy.v)
         theta_at_launch = theta if self.cfg.merge == "replay" else None
-        self.pending[p].append(Pending(r, step, host, weight, handle, tau, theta_at_launch, jump, base=base))
+        pend = Pending(r, step, host, weight, handle, tau, theta_at_launch, jump, base=base)
+        self.pending[p].append(pend)
+        self._prepare_on_arrival(pend, st.G, st.v, copy)
 
     def _eager_jump(self, p: int, theta: torch.Tensor, delta: torch.Tensor, G: torch.Tensor,
                     v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -326,10 +333,15 @@ class StreamingEngine:
         """Waits for fragment ``p``'s oldest round in flight and applies it (reported to ``on_outcome``)."""
         queue = self.pending[p]
         pend = queue.pop(0)
+        outcome = self._wait(pend, p) if pend.prepared is None else None
+        with self._prepare_lock:  # (a done callback may have handed it to the worker while we waited)
+            pend.retired = True
+            in_hand = pend.prepared
         t0 = time.monotonic()
-        prepared = pend.prepared.result() if pend.prepared is not None else None
+        prepared = in_hand.result() if in_hand is not None else None
         self.worker_wait_seconds += time.monotonic() - t0
-        outcome = prepared.outcome if prepared is not None else self._wait(pend, p)
+        outcome = prepared.outcome if prepared is not None else outcome
+        assert outcome is not None
         if not RoundStatus(outcome.status).launched:  # (a deferred launch, kept home)
             self._kept_home(p, pend, outcome, step)
             return
@@ -349,23 +361,52 @@ class StreamingEngine:
         its jump (read by the engine only; a checkpoint's copy clones it) and its ``Delta`` where the transport
         answered (a round given up at its deadline may still be sending it) and the worker's error-feedback
         updates, which read it, have run."""
+        with self._prepare_lock:
+            pend.retired = True
         update = self._ef_updates[p]  # (the newest of p's: the worker runs them in order)
         self.buffers.give(pend.jump, pend.delta if pend.answered and (update is None or update.done()) else None)
 
     def _prefetch(self) -> None:
         """Hands every aggregate that is in but not yet due to the worker (streaming modes: the tau = H machine
-        applies with the next round's Delta). Must be called on the training thread."""
+        applies with the next round's Delta) where :meth:`_prepare_on_arrival` has not. Must be called on the
+        training thread."""
         if self.one_outer_step:
             return
         for p, queue in enumerate(self.pending):
             for pend in queue:
                 if pend.prepared is None and pend.handle.done():
-                    outcome = pend.handle.result(timeout=0)
-                    pend.answered = True
-                    if not RoundStatus(outcome.status).launched:
-                        continue  # (kept home: reported at launch + tau, whenever the launch thread got to it)
                     st = self.states[p]
-                    pend.prepared = self.worker.submit(self._prepare, outcome, st.G, st.v, self._copy(p))
+                    self._submit_prepare(pend, pend.handle.result(timeout=0), st.G, st.v, self._copy(p))
+
+    def _prepare_on_arrival(self, pend: Pending, G: torch.Tensor, v: torch.Tensor, copy: Optional[Staged]) -> None:
+        """Has the worker prepare ``pend``'s aggregate as soon as it is in, from the thread that completes the
+        round (where the handle takes a done callback: a ``concurrent.futures.Future``, the swarm's), rather than
+        at the next step boundary. ``G, v, copy``: the fragment's state now, which the round is applied to (a
+        state replaced meanwhile makes the apply compute it again: :meth:`_apply_streaming`)."""
+        add = getattr(pend.handle, "add_done_callback", None)
+        if add is None:
+            return
+
+        def arrived(_) -> None:
+            try:
+                outcome = pend.handle.result(timeout=0)
+            except BaseException:  # (cancelled, or it raised: the training thread finds out at the apply)
+                return
+            self._submit_prepare(pend, outcome, G, v, copy)
+        add(arrived)
+
+    def _submit_prepare(self, pend: Pending, outcome: RoundOutcome, G: torch.Tensor, v: torch.Tensor,
+                        copy: Optional[Staged]) -> None:
+        """Hands ``outcome`` to the worker for ``pend``, once (a kept-home round is not prepared: it is reported at
+        ``launch + tau``, whenever the launch thread got to it)."""
+        with self._prepare_lock:
+            pend.answered = True
+            if pend.prepared is not None or pend.retired or not RoundStatus(outcome.status).launched:
+                return
+            try:
+                pend.prepared = self.worker.submit(self._prepare, outcome, G, v, copy)
+            except RuntimeError:  # the worker is closed (the engine stopped): nothing to prepare for
+                pass
 
     def _copy(self, p: int) -> Optional[Staged]:
         """The device path's copy of fragment p's ``G, v`` as they are now (None on the host path)."""
