@@ -415,10 +415,13 @@ def test_aggregates_handed_over_on_arrival_give_the_same_bits(state_on_device):
         assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
 
 
+@pytest.mark.parametrize("at_once", [False, True])
 @pytest.mark.parametrize("state_on_device", [False, True])
-def test_an_aggregate_goes_to_the_worker_when_it_arrives_not_at_the_next_step(state_on_device):
+def test_an_aggregate_goes_to_the_worker_when_it_arrives_not_at_the_next_step(state_on_device, at_once):
+    """``at_once``: the transport's future is done when it hands it over (the device path's launch thread then
+    forwards the outcome itself); else another thread completes it later."""
     tr = FutureTransport(lambda f, r, d: RoundOutcome(f, r, "ok", spans=[Span(0, 8, d.clone())], total_weight=20.0),
-                         at_once=False)
+                         at_once=at_once)
     p = torch.nn.Parameter(torch.zeros(8))
     eng = StreamingEngine([Fragment(0, ["w"], [p])], OuterSettings(H=2, tau=1, wait_timeout=5.0), tr,
                           group_size_hint=lambda: 2, state_on_device=state_on_device)
@@ -426,13 +429,15 @@ def test_an_aggregate_goes_to_the_worker_when_it_arrives_not_at_the_next_step(st
         with torch.no_grad():
             p -= 1.0
         eng.launch_due(2)
-        assert tr.launched.wait(5)  # (the device path launches from its own thread)
         pend = eng.pending[0][0]
-        assert pend.prepared is None
-        future, outcome = tr.futures[0]
-        arrival = threading.Thread(target=future.set_result, args=(outcome,))
-        arrival.start()
-        arrival.join(5)
+        if state_on_device:
+            pend.handle._launched.result(timeout=5)  # (the launch thread is done: launched and forwarded)
+        if not at_once:
+            assert pend.prepared is None
+            future, outcome = tr.futures[0]
+            arrival = threading.Thread(target=future.set_result, args=(outcome,))
+            arrival.start()
+            arrival.join(5)
         assert pend.prepared is not None and pend.answered  # no step boundary in between
         prepared = pend.prepared.result(timeout=5)
         eng.apply_due(3)

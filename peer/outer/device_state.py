@@ -212,13 +212,18 @@ class DeferredLaunch:
             add(lambda _: fn(self))
 
     def done(self) -> bool:
+        handle = self._handle  # (set before the launch's callbacks run, which may ask)
+        if handle is not None:
+            return handle.done()
         f = self._launched
-        return f.done() and (f.cancelled() or f.exception() is not None or f.result().done())
+        return f.done() and (f.cancelled() or f.exception() is not None)  # (the launch raised, or never ran)
 
     def result(self, timeout: Optional[float] = None) -> RoundOutcome:
         """The transport's outcome; raises ``TimeoutError`` if it is not in within ``timeout``."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        handle = self._launched.result(timeout)  # (concurrent.futures.TimeoutError is TimeoutError)
+        handle = self._handle
+        if handle is None:
+            handle = self._launched.result(timeout)  # (concurrent.futures.TimeoutError is TimeoutError)
         return handle.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def cancel(self) -> bool:
@@ -226,6 +231,5 @@ class DeferredLaunch:
             self._cancelled = True
         if self._launched.cancel():
             return True
-        if self._launched.done() and self._launched.exception() is None:
-            return self._launched.result().cancel()
-        return False
+        handle = self._handle
+        return handle.cancel() if handle is not None else False
