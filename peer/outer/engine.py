@@ -20,7 +20,6 @@ import concurrent.futures
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -28,6 +27,7 @@ import torch
 from peer.outer.codec import Codec, roundtrip
 from peer.outer.device_state import DeferredLaunch, DeviceState, Staged, to_host
 from peer.outer.fragments import Fragment
+from peer.outer.inflight import Handover, Pending, Prepared
 from peer.outer.offload import HostBuffers, OuterWorker, device_of, gather, scatter, snapshot, to_device
 from peer.outer.rounds import Handle, RoundOutcome, RoundStatus, Transport
 from peer.outer.state import (ErrorFeedback, FragmentState, NesterovSGD, advance_shared, block_digests, merge_into,
@@ -37,45 +37,6 @@ from peer.outer.settings import OuterSettings
 from peer.util import time_left
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Pending:
-    """A round in flight: what was sent and what to undo if it never arrives."""
-
-    round: int
-    launch_step: int
-    delta: torch.Tensor
-    weight: float
-    handle: Handle
-    tau: int  # this round's overlap (fixed at launch; ``tau = auto`` may change between rounds)
-    theta_at_launch: Optional[torch.Tensor]  # after the eager jump; kept for the replay merge only
-    jump: Optional[torch.Tensor]  # the eager jump applied at launch (undone where nothing arrives)
-    prepared: Optional[concurrent.futures.Future] = None  # the worker's Prepared, once the aggregate is in
-    # error feedback: the residual before this launch, put back where nothing of the round arrives (what we sent
-    # there was never received: its progress is carried in S - theta, and so must its residual be, once)
-    residual_before: Optional[torch.Tensor] = None
-    # (round, digest) of the state this round's average is applied to; resolved by the engine (tau = H: once the
-    # previous round is applied), cancelled when that never happens
-    base: "concurrent.futures.Future[tuple[int, str]]" = field(default_factory=concurrent.futures.Future)
-    answered: bool = False  # the outcome came from the transport (which no longer reads ``delta``)
-    retired: bool = False  # taken out of the queue to be applied: no aggregate is handed to the worker any more
-
-
-@dataclass
-class Prepared:
-    """A round's aggregate applied to copies of the shared state, ahead of ``launch + tau`` (off the training
-    thread): at the apply they replace ``G, v`` (if ``base`` is still the state's ``G``) and ``target`` is merged."""
-
-    outcome: RoundOutcome
-    base: torch.Tensor  # the G it was computed from
-    G: torch.Tensor
-    v: torch.Tensor
-    applied: torch.Tensor  # bool mask: the elements an aggregate arrived for
-    target: torch.Tensor  # merge_target(G)
-    blocks: list[bytes]  # block_digests(G, v): the new state's digest, taken off the training thread
-    whole: bool  # every element arrived
-    staged: Optional[Staged] = None  # the device path: the new G, v on the device
 
 
 class StreamingEngine:
@@ -114,7 +75,7 @@ class StreamingEngine:
         self.error_feedback = [ErrorFeedback() for _ in fragments] if error_feedback_codec is not None else None
         self._ef_updates: list[Optional[concurrent.futures.Future]] = [None] * len(fragments)
         self.worker = OuterWorker()  # the host math of arrived aggregates and error feedback (stopped by close)
-        self._prepare_lock = threading.Lock()  # Pending.prepared is set by the training thread or a done callback
+        self.handover = Handover(self.worker, self._prepare)  # (the one writer of a round's prepared aggregate)
         self.digest_of = digest_of or (lambda p: self.states[p].digest())
         # the launches' fragment-sized host vectors, reused (see _retire): a snapshot and Delta per round in flight
         device = device_of(fragments[0]) if fragments else torch.device("cpu")
@@ -220,7 +181,7 @@ class StreamingEngine:
                            residual_before=residual_before, base=base)
             self.pending[p].append(pend)
             if not self.one_outer_step:
-                self._prepare_on_arrival(pend, st.G, st.v, None)
+                self.handover.on_arrival(pend, st.G, st.v, None)
 
     def _launch_on_device(self, p: int, r: int, step: int) -> None:
         """The launch of the device path: every operation on the parameters' device is only enqueued; ``Delta``
@@ -246,7 +207,7 @@ class StreamingEngine:
         theta_at_launch = theta if self.cfg.merge == "replay" else None
         pend = Pending(r, step, host, weight, handle, tau, theta_at_launch, jump, base=base)
         self.pending[p].append(pend)
-        self._prepare_on_arrival(pend, st.G, st.v, copy)
+        self.handover.on_arrival(pend, st.G, st.v, copy)
 
     def _eager_jump(self, p: int, theta: torch.Tensor, delta: torch.Tensor, G: torch.Tensor,
                     v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -334,9 +295,7 @@ class StreamingEngine:
         queue = self.pending[p]
         pend = queue.pop(0)
         outcome = self._wait(pend, p) if pend.prepared is None else None
-        with self._prepare_lock:  # (a done callback may have handed it to the worker while we waited)
-            pend.retired = True
-            in_hand = pend.prepared
+        in_hand = self.handover.retire(pend)  # (a done callback may have handed it to the worker while we waited)
         t0 = time.monotonic()
         prepared = in_hand.result() if in_hand is not None else None
         self.worker_wait_seconds += time.monotonic() - t0
@@ -361,52 +320,21 @@ class StreamingEngine:
         its jump (read by the engine only; a checkpoint's copy clones it) and its ``Delta`` where the transport
         answered (a round given up at its deadline may still be sending it) and the worker's error-feedback
         updates, which read it, have run."""
-        with self._prepare_lock:
-            pend.retired = True
+        self.handover.retire(pend)
         update = self._ef_updates[p]  # (the newest of p's: the worker runs them in order)
         self.buffers.give(pend.jump, pend.delta if pend.answered and (update is None or update.done()) else None)
 
     def _prefetch(self) -> None:
         """Hands every aggregate that is in but not yet due to the worker (streaming modes: the tau = H machine
-        applies with the next round's Delta) where :meth:`_prepare_on_arrival` has not. Must be called on the
-        training thread."""
+        applies with the next round's Delta) where no done callback has (:meth:`Handover.on_arrival`). Must be
+        called on the training thread."""
         if self.one_outer_step:
             return
         for p, queue in enumerate(self.pending):
             for pend in queue:
                 if pend.prepared is None and pend.handle.done():
                     st = self.states[p]
-                    self._submit_prepare(pend, pend.handle.result(timeout=0), st.G, st.v, self._copy(p))
-
-    def _prepare_on_arrival(self, pend: Pending, G: torch.Tensor, v: torch.Tensor, copy: Optional[Staged]) -> None:
-        """Has the worker prepare ``pend``'s aggregate as soon as it is in, from the thread that completes the
-        round (where the handle takes a done callback: a ``concurrent.futures.Future``, the swarm's), rather than
-        at the next step boundary. ``G, v, copy``: the fragment's state now, which the round is applied to (a
-        state replaced meanwhile makes the apply compute it again: :meth:`_apply_streaming`)."""
-        add = getattr(pend.handle, "add_done_callback", None)
-        if add is None:
-            return
-
-        def arrived(_) -> None:
-            try:
-                outcome = pend.handle.result(timeout=0)
-            except BaseException:  # (cancelled, or it raised: the training thread finds out at the apply)
-                return
-            self._submit_prepare(pend, outcome, G, v, copy)
-        add(arrived)
-
-    def _submit_prepare(self, pend: Pending, outcome: RoundOutcome, G: torch.Tensor, v: torch.Tensor,
-                        copy: Optional[Staged]) -> None:
-        """Hands ``outcome`` to the worker for ``pend``, once (a kept-home round is not prepared: it is reported at
-        ``launch + tau``, whenever the launch thread got to it)."""
-        with self._prepare_lock:
-            pend.answered = True
-            if pend.prepared is not None or pend.retired or not RoundStatus(outcome.status).launched:
-                return
-            try:
-                pend.prepared = self.worker.submit(self._prepare, outcome, G, v, copy)
-            except RuntimeError:  # the worker is closed (the engine stopped): nothing to prepare for
-                pass
+                    self.handover.submit(pend, pend.handle.result(timeout=0), st.G, st.v, self._copy(p))
 
     def _copy(self, p: int) -> Optional[Staged]:
         """The device path's copy of fragment p's ``G, v`` as they are now (None on the host path)."""
@@ -447,7 +375,7 @@ class StreamingEngine:
         while True:
             try:
                 outcome = pend.handle.result(timeout=min(0.2, time_left(deadline)))
-                pend.answered = True
+                self.handover.answered(pend)
                 return outcome
             except TimeoutError:
                 self.on_wait()

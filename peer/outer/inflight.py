@@ -1,0 +1,113 @@
+"""A round in flight, and the hand-over of its aggregate to the engine's worker.
+
+:class:`Pending` is what a launch leaves for its apply at ``launch + tau``; :class:`Prepared` is the round's
+aggregate applied to copies of the shared state by the worker, ahead of that step. :class:`Handover` is the one
+writer of a round's ``prepared``, ``answered`` and ``retired``: the training thread (at step boundaries, and when it
+takes a round out to apply or drop it) and the thread that completes a round (a done callback on its handle) both
+go through it, under its lock, so an aggregate is handed to the worker at most once and never after its round
+left the queue.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from peer.outer.device_state import Staged
+from peer.outer.offload import OuterWorker
+from peer.outer.rounds import Handle, RoundOutcome, RoundStatus
+
+
+@dataclass
+class Pending:
+    """A round in flight: what was sent and what to undo if it never arrives."""
+
+    round: int
+    launch_step: int
+    delta: torch.Tensor
+    weight: float
+    handle: Handle
+    tau: int  # this round's overlap (fixed at launch; ``tau = auto`` may change between rounds)
+    theta_at_launch: Optional[torch.Tensor]  # after the eager jump; kept for the replay merge only
+    jump: Optional[torch.Tensor]  # the eager jump applied at launch (undone where nothing arrives)
+    prepared: Optional[concurrent.futures.Future] = None  # the worker's Prepared, once the aggregate is in
+    # error feedback: the residual before this launch, put back where nothing of the round arrives (what we sent
+    # there was never received: its progress is carried in S - theta, and so must its residual be, once)
+    residual_before: Optional[torch.Tensor] = None
+    # (round, digest) of the state this round's average is applied to; resolved by the engine (tau = H: once the
+    # previous round is applied), cancelled when that never happens
+    base: "concurrent.futures.Future[tuple[int, str]]" = field(default_factory=concurrent.futures.Future)
+    answered: bool = False  # the outcome came from the transport (which no longer reads ``delta``)
+    retired: bool = False  # taken out of the queue to be applied: no aggregate is handed to the worker any more
+
+
+@dataclass
+class Prepared:
+    """A round's aggregate applied to copies of the shared state, ahead of ``launch + tau`` (off the training
+    thread): at the apply they replace ``G, v`` (if ``base`` is still the state's ``G``) and ``target`` is merged."""
+
+    outcome: RoundOutcome
+    base: torch.Tensor  # the G it was computed from
+    G: torch.Tensor
+    v: torch.Tensor
+    applied: torch.Tensor  # bool mask: the elements an aggregate arrived for
+    target: torch.Tensor  # merge_target(G)
+    blocks: list[bytes]  # block_digests(G, v): the new state's digest, taken off the training thread
+    whole: bool  # every element arrived
+    staged: Optional[Staged] = None  # the device path: the new G, v on the device
+
+
+class Handover:
+    """Hands arrived aggregates to the worker: ``prepare(outcome, G, v, copy)`` runs there, ``G, v`` (and ``copy``,
+    their device copy on the device path) being the state the round is applied to."""
+
+    def __init__(self, worker: OuterWorker,
+                 prepare: Callable[[RoundOutcome, torch.Tensor, torch.Tensor, Optional[Staged]], Prepared]):
+        self._worker, self._prepare = worker, prepare
+        self._lock = threading.Lock()
+
+    def on_arrival(self, pend: Pending, G: torch.Tensor, v: torch.Tensor, copy: Optional[Staged]) -> None:
+        """Submits ``pend``'s aggregate as soon as it is in, from the thread that completes the round, where its
+        handle takes a done callback (a ``concurrent.futures.Future``, the swarm's); otherwise the engine submits
+        it at a step boundary. ``G, v, copy``: the fragment's state at launch (a state replaced meanwhile makes the
+        apply compute it again)."""
+        add = getattr(pend.handle, "add_done_callback", None)
+        if add is None:
+            return
+
+        def arrived(_) -> None:
+            try:
+                outcome = pend.handle.result(timeout=0)
+            except BaseException:  # (cancelled, or it raised: the training thread finds out at the apply)
+                return
+            self.submit(pend, outcome, G, v, copy)
+        add(arrived)
+
+    def submit(self, pend: Pending, outcome: RoundOutcome, G: torch.Tensor, v: torch.Tensor,
+               copy: Optional[Staged]) -> None:
+        """Hands ``outcome`` to the worker for ``pend``, once; not a round kept home (reported at ``launch + tau``,
+        whenever the launch thread got to it) nor a retired one."""
+        with self._lock:
+            pend.answered = True
+            if pend.prepared is not None or pend.retired or not RoundStatus(outcome.status).launched:
+                return
+            try:
+                pend.prepared = self._worker.submit(self._prepare, outcome, G, v, copy)
+            except RuntimeError:  # the worker is closed (the engine stopped): nothing to prepare for
+                pass
+
+    def answered(self, pend: Pending) -> None:
+        """The transport's outcome of ``pend`` was read: it no longer reads the round's ``delta``."""
+        with self._lock:
+            pend.answered = True
+
+    def retire(self, pend: Pending) -> Optional[concurrent.futures.Future]:
+        """Takes ``pend`` out of the hand-over (it is applied, given up or forgotten); returns its prepared aggregate
+        where one was submitted."""
+        with self._lock:
+            pend.retired = True
+            return pend.prepared
