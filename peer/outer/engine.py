@@ -197,9 +197,9 @@ class StreamingEngine:
         base: concurrent.futures.Future[tuple[int, str]] = concurrent.futures.Future()
         base.set_result((st.last_applied, self.digest_of(p)))  # (no round of p is in flight: see launch_due)
         host = self.buffers.take(frag.numel)
-        launch = dict(fragment=p, round_=r, delta=host, weight=weight, step=step,
-                      expected_round=self.expected_round(p), base=base)
-        handle = DeferredLaunch(self._launcher, to_host(delta, host), lambda: self.transport.launch(**launch))
+        expected = self.expected_round(p)
+        handle = DeferredLaunch(self._launcher, to_host(delta, host), lambda: self.transport.launch(
+            fragment=p, round_=r, delta=host, weight=weight, step=step, expected_round=expected, base=base))
         tau = self.cfg.tau if self.tau_fn is None else self.tau_fn()
         jump = None
         if self.cfg.eager and 0 < tau < self.cfg.H:

@@ -153,8 +153,8 @@ def block_digests(G: torch.Tensor, v: torch.Tensor) -> list[bytes]:
     def digests(starts: range) -> list[bytes]:
         out = []
         for start in starts:
-            h = blake3.blake3(g[start:start + step])
-            h.update(m[start:start + step])
+            h = blake3.blake3(g[start:start + step].data)
+            h.update(m[start:start + step].data)
             out.append(h.digest(16))
         return out
 
