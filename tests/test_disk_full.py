@@ -132,3 +132,25 @@ def test_full_disk_while_training_keeps_the_peer_and_its_checkpoint(procs, tmp_p
     assert parsed[-1]["event"] == "stop"
     assert any(e["event"] == "step" and e["step"] > steps_when_full for e in parsed)  # written after the room came
     assert checkpoint.load_latest(run_dir / "checkpoints")[1]["step"] >= again
+
+
+def test_event_log_keeps_whole_lines_when_two_threads_emit(tmp_path):
+    """The training thread and the checkpoint writer both emit: every event is one whole JSON line."""
+    import threading
+
+    log = EventLog(str(tmp_path / "events.jsonl"))
+    payload = "x" * 5000  # (long lines: a write may take more than one os.write)
+
+    def emit(name: str) -> None:
+        for i in range(300):
+            log.emit(name, i=i, payload=payload)
+
+    threads = [threading.Thread(target=emit, args=(name,)) for name in ("train", "writer")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    log.close()
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    expected = sorted((name, i) for name in ("train", "writer") for i in range(300))
+    assert sorted((e["event"], e["i"]) for e in events) == expected

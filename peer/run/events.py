@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -27,11 +28,15 @@ class EventLog:
     failure is logged as a warning, the events are dropped until a write succeeds again (it is retried
     with every event), and the first line after a failure starts on a new line, so a line cut short by
     the full disk stays a line of its own that readers skip.
+
+    Two threads emit (the training thread, and the checkpoint writer when a write fails): one lock orders their
+    lines and guards the file and the drop counters.
     """
 
     def __init__(self, path: Optional[str], feed: Optional[Callable[[str], None]] = None):
         """``path``: the file (None: no file); ``feed``: also given every event's JSON (the control API's
         WatchEvents)."""
+        self._lock = threading.RLock()  # (open closes under it too)
         self._fd: Optional[int] = None
         self.path: Optional[str] = None
         self.feed: Optional[Callable[[str], None]] = None
@@ -42,14 +47,19 @@ class EventLog:
     def open(self, path: Optional[str], feed: Optional[Callable[[str], None]] = None) -> None:
         """Writes to ``path`` and ``feed`` from now on (as the constructor's), closing the file written so far: a log
         made before its run dir was ours (the trainer's) is opened in place, so whoever holds it emits there."""
-        self.close()
-        self.path, self.feed = path, feed
-        self.dropped, self._cut = 0, False
-        if path:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        with self._lock:
+            self.close()
+            self.path, self.feed = path, feed
+            self.dropped, self._cut = 0, False
+            if path:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+                self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def emit(self, event: str, **fields: Any) -> None:
+        with self._lock:
+            self._emit(event, fields)
+
+    def _emit(self, event: str, fields: dict[str, Any]) -> None:
         if self._fd is None and self.feed is None:
             return
         text = json.dumps({"event": event, "time": time.time(), **fields})
@@ -75,9 +85,10 @@ class EventLog:
             self.dropped = 0
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
 
 
 class _ForgivingFileHandler(logging.FileHandler):
