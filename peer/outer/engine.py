@@ -100,8 +100,8 @@ class StreamingEngine:
         if wanted is None:
             need = DeviceState.bytes_needed(sum(f.numel for f in self.fragments))
             wanted = eligible and device.type == "cuda" and torch.cuda.mem_get_info(device)[0] >= 2 * need
-        return (DeviceState(device, len(self.fragments), max(f.numel for f in self.fragments)) if wanted
-                else None)
+        return (DeviceState(device, len(self.fragments), max((f.numel for f in self.fragments), default=0))
+                if wanted else None)
 
     def close(self) -> None:
         """Stops the engine's threads (its state stays readable). Must be called once the engine is done."""
