@@ -246,11 +246,8 @@ class StreamingEngine:
         outcome = handle.result(timeout=0)
         if RoundStatus(outcome.status).launched:
             return False
-        st = self.states[p]
-        st.tokens_since_sync += int(weight)
-        st.round = r
-        outcome.launch_step = step
-        self.on_outcome(self.fragments[p], st, outcome, step)
+        self._forget(p, weight, None)
+        self._report_home(p, r, step, outcome, step)
         return True
 
     def _kept_home(self, p: int, pend: Pending, outcome: RoundOutcome, step: int) -> None:
@@ -260,8 +257,13 @@ class StreamingEngine:
         pend.base.cancel()
         self._forget(p, pend.weight, pend.jump)
         self._retire(p, pend)
-        self.states[p].round = pend.round
-        outcome.launch_step = pend.launch_step
+        self._report_home(p, pend.round, pend.launch_step, outcome, step)
+
+    def _report_home(self, p: int, r: int, launch_step: int, outcome: RoundOutcome, step: int) -> None:
+        """Reports round ``r`` of fragment ``p``, which the transport kept home, its progress already carried
+        (:meth:`_forget`): the fragment's round moves on, and whoever reacts to the status (a catch-up) does."""
+        self.states[p].round = r
+        outcome.launch_step = launch_step
         self.on_outcome(self.fragments[p], self.states[p], outcome, step)
 
     # ---- phase 2 ---------------------------------------------------------------------------
