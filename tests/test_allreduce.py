@@ -19,6 +19,7 @@ from peer.net.flow.bandwidth import BURST_S, Bandwidth
 from peer.net.flow.credit import SendWindow
 from peer.net.flow.streams import StreamGuard
 from peer.net.round.group import PROTOCOL_VERSION, GroupError, GroupPlan, member_spans
+from peer.net.trust.exclusion import Exclusions
 from peer.outer.aggregate import AggregationRule, Aggregator
 from peer.outer.codec import get_codec
 from peer.proto import allreduce_pb2 as pb
@@ -339,8 +340,10 @@ def test_a_repeat_offender_is_excluded_then_refused_and_skipped():
         p2ps = await p2p_mesh(4)
         try:
             ids = [p.peer_id for p in p2ps]
+            ledgers = [Exclusions() for _ in p2ps]  # each peer's, written as its swarm does: from the verdicts
             servicers = [AllReduceServicer(registration_timeout=1.0, part_timeout=1.0, stream_timeout=30.0,
-                                            guard=StreamGuard(per_peer=16, total=64)) for _ in p2ps]
+                                            guard=StreamGuard(per_peer=16, total=64), excluded=ledger)
+                         for ledger in ledgers]
             for s, p in zip(servicers, p2ps):
                 await s.add_p2p_handlers(p)
             rounds = []
@@ -353,17 +356,20 @@ def test_a_repeat_offender_is_excluded_then_refused_and_skipped():
                 rounds.append(await asyncio.gather(*[
                     run_allreduce(p2ps[i], servicers[i], plans[i], deltas[i], weights[i], part_timeout=1.0,
                                   allreduce_timeout=4.0, connect_timeout=1.0, chunk_bytes=4096) for i in range(4)]))
-            return ids, servicers, rounds
+                for ledger, result in zip(ledgers, rounds[-1]):
+                    for verdict in result.verdicts:
+                        ledger.apply(verdict)
+            return ids, ledgers, rounds
         finally:
             for p in p2ps:
                 await p.shutdown()
 
-    ids, servicers, rounds = run_async(main())
+    ids, ledgers, rounds = run_async(main())
     attacker = str(ids[3])
     for i in range(3):
-        assert set(servicers[i].exclusions.excluded()) == {attacker}, servicers[i].exclusions.excluded()
-        assert "clipped" in servicers[i].exclusions.excluded()[attacker]
-    assert servicers[3].exclusions.excluded() == {}  # honest parts are never cut hard
+        assert set(ledgers[i].excluded()) == {attacker}, ledgers[i].excluded()
+        assert "clipped" in ledgers[i].excluded()[attacker]
+    assert ledgers[3].excluded() == {}  # honest parts are never cut hard
     last = rounds[-1]
     for i in range(3):
         assert last[i].spans[3].average is None  # the attacker's span: skipped

@@ -32,6 +32,7 @@ from helpers import dht_nodes
 from peer.net.round.allreduce import AllReduceServicer
 from peer.net.round.reduction import SpanReduction
 from peer.net.trust.auth import PassChecker, revocation_key
+from peer.net.trust.exclusion import Offence
 from peer.net.round.group import PROTOCOL_VERSION, GroupPlan
 from peer.net.flow.streams import StreamGuard
 from peer.net.round.matchmaking import JoinServicer
@@ -103,7 +104,7 @@ def test_rpc_reduce_rejects_or_answers_any_stream(requests, sender, hang, honest
     async def main():
         guard = StreamGuard(per_peer=4, total=16)
         servicer = AllReduceServicer(registration_timeout=0.05, part_timeout=0.1, stream_timeout=5.0, guard=guard)
-        red = SpanReduction(_plan(b"G" * 20), 0.1, 128, servicer.exclusions)
+        red = SpanReduction(_plan(b"G" * 20), 0.1, 128, servicer.excluded)
         servicer.register(red)
         start, end = red.plan.spans[0]
         values = torch.randn(end - start)
@@ -147,7 +148,7 @@ def test_one_peer_cannot_fill_the_reducers_waiting_slots():
         assert guard.open[str(STRANGER)] <= 4 and len(servicer._waiters) <= 4
         refused = [r for task in bogus if task.done() for r in task.result()]
         assert len(refused) >= 96 and all("too many open streams" in r.error for r in refused)
-        red = SpanReduction(_plan(b"H" * 20), 1.0, 128, servicer.exclusions)
+        red = SpanReduction(_plan(b"H" * 20), 1.0, 128, servicer.excluded)
         servicer.register(red)
         start, end = red.plan.spans[0]
         part = pb.ReduceRequest(group_id=b"H" * 20, span_index=0, weight=1.0, offset=0,
@@ -157,6 +158,32 @@ def test_one_peer_cannot_fill_the_reducers_waiting_slots():
         await asyncio.gather(*bogus)
 
     asyncio.run(main())  # (a fresh loop per example; no daemons to reap)
+
+
+def test_a_members_bad_parts_are_verdicts_of_the_reduction_not_ledger_writes():
+    """A member's wrong span index and an undecodable piece are offences the reduction keeps as verdicts (the
+    round hands them to the swarm, the ledger's one writer); an excluded member is refused without one."""
+    async def main():
+        guard = StreamGuard(per_peer=4, total=16)
+        excluded = {str(STRANGER)}
+        servicer = AllReduceServicer(registration_timeout=0.05, part_timeout=0.5, stream_timeout=5.0, guard=guard,
+                                     excluded=excluded)
+        red = SpanReduction(_plan(b"V" * 20), 0.5, 128, servicer.excluded)
+        servicer.register(red)
+        start, end = red.plan.spans[0]
+        wrong_span = pb.ReduceRequest(group_id=b"V" * 20, span_index=1, weight=1.0, offset=0,
+                                      piece=CODEC.encode_flat(torch.ones(end - start)))
+        garbage = pb.ReduceRequest(group_id=b"V" * 20, span_index=0, weight=1.0, offset=0,
+                                   piece=codec_pb2.EncodedTensor(codec=CODEC.name, codec_version=CODEC.version,
+                                                                 numel=end - start, data=b"\x00"))
+        for request in (wrong_span, garbage):
+            answer = await _drive(servicer.rpc_reduce(_stream([request]), _context(MEMBER)))
+            assert answer[0].status == pb.ReduceResponse.Status.REJECTED, answer
+        return red.verdicts
+
+    verdicts = asyncio.run(main())
+    assert [(v.peer, v.offence) for v in verdicts] == [(str(MEMBER), Offence.BAD_PART)] * 2, verdicts
+    assert verdicts[0].why.startswith("fuzz: span 1")  # (the plan's label, then what)
 
 
 # ---- rpc_download -------------------------------------------------------------------------------------------

@@ -44,17 +44,18 @@ MAX_IN_FLIGHT = 4
 
 class Heartbeat:
     """Publishes ``record()`` (called at each store, on ``swarm-net``) under ``subkey`` of the run's progress key
-    and merges everyone's records into ``roster``. ``initial_peers`` ({peer id: multiaddrs}) are pinged, with the
-    peers seen before, while we see no one (:meth:`_reconnect`). Its own fields (the first read, reconnecting, the
-    revocations our DHT applies) are written by its tasks only, on ``swarm-net``."""
+    and merges everyone's records into ``roster``, then calls ``observe()``. ``initial_peers`` ({peer id:
+    multiaddrs}) are pinged, with the peers seen before, while we see no one (:meth:`_reconnect`). Its own fields
+    (the first read, reconnecting, the revocations our DHT applies) are written by its tasks only, on ``swarm-net``."""
 
     def __init__(self, cfg: SwarmConfig, *, dht: DHT, p2p: P2P, run_key: str, subkey: bytes, peer_id: str,
                  roster: Roster, admission: Admission, access: Optional[RunAccess],
-                 record: Callable[[], ProgressRecord], initial_peers: dict[str, list[str]]):
+                 record: Callable[[], ProgressRecord], initial_peers: dict[str, list[str]],
+                 observe: Callable[[], None] = lambda: None):
         self.cfg, self.dht, self.p2p, self.peer_id = cfg, dht, p2p, peer_id
         self.key, self.subkey = progress_key(run_key), subkey
         self.roster, self.admission, self.access = roster, admission, access
-        self.record, self.initial_peers = record, initial_peers
+        self.record, self.initial_peers, self.observe = record, initial_peers, observe
         self._first_read = threading.Event()  # set once the first read of the records ended
         self._reconnecting = False
         self._dht_revoked: frozenset[str] = frozenset()  # revocations our DHT process applies (auth.revoke_in_dht)
@@ -99,6 +100,7 @@ class Heartbeat:
             found = None
         accept = None if self.admission.open else self.admission.accept_record
         arrived = self.roster.merge(found, dht_now=get_dht_time(), me=self.peer_id, accept=accept)
+        self.observe()
         self._first_read.set()
         others = [pid for pid in self.roster.live_peers() if pid != self.peer_id]
         log.debug("peer %s: progress read took %.1f s, %d others live", short_id(self.peer_id),

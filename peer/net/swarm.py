@@ -34,7 +34,7 @@ from peer.outer.aggregate import AggregationRule
 from peer.outer.codec import codec_key, get_codec
 from peer.config import SwarmConfig
 from peer.net.plumbing.dht import create_dht, peers_of
-from peer.net.trust.exclusion import Exclusions, Offence
+from peer.net.trust.exclusion import Exclusions, Offence, PeerVerdict
 from peer.net.flow.links import DeadlinePolicy, LinkMeter, slow_donors_last, state_deadline
 from peer.net.flow.streams import HostBook, StreamGuard, cap_frame_size, frame_limit_for
 from peer.outer.rounds import RoundOutcome
@@ -88,7 +88,7 @@ class Swarm:
         self._thread = threading.Thread(target=self._loop.run_forever, name="swarm-net", daemon=True)
         self._dht: Optional[DHT] = None  # set by start(), cleared by shutdown()
         self._p2p: Optional[P2P] = None
-        # peers we no longer work with (and why)
+        # peers we no longer work with (and why): written by learn() only, read by the rounds and the servicers
         self.exclusions = Exclusions(threshold=cfg.exclude_after, on_exclude=on_exclude)
         self.access = access
         self.admission = Admission(access.checker if access else None)  # who may take part (authenticated runs)
@@ -110,7 +110,7 @@ class Swarm:
         longest_part = longest - (cfg.allreduce_timeout - cfg.part_timeout)
         self.servicer = AllReduceServicer(registration_timeout=cfg.request_timeout, part_timeout=longest_part,
                                           stream_timeout=longest + cfg.part_timeout + 2 * cfg.request_timeout,
-                                          guard=self.guard, exclusions=self.exclusions, bandwidth=self.bandwidth)
+                                          guard=self.guard, excluded=self.exclusions, bandwidth=self.bandwidth)
         self.state_servicer = StateServicer(max(1, cfg.chunk_bytes // 8), guard=self.guard,
                                             request_timeout=cfg.request_timeout,
                                             stream_timeout=longest_state + cfg.request_timeout,
@@ -151,7 +151,7 @@ class Swarm:
         self._p2p = self._call(self.dht.replicate_p2p(), self.cfg.startup_timeout)
         self._heartbeat = Heartbeat(self.cfg, dht=self.dht, p2p=self.p2p, run_key=self.run_key, subkey=self._subkey,
                                     peer_id=self.peer_id, roster=self.roster, admission=self.admission,
-                                    access=access, record=self._record,
+                                    access=access, record=self._record, observe=self._observe,
                                     initial_peers=peers_of(self.cfg.initial_peers))  # (checked by create_dht)
         if not self.cfg.client_mode:
             self._call(self.servicer.add_p2p_handlers(self.p2p), self.cfg.startup_timeout)
@@ -356,8 +356,8 @@ class Swarm:
         coro = download(self.p2p, ids, fragment, round_=round_, numel=numel, digest=digest,
                         timeout_per_donor=timeouts, max_chunk_elems=max(1, self.cfg.chunk_bytes // 4),
                         pacer=self.bandwidth.download, parallel=self.cfg.state_donors, on_sample=self.downlink.observe,
-                        on_lie=lambda who, why: self.exclusions.report(who, Offence.BAD_STATE,
-                                                                       f"fragment {fragment}: {why}"))
+                        on_lie=lambda who, why: self.learn(Lesson((fragment, round_), verdicts=(
+                            PeerVerdict(who, f"fragment {fragment}: {why}", Offence.BAD_STATE),))))
         # (donors run side by side, a failed one's part goes to the next: at worst one after the other)
         total = sum(timeouts.values()) + 5
         try:
@@ -403,7 +403,8 @@ class Swarm:
         return self.roster.speeds.vouched(peer, now)
 
     def invited(self, here: tuple[int, int]) -> frozenset[str]:
-        """Whom round ``here`` waits for now (:meth:`Attendance.expected`, which remembers it as the invitation)."""
+        """Whom round ``here`` waits for now (:meth:`Attendance.expected`; the round hands its last answer back in
+        its lesson)."""
         return self.attendance.expected(self.live_peers(), self.peer_id, self.applied_rounds(), self.roster.partnered,
                                         here=here)
 
@@ -419,11 +420,11 @@ class Swarm:
         if lesson.judge:
             live = self.live_peers()
             if lesson.came is None:
-                absent = self.attendance.no_group(here=lesson.here, live=live, me=self.peer_id,
+                absent = self.attendance.no_group(invited=lesson.invited, live=live, me=self.peer_id,
                                                   met=self.roster.partnered)
             else:
-                absent = self.attendance.record(here=lesson.here, live=live, came=lesson.came, me=self.peer_id,
-                                                met=self.roster.partnered)
+                absent = self.attendance.record(invited=lesson.invited, live=live, came=lesson.came,
+                                                me=self.peer_id, met=self.roster.partnered)
         if lesson.came is not None:
             self.roster.met(set(lesson.came) - {self.peer_id})
         for verdict in lesson.verdicts:
@@ -433,6 +434,10 @@ class Swarm:
         if lesson.downlink:
             self.downlink.observe(*lesson.downlink)
         return absent
+
+    def _observe(self) -> None:
+        """After each read of the records (the heartbeat, on swarm-net): what the attendance notes of them."""
+        self.attendance.observe(self.live_peers(), self.applied_rounds())
 
     def declared_uplink(self) -> float:
         """Our uplink in bytes/s as we declare it to groups and in our record: measured, at most the owner's upload

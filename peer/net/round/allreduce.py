@@ -10,9 +10,9 @@ by :class:`AllReduceServicer`; messages in protos/allreduce.proto).
 
 Nobody keeps ``average - own part`` or its own uncompressed span, so a lossy codec cannot make peers drift apart.
 Everything read from a peer is validated before use; messages are paced by the sender's upload cap and the
-receiver's credit (:mod:`peer.net.flow.credit`). Bad parts go to the servicer's ledger
-(:class:`~peer.net.trust.exclusion.Exclusions`: an excluded peer's parts are refused, its span not requested); what
-a member finds of the reducers is returned as verdicts, for the caller to apply. docs/architecture.md, "A round".
+receiver's credit (:mod:`peer.net.flow.credit`). An excluded peer's parts are refused and its span not requested;
+the offences our reduction saw and what a member finds of the reducers are returned as verdicts, for the swarm to
+apply (:class:`~peer.net.trust.exclusion.Exclusions` has one writer). docs/architecture.md, "A round".
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Optional
+from typing import AsyncIterator, Awaitable, Container, Optional
 
 import torch
 from hivemind.p2p import P2P, P2PContext, ServicerBase
 
 from peer.net.flow.bandwidth import Bandwidth
 from peer.net.flow.credit import CreditError, SendWindow, window
-from peer.net.trust.exclusion import Exclusions, Offence, PeerVerdict
+from peer.net.trust.exclusion import Offence, PeerVerdict
 from peer.net.round.group import GroupPlan, valid_weight
 from peer.net.flow.streams import StreamGuard, first_message
 from peer.net.round.reduction import Lift, Pieces, SpanReduction, Traffic, decode_piece, encode_pieces
@@ -61,7 +61,8 @@ class AllReduceResult:
     # longest of their times; of the averages we read, all their bytes and the window they came in
     uplink: Optional[tuple[int, float]] = None
     downlink: Optional[tuple[int, float]] = None
-    verdicts: list[PeerVerdict] = field(default_factory=list)  # of the remote reducers: offences, answered, silent
+    # of the remote reducers (offences, answered, silent) and of the members whose parts our reduction judged
+    verdicts: list[PeerVerdict] = field(default_factory=list)
 
     @property
     def complete(self) -> bool:
@@ -76,14 +77,14 @@ class AllReduceServicer(ServicerBase):
     """
 
     def __init__(self, *, registration_timeout: float, part_timeout: float, stream_timeout: float,
-                 guard: StreamGuard, max_pending: int = 64, exclusions: Optional[Exclusions] = None,
+                 guard: StreamGuard, max_pending: int = 64, excluded: Container[object] = frozenset(),
                  bandwidth: Optional[Bandwidth] = None):
         """``part_timeout``: the longest a member's first message may take, before we know its group (the
         longest part deadline a group can have); ``stream_timeout``: the longest a member's stream may stay open
         (its part, our average, the close);
         ``guard``: this peer's bound on streams per remote peer (shared by all its handlers); ``bandwidth``: the
         owner's upload and download caps (shared with the rounds of this peer and its state transfer)."""
-        self.exclusions = exclusions or Exclusions()  # the peer's ledger: judges the parts we reduce
+        self.excluded = excluded  # the peers this peer no longer works with (read only: the swarm's ledger)
         self.bandwidth = bandwidth or Bandwidth()
         self.guard = guard
         self.stream_timeout = stream_timeout
@@ -137,13 +138,12 @@ class AllReduceServicer(ServicerBase):
             if context.remote_id not in plan.peer_ids:
                 yield pb.ReduceResponse(status=Status.REJECTED, error="sender is not in the group")
                 return
-            if context.remote_id in self.exclusions:
+            if context.remote_id in self.excluded:
                 yield pb.ReduceResponse(status=Status.REJECTED, error="sender is excluded by this peer")
                 return
             sender = plan.peer_ids.index(context.remote_id)
             if header.span_index != plan.my_index or not valid_weight(header.weight):
-                self.exclusions.report(str(context.remote_id), Offence.BAD_PART,
-                                       f"{plan.label}: span {header.span_index}, weight {header.weight}")
+                red.offence(sender, Offence.BAD_PART, f"span {header.span_index}, weight {header.weight}")
                 yield pb.ReduceResponse(status=Status.REJECTED, error="wrong span index or invalid weight")
                 return
             red.stream_opened(sender)
@@ -175,8 +175,8 @@ class AllReduceServicer(ServicerBase):
                         type(e).__name__ + (f": {e}" if str(e) else ""))
             if red is not None and sender is not None:
                 red.give_up_on(sender)
-            if isinstance(e, CodecError) and red is not None:  # (a timeout or a closed stream: the network's)
-                self.exclusions.report(str(context.remote_id), Offence.BAD_PART, f"{red.plan.label}: {e}")
+            if isinstance(e, CodecError) and red is not None and sender is not None:  # (a timeout or a closed
+                red.offence(sender, Offence.BAD_PART, str(e))  # stream: the network's, no offence)
             yield pb.ReduceResponse(status=Status.REJECTED, error=f"bad or incomplete part: {type(e).__name__}",
                                     part_seconds=time.monotonic() - opened, part_bytes=arrived)
         finally:
@@ -411,7 +411,7 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
     """Runs one butterfly all-reduce as member ``plan.my_index``; never raises for peer failures. ``lift``: a
     two-level round's level 2 for the span we reduce (:mod:`peer.net.round.levels`); ``bandwidth``: the owner's
     caps on our parts and the averages we read (None: uncapped). Our span's reduction is registered on
-    ``servicer`` and judges parts with its ledger; what we conclude of the other reducers is returned
+    ``servicer``; the offences it saw and what we conclude of the other reducers are returned
     (``AllReduceResult.verdicts``), not applied.
 
     Must run in the event loop that owns ``servicer`` and ``p2p``. Returns within
@@ -421,7 +421,7 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
     deadline = time.monotonic() + allreduce_timeout
     my_start, my_end = plan.spans[plan.my_index]
     bandwidth = bandwidth or Bandwidth()
-    red = SpanReduction(plan, part_timeout, chunk_elems, servicer.exclusions, lift)
+    red = SpanReduction(plan, part_timeout, chunk_elems, servicer.excluded, lift)
     servicer.register(red)
     traffic = Traffic()
     timings: list[tuple[int, float]] = []  # (our part's bytes, the seconds its reducer read it in)
@@ -434,7 +434,7 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
             values = delta[start:end]
             if j == plan.my_index:
                 tasks.append((j, asyncio.ensure_future(_own_span(red, values, weight))))
-            elif plan.peer_ids[j] in red.exclusions:
+            elif plan.peer_ids[j] in red.excluded:
                 continue  # an excluded reducer: its span is missing (below), our part is not sent
             else:
                 task = asyncio.ensure_future(_remote_span(p2p, plan, j, values, weight, chunk_elems, deadline,
@@ -476,7 +476,7 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
         downlink = (sum(b for _, _, b in arrivals), max(e for _, e, _ in arrivals) - min(s for s, _, _ in arrivals)
                     ) if arrivals else None
         return AllReduceResult(spans, contributors, traffic, total_weight, list(red.flagged), pieces, uplink,
-                               downlink, verdicts)
+                               downlink, verdicts + red.verdicts)
     finally:
         asyncio.get_running_loop().call_later(time_left(deadline), servicer.unregister,
                                               plan.group_id)

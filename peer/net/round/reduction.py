@@ -11,11 +11,11 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Optional
+from typing import Awaitable, Callable, Container, Optional
 
 import torch
 
-from peer.net.trust.exclusion import Exclusions, Offence
+from peer.net.trust.exclusion import Offence, PeerVerdict
 from peer.net.round.group import GroupPlan
 from peer.outer.aggregate import aggregate
 from peer.outer.codec import Codec, CodecError, all_finite
@@ -79,14 +79,16 @@ class SpanReduction:
     :meth:`give_up_on` and :meth:`stream_closed`), on the event loop that serves them."""
 
     def __init__(self, plan: GroupPlan, part_timeout: float, chunk_elems: int,
-                 exclusions: Optional[Exclusions] = None, lift: Optional[Lift] = None):
-        """``lift``: a two-level round's level 2 (peer/net/round/levels.py); the pieces it returns are sent instead of
-        our own encoding of the combined parts."""
+                 excluded: Container[object] = frozenset(), lift: Optional[Lift] = None):
+        """``excluded``: the peers this peer no longer works with (read only: the swarm's ledger); ``lift``: a
+        two-level round's level 2 (peer/net/round/levels.py); the pieces it returns are sent instead of our own
+        encoding of the combined parts."""
         self.plan = plan
         self.lift = lift
-        self.exclusions = exclusions or Exclusions()
+        self.excluded = excluded
         # parts we wait for: an excluded member's part is refused, so waiting for it would cost part_timeout
-        self.expected = sum(peer not in self.exclusions for peer in plan.peer_ids)
+        self.expected = sum(peer not in excluded for peer in plan.peer_ids)
+        self.verdicts: list[PeerVerdict] = []  # offences of members seen here, for the round to hand on
         start, end = plan.spans[plan.my_index]
         self.length = end - start
         self.parts: dict[int, tuple[float, torch.Tensor]] = {}  # member index -> (declared weight, part)
@@ -126,6 +128,12 @@ class SpanReduction:
         if not self.serving:
             self.idle.set()
 
+    def offence(self, index: int, offence: Offence, detail: str) -> None:
+        """Member ``index`` committed ``offence`` (``detail`` says what). Kept as a verdict: the ledger counts it
+        when the round hands its verdicts to the swarm (``AllReduceResult.verdicts``); one seen after that (a part
+        after our round ended) is logged only."""
+        self.verdicts.append(PeerVerdict(str(self.plan.peer_ids[index]), f"{self.plan.label}: {detail}", offence))
+
     def add(self, index: int, weight: float, part: torch.Tensor) -> bool:
         """Adds a member's complete, decoded part; False if it came too late or twice."""
         if self.result.done() or index in self.parts:
@@ -162,7 +170,7 @@ class SpanReduction:
                 peer = str(self.plan.peer_ids[i])
                 self.flagged.append((peer, "; ".join(why)))
                 if out.offending(k) and i != self.plan.my_index:
-                    self.exclusions.report(peer, Offence.CLIPPED, f"{self.plan.label}: {'; '.join(why)}")
+                    self.offence(i, Offence.CLIPPED, "; ".join(why))
                 log.warning("%s: contribution of peer %s limited by the %s rule: %s", self.plan.label, short_id(peer),
                             self.plan.rule.kind, "; ".join(why))
         return out.value

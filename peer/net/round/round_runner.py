@@ -50,13 +50,15 @@ log = logging.getLogger(__name__)
 class Lesson:
     """What round ``here`` taught, for the swarm to apply. ``came``: the members of the group we met (None: none);
     ``judge``: whether it tells who stayed away (a one-level round: the group, or that no group of ours assembled;
-    a level of bounded groups is a subset by design); ``verdicts``: what it concluded of peers (offences, reducers
+    a level of bounded groups is a subset by design), judged against ``invited`` (whom the round last waited for,
+    :meth:`SwarmView.invited`); ``verdicts``: what it concluded of peers (offences, reducers
     that answered or stayed silent); ``uplink``/``downlink``: link samples of the all-reduce (``LinkMeter.observe``'s
     arguments)."""
 
     here: tuple[int, int]
     came: Optional[frozenset[str]] = None
     judge: bool = False
+    invited: frozenset[str] = frozenset()
     verdicts: tuple[PeerVerdict, ...] = ()
     uplink: Optional[tuple] = None
     downlink: Optional[tuple] = None
@@ -118,6 +120,7 @@ class RoundRunner:
         self.patience = self.cfg.matchmaking_patience if sync_every else 0.0
         self.levels: Optional[Levels] = plan_levels(target_group_size, self.cfg.group_cap)  # None: one group
         self.activity = RoundActivity(fragment, round_, RoundStage.MATCHMAKING, self.t0 + self.cfg.matchmaking_timeout)
+        self.invited: frozenset[str] = frozenset()  # whom the round last waited for (_expected), for its lesson
 
     async def run(self, delta: torch.Tensor, weight: float,
                   base: "concurrent.futures.Future[tuple[int, str]]") -> RoundOutcome:
@@ -136,7 +139,7 @@ class RoundRunner:
             if group is None:
                 waited = time.monotonic() - self.t0
                 out.status, out.error = RoundStatus.NO_GROUP, f"no other peer came to this round within {waited:.0f} s"
-                self._learn(out, Lesson(self.here, judge=not self.levels))
+                self._learn(out, Lesson(self.here, judge=not self.levels, invited=self.invited))
                 return out
             await self._reduce(group, delta, weight, out)
             return out
@@ -144,7 +147,7 @@ class RoundRunner:
             out.status, out.error = RoundStatus(e.status), str(e)
             log.debug("%s: stopped looking for a group: %s", self.label, e)
             if out.status == RoundStatus.NO_GROUP:
-                self._learn(out, Lesson(self.here, judge=not self.levels))
+                self._learn(out, Lesson(self.here, judge=not self.levels, invited=self.invited))
             return out
         except GroupError as e:
             out.error = f"group rejected: {e}"
@@ -181,8 +184,10 @@ class RoundRunner:
         return None
 
     def _expected(self) -> frozenset[str]:
-        """Whom this round waits for (asked at each join request a leader receives: records change)."""
-        return self.swarm.invited(self.here)
+        """Whom this round waits for (asked at each join request a leader receives: records change); the last
+        answer is the invitation its lesson is judged by."""
+        self.invited = self.swarm.invited(self.here)
+        return self.invited
 
     async def _find_group(self, delta: torch.Tensor, weight: float, base_round: int, base: str
                           ) -> Optional["GroupInfo"]:
@@ -228,6 +233,7 @@ class RoundRunner:
             log.warning("%s: member %s left out of the group: %s", self.label, short_id(who), why)
         # a dropped member neither came nor becomes a partner (partners count in every later quorum)
         self._learn(out, Lesson(self.here, came=frozenset(str(pid) for pid in plan.peer_ids), judge=not self.levels,
+                                invited=self.invited,
                                 verdicts=tuple(PeerVerdict(who, f"{self.label}: {why}", Offence.BAD_INFO)
                                                for who, why in plan.dropped)))
         out.group_size = len(plan.peer_ids)

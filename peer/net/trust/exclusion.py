@@ -10,7 +10,8 @@ donor or vote in the drift check, its join requests refused, never followed as a
 span not applied. Each peer keeps its own ledger and publishes nothing about it (a record saying "exclude X" would
 be one more thing to forge).
 
-Thread-safe: written by the networking thread, read by the trainer.
+One writer: :meth:`~peer.net.swarm.Swarm.learn` (on the networking thread) applies the verdicts that rounds, the
+servicers' reductions and state downloads hand it as data; the rounds, servicers and the trainer read it.
 """
 
 from __future__ import annotations
@@ -49,9 +50,9 @@ class PeerVerdict:
 
 @dataclass
 class Exclusions:
-    """The offence ledger of this peer. ``on_exclude(peer, why)`` is called once per excluded peer (from
-    whichever thread reported the last offence). The ledgers are written on ``swarm-net`` (the servicers, the rounds
-    and the state downloads report), under the lock; the trainer reads them."""
+    """The offence ledger of this peer. ``on_exclude(peer, why)`` is called once per excluded peer (from the
+    thread that counted the last offence). Written through :meth:`apply` by the swarm (tests also :meth:`report`),
+    under the lock; read from any thread."""
 
     threshold: int = 3
     on_exclude: Optional[Callable[[str, str], None]] = None

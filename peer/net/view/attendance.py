@@ -26,7 +26,6 @@ STRANGERS = "(strangers)"  # the key under which peers we never were in a group 
 MISSES = 2  # rounds in a row a peer was invited to and did not come, before groups stop waiting for it
 MAX_INTERVAL = 8  # rounds between probes of an absent peer, at most
 MAX_TRACKED = 4096  # peers remembered (a record per live id; ids that are no longer live are forgotten)
-MAX_ROUNDS_ASKED = 64  # rounds whose invitation is remembered until record() (a few are in flight at a time)
 
 
 @dataclass
@@ -46,15 +45,15 @@ class Absent:
 
 class Attendance:
     """Whom this peer's rounds wait for. One ledger serves every fragment (a peer comes to all of them alike or
-    to none). Used from the swarm's event loop only (:class:`~peer.net.swarm.Swarm`)."""
+    to none). One writer, the swarm on its event loop (:class:`~peer.net.swarm.Swarm`): :meth:`observe` at each read
+    of the records, :meth:`record` and :meth:`no_group` when a round hands back whom it invited; :meth:`expected`
+    only reads."""
 
     def __init__(self, *, misses: int = MISSES, max_interval: int = MAX_INTERVAL):
         if misses < 1 or max_interval < 1:
             raise ValueError("misses and max_interval must be >= 1")
         self.misses, self.max_interval = misses, max_interval
         self._absence: dict[str, _Absence] = {}  # who -> its record, for those that missed at least once
-        # (fragment, round) -> whom expected() last said that round waits for: the invitation record() judges
-        self._asked: dict[tuple[int, int], frozenset[str]] = {}
 
     def _key(self, peer: str, met: Callable[[str], bool]) -> str:
         return peer if met(peer) else STRANGERS
@@ -70,27 +69,29 @@ class Attendance:
         """The peers (ids, us included) round ``here`` = (fragment, round) waits for: live (``records``: unpaused,
         admitted), not catching up (:func:`catching_up` against ``my_rounds``, our applied round per fragment),
         and not absent here, unless probed this round or, for a peer we were in a group with (``met``), its
-        record says it is looking for a group for this very round."""
+        record says it is looking for a group for this very round, or it came back to our state (:meth:`observe`)."""
         seeking = list(here)
-        wanted = frozenset({me} | {pid for pid, rec in records.items() if pid != me
-                                   and not catching_up(rec, my_rounds)
-                                   and (self._invited(self._key(pid, met)) or met(pid) and (
-                                       seeking in rec.seeking or self._caught_up(pid, rec, my_rounds)))})
-        self._asked.pop(here, None)
-        self._asked[here] = wanted
-        while len(self._asked) > MAX_ROUNDS_ASKED:  # (rounds that found no group are never recorded)
-            del self._asked[next(iter(self._asked))]
-        return wanted
+        return frozenset({me} | {pid for pid, rec in records.items() if pid != me
+                                 and not catching_up(rec, my_rounds)
+                                 and (self._invited(self._key(pid, met)) or met(pid) and (
+                                     seeking in rec.seeking or self._caught_up(pid, rec, my_rounds)))})
 
-    def no_group(self, *, here: tuple[int, int], live: Iterable[str], me: str, met: Callable[[str], bool]
+    def observe(self, records: Mapping[str, ProgressRecord], my_rounds: Sequence[int]) -> None:
+        """Notes, of each absent partner, whether its record (``records``: the live ones, as just read) shows another
+        state than ours (``my_rounds``): what :meth:`expected` needs to tell that it came back to our state."""
+        for pid, a in self._absence.items():
+            rec = records.get(pid)
+            if rec is not None and not _near(rec, my_rounds):
+                a.apart = True
+
+    def no_group(self, *, invited: frozenset[str], live: Iterable[str], me: str, met: Callable[[str], bool]
                  ) -> list[Absent]:
-        """Learns from round ``here``, which assembled no group of ours: the strangers it waited for stayed away.
-        Partners are judged only by groups that assembled. Must be called after :meth:`expected` for ``here``.
+        """Learns from a round which assembled no group of ours: the strangers it waited for (``invited``: the
+        round's last answer from :meth:`expected`) stayed away. Partners are judged only by groups that assembled.
 
         Without this, made-up ids that never come would be waited for, and counted in every quorum, for ever:
         a round that cannot reach a quorum with them counted assembles no group, and so never records them."""
-        expected = self._asked.pop(here, frozenset())
-        if not any(pid in expected and pid != me and not met(pid) for pid in live):
+        if not any(pid in invited and pid != me and not met(pid) for pid in live):
             return []
         a = self._absence.setdefault(STRANGERS, _Absence())
         a.missed, a.skipped, a.apart = a.missed + 1, 0, False
@@ -112,35 +113,27 @@ class Attendance:
         state: a partition healed, an outage ended). Each side waits for the other again, so the two meet at the
         next round instead of each going on in its own groups. A record that never moves (a stuck process) does
         not catch up; one that caught up and still does not come is a miss, and must drift apart and catch up
-        again to be waited for outside probes."""
+        again to be waited for outside probes. (Apart is noted by :meth:`observe`.)"""
         a = self._absence.get(peer)
-        if a is None:
-            return False
-        # within a round of ours in every fragment is one state: records lag by a heartbeat, and a fragment's
-        # rounds can be faster than that
-        if len(rec.rounds) != len(my_rounds) or any(abs(r - m) > 1 for r, m in zip(rec.rounds, my_rounds)):
-            a.apart = True
-            return False
-        return a.apart
+        return a is not None and a.apart and _near(rec, my_rounds)
 
     def absent(self, who: str) -> bool:
         """Whether ``who`` (a peer id or :data:`STRANGERS`) is absent here now (invited at probes only)."""
         a = self._absence.get(who)
         return a is not None and a.missed >= self.misses
 
-    def record(self, *, here: tuple[int, int], live: Iterable[str], came: Collection[str], me: str,
+    def record(self, *, invited: frozenset[str], live: Iterable[str], came: Collection[str], me: str,
                met: Callable[[str], bool]) -> list[Absent]:
-        """Learns from the group of round ``here`` that assembled: ``live`` are the live peers, ``came`` the
-        group's members. Call once per group that holds every member we could have met (one group of all; not a
-        level of bounded groups). Returns who became absent at this round (for the log and the events).
+        """Learns from a round's group that assembled: ``live`` are the live peers, ``came`` the group's members.
+        Call once per group that holds every member we could have met (one group of all; not a level of bounded
+        groups). Returns who became absent at this round (for the log and the events).
 
-        Must be called after :meth:`expected` for ``here``: a peer was *invited* if the last answer it gave for
-        that round (when the group assembled) named it. Not what :meth:`expected` would say now: a peer whose
+        ``invited``: the round's last answer from :meth:`expected` (when the group assembled); a peer was invited
+        if it names it. Not what :meth:`expected` would say now: a peer whose
         record seeks the round only after the group assembled without it came *late* (a peer back from an
         outage, a little out of phase), and counting that as a miss would double its probe interval at every
         round it is late, so that it is never waited for again. It is not invited, so its probes come on time;
         at a probe the group waits for it."""
-        expected = self._asked.pop(here, frozenset())
         keys: dict[str, list[str]] = {}
         for pid in live:
             if pid != me:
@@ -150,10 +143,10 @@ class Attendance:
             self._absence.pop(pid, None)
         became = []
         for key, pids in keys.items():
-            if any(p in came for p in pids) or key not in self._absence and not any(p in expected for p in pids):
+            if any(p in came for p in pids) or key not in self._absence and not any(p in invited for p in pids):
                 continue
             a = self._absence.setdefault(key, _Absence())
-            if any(p in expected for p in pids):  # invited, and none came
+            if any(p in invited for p in pids):  # invited, and none came
                 a.missed, a.skipped, a.apart = a.missed + 1, 0, False
                 if a.missed == self.misses:
                     became.append(Absent(key, f"invited to {a.missed} rounds in a row, came to none: groups no "
@@ -170,6 +163,12 @@ class Attendance:
     def snapshot(self) -> dict[str, tuple[int, int]]:
         """{who: (rounds missed in a row, rounds since last invited)} for the ones that missed (tests)."""
         return {k: (v.missed, v.skipped) for k, v in self._absence.items()}
+
+
+def _near(rec: ProgressRecord, my_rounds: Sequence[int]) -> bool:
+    """Whether ``rec`` holds our state: within a round of ours in every fragment (records lag by a heartbeat, and
+    a fragment's rounds can be faster than that)."""
+    return len(rec.rounds) == len(my_rounds) and all(abs(r - m) <= 1 for r, m in zip(rec.rounds, my_rounds))
 
 
 CATCHING_UP = 3  # rounds behind ours in some fragment: that peer downloads the swarm's state before it comes
