@@ -127,7 +127,7 @@ def test_an_off_base_round_applies_nothing_and_does_not_send_its_progress_again(
     sent = tr.launched[0][2]
     torch.testing.assert_close(st.G, torch.zeros(8))
     torch.testing.assert_close(p.detach(), -3 * torch.linspace(0.13, 0.97, 8))  # the eager jump undone
-    torch.testing.assert_close(eng.error_feedback[0].residual, sent - roundtrip(sent, codec))
+    torch.testing.assert_close(eng.feedback.terms[0].residual, sent - roundtrip(sent, codec))
     assert st.applied_rounds == [] and st.tokens_since_sync == 10  # round 1's 20 tokens were delivered
     eng.close()
 
@@ -251,7 +251,7 @@ def test_a_round_the_transport_keeps_home_is_reported_at_once_without_a_jump():
     assert reported == [(RoundStatus.BEHIND, 2, 2)]  # at launch
     assert eng.pending[0] == [] and eng.states[0].round == 1 and eng.states[0].tokens_since_sync == 10
     torch.testing.assert_close(p.detach(), torch.full((8,), -1.0))  # no eager jump
-    assert eng.error_feedback[0].residual is None  # nothing was sent
+    assert eng.feedback.terms[0].residual is None  # nothing was sent
     assert eng.states[0].E is None
 
 
@@ -564,9 +564,9 @@ def test_error_feedback_residual_is_put_back_where_a_launched_round_delivered_no
         if step == 3:  # round 1 applied: its residual is the codec's error of what it sent
             sent1 = tr.launched[0][2]
             first = sent1 - roundtrip(sent1, codec)
-            torch.testing.assert_close(eng.error_feedback[0].residual, first)
+            torch.testing.assert_close(eng.feedback.terms[0].residual, first)
     eng.close()  # round 2 was partial: applied nowhere, its residual is the one from before its launch
-    torch.testing.assert_close(eng.error_feedback[0].residual, first)
+    torch.testing.assert_close(eng.feedback.terms[0].residual, first)
 
 
 def test_error_feedback_residual_goes_with_an_adopted_state_and_comes_back_when_rounds_are_given_up():
@@ -579,13 +579,13 @@ def test_error_feedback_residual_goes_with_an_adopted_state_and_comes_back_when_
     with torch.no_grad():
         p -= 0.37
     eng.launch_due(2)  # in flight, never arrives
-    eng._settle_error_feedback()
-    assert eng.error_feedback[0].residual is not None
+    eng.feedback.settle()
+    assert eng.feedback.terms[0].residual is not None
     eng.abandon()  # a stop: nothing was received, nothing of its residual stays
-    assert eng.error_feedback[0].residual is None
+    assert eng.feedback.terms[0].residual is None
     eng.launch_due(4)
     eng.adopt(0, torch.ones(8), torch.zeros(8), 3)  # a download replaces the state and drops local progress
-    assert eng.error_feedback[0].residual is None
+    assert eng.feedback.terms[0].residual is None
     eng.close()
 
 

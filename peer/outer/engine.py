@@ -24,14 +24,14 @@ from typing import Callable, Optional
 
 import torch
 
-from peer.outer.codec import Codec, roundtrip
+from peer.outer.codec import Codec
 from peer.outer.device_state import DeferredLaunch, DeviceState, Staged, to_host
+from peer.outer.feedback import Feedback
 from peer.outer.fragments import Fragment
 from peer.outer.inflight import Handover, Pending, Prepared
 from peer.outer.offload import HostBuffers, OuterWorker, device_of, gather, scatter, snapshot, to_device
 from peer.outer.rounds import Handle, RoundOutcome, RoundStatus, Transport
-from peer.outer.state import (ErrorFeedback, FragmentState, NesterovSGD, advance_shared, block_digests, merge_into,
-                              merge_target)
+from peer.outer.state import FragmentState, NesterovSGD, advance_shared, block_digests, merge_into, merge_target
 from peer.outer.schedule import ClockSchedule, StepsSchedule
 from peer.outer.settings import OuterSettings
 from peer.util import time_left
@@ -70,11 +70,10 @@ class StreamingEngine:
         self.blocked_seconds = 0.0  # time spent waiting for aggregates (compute utilization)
         self.waiting = False  # blocked in apply_due right now
         self.on_wait = on_wait  # called about every 0.2 s while blocked (the trainer shows its status)
-        # Optional error feedback: the codec's rounding error of what we sent is added to our next Delta.
-        self.ef_codec = error_feedback_codec
-        self.error_feedback = [ErrorFeedback() for _ in fragments] if error_feedback_codec is not None else None
-        self._ef_updates: list[Optional[concurrent.futures.Future]] = [None] * len(fragments)
         self.worker = OuterWorker()  # the host math of arrived aggregates and error feedback (stopped by close)
+        # optional error feedback: the codec's rounding error of what we sent is added to our next Delta
+        self.feedback = (Feedback(len(fragments), error_feedback_codec, self.worker)
+                         if error_feedback_codec is not None else None)
         self.handover = Handover(self.worker, self._prepare)  # (the one writer of a round's prepared aggregate)
         self.digest_of = digest_of or (lambda p: self.states[p].digest())
         # the launches' fragment-sized host vectors, reused (see _retire): a snapshot and Delta per round in flight
@@ -94,7 +93,7 @@ class StreamingEngine:
                           if self.device_state is not None else None)
 
     def _device_state(self, device: torch.device, wanted: Optional[bool]) -> Optional[DeviceState]:
-        eligible = not self.one_outer_step and self.error_feedback is None
+        eligible = not self.one_outer_step and self.feedback is None
         if wanted and not eligible:
             raise ValueError("the outer state on the device needs 0 <= tau < H and no error feedback")
         if wanted is None:
@@ -154,11 +153,7 @@ class StreamingEngine:
             delta = st.outer_gradient(theta, out=self.buffers.take(frag.numel))
             weight = float(max(st.tokens_since_sync, 1))
             st.tokens_since_sync = 0
-            residual_before = None
-            if self.error_feedback is not None:
-                self._settle_error_feedback(p)
-                residual_before = self.error_feedback[p].residual
-                delta = self.error_feedback[p].compensate(delta, out=delta)
+            residual_before = None if self.feedback is None else self.feedback.compensate(p, delta)
             base: concurrent.futures.Future[tuple[int, str]] = concurrent.futures.Future()
             if not self.pending[p]:  # (tau = H: the previous round in flight is applied first, see _apply_next)
                 base.set_result((st.last_applied, self.digest_of(p)))
@@ -168,8 +163,8 @@ class StreamingEngine:
                 base.cancel()
                 self.buffers.give(theta, delta)  # (the transport is done with it)
                 continue
-            if self.error_feedback is not None and self.ef_codec is not None:  # what the peers will decode
-                self._ef_updates[p] = self.worker.submit(self._update_error_feedback, p, delta)
+            if self.feedback is not None:  # what the peers will decode
+                self.feedback.sent(p, delta)
             tau = self.cfg.tau if self.tau_fn is None else self.tau_fn()
             jump = None
             if self.cfg.eager and 0 < tau < self.cfg.H:
@@ -225,18 +220,6 @@ class StreamingEngine:
         jump = torch.sub(merged, theta, out=theta)
         self.buffers.give(scratch)
         return jump, merged
-
-    def _update_error_feedback(self, p: int, sent: torch.Tensor) -> None:
-        """(On the worker.) The codec's rounding error of what we sent, for our next Delta."""
-        assert self.error_feedback is not None and self.ef_codec is not None
-        self.error_feedback[p].update(sent, roundtrip(sent, self.ef_codec))
-
-    def _settle_error_feedback(self, p: Optional[int] = None) -> None:
-        """Waits for the worker's error-feedback update of fragment ``p`` (all: None); raises what it raised."""
-        for q in range(len(self.fragments)) if p is None else (p,):
-            update, self._ef_updates[q] = self._ef_updates[q], None
-            if update is not None:
-                update.result()
 
     def _not_launched(self, p: int, r: int, weight: float, handle: Handle, step: int) -> bool:
         """Reports at once a round the transport decided not to launch (alone, or the swarm is past it): nothing
@@ -323,8 +306,8 @@ class StreamingEngine:
         answered (a round given up at its deadline may still be sending it) and the worker's error-feedback
         updates, which read it, have run."""
         self.handover.retire(pend)
-        update = self._ef_updates[p]  # (the newest of p's: the worker runs them in order)
-        self.buffers.give(pend.jump, pend.delta if pend.answered and (update is None or update.done()) else None)
+        read = self.feedback is not None and not self.feedback.idle(p)  # (its update may still read Delta)
+        self.buffers.give(pend.jump, pend.delta if pend.answered and not read else None)
 
     def _prefetch(self) -> None:
         """Hands every aggregate that is in but not yet due to the worker (streaming modes: the tau = H machine
@@ -469,16 +452,8 @@ class StreamingEngine:
         """Puts back the error-feedback residual from before ``pend``'s launch where its round delivered nothing
         (``where``: a mask; None: everywhere, the oldest round in flight of ``p`` given up). Only while no later
         round of ``p`` is in flight: that one's residual was computed on top of this one's."""
-        if self.error_feedback is None or any(q is not pend for q in self.pending[p]):
-            return
-        self._settle_error_feedback(p)
-        ef = self.error_feedback[p]
-        if where is None or ef.residual is None:
-            ef.residual = None if pend.residual_before is None else pend.residual_before.clone()
-        elif pend.residual_before is None:
-            ef.residual[where] = 0.0
-        else:
-            ef.residual[where] = pend.residual_before.to(ef.residual.device)[where]
+        if self.feedback is not None and all(q is pend for q in self.pending[p]):
+            self.feedback.restore(p, pend.residual_before, where)
 
     def _forget(self, p: int, weight: float, jump: Optional[torch.Tensor]) -> None:
         st, frag = self.states[p], self.fragments[p]
@@ -504,9 +479,8 @@ class StreamingEngine:
         st.reset_eager()
         st.round, st.tokens_since_sync = round_, 0
         st.applied_rounds = [round_]
-        if self.error_feedback is not None:  # the residual of dropped progress goes with it
-            self._settle_error_feedback(p)
-            self.error_feedback[p].reset()
+        if self.feedback is not None:  # the residual of dropped progress goes with it
+            self.feedback.reset(p)
         self.fragments[p].assign(G)
 
     def _eager_terms(self) -> tuple[str, ...]:
@@ -526,8 +500,6 @@ class StreamingEngine:
         as what is needed to forget them on load: their aggregates cannot be waited for after a restart.
         The eager terms E and u are saved only when this peer's settings use them; S is derived."""
         terms = ("G", "v") + self._eager_terms()
-        if self.error_feedback is not None:
-            self._settle_error_feedback()
         return {
             "fragments": [dict({k: getattr(st, k) for k in terms}, round=st.round,
                                tokens_since_sync=st.tokens_since_sync, applied_rounds=st.applied_rounds[-64:])
@@ -535,7 +507,7 @@ class StreamingEngine:
             "pending": [[dict(round=pd.round, weight=pd.weight, jump=None if pd.jump is None else pd.jump.cpu())
                          for pd in q] for q in self.pending],
             "last_share": list(self.last_share),
-            "error_feedback": None if self.error_feedback is None else [ef.state_dict() for ef in self.error_feedback],
+            "error_feedback": None if self.feedback is None else self.feedback.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -553,9 +525,8 @@ class StreamingEngine:
             st.round, st.tokens_since_sync = saved["round"], saved["tokens_since_sync"]
             st.applied_rounds = list(saved["applied_rounds"])
         self.last_share = list(state["last_share"])
-        if self.error_feedback is not None and state.get("error_feedback"):
-            for ef, saved in zip(self.error_feedback, state["error_feedback"]):
-                ef.load_state_dict(saved)
+        if self.feedback is not None and state.get("error_feedback"):
+            self.feedback.load_state_dict(state["error_feedback"])
         for p, queue in enumerate(state["pending"]):
             for pend in queue:
                 self._forget(p, pend["weight"], pend["jump"])
