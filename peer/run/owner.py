@@ -8,6 +8,8 @@ serves the requests and the figures, and rests.
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -27,6 +29,29 @@ from peer.util import host_peak_bytes
 
 log = logging.getLogger(__name__)
 REST_SLICE_S = 1.0  # a rest is cut in slices this long: a stop, pause or finish request ends it within one
+
+
+class StopFlag:
+    """Set by SIGINT/SIGTERM; the loop checks it between steps and while waiting for a round. ``wake`` is set too
+    (a paused or resting loop waits on it). Only the signal handler sets ``event``; the trainer gives ``wake`` at
+    creation or to :meth:`install`."""
+
+    def __init__(self, wake: Optional[threading.Event] = None) -> None:
+        self.event = threading.Event()
+        self.wake = wake
+
+    def install(self, wake: Optional[threading.Event] = None) -> None:
+        """Handles SIGINT and SIGTERM from now on; ``wake``: also set by them (None: the one given at creation)."""
+        if wake is not None:
+            self.wake = wake
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, _frame) -> None:
+        log.info("received %s: finishing the current step and leaving the swarm", signal.Signals(signum).name)
+        self.event.set()
+        if self.wake is not None:
+            self.wake.set()
 
 
 class OwnerLink:

@@ -1,5 +1,5 @@
-"""Checks made before a peer joins the swarm, so that whatever a user can fix is reported in one line
-before any other peer waits for this one: the device, the model's contract, the data, our pass.
+"""Checks made before a peer joins the swarm, so that whatever a user can fix is reported in one line before any
+other peer waits for this one: the identity and addresses, the device, the model's contract, the data, our pass.
 
 Each raises :class:`~peer.errors.SetupError` (one line, exit status 2).
 """
@@ -114,6 +114,37 @@ def load_access(cfg: PeerConfig) -> Optional["RunAccess"]:
         return RunAccess.load(cfg.swarm.authority, cfg.pass_path, cfg.identity_path)
     except ValueError as e:
         raise SetupError(str(e)) from None
+
+
+def describe_access(cfg: PeerConfig, access: Optional["RunAccess"]) -> str:
+    """The log line that says who may take part in the run (``access``: :func:`load_access`'s)."""
+    if access is None:
+        bound = ("contributions are bounded by the clipped rule" if cfg.outer.aggregator == "clipped" else
+                 "WARNING: outer.aggregator = mean trusts every contribution (use clipped in an open run)")
+        return (f"open run: any peer may join and contribute (set swarm.authority to admit only peers with a "
+                f"pass); {bound}")
+    from peer.net.trust.auth import fingerprint
+
+    return (f"authenticated run: only peers with a pass from authority {fingerprint(access.checker.authority_bytes)} "
+            f"take part; our pass is valid until {access.token.expiration_time}")
+
+
+def check_identity_and_addresses(cfg: PeerConfig) -> str:
+    """Our peer id (the identity is created if missing), after checking the addresses the swarm section names
+    (initial peers, listening and announced addresses, the relay options)."""
+    from peer.net.plumbing.dht import check_maddrs, ensure_identity, relay_options
+
+    try:
+        peer_id = ensure_identity(cfg.identity_path)
+    except (ValueError, OSError) as e:
+        raise SetupError(f"--identity-path: {e}") from None
+    try:
+        check_maddrs(initial_peers=cfg.swarm.initial_peers, host_maddrs=cfg.swarm.host_maddrs,
+                     announce_maddrs=cfg.swarm.announce_maddrs)
+        relay_options(cfg.swarm.relay_via, relay_service=cfg.swarm.relay_service, client_mode=cfg.swarm.client_mode)
+    except ValueError as e:
+        raise SetupError(str(e)) from None
+    return peer_id
 
 
 def pass_request_line(cfg: PeerConfig) -> str:

@@ -1,5 +1,6 @@
 """The training loop's throughput bookkeeping (pure: no I/O): tokens trained, tokens/s over the last log window,
-seconds in inner steps and since the start. The ``step`` event and the status line report these figures; compute
+seconds in inner steps and since the start, and the moving average of the step time (realignment and ``tau = auto``
+read it). The ``step`` event and the status line report these figures; compute
 utilization is ``compute_seconds / (compute_seconds + blocked_seconds)`` (the engine counts the blocked seconds).
 """
 
@@ -8,14 +9,21 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from peer.util import Ema
+
 
 class Throughput:
-    """The counts of one training loop, from its start (creation). Written by the training thread only
-    (:meth:`observe` after each inner step, :meth:`lap` at each logged step); other threads read plain values."""
+    """The counts of one training loop, from its start (creation or :meth:`restart`). Written by the training thread
+    only (:meth:`observe` after each inner step, :meth:`lap` at each logged step); other threads read plain values."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self._clock = clock
-        self.started = clock()
+        self.step_time = Ema(0.3)  # seconds per inner step (kept across restarts: the same model and device)
+        self.restart()
+
+    def restart(self) -> None:
+        """Starts the counts again (the loop starts)."""
+        self.started = self._clock()
         self.tokens = 0  # trained since the start
         self.compute_seconds = 0.0  # spent in inner steps since the start
         self.tokens_per_second = 0.0  # over the last window (0 until the first lap)
@@ -27,6 +35,7 @@ class Throughput:
         self.tokens += tokens
         self._window_tokens += tokens
         self.compute_seconds += seconds
+        self.step_time.observe(seconds)
 
     def lap(self) -> None:
         """Ends the window: :attr:`tokens_per_second` is its rate and :attr:`elapsed` is measured now; the next

@@ -15,20 +15,16 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
 
 from hivemind.utils import get_dht_time
 
-from peer.net.policy import consensus
 from peer.run import preflight
 from peer.outer.codec import get_codec, make_codec
 from peer.config import PeerConfig
 from peer.errors import JoinError, SetupError
-from peer.net.plumbing.dht import check_maddrs, ensure_identity, relay_options
 from peer.control.controls import PeerState
 from peer.run.evaluation import Evaluation, SharedEval
 from peer.run.events import EventLog, setup_logging
@@ -36,7 +32,8 @@ from peer.run.ledger import RoundLedger
 from peer.run.catch_up import StateSync
 from peer.run.pace import PaceWatch
 from peer.run.resume import RunCheckpoints
-from peer.run.owner import REST_SLICE_S, OwnerLink
+from peer.run.owner import REST_SLICE_S, OwnerLink, StopFlag
+from peer.run.phase import PhaseKeeper
 from peer.outer.fragments import Fragment, partition
 from peer.local.inner import StepStats
 from peer.run.local_build import build_local
@@ -46,7 +43,6 @@ from peer.run.run_dir import RunDirLock
 from peer.outer.schedule import ClockSchedule, StepsSchedule
 from peer.net.transport import SwarmTransport
 from peer.net.trust.records import MAX_FRAGMENTS
-from peer.net.trust.auth import fingerprint
 from peer.outer.aggregate import AggregationRule
 from peer.outer.engine import StreamingEngine
 from peer.outer.settings import AutoTau, OuterSettings
@@ -54,39 +50,14 @@ from peer.run.status import StatusLine, describe
 from peer.run.throughput import Throughput
 from peer.net.swarm import Swarm
 from peer.net.flow.bandwidth import Bandwidth
-from peer.util import Ema, short_id
+from peer.util import short_id
 
 log = logging.getLogger(__name__)
-# How long the status line says "out of phase" after the step counter moved up to meet the swarm (seconds).
-REALIGNED_SHOWN_S = 30.0
 
 
 def shard_of(peer_id: str) -> int:
     """The data shard a peer reads when ``data.shard`` is -1: derived from its peer id."""
     return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "little")
-
-
-class StopFlag:
-    """Set by SIGINT/SIGTERM; the loop checks it between steps and while waiting for a round. ``wake`` is set too
-    (a paused or resting loop waits on it). Only the signal handler sets ``event``; the trainer gives ``wake`` at
-    creation or to :meth:`install`."""
-
-    def __init__(self, wake: Optional[threading.Event] = None) -> None:
-        self.event = threading.Event()
-        self.wake = wake
-
-    def install(self, wake: Optional[threading.Event] = None) -> None:
-        """Handles SIGINT and SIGTERM from now on; ``wake``: also set by them (None: the one given at creation)."""
-        if wake is not None:
-            self.wake = wake
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, _frame) -> None:
-        log.info("received %s: finishing the current step and leaving the swarm", signal.Signals(signum).name)
-        self.event.set()
-        if self.wake is not None:
-            self.wake.set()
 
 
 EXIT_PASS_ENDED = 2  # our pass was revoked or expired: a setup to fix (a new pass), like a pass that is missing
@@ -119,12 +90,11 @@ class Trainer:
         self.auto_tau: Optional[AutoTau] = None
         self.evaluation: Optional[SharedEval] = None  # the shared model on held-out data: created in _train
         self.status: Optional[StatusLine] = None
-        self._realigned: Optional[tuple[float, consensus.Realignment]] = None  # when and how we last moved up
+        self.phase: Optional[PhaseKeeper] = None  # our phase against the swarm's (steps schedule): made in _build
         self._step = 0  # for the status line while blocked
-        self.throughput = Throughput()  # tokens/s and compute seconds: started again when the loop starts
+        self.throughput = Throughput()  # tokens/s, compute seconds, the step time: restarted when the loop starts
         self._loss: Optional[float] = None  # the last loss read from the device (every log_every steps)
         self._floor: Optional[float] = None
-        self.step_time = Ema(0.3)  # our inner step time, seconds (realignment, tau = auto); written here only
         self._device = cfg.inner.device
         self._last_step_at = time.monotonic()  # the last inner step (or the start of training): idle_seconds
 
@@ -146,17 +116,7 @@ class Trainer:
 
     def _run(self) -> int:
         cfg = self.cfg
-        try:
-            peer_id = ensure_identity(cfg.identity_path)
-        except (ValueError, OSError) as e:
-            raise SetupError(f"--identity-path: {e}") from None
-        try:
-            check_maddrs(initial_peers=cfg.swarm.initial_peers, host_maddrs=cfg.swarm.host_maddrs,
-                         announce_maddrs=cfg.swarm.announce_maddrs)
-            relay_options(cfg.swarm.relay_via, relay_service=cfg.swarm.relay_service,
-                          client_mode=cfg.swarm.client_mode)
-        except ValueError as e:
-            raise SetupError(str(e)) from None
+        peer_id = preflight.check_identity_and_addresses(cfg)
         label = f"peer {short_id(peer_id)}"
         setup_logging(cfg.run.log_level, self.run_dir / "peer.log", label)
         self.events.open(cfg.run.log_json, feed=self.owner.feed.publish)  # (the ledger's and checkpoints' too)
@@ -178,14 +138,7 @@ class Trainer:
         log.info("resolved config (run hash %s): %s", run_hash, cfg.to_dict())
         self.checkpoints.find(run_hash)
         access = preflight.load_access(cfg)
-        if access is None:
-            bound = ("contributions are bounded by the clipped rule" if cfg.outer.aggregator == "clipped" else
-                     "WARNING: outer.aggregator = mean trusts every contribution (use clipped in an open run)")
-            log.info("open run: any peer may join and contribute (set swarm.authority to admit only peers with a "
-                     "pass); %s", bound)
-        else:
-            log.info("authenticated run: only peers with a pass from authority %s take part; our pass is valid "
-                     "until %s", fingerprint(access.checker.authority_bytes), access.token.expiration_time)
+        log.info("%s", preflight.describe_access(cfg, access))
         self.swarm = Swarm(cfg.swarm, run_key=run_hash, codec=self.codec, identity_path=str(cfg.identity_path),
                            rule=AggregationRule.from_config(cfg.outer), access=access,
                            bandwidth=Bandwidth(lambda: self.owner.controls.limits.get().byte_rates()),
@@ -239,7 +192,7 @@ class Trainer:
         step = self._join(parts)
         controls.enter(PeerState.TRAINING)
         self._last_step_at = time.monotonic()
-        self.throughput = Throughput()
+        self.throughput.restart()
         while not self.stop.event.is_set() and (cfg.run.max_steps == 0 or step < cfg.run.max_steps):
             if self.swarm.pass_ended or controls.finish_requested:
                 break
@@ -252,7 +205,6 @@ class Trainer:
             stats = inner.step(source.next_batch(cfg.data.batch_size, cfg.model.seq_len))
             self._last_step_at = time.monotonic()
             step_seconds = self._last_step_at - t_step
-            self.step_time.observe(step_seconds)
             step = self._step = step + 1
             if step % cfg.run.log_every == 0 or self.status.due():  # the loss waits for the device: not every step
                 self._loss = stats.ce  # (raises FloatingPointError if a step since the last read was not finite)
@@ -286,11 +238,15 @@ class Trainer:
         log.info("%d fragment(s) of %s elements (%s, %d blocks each); codec %s, tau %s, eager %s, merge %s",
                  len(fragments), [f.numel for f in fragments], cfg.outer.fragment_pattern,
                  cfg.outer.fragment_blocks, cfg.outer.codec, cfg.outer.tau, cfg.outer.eager, cfg.outer.merge)
-        self.auto_tau = AutoTau(cfg.outer.tau_max, cfg.outer.sync_every, self.step_time) if cfg.outer.tau == "auto" \
+        step_time = self.throughput.step_time
+        self.auto_tau = AutoTau(cfg.outer.tau_max, cfg.outer.sync_every, step_time) if cfg.outer.tau == "auto" \
             else None
         self.owner.note_traffic(max(f.numel for f in fragments), self.swarm.codec)
         settings = OuterSettings.from_config(cfg.outer)
         schedule = self._schedule(len(fragments))
+        if isinstance(schedule, StepsSchedule):
+            self.phase = PhaseKeeper(self.swarm, self.events, H=cfg.outer.sync_every,
+                                     patience=cfg.swarm.matchmaking_patience, step_time=step_time)
         transport = SwarmTransport(self.swarm, min_group_size=cfg.swarm.min_group_size,
                                    sync_every=cfg.outer.sync_every if isinstance(schedule, StepsSchedule) else None)
         engine = StreamingEngine(fragments, settings, transport, group_size_hint=lambda: transport.live_count,
@@ -448,25 +404,9 @@ class Trainer:
         return self._realign(engine, step, min_lag_seconds=0.0) if self.sync.adopted else step
 
     def _realign(self, engine: StreamingEngine, step: int, min_lag_seconds: Optional[float] = None) -> int:
-        """Steps schedule: moves the step counter up to meet the swarm when we are far behind it by wall time
-        (see :mod:`peer.net.policy.consensus`; ``min_lag_seconds``: how far, default half the matchmaking patience);
-        returns the step to continue from. Our progress is kept (``S - theta``)."""
-        if not isinstance(engine.schedule, StepsSchedule):
-            return step
-        if min_lag_seconds is None:
-            min_lag_seconds = max(self.cfg.swarm.matchmaking_patience / 2, 1.0)
-        move = consensus.realign(self.swarm.vouched_peers(), self.swarm.peer_id, my_step=step,
-                             my_rounds=[st.last_applied for st in engine.states], step_seconds=self.step_time.value,
-                             min_lag_seconds=min_lag_seconds,
-                             H=self.cfg.outer.sync_every, num_fragments=len(engine.states), now=get_dht_time())
-        if move is None:
-            return step
-        lag = f" (~{move.behind_steps * self.step_time.value:.0f} s)" if self.step_time.value else ""
-        log.info("out of phase with the swarm: %d steps%s behind peer %s; moving to step %d to meet it at its "
-                 "next round (our progress is kept)", move.behind_steps, lag, short_id(move.lead), move.step)
-        self.events.emit("realign", step=step, to_step=move.step, behind_steps=move.behind_steps, lead=move.lead)
-        self._realigned = (time.monotonic(), move)
-        return move.step
+        """The step to continue from: on the steps schedule, moved up to meet the swarm when we are far behind it
+        (:meth:`PhaseKeeper.realign`); our progress is kept."""
+        return step if self.phase is None else self.phase.realign(engine.states, step, min_lag_seconds)
 
     # ---- what the user sees --------------------------------------------------------------------
     def _show_status(self, doing: Optional[str] = None) -> None:
@@ -479,13 +419,7 @@ class Trainer:
                          up=self.ledger.bytes_up, down=self.ledger.bytes_down, doing=doing or describe(
                              now=time.monotonic(), live=self.swarm.live_count(), need=self.cfg.swarm.min_group_size,
                              activity=self.swarm.activity(), blocked=bool(self.engine and self.engine.waiting),
-                             moved_ahead=self._moved_ahead()))
-
-    def _moved_ahead(self) -> Optional[int]:
-        """Steps the last realignment moved us up, while the status line still tells it (else None)."""
-        if self._realigned is None or time.monotonic() - self._realigned[0] >= REALIGNED_SHOWN_S:
-            return None
-        return self._realigned[1].behind_steps
+                             moved_ahead=self.phase.moved_ahead() if self.phase else None))
 
     def _tell_pace(self, step: int) -> None:
         """Says once per streak that we do not keep the swarm's pace (peer/run/pace.py): console and event."""
