@@ -218,7 +218,7 @@ async def _hog(sw) -> None:
 
     from hivemind.p2p import P2P
 
-    from peer.net.round.allreduce import AllReduceServicer
+    from peer.net.round.reducer import AllReduceServicer
     from peer.net.state_transfer import StateServicer
 
     handles = [AllReduceServicer._get_handle_name(None, "rpc_reduce"),

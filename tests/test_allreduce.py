@@ -14,7 +14,8 @@ from hivemind.averaging.group_info import GroupInfo
 
 from helpers import p2p_mesh, run_async
 from peer.config import MBIT
-from peer.net.round.allreduce import AllReduceServicer, run_allreduce
+from peer.net.round.allreduce import run_allreduce
+from peer.net.round.reducer import AllReduceServicer
 from peer.net.flow.bandwidth import BURST_S, Bandwidth
 from peer.net.flow.credit import SendWindow
 from peer.net.flow.streams import StreamGuard

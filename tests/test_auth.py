@@ -164,7 +164,7 @@ def _hostile_calls(peer_maddrs: list[str], peer_id: str, bootstrap: list[str]) -
     """What a client without a pass gets from an admitted peer's handlers and from the run's DHT."""
     from hivemind.p2p import P2P, PeerID
 
-    from peer.net.round.allreduce import AllReduceServicer
+    from peer.net.round.reducer import AllReduceServicer
     from peer.net.plumbing.dht import JoinError, create_dht
     from peer.net.state_transfer import StateServicer
     from peer.proto import allreduce_pb2, state_pb2

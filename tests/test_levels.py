@@ -10,7 +10,8 @@ import torch
 from hivemind.averaging.group_info import GroupInfo
 
 from helpers import p2p_mesh, run_async
-from peer.net.round.allreduce import AllReduceResult, AllReduceServicer, run_allreduce
+from peer.net.round.allreduce import AllReduceResult, run_allreduce
+from peer.net.round.reducer import AllReduceServicer
 from peer.net.round.group import PROTOCOL_VERSION, GroupError, GroupPlan, slot_bounds, slot_spans
 from peer.net.round.levels import SlotLift, plan_levels, roster_sizes
 from peer.net.flow.streams import StreamGuard

@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers import dht_nodes
-from peer.net.round.allreduce import AllReduceServicer
+from peer.net.round.reducer import AllReduceServicer
 from peer.net.round.reduction import SpanReduction
 from peer.net.trust.auth import PassChecker, revocation_key
 from peer.net.trust.exclusion import Offence

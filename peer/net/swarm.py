@@ -22,7 +22,7 @@ from hivemind.dht import DHT
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
-from peer.net.round.allreduce import AllReduceServicer
+from peer.net.round.reducer import AllReduceServicer
 from peer.net.trust.auth import Admission, RunAccess, encode_pass, identity_key
 from peer.net.flow.bandwidth import Bandwidth
 from peer.net.view.activity import RoundActivity, RoundStage

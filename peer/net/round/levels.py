@@ -31,7 +31,8 @@ from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
 from peer.config import SwarmConfig
-from peer.net.round.allreduce import AllReduceResult, AllReduceServicer, run_allreduce
+from peer.net.round.allreduce import AllReduceResult, run_allreduce
+from peer.net.round.reducer import AllReduceServicer
 from peer.net.round.group import MAX_GROUP_SIZE, GroupError, GroupPlan, slot_bounds
 from peer.net.flow.bandwidth import Bandwidth
 from peer.net.flow.streams import StreamGuard

@@ -1,8 +1,9 @@
 """The reducer's side of one group's round as data: the parts of our span that came in, combined once.
 
-:class:`SpanReduction` is what :class:`~peer.net.round.allreduce.AllReduceServicer` fills from the members' streams and
+:class:`SpanReduction` is what :class:`~peer.net.round.reducer.AllReduceServicer` fills from the members' streams and
 what :func:`~peer.net.round.allreduce.run_allreduce` reads our own span from; the pieces' encoding and checked decoding
-are shared by both directions of the stream. No networking here: the RPC runners are in :mod:`peer.net.round.allreduce`.
+are shared by both directions of the stream. No networking here: the RPC runners are :mod:`peer.net.round.reducer` and
+:mod:`peer.net.round.allreduce`.
 """
 
 from __future__ import annotations
