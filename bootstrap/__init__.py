@@ -8,6 +8,7 @@ Map of the code:
   ``--initial-peers MADDR ...`` to paste into other nodes' command lines, periodic routing-table status on
   stderr, clean shutdown on SIGINT/SIGTERM (exit 0, no p2pd left behind). Bad flag values exit 2.
 * ``bootstrap/__main__.py`` -- ``python -m bootstrap``.
-* The DHT itself is created by ``peer/net/plumbing/dht.py`` (shared with the peer daemon): identity files, multiaddr
-  validation, network-safety defaults (no NAT port mapping unless ``--nat-port-map``), paste line.
+* The DHT itself is created by ``peer/net/plumbing/dht.py`` (shared with the peer daemon): network-safety defaults
+  (no NAT port mapping unless ``--nat-port-map``), paste line; identity files and multiaddr validation are
+  ``peer/net/plumbing/addresses.py``'s.
 """

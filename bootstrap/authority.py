@@ -149,7 +149,7 @@ class NodeAuthority:
     def create(cls, directory: str | Path, identity_path: str) -> "NodeAuthority":
         """Must be called before the DHT starts (its options go to create_dht). Raises AuthorityError."""
         from peer.net.trust.auth import PassChecker, RevocationValidator, RunAuthorizer, identity_key, issue_pass
-        from peer.net.plumbing.dht import ensure_identity
+        from peer.net.plumbing.addresses import ensure_identity
 
         directory = Path(directory)
         authority = load_authority(directory)

@@ -189,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     dht = None
     dial_back = None
     try:
-        from peer.net.plumbing import dht as dht_node  # imports hivemind (and through it torch) lazily
+        from peer.net.plumbing import addresses, dht as dht_node  # import hivemind (and through it torch) lazily
         from peer.net.plumbing.dial_back import DialBackService
         from peer.net.trust.progress import node_validators
 
@@ -197,8 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.nat_port_map:
             logger.warning("--nat-port-map is on: p2pd will send UPnP/NAT-PMP discovery to the LAN gateway")
         try:
-            dht_node.check_maddrs(initial_peers=args.initial_peers, host_maddrs=args.host_maddrs,
-                                  announce_maddrs=args.announce_maddrs)
+            addresses.check_maddrs(initial_peers=args.initial_peers, host_maddrs=args.host_maddrs,
+                                   announce_maddrs=args.announce_maddrs)
         except ValueError as e:
             print(f"{PROG}: error: {e}", file=sys.stderr)
             return 2

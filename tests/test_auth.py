@@ -20,7 +20,7 @@ from helpers import Proc, events, run_async, wait_for
 from peer.net.trust.auth import (Admission, PassChecker, RevocationValidator, RunAccess, decode_pass, encode_pass,
                            identity_key, issue_pass, owner_key, parse_pass_request, pass_request, peer_id_of,
                            record_admitted, revocation_key, sign_revocations, verify_revocations)
-from peer.net.plumbing.dht import ensure_identity
+from peer.net.plumbing.addresses import ensure_identity
 from peer.net.trust.records import ProgressRecord
 from test_swarm import REPO, start_peer, wait_exit
 

@@ -130,7 +130,7 @@ def test_bootstrap_swarm_end_to_end(tmp_path, procs):
 
     # the paste line: multiaddrs that all end in the same /p2p/ id, read from the identity file
     from hivemind.utils.multiaddr import Multiaddr
-    from peer.net.plumbing.dht import ensure_identity
+    from peer.net.plumbing.addresses import ensure_identity
 
     assert maddrs and all(m.startswith("/ip4/127.0.0.1/tcp/") for m in maddrs)
     peer_ids = {Multiaddr(m)["p2p"] for m in maddrs}

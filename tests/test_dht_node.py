@@ -1,4 +1,4 @@
-"""peer/net/plumbing/dht.py: identity files, multiaddr validation, network-safety options, visible addresses."""
+"""peer/net/plumbing/addresses.py and dht.py: identities, multiaddr checks, network-safety options, addresses."""
 
 from __future__ import annotations
 
@@ -11,30 +11,30 @@ from pathlib import Path
 import pytest
 
 from helpers import dht_nodes
-from peer.net.plumbing import dht as dht_node
+from peer.net.plumbing import addresses, dht as dht_node
 
 GOOD_PEER = "/ip4/127.0.0.1/tcp/4001/p2p/QmSoLnSGccFuZQJzRadHn95W2CrSFmZuTdDWP8HXaHca9z"
 
 
 def test_ensure_identity_creates_then_reuses(tmp_path):
     path = tmp_path / "deep" / "er" / "node.id"
-    peer_id = dht_node.ensure_identity(path)
+    peer_id = addresses.ensure_identity(path)
     assert path.is_file()
     assert stat.S_IMODE(path.stat().st_mode) == 0o400
     assert peer_id.startswith("Qm") and len(peer_id) > 40  # base58 of an RSA key's multihash
     assert [p.name for p in path.parent.iterdir()] == ["node.id"]  # no temp file left behind
-    assert dht_node.ensure_identity(str(path)) == peer_id  # same file, same peer id
+    assert addresses.ensure_identity(str(path)) == peer_id  # same file, same peer id
 
 
 def test_ensure_identity_matches_hivemind_format(tmp_path):
     from hivemind.p2p import P2P, PeerID
 
     ours = tmp_path / "ours.id"
-    peer_id = dht_node.ensure_identity(ours)
+    peer_id = addresses.ensure_identity(ours)
     assert PeerID.from_identity(ours.read_bytes()).to_base58() == peer_id
     theirs = tmp_path / "theirs.id"
     P2P.generate_identity(str(theirs))  # a key file hivemind wrote itself is accepted as-is
-    assert dht_node.ensure_identity(theirs) == PeerID.from_identity(theirs.read_bytes()).to_base58()
+    assert addresses.ensure_identity(theirs) == PeerID.from_identity(theirs.read_bytes()).to_base58()
 
 
 @pytest.mark.parametrize("content", [b"", b"not a key at all", b"\x08\x00\x12\x05hello"])
@@ -42,7 +42,7 @@ def test_ensure_identity_rejects_corrupt_file(tmp_path, content):
     path = tmp_path / "bad.id"
     path.write_bytes(content)
     with pytest.raises(ValueError, match="bad.id.*not a valid libp2p private key"):
-        dht_node.ensure_identity(path)
+        addresses.ensure_identity(path)
     assert path.read_bytes() == content  # never overwritten
 
 
@@ -168,7 +168,7 @@ def test_visible_maddrs_drops_unspecified_hosts():
 def test_real_dht_on_loopback(tmp_path):
     from hivemind.utils.multiaddr import Multiaddr
 
-    peer_id = dht_node.ensure_identity(tmp_path / "node.id")
+    peer_id = addresses.ensure_identity(tmp_path / "node.id")
     dht = dht_node.create_dht(initial_peers=[], host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[],
                               identity_path=str(tmp_path / "node.id"), client_mode=False, startup_timeout=20)
     try:
@@ -249,7 +249,7 @@ def test_reconnect_brings_an_isolated_node_back(tmp_path):
         for node in nodes:
             assert node.run_coroutine(_isolate, return_future=True).result(timeout=30) == 0
         assert dht_node.peer_counts(second) == (0, 0) and dht_node.peer_counts(first)[0] == 0
-        peers = dht_node.peers_of(dht_node.visible_maddrs(first))
+        peers = addresses.peers_of(dht_node.visible_maddrs(first))
         assert list(peers) == [str(first.peer_id)]
         assert dht_node.reconnect(second, peers, timeout=3.0).result(timeout=30) == 1
         assert dht_node.peer_counts(first)[0] == 1  # the answer put us in its table too

@@ -7,7 +7,7 @@ from hivemind.utils import ValueWithExpiration, get_dht_time
 
 from helpers import dht_nodes
 from peer.net.trust.auth import identity_key
-from peer.net.plumbing.dht import ensure_identity
+from peer.net.plumbing.addresses import ensure_identity
 from peer.net.trust.progress import LiveView, SpeedLedger, make_validators, node_validators, progress_key
 from peer.net.trust.records import ProgressRecord
 

@@ -33,7 +33,8 @@ from peer.net.policy.consensus import live_count
 from peer.outer.aggregate import AggregationRule
 from peer.outer.codec import codec_key, get_codec
 from peer.config import SwarmConfig
-from peer.net.plumbing.dht import create_dht, peers_of
+from peer.net.plumbing.addresses import peers_of
+from peer.net.plumbing.dht import create_dht
 from peer.net.trust.exclusion import Exclusions, Offence, PeerVerdict
 from peer.net.flow.links import DeadlinePolicy, LinkMeter, slow_donors_last, state_deadline
 from peer.net.flow.streams import HostBook, StreamGuard, cap_frame_size, frame_limit_for

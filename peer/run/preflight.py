@@ -132,7 +132,8 @@ def describe_access(cfg: PeerConfig, access: Optional["RunAccess"]) -> str:
 def check_identity_and_addresses(cfg: PeerConfig) -> str:
     """Our peer id (the identity is created if missing), after checking the addresses the swarm section names
     (initial peers, listening and announced addresses, the relay options)."""
-    from peer.net.plumbing.dht import check_maddrs, ensure_identity, relay_options
+    from peer.net.plumbing.addresses import check_maddrs, ensure_identity
+    from peer.net.plumbing.dht import relay_options
 
     try:
         peer_id = ensure_identity(cfg.identity_path)
@@ -151,7 +152,7 @@ def pass_request_line(cfg: PeerConfig) -> str:
     """The line a volunteer sends the operator of an authenticated run (``swarm-peer pass-request``): its peer id
     and identity key; the identity is created if missing."""
     from peer.net.trust.auth import identity_key, pass_request
-    from peer.net.plumbing.dht import ensure_identity
+    from peer.net.plumbing.addresses import ensure_identity
 
     try:
         ensure_identity(cfg.identity_path)

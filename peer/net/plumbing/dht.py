@@ -20,13 +20,12 @@ import contextlib
 import logging
 import os
 import signal
-import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 from peer.errors import JoinError
+from peer.net.plumbing.addresses import _check_maddrs, check_maddrs, ensure_identity
 
 if TYPE_CHECKING:  # pragma: no cover
     import hivemind
@@ -38,8 +37,6 @@ JOIN_RETRY_FIRST, JOIN_RETRY_MAX = 1.0, 15.0
 # p2pd's words when none of its bootstrap peers could be connected to.
 _BOOTSTRAP_FAILED = "failed to connect to bootstrap peers"
 
-_PEER_FORMAT = "/ip4/HOST/tcp/PORT/p2p/PEER_ID"
-_HOST_FORMAT = "/ip4/HOST/tcp/PORT"
 # hivemind's P2P.create(force_reachability=...) picks p2pd flags by name; two names of ours are taught to it in
 # the DHT process (_register_relay_modes, through hivemind_internals). STATIC_RELAYS also turns relay discovery
 # off: p2pd then uses ``trusted_relays`` as libp2p's *static* relays and reserves at once. With discovery on
@@ -54,95 +51,6 @@ STATIC_RELAYS = "private, static relays"
 RELAY_SERVICE = "public, relay service"
 _RELAY_MODES = {STATIC_RELAYS: {"forceReachabilityPrivate": 1, "relayDiscovery": 0},
                 RELAY_SERVICE: {"forceReachabilityPublic": 1}}
-
-
-def _peer_id_of(data: bytes) -> str:
-    from hivemind.p2p import PeerID
-
-    return PeerID.from_identity(data).to_base58()
-
-
-def ensure_identity(path: str | Path) -> str:
-    """Create (if missing) or validate the libp2p RSA identity at ``path``; return its peer id (base58).
-
-    The file uses hivemind's own format (a ``crypto_pb2.PrivateKey`` protobuf wrapping a DER RSA key, as
-    ``P2P.generate_identity`` writes), so p2pd accepts it and the peer id is stable across restarts.
-    Creation is atomic: temp file in the same folder, fsync, chmod 0400, then link/rename into place.
-    """
-    path = Path(path)
-    if not path.exists():
-        from hivemind.proto import crypto_pb2
-        from hivemind.utils.crypto import RSAPrivateKey
-
-        blob = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=RSAPrivateKey().to_bytes())
-        blob = blob.SerializeToString()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(blob)
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o400)
-            try:
-                os.link(tmp, path)  # never clobbers an identity another process created meanwhile
-            except FileExistsError:
-                pass
-            except OSError:  # filesystem without hard links
-                os.rename(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise ValueError(f"cannot read identity file {str(path)!r}: {e}") from e
-    try:
-        return _peer_id_of(data)
-    except Exception as e:  # protobuf DecodeError, DER ValueError from cryptography, ...
-        raise ValueError(
-            f"identity file {str(path)!r} is not a valid libp2p private key ({type(e).__name__}: {e}); "
-            f"move it away to generate a new identity (this changes the peer id)"
-        ) from e
-
-
-def _check_maddrs(flag: str, maddrs: Iterable[str], *, need_peer: bool, explicit_port: bool = False) -> list[str]:
-    from hivemind.utils.multiaddr import Multiaddr
-
-    expected = _PEER_FORMAT if need_peer else _HOST_FORMAT
-    out = []
-    for item in maddrs:
-        text = str(item)
-        try:
-            maddr = Multiaddr(text)
-            names = [p.name for p in maddr.protocols()]
-        except Exception:
-            raise ValueError(f"{flag}: {text!r} is not a multiaddr (expected {expected})") from None
-        if need_peer and "p2p" not in names:
-            raise ValueError(f"{flag}: {text!r} has no /p2p/PEER_ID part (expected {expected})")
-        if not need_peer and "p2p" in names:
-            raise ValueError(f"{flag}: {text!r} must not contain /p2p/ (expected {expected})")
-        if explicit_port and any(maddr.value_for_protocol(p) == "0" for p in ("tcp", "udp") if p in names):
-            raise ValueError(f"{flag}: {text!r} needs an explicit port, not 0")
-        out.append(text)
-    return out
-
-
-def check_maddrs(
-    *, initial_peers: Iterable[str], host_maddrs: Iterable[str], announce_maddrs: Iterable[str]
-) -> tuple[list[str], list[str], list[str]]:
-    """Validate the three address lists (as ``create_dht`` does first); ``ValueError`` names the flag."""
-    initial_peers = _check_maddrs("--initial-peers", initial_peers, need_peer=True)
-    host_maddrs = _check_maddrs("--host-maddrs", host_maddrs, need_peer=False)
-    announce_maddrs = _check_maddrs("--announce-maddrs", announce_maddrs, need_peer=False, explicit_port=True)
-    if not host_maddrs:
-        raise ValueError(f"--host-maddrs: at least one address is required (expected {_HOST_FORMAT})")
-    return initial_peers, host_maddrs, announce_maddrs
 
 
 def create_dht(
@@ -437,16 +345,6 @@ def peer_counts(dht: "hivemind.DHT", timeout: float = 10.0) -> tuple[int, int]:
     Bounded by ``timeout``: a plain ``run_coroutine`` blocks forever if the DHT process has died.
     """
     return dht.run_coroutine(_peer_counts, return_future=True).result(timeout=timeout)
-
-
-def peers_of(maddrs: Iterable[str]) -> dict[str, list[str]]:
-    """{peer id: its multiaddrs} of ``/.../p2p/PEER_ID`` addresses (as checked by ``check_maddrs``)."""
-    from hivemind.utils.multiaddr import Multiaddr
-
-    out: dict[str, list[str]] = {}
-    for text in maddrs:
-        out.setdefault(Multiaddr(str(text)).value_for_protocol("p2p"), []).append(str(text))
-    return out
 
 
 async def _reconnect(_dht, node, peers: dict[str, list[str]], timeout: float) -> int:

@@ -51,7 +51,7 @@ _OWNER_KEY = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX, re.DOTALL)
 
 # ---- keys ------------------------------------------------------------------------------------
 def identity_key(identity_path: str | Path) -> RSAPrivateKey:
-    """The RSA key of a libp2p identity file (``dht.ensure_identity`` wrote it): the peer id is its hash."""
+    """The RSA key of a libp2p identity file (``addresses.ensure_identity`` wrote it): the peer id is its hash."""
     return private_key_from_der(crypto_pb2.PrivateKey.FromString(Path(identity_path).read_bytes()).data)
 
 
