@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from gpu import INNER, EchoTransport, sync  # noqa: E402
 from peer.config import PeerConfig  # noqa: E402
-from peer.local.data import MarkovSource  # noqa: E402
+from peer.local.markov import MarkovSource  # noqa: E402
 from peer.local.inner import InnerLoop  # noqa: E402
 from peer.local.model import build_model, count_parameters  # noqa: E402
 from peer.outer.engine import StreamingEngine  # noqa: E402

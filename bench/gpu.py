@@ -44,7 +44,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from peer.local.data import MarkovSource  # noqa: E402
+from peer.local.markov import MarkovSource  # noqa: E402
 from peer.local.inner import InnerLoop, lr_at, split_decay_params  # noqa: E402
 from peer.local.model import PRESETS, build_model, count_parameters, lm_loss  # noqa: E402
 from peer.outer.codec import roundtrip  # noqa: E402

@@ -6,7 +6,7 @@
     .venv/bin/python bench/quality.py --replot runs/bench_quality/results.json   # table + plot again
 
 (6-15 min: on 2 CPU cores shared with other work, with 2 jobs.) Every method trains the same model
-(``--preset``, default tiny) on the built-in synthetic Markov corpus (``peer.data.MarkovSource`` at
+(``--preset``, default tiny) on the built-in synthetic Markov corpus (``peer.local.markov.MarkovSource`` at
 ``--vocab-size`` 64, whose entropy rate is the best achievable CE) for the same
 number of inner steps and tokens per peer, in the in-process simulator (``peer.outer.simulator``: M
 replicas, each a real :class:`peer.streaming.StreamingEngine`, one :class:`FakeTransport` that
@@ -72,7 +72,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from peer.outer.codec import get_codec  # noqa: E402
-from peer.local.data import MarkovSource, TokenShardSource  # noqa: E402
+from peer.local.data import TokenShardSource  # noqa: E402
+from peer.local.markov import MarkovSource  # noqa: E402
 from peer.outer.fragments import partition  # noqa: E402
 from peer.local.inner import InnerLoop  # noqa: E402
 from peer.local.model import build_model, count_parameters, lm_loss  # noqa: E402

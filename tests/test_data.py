@@ -11,12 +11,12 @@ import torch
 
 from peer.local.data import (
     BinShardSource,
-    MarkovSource,
     TextFileSource,
     byte_decode,
     byte_encode,
     make_source,
 )
+from peer.local.markov import MarkovSource
 
 
 def _roundtrip(state: dict) -> dict:

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from peer.local.data import BinShardSource, MarkovSource, TextFileSource
+from peer.local.data import BinShardSource, TextFileSource
+from peer.local.markov import MarkovSource
 from peer.local.inner import mean_ce
 from peer.local.model import build_model
 from peer.outer.fragments import partition

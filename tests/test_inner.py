@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from peer.local.data import MarkovSource
+from peer.local.markov import MarkovSource
 from peer.local.inner import InnerLoop, lr_at, split_decay_params
 from peer.local.model import build_model
 
