@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import cProfile
+import dataclasses
 import datetime
 import json
 import platform
@@ -44,6 +45,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from peer.local import memory  # noqa: E402
 from peer.local.markov import MarkovSource  # noqa: E402
 from peer.local.inner import InnerLoop, lr_at, split_decay_params  # noqa: E402
 from peer.local.model import PRESETS, build_model, count_parameters, lm_loss  # noqa: E402
@@ -251,6 +253,22 @@ def gib(x) -> str:
     return f"{x / 2**30:.2f} GiB" if x >= 2**30 else f"{x / 2**20:.0f} MiB"
 
 
+def model_against_measured(args, result: dict) -> str:
+    """The memory model's peak (peer/local/memory.py) beside the measured one, for each loop."""
+    setting = memory.Setting(preset=result["preset"], vocab_size=args.vocab, seq_len=args.seq_len,
+                             batch_size=args.batch, micro_batch=args.micro_batch,
+                             activation_checkpointing=args.activation_checkpointing)
+    cuda = args.device.startswith("cuda")
+    measured = result.get("memory") or {}
+    parts = []
+    for loop, on_device in (("plain", False), ("peer", bool(result.get("outer_on_device")))):
+        guess = memory.estimate(dataclasses.replace(setting, state_on_device=on_device),
+                                memory.CUDA if cuda else memory.CPU).total
+        got = (measured.get(loop) or {}).get("peak_vram_bytes") if cuda else None  # (RSS: not tensors alone)
+        parts.append(f"{loop} {gib(guess)}" + (f" against {gib(got)} measured ({guess / got - 1:+.1%})" if got else ""))
+    return f"memory model, peak {'VRAM' if cuda else 'tensor bytes'}: " + "; ".join(parts)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -322,6 +340,7 @@ def main(argv=None) -> int:
         if "error" not in r:
             print(f"{r['preset']}: outer state on the device {r['outer_on_device']}; of the applies, waiting for the "
                   f"transport {r['waited_s']['transport']:.3f} s, for the worker {r['waited_s']['worker']:.3f} s")
+            print(f"{r['preset']}: {model_against_measured(args, r)}")
     skip = set(filter(None, args.skip.split(",")))
     extra = {}
     if "codec" not in skip:

@@ -22,6 +22,7 @@ import torch
 
 from peer.config import PeerConfig
 from peer.errors import SetupError
+from peer.local import memory
 from peer.run import preflight
 from peer.run.run_dir import RunDirLock
 
@@ -60,6 +61,7 @@ def run_checks(cfg: PeerConfig, *, network: bool = True, timeout: float = 10.0,
     model_check, params = _model(cfg)
     add(model_check)
     add(_data(cfg))
+    add(_memory(cfg))
     add(_run_dir(cfg))
     add(_disk(cfg, params))
     if not network:
@@ -89,7 +91,7 @@ def _device(cfg: PeerConfig) -> Check:
         hint = "" if name == "cpu" else "no CUDA device: auto trains on the CPU"
         return Check("device", CheckVerdict.OK if name == "cpu" else CheckVerdict.WARN, f"CPU: {os.cpu_count()} cores, "
                      f"inner.threads {cfg.inner.threads or 'default'}", hint)
-    index = int(name.partition(":")[2] or 0) if name.startswith("cuda") else 0
+    index = _cuda_index(cfg)
     free, total = torch.cuda.mem_get_info(index)
     return Check("device", CheckVerdict.OK, f"{torch.cuda.get_device_name(index)}: {free / 2**30:.1f} GiB free of "
                  f"{total / 2**30:.1f} GiB")
@@ -111,6 +113,46 @@ def _data(cfg: PeerConfig) -> Check:
                      "fix data.paths / data.vocab_size, or run swarm-peer prepare-data")
     return Check("data", CheckVerdict.OK, f"{cfg.data.source}: readable, ids within the vocabulary of "
                  f"{cfg.data.vocab_size} (shard {source.shard_index})")
+
+
+def _memory(cfg: PeerConfig, budget: Optional[int] = None, on_cuda: Optional[bool] = None) -> Check:
+    """The peak memory of an inner step (peer/local/memory.py) against the card's memory on CUDA or the host's RAM,
+    and, where it does not fit, the settings or presets that do. ``budget`` and ``on_cuda``: the memory and device
+    to judge against (default: this machine's)."""
+    m = cfg.model
+    if m.factory or m.hf_config or m.preset not in memory.PRESETS:
+        return Check("memory", CheckVerdict.OK, "not estimated for a model of your own (model.factory / hf_config)")
+    if on_cuda is None:
+        on_cuda = cfg.inner.device != "cpu" and torch.cuda.is_available()
+    if budget is None:
+        budget = (torch.cuda.mem_get_info(_cuda_index(cfg))[1] if on_cuda
+                  else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    where = "of the card's" if on_cuda else "of the host's"
+    constants = memory.CUDA if on_cuda else memory.CPU
+    usable = int(memory.HEADROOM * budget)
+    ours = memory.Setting(preset=m.preset, vocab_size=cfg.data.vocab_size, seq_len=m.seq_len,
+                          batch_size=cfg.data.batch_size, micro_batch=cfg.data.micro_batch,
+                          activation_checkpointing=m.activation_checkpointing,
+                          state_on_device=on_cuda and cfg.outer.state_on_device == "on")
+    guess = memory.estimate(ours, constants)
+    found = (f"{m.preset} at batch {ours.batch_size} x {ours.seq_len} ({ours.describe()}): about "
+             f"{guess.total / memory.GIB:.1f} GiB at the peak, {budget / memory.GIB:.1f} GiB {where}")
+    if guess.total <= usable:
+        return Check("memory", CheckVerdict.OK, found)
+    option = next(memory.ways_to_fit(ours, usable, constants), None)
+    if option is not None:
+        return Check("memory", CheckVerdict.FAIL, found, f"it fits with {option[0].describe()} (about "
+                     f"{option[1].total / memory.GIB:.1f} GiB): set data.micro_batch, "
+                     f"model.activation_checkpointing and outer.state_on_device so")
+    smaller = [p for p in memory.PRESETS if next(memory.ways_to_fit(dataclasses.replace(ours, preset=p), usable,
+                                                                     constants), None) is not None]
+    return Check("memory", CheckVerdict.FAIL, found, "no setting of this preset fits; presets that fit: "
+                 + (", ".join(smaller) or "none at this batch size and sequence length"))
+
+
+def _cuda_index(cfg: PeerConfig) -> int:
+    name = cfg.inner.device
+    return int(name.partition(":")[2] or 0) if name.startswith("cuda") else 0
 
 
 def _run_dir(cfg: PeerConfig) -> Check:
