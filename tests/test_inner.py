@@ -268,3 +268,47 @@ def test_tiny_model_learns_markov_source():
     assert initial > 5.0
     assert final < initial - 1.5
     assert final < src.entropy_floor + 1.75
+
+
+def test_the_8bit_optimizer_learns_resumes_exactly_through_a_checkpoint_and_refuses_deferred_checks(tmp_path):
+    """inner.optimizer = adamw8bit (torchao's AdamW8bit): its moments take a byte per value, the loss falls, the
+    state goes through our checkpoint file (``torch.load(weights_only=True)``) and the resumed steps give the same
+    bits; a non-finite step raises at once, its weights untouched (no deferred checks: it has no found_inf)."""
+    from peer.run import checkpoint
+
+    src = MarkovSource(256, seed=2)
+    batches = [src.next_batch(8, 32) for _ in range(40)]
+    model = _tiny(seed=4)
+    loop = _loop(model, optimizer="adamw8bit")
+    first = loop.step(batches[0]).ce
+    for b in batches[1:30]:
+        loop.step(b)
+    moments = [t for state in loop.optimizer.state.values() for k, t in state.items() if k.startswith("exp_avg")]
+    big = max(model.parameters(), key=lambda p: p.numel())
+    assert any(t.numel() == big.numel() for t in moments)
+    quantized = sum(1 for t in moments if type(t).__name__ == "OptimState8bit")
+    assert quantized >= 2, [type(t).__name__ for t in moments]  # (parameters under 4096 values keep fp32 moments)
+    assert loop.step(batches[30]).ce < first - 0.5
+
+    checkpoint.save(tmp_path, 31, {"model": model.state_dict(), "inner": loop.state_dict()})
+    for b in batches[31:]:
+        loop.step(b)
+    _, saved = checkpoint.load_latest(tmp_path)
+    resumed_model = _tiny(seed=99)
+    resumed_model.load_state_dict(saved["model"])
+    resumed = _loop(resumed_model, optimizer="adamw8bit")
+    resumed.load_state_dict(saved["inner"])
+    for b in batches[31:]:
+        resumed.step(b)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, resumed_model.state_dict()[k]), k
+
+    with torch.no_grad():
+        model.blocks[0].mlp.up.weight[0, 0] = float("nan")
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(FloatingPointError, match="loss is nan"):
+        loop.step(batches[0])
+    for k, v in model.state_dict().items():
+        assert torch.equal(v.nan_to_num(), before[k].nan_to_num()), k
+    with pytest.raises(ValueError, match="defer_checks"):
+        _loop(_tiny(), optimizer="adamw8bit", defer_checks=True)

@@ -14,6 +14,8 @@ from typing import Any, Callable, Optional
 
 # peer/outer/codec.py's CODECS (a test keeps them equal); the top-k ones need outer.error_feedback
 CODEC_NAMES = ("e3m0", "fp8", "bf16", "fp32", "topk32", "topk64", "topk128")
+# peer/local/inner.py's OPTIMIZERS (a test keeps them equal)
+INNER_OPTIMIZERS = ("adamw", "adamw8bit")
 
 
 class ConfigError(ValueError):

@@ -22,7 +22,8 @@ from torch import Tensor, nn
 
 from peer.local.model import lm_loss
 
-__all__ = ["lr_at", "split_decay_params", "StepStats", "InnerLoop"]
+__all__ = ["lr_at", "split_decay_params", "StepStats", "InnerLoop", "OPTIMIZERS"]
+OPTIMIZERS = ("adamw", "adamw8bit")  # the inner optimizer's choices (inner.optimizer)
 
 
 def lr_at(step: int, *, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
@@ -156,6 +157,10 @@ class InnerLoop:
 
     ``compile``: the forward runs through ``torch.compile(model)``; the parameters are the model's own (the
     compiled wrapper shares them), so ``self.model``, its ``state_dict`` and the fragments keep their names.
+
+    ``optimizer``: ``adamw`` (torch's), or ``adamw8bit``: torchao's AdamW with its moments in 8 bits (2 bytes per
+    parameter instead of 8, for a card the model does not otherwise fit; its step is compiled on first use). It
+    has no ``found_inf``, so its checks are never deferred: each step waits for the device to read the loss.
     """
 
     def __init__(
@@ -174,17 +179,23 @@ class InnerLoop:
         micro_batch: int = 0,
         defer_checks: Optional[bool] = None,
         compile: bool = False,
+        optimizer: str = "adamw",
     ) -> None:
         lr_at(0, lr=lr, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio)  # validate
         if grad_clip < 0:
             raise ValueError(f"grad_clip must be >= 0 (0 disables), got {grad_clip}")
         if micro_batch < 0:
             raise ValueError(f"micro_batch must be >= 0 (0: the whole batch at once), got {micro_batch}")
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+        if optimizer == "adamw8bit" and defer_checks:
+            raise ValueError("adamw8bit cannot skip a non-finite step on the device: defer_checks must be off")
         self.micro_batch = micro_batch
         self.model = model  # the module itself (checkpoints, fragments); forward_model may be its compiled wrapper
         self.forward_model: Callable[[Tensor], Tensor] = torch.compile(model) if compile else model
         self.device = torch.device(device)
-        self.defer_checks = self.device.type == "cuda" if defer_checks is None else defer_checks
+        self.defer_checks = self.device.type == "cuda" and optimizer == "adamw" if defer_checks is None \
+            else defer_checks
         self.lr, self.warmup_steps, self.total_steps = lr, warmup_steps, total_steps
         self.min_lr_ratio, self.grad_clip, self.z_loss = min_lr_ratio, grad_clip, z_loss
         decay, no_decay = split_decay_params(model)
@@ -195,8 +206,14 @@ class InnerLoop:
         ]
         # fused AdamW is the fast path on CUDA and the one that takes found_inf (deferred checks); the CPU
         # default (foreach) is what the exact-fp32 tests were written against.
-        fused = {"fused": True} if self.device.type == "cuda" or self.defer_checks else {}
-        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, **fused)
+        groups = [g for g in groups if g["params"]]
+        if optimizer == "adamw8bit":
+            from torchao.optim import AdamW8bit  # (imported only when chosen: it loads its kernels)
+
+            self.optimizer: torch.optim.Optimizer = AdamW8bit(groups, lr=lr, betas=betas)
+        else:
+            fused = {"fused": True} if self.device.type == "cuda" or self.defer_checks else {}
+            self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, **fused)
         self.step_count = 0
         self._first_bad = self._no_bad()
 
@@ -250,7 +267,10 @@ class InnerLoop:
             torch.nn.utils.clip_grads_with_norm_(self.params, self.grad_clip, grad_norm)
         lr = self.current_lr()
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            if isinstance(group["lr"], Tensor):  # (torchao keeps it as a tensor, so that its compiled step stays)
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
         self.optimizer.step()
         self.step_count += 1
         return StepStats(lr=lr, tokens=rows * (batch.shape[1] - 1), measured=measured,

@@ -2,12 +2,12 @@
 reads against the card's memory, and that ``bench/gpu.py`` checks against what it measures.
 
 The peak is the larger of two moments of an inner step. Without micro-batching, the start of the backward pass:
-weights and AdamW's two moments (12 bytes per parameter), the activations every block saved for backward, and the
-loss's copies of the logits; the gradients are not allocated yet. With micro-batching, the later chunks run while
-the earlier ones' gradients are held (16 bytes per parameter), each chunk's activations and logits sized by the
-chunk. Activation checkpointing keeps one input per block and recomputes a block at a time. On CUDA the bf16
-autocast also caches a bf16 copy of the weights, and the device path (``outer.state_on_device``) keeps two fp32
-copies of the outer state there.
+weights and AdamW's two moments (12 bytes per parameter; 6 with 8-bit moments), the activations every block saved
+for backward, and the loss's copies of the logits; the gradients are not allocated yet. With micro-batching, the
+later chunks run while the earlier ones' gradients are held (4 bytes per parameter more), each chunk's activations
+and logits sized by the chunk. Activation checkpointing keeps one input per block and recomputes a block at a time.
+On CUDA the bf16 autocast also caches a bf16 copy of the weights, and the device path (``outer.state_on_device``)
+keeps two fp32 copies of the outer state there.
 
 The per-element constants are measured: on the CPU by tracking every storage an inner step allocates
 (tests/test_memory_model.py), on CUDA from the H200's peaks (docs/benchmarks.md, "A memory model").
@@ -77,11 +77,13 @@ class Setting:
     micro_batch: int = 0  # 0: the whole batch at once
     activation_checkpointing: bool = False
     state_on_device: bool = False
+    optimizer: str = "adamw"  # or adamw8bit (inner.optimizer)
 
     def describe(self) -> str:
         parts = [f"micro_batch {self.micro_batch}" if self.micro_batch else "whole batch"]
         parts += ["activation checkpointing"] if self.activation_checkpointing else []
         parts += ["outer state on the device"] if self.state_on_device else []
+        parts += ["8-bit AdamW"] if self.optimizer == "adamw8bit" else []
         return ", ".join(parts)
 
 
@@ -100,19 +102,27 @@ def estimate(setting: Setting, constants: Constants = CUDA) -> Estimate:
     else:
         activations = int(shape.n_layers * constants.block * per_dim)
         logits = int(constants.logits * unit * setting.vocab_size)
-    return Estimate(weights_and_optimizer=(16 if chunked else 12) * n, weight_cache=constants.weight_cache * n,
-                    activations=activations, logits=logits, outer_state=8 * n if setting.state_on_device else 0,
-                    step=int((16 + constants.step_temporaries) * n))
+    # AdamW's two moments: fp32, or 8 bits with a scale per 256 values; the 8-bit step works on one parameter at a
+    # time in fp32 (the parameter, its gradient and both moments dequantized)
+    eight_bit = setting.optimizer == "adamw8bit"
+    moments = 2 * (1 + 4 / 256) if eight_bit else 8
+    largest = max(setting.vocab_size * shape.d_model, shape.d_model * shape.d_ff)
+    step = (8 + moments) * n + (16 * largest if eight_bit else constants.step_temporaries * n)
+    return Estimate(weights_and_optimizer=int((8 if chunked else 4) * n + moments * n),
+                    weight_cache=constants.weight_cache * n, activations=activations, logits=logits,
+                    outer_state=8 * n if setting.state_on_device else 0, step=int(step))
 
 
 def ways_to_fit(base: Setting, budget: int, constants: Constants = CUDA) -> Iterator[tuple[Setting, Estimate]]:
-    """The settings of ``base``'s preset and batch that fit ``budget`` bytes, the fastest kind first (whole batches
-    before micro-batches, largest micro-batch first; checkpointing and the device path only where needed)."""
+    """The settings of ``base``'s preset and batch that fit ``budget`` bytes, the fastest kind first (torch's AdamW
+    before the 8-bit one, whole batches before micro-batches, the largest micro-batch first; checkpointing and the
+    device path only where needed)."""
     micro = [0] + [m for m in (8, 4, 2, 1) if m < base.batch_size and base.batch_size % m == 0]
-    for m in micro:
-        for checkpointing in (False, True):
-            for on_device in (True, False):
-                option = dataclasses.replace(base, micro_batch=m, activation_checkpointing=checkpointing,
-                                             state_on_device=on_device)
-                if (guess := estimate(option, constants)).total <= budget:
-                    yield option, guess
+    for optimizer in dict.fromkeys((base.optimizer, "adamw8bit")):
+        for m in micro:
+            for checkpointing in (False, True):
+                for on_device in (True, False):
+                    option = dataclasses.replace(base, micro_batch=m, activation_checkpointing=checkpointing,
+                                                 state_on_device=on_device, optimizer=optimizer)
+                    if (guess := estimate(option, constants)).total <= budget:
+                        yield option, guess

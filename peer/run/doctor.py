@@ -133,7 +133,7 @@ def _memory(cfg: PeerConfig, budget: Optional[int] = None, on_cuda: Optional[boo
     ours = memory.Setting(preset=m.preset, vocab_size=cfg.data.vocab_size, seq_len=m.seq_len,
                           batch_size=cfg.data.batch_size, micro_batch=cfg.data.micro_batch,
                           activation_checkpointing=m.activation_checkpointing,
-                          state_on_device=on_cuda and cfg.outer.state_on_device == "on")
+                          state_on_device=on_cuda and cfg.outer.state_on_device == "on", optimizer=cfg.inner.optimizer)
     guess = memory.estimate(ours, constants)
     found = (f"{m.preset} at batch {ours.batch_size} x {ours.seq_len} ({ours.describe()}): about "
              f"{guess.total / memory.GIB:.1f} GiB at the peak, {budget / memory.GIB:.1f} GiB {where}")
@@ -143,7 +143,7 @@ def _memory(cfg: PeerConfig, budget: Optional[int] = None, on_cuda: Optional[boo
     if option is not None:
         return Check("memory", CheckVerdict.FAIL, found, f"it fits with {option[0].describe()} (about "
                      f"{option[1].total / memory.GIB:.1f} GiB): set data.micro_batch, "
-                     f"model.activation_checkpointing and outer.state_on_device so")
+                     f"model.activation_checkpointing, outer.state_on_device and inner.optimizer so")
     smaller = [p for p in memory.PRESETS if next(memory.ways_to_fit(dataclasses.replace(ours, preset=p), usable,
                                                                      constants), None) is not None]
     return Check("memory", CheckVerdict.FAIL, found, "no setting of this preset fits; presets that fit: "

@@ -40,7 +40,7 @@ def build_local(cfg: PeerConfig, source) -> tuple[nn.Module, list[nn.Module], In
                       betas=(cfg.inner.beta1, cfg.inner.beta2), warmup_steps=cfg.inner.warmup_steps,
                       total_steps=cfg.inner.total_steps, min_lr_ratio=cfg.inner.min_lr_ratio,
                       grad_clip=cfg.inner.grad_clip, z_loss=cfg.inner.z_loss, device=device,
-                      micro_batch=cfg.data.micro_batch, compile=cfg.inner.compile)
+                      micro_batch=cfg.data.micro_batch, compile=cfg.inner.compile, optimizer=cfg.inner.optimizer)
     log.info("model %s: %s parameters on %s%s; data %s shard %d",
              cfg.model.hf_config or cfg.model.factory or cfg.model.preset, f"{count_parameters(model):,}", device,
              " (torch.compile: the first steps compile)" if cfg.inner.compile else "", cfg.data.source,
