@@ -84,14 +84,21 @@ def flops_per_token(model, n_layers: int, d_model: int, seq_len: int) -> float:
     return 6 * count_parameters(model) + 12 * n_layers * d_model * seq_len
 
 
-def plain_step_fn(model, device: torch.device, clip: float, compile: bool = False, micro_batch: int = 0):
+def plain_step_fn(model, device: torch.device, clip: float, compile: bool = False, micro_batch: int = 0,
+                  optimizer: str = "adamw"):
     """A plain PyTorch training step of the same model: what a peer's step is compared with. ``micro_batch``: the
-    batch in chunks of that many rows, each loss scaled by its share of the rows (the peer's accumulation)."""
+    batch in chunks of that many rows, each loss scaled by its share of the rows (the peer's accumulation);
+    ``optimizer``: the peer's (adamw, or torchao's adamw8bit)."""
     forward = torch.compile(model) if compile else model
     decay, no_decay = split_decay_params(model)
-    fused = {"fused": True} if device.type == "cuda" else {}
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": INNER["weight_decay"]},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=INNER["lr"], betas=INNER["betas"], **fused)
+    groups = [{"params": decay, "weight_decay": INNER["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}]
+    if optimizer == "adamw8bit":
+        from torchao.optim import AdamW8bit
+
+        opt: torch.optim.Optimizer = AdamW8bit(groups, lr=INNER["lr"], betas=INNER["betas"])
+    else:
+        fused = {"fused": True} if device.type == "cuda" else {}
+        opt = torch.optim.AdamW(groups, lr=INNER["lr"], betas=INNER["betas"], **fused)
     params = decay + no_decay
     step_count = [0]
 
@@ -104,9 +111,13 @@ def plain_step_fn(model, device: torch.device, clip: float, compile: bool = Fals
             loss, _ = lm_loss(logits, chunk[:, 1:], INNER["z_loss"])
             (loss * (chunk.shape[0] / batch.shape[0])).backward()
         torch.nn.utils.clip_grad_norm_(params, clip)
+        lr = lr_at(step_count[0], lr=INNER["lr"], warmup_steps=INNER["warmup_steps"],
+                   total_steps=INNER["total_steps"], min_lr_ratio=INNER["min_lr_ratio"])
         for group in opt.param_groups:
-            group["lr"] = lr_at(step_count[0], lr=INNER["lr"], warmup_steps=INNER["warmup_steps"],
-                                total_steps=INNER["total_steps"], min_lr_ratio=INNER["min_lr_ratio"])
+            if isinstance(group["lr"], torch.Tensor):  # (torchao's)
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
         opt.step()
         step_count[0] += 1
     return step
@@ -129,7 +140,7 @@ def one_preset(args) -> dict:
     source = MarkovSource(args.vocab, seed=1)
     batches = [source.next_batch(args.batch, args.seq_len) for _ in range(8)]
     # a memory child builds only the loop it measures (another loop's optimizer or outer state would count)
-    plain = plain_step_fn(model, device, INNER["grad_clip"], args.compile, args.micro_batch) \
+    plain = plain_step_fn(model, device, INNER["grad_clip"], args.compile, args.micro_batch, args.optimizer) \
         if args.loop != "peer" else None
     if args.loop == "plain":
         assert plain is not None
@@ -138,7 +149,8 @@ def one_preset(args) -> dict:
         sync(device)
         return {"preset": args.one, "loop": args.loop, "host_peak_rss_bytes": host_peak_bytes(),
                 "peak_vram_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
-    inner = InnerLoop(model, device=device, micro_batch=args.micro_batch, compile=args.compile, **INNER)
+    inner = InnerLoop(model, device=device, micro_batch=args.micro_batch, compile=args.compile,
+                      optimizer=args.optimizer, **INNER)
     fragments = partition(model, blocks, 3, "strided")
     settings = OuterSettings(H=args.sync_every, tau=args.tau, eager=True)
     # as the trainer does: each applied state's digest is taken once, at its outcome, and read at the next launch
@@ -257,7 +269,7 @@ def model_against_measured(args, result: dict) -> str:
     """The memory model's peak (peer/local/memory.py) beside the measured one, for each loop."""
     setting = memory.Setting(preset=result["preset"], vocab_size=args.vocab, seq_len=args.seq_len,
                              batch_size=args.batch, micro_batch=args.micro_batch,
-                             activation_checkpointing=args.activation_checkpointing)
+                             activation_checkpointing=args.activation_checkpointing, optimizer=args.optimizer)
     cuda = args.device.startswith("cuda")
     measured = result.get("memory") or {}
     parts = []
@@ -282,6 +294,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sync-every", type=int, default=50, help="H")
     ap.add_argument("--tau", type=int, default=5)
     ap.add_argument("--activation-checkpointing", action="store_true")
+    ap.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw8bit"], help="inner.optimizer")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model in both loops (inner.compile)")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: codec, tests, memory")
     ap.add_argument("--out", default="runs/bench_gpu.json")
