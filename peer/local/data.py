@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from peer.local.manifest import TOKEN_DTYPES, read_manifest
-from peer.local.markov import TAG_OFFSET, MarkovSource, check_shape, derive_seed
+from peer.local.markov import TAG_OFFSET, MarkovSource, check_cursor, check_shape, derive_seed
 
 __all__ = [
     "TokenSource",
@@ -159,11 +159,8 @@ class _WindowSource:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the cursor; raises ValueError if the state is for other data."""
-        mine = self.state_dict()
-        for key in ("kind", "seed", "shard_index", "num_tokens"):
-            if state.get(key) != mine[key]:
-                hint = " (the data or data.holdout changed)" if key == "num_tokens" else ""
-                raise ValueError(f"data cursor is for {key}={state.get(key)!r}, this source has {mine[key]!r}{hint}")
+        check_cursor(state, self.state_dict(), ("kind", "seed", "shard_index", "num_tokens"),
+                     {"num_tokens": " (the data or data.holdout changed)"})
         self._position = int(state["position"]) % self.num_tokens
 
 

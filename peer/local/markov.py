@@ -1,10 +1,13 @@
-"""The synthetic corpus (:class:`MarkovSource`, the default data source) and the seed derivation every source uses
-(:func:`derive_seed`, with one domain tag per random stream so that no two streams ever share one).
+"""The synthetic corpus (:class:`MarkovSource`, the default data source) and what every source shares: the seed
+derivation (:func:`derive_seed`, one domain tag per random stream so that no two ever share one) and the checks of a
+batch's shape and of a saved cursor.
 
 Deterministic given ``(seed, shard_index)``; the cursor is the count of batches served (``state_dict``).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import numpy as np
 import torch
@@ -19,6 +22,15 @@ def derive_seed(*words: int) -> int:
     """A 63-bit seed mixed from non-negative ints (numpy SeedSequence hashing)."""
     state = np.random.SeedSequence([int(w) for w in words]).generate_state(2, dtype=np.uint32)
     return (int(state[0]) << 31) ^ int(state[1])
+
+
+def check_cursor(state: dict, mine: dict, keys: tuple[str, ...], hints: Optional[dict[str, str]] = None) -> None:
+    """Raises ValueError naming the first of ``keys`` on which a saved cursor ``state`` and this source's own
+    (``mine``) differ: a cursor of another stream (``hints``: what to add to the message, by key)."""
+    for key in keys:
+        if state.get(key) != mine[key]:
+            hint = (hints or {}).get(key, "")
+            raise ValueError(f"data cursor is for {key}={state.get(key)!r}, this source has {mine[key]!r}{hint}")
 
 
 def check_shape(batch_size: int, seq_len: int) -> None:
@@ -158,8 +170,5 @@ class MarkovSource:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the cursor; raises ValueError if the state is for another stream."""
-        mine = self.state_dict()
-        for key in ("kind", "seed", "shard_index", "vocab_size"):
-            if state.get(key) != mine[key]:
-                raise ValueError(f"data cursor is for {key}={state.get(key)!r}, this source has {mine[key]!r}")
+        check_cursor(state, self.state_dict(), ("kind", "seed", "shard_index", "vocab_size"))
         self._batches_served = int(state["batches_served"])
