@@ -57,6 +57,17 @@ def _nonfinite(delta: torch.Tensor, weight: float) -> tuple[torch.Tensor, float]
     return out, weight
 
 
+def _camouflage(delta: torch.Tensor, weight: float) -> tuple[torch.Tensor, float]:
+    """Against the sender median (peer/outer/aggregate.py): its own outer gradient, its largest 1/512 entries (a
+    quarter of what topk32 sends, the ones most likely sent by other peers too: the center) kept, the rest of
+    what it sends negated. Its support and length are an honest part's; it stays near the center where the
+    center is not zero."""
+    flat = delta.abs().flatten()
+    keep = max(1, flat.numel() // 512)
+    threshold = flat.kthvalue(flat.numel() - keep + 1).values
+    return torch.where(delta.abs() >= threshold, delta, -delta), weight
+
+
 ATTACKS = {  # what an attacker does to (its outer gradient, its declared weight) every round
     "clean": None,
     "scale10": lambda d, w: (10 * d, w),
@@ -66,6 +77,7 @@ ATTACKS = {  # what an attacker does to (its outer gradient, its declared weight
     "noise": _noise,  # random direction, 10x the norm of its real outer gradient
     "sign_flip": lambda d, w: (-d, w),
     "nonfinite": _nonfinite,
+    "camouflage": _camouflage,  # adaptive, against the sender median of sparse parts
 }
 RULES = {"mean": "full", "clipped": "full_clipped"}  # bench/quality.py's methods: the full method, each rule
 

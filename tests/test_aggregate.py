@@ -11,8 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from peer.outer.aggregate import (MAX_WEIGHT, VOUCH_SLACK, AggregationRule, Aggregator, aggregate, capped_weights,
-                                  centered_clip, coordinate_median, lower_median, rescale,
-                                  vouched_caps)
+                                  center_of, centered_clip, coordinate_median, lower_median, rescale,
+                                  sender_median, vouched_caps)
+from peer.outer.codec import get_codec
 
 CLIPPED, MEAN = AggregationRule(), AggregationRule(kind=Aggregator.MEAN)
 ATTACKS = ["scaled_1e3", "scaled_1e6", "sign_flip", "noise", "constant", "huge_finite", "zero"]
@@ -62,9 +63,10 @@ def assert_bounded_influence(honest: list[torch.Tensor], bad: torch.Tensor, lie:
     directions, ratios, _ = rescale(torch.stack(parts), [CLIPPED.length_cap] * len(parts))
     assert float(ratios[-1]) <= CLIPPED.length_cap  # and its length at most length_cap median lengths
     honest_dirs = directions[:-1]
-    # (with n >= 3 the coordinate-wise median lies within the honest directions' range in every coordinate)
+    # (with n >= 3 the center, the coordinate-wise median or for sparse parts the sender median, lies within the
+    # honest directions' range in every coordinate)
     lo, hi = honest_dirs.min(0).values, honest_dirs.max(0).values
-    center = coordinate_median(directions)
+    center = center_of(directions)
     assert bool(((center >= lo - 1e-5) & (center <= hi + 1e-5)).all())
     farthest = float(torch.linalg.vector_norm(honest_dirs - center, dim=1).max())
     assert out.radius <= CLIPPED.clip_factor * farthest * (1 + 1e-5) + 1e-6
@@ -82,6 +84,96 @@ def assert_bounded_influence(honest: list[torch.Tensor], bad: torch.Tensor, lie:
     bound = 2 * CLIPPED.iterations * out.radius * out.strengths[-1] / sum(used)
     assert moved <= bound * (1 + 1e-4) + 1e-5, (moved, bound)
     assert torch.allclose(scale * attacked, out.value, rtol=1e-5, atol=1e-5)
+
+
+SPARSE_ATTACKS = ["lone", "swing", "outbid", "dense_noise"]
+
+
+def sparse_honest_parts(seed: int, n: int, d: int, density: float) -> list[torch.Tensor]:
+    """Sparse parts as a top-k codec with error feedback sends them: each peer keeps its own few coordinates of
+    a shared direction plus its noise, the supports overlapping only partly."""
+    g = torch.Generator().manual_seed(seed)
+    full = honest_parts(seed, n, d, spread=0.5)
+    return [p * (torch.rand(d, generator=g) < density) for p in full]
+
+
+def sparse_attack(kind: str, honest: list[torch.Tensor], seed: int) -> torch.Tensor:
+    """Parts aimed at the sender median: its own values where no honest part sends (``lone``); the opposite of
+    every honest value, 100x (``swing``: at a coordinate one honest part sends, the center becomes zero); the
+    same sign, 100x (``outbid``); dense noise among sparse parts."""
+    stacked = torch.stack(honest)
+    count = (stacked != 0).sum(0)
+    g = torch.Generator().manual_seed(seed + 2)
+    sign = torch.sign(stacked.sum(0))
+    return {"lone": torch.where(count == 0, 10 * torch.randn(stacked.shape[1], generator=g), 0.0),
+            "swing": -100 * sign, "outbid": 100 * sign,
+            "dense_noise": 100 * torch.randn(stacked.shape[1], generator=g)}[kind]
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 10_000), n_honest=st.integers(2, 7), d=st.integers(1, 256),
+       density=st.sampled_from([0.02, 0.1, 0.3, 0.45]), kind=st.sampled_from(ATTACKS + SPARSE_ATTACKS),
+       lie=st.sampled_from([1.0, 1e6, MAX_WEIGHT]))
+def test_one_arbitrary_part_among_sparse_parts_moves_the_result_at_most_the_bound(seed, n_honest, d, density, kind,
+                                                                                  lie):
+    """The sparse parts' center (the sender median) with one arbitrary part, aimed at it or not: the same
+    assertions as for dense parts (the center within the honest range, the radius, the bound)."""
+    honest = sparse_honest_parts(seed, n_honest, d, density)
+    bad = (sparse_attack if kind in SPARSE_ATTACKS else attack)(kind, honest, seed)
+    if float(lower_median(torch.stack([torch.linalg.vector_norm(p) for p in honest + [bad]]))) == 0.0:
+        return  # at least half the parts are zero: so is the answer (tested below)
+    assert_bounded_influence(honest, bad, lie)
+    if all(2 * int((p != 0).sum()) < d for p in honest):  # one part cannot switch the sparse parts' center off
+        directions, _, _ = rescale(torch.stack(honest + [bad]), [CLIPPED.length_cap] * (n_honest + 1))
+        assert torch.equal(center_of(directions), sender_median(directions))
+
+
+def test_the_sender_median_per_coordinate():
+    """Two senders: the smaller value of one sign, zero for opposite signs (a zero joins an even count); three: the
+    middle one; one or none: zero."""
+    parts = torch.tensor([[1.0, 2.0, 2.0, 7.0, 0.0, 5.0],
+                          [3.0, 0.0, -4.0, 0.0, 0.0, 6.0],
+                          [0.0, 0.0, 0.0, 0.0, 0.0, -9.0],
+                          [0.0, 0.0, 0.0, 0.0, 0.0, 1.0]])
+    assert sender_median(parts).tolist() == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+    assert torch.equal(center_of(parts), sender_median(parts))  # 1 to 5 of 6 entries nonzero: sparse
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), n_honest=st.integers(2, 7), d=st.integers(2, 300),
+       kind=st.sampled_from(ATTACKS + SPARSE_ATTACKS + ["fp4"]))
+def test_dense_parts_keep_the_coordinate_median_whatever_one_part_is(seed, n_honest, d, kind):
+    """The sparse center is used only where at least half the parts are sparse (a lower median): with dense
+    honest parts (or FP4's, which have a few zeros) one part, sparse or not, cannot switch it, and the result is
+    bit for bit the rule with the coordinate-wise median."""
+    honest = honest_parts(seed, n_honest, d, spread=0.3)
+    if kind == "fp4":
+        fp4 = get_codec("e3m0")
+        honest = [fp4.decode_flat(fp4.encode_flat(p)) for p in honest]
+        bad = honest[0].clone()
+    else:
+        bad = (sparse_attack if kind in SPARSE_ATTACKS else attack)(kind, honest, seed)
+    parts, weights = honest + [bad], [1.0 + (i % 3) for i in range(n_honest + 1)]
+    out = aggregate(parts, weights, CLIPPED)
+    used = capped_weights(weights, CLIPPED.weight_cap)
+    directions, ratios, _ = rescale(torch.stack(parts), [CLIPPED.length_cap] * len(parts))
+    center = coordinate_median(directions)
+    assert torch.equal(center_of(directions), center)
+    strength = torch.tensor(used, dtype=torch.float64) * ratios
+    dist = torch.linalg.vector_norm(directions - center, dim=1).sort().values
+    radius = CLIPPED.clip_factor * float(dist[dist.numel() // 2])
+    if radius > 0:
+        value, _ = centered_clip(directions, strength, center, radius, CLIPPED.iterations)
+        assert torch.equal(out.value, value * float(strength.sum() / sum(used)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_the_sender_median_is_the_same_on_cuda():
+    for seed in range(5):
+        parts = torch.stack(sparse_honest_parts(seed, 7, 100_000, 0.05))
+        parts[-1] = sparse_attack("swing", list(parts[:-1]), seed)
+        assert torch.equal(center_of(parts.cuda()).cpu(), center_of(parts))
+        assert torch.equal(sender_median(parts.cuda()).cpu(), sender_median(parts))
 
 
 @settings(max_examples=60, deadline=None)

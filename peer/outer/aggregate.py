@@ -5,13 +5,14 @@ The robust rule is BTARD's CenteredClip (arXiv 2106.11257) made deterministic, s
 applied to the parts' *directions*, so that honest peers of unequal speed are not clipped (docs/algorithm.md 4a):
 each declared weight and part length is capped relative to the group's lower medians, the caps rising where
 progress records vouch for a peer's speed (:func:`vouched_caps`); parts are rescaled to the lower median length;
-the center is their coordinate-wise median; then ``iterations`` clip steps of radius ``clip_factor`` x the median
-distance. Where nothing is capped or clipped the result is exactly the token-weighted mean, for peers of any speed.
+the center is their coordinate-wise median (sparse parts: of the parts that send a coordinate, :func:`center_of`);
+then ``iterations`` clip steps of radius ``clip_factor`` x the median distance. Where nothing is capped or
+clipped the result is exactly the token-weighted mean, for peers of any speed.
 
 Bound (tests/test_aggregate.py): replacing one contributor's part by anything moves the result by at most
 :func:`influence_bound`. Two contributors cannot be told apart: then only the caps apply. Why the caps are what
 they are, and what they still allow: docs/architecture.md, "Hostile peers". Pure torch, deterministic for a given
-order of parts (member order); memory: ``n x span`` fp32, plus a sort of the same size for the median.
+order of parts (member order); memory: ``n x span`` fp32, plus a sort of ``(n + 1) x span`` for the median.
 """
 
 from __future__ import annotations
@@ -137,6 +138,30 @@ def coordinate_median(parts: torch.Tensor) -> torch.Tensor:
     return (ordered[(n - 1) // 2] + ordered[n // 2]) / 2
 
 
+def sender_median(parts: torch.Tensor) -> torch.Tensor:
+    """The center for sparse parts (n, d), where the coordinate-wise median is zero almost everywhere: per
+    coordinate, the median of the values of the parts that send it (nonzero), one zero joining an even count of
+    them; zero where fewer than two send it. With one arbitrary part among ``n >= 3`` it lies within the other
+    parts' range in every coordinate (a lone sender may be the attacker; a zero is in that range wherever one
+    of them does not send the coordinate; the median of three lies between any two of them)."""
+    sends = parts != 0
+    count = sends.sum(dim=0)
+    even = count % 2 == 0
+    # non-senders sort last; equal values are equal bits, so the order among ties does not matter
+    values = torch.cat([torch.where(sends, parts, math.inf), torch.where(even, 0.0, math.inf)[None]])
+    middle = values.sort(dim=0).values.gather(0, ((count + even.to(count.dtype) - 1) // 2)[None])[0]
+    return torch.where(count >= 2, middle, 0.0)
+
+
+def center_of(directions: torch.Tensor) -> torch.Tensor:
+    """Step 3's center: :func:`coordinate_median`, or :func:`sender_median` where at least half the parts have
+    fewer than half their entries nonzero (a lower median of the parts' densities: of ``n >= 3``, one part cannot
+    move it past all the others', so dense parts keep their center whatever one attacker sends)."""
+    density = (directions != 0).sum(dim=1).to(torch.float64)
+    sparse = 2 * float(lower_median(density)) < directions.shape[1]
+    return sender_median(directions) if sparse else coordinate_median(directions)
+
+
 def centered_clip(parts: torch.Tensor, weights: torch.Tensor, center: torch.Tensor, radius: float,
                   iterations: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``iterations`` CenteredClip steps from ``center`` with a fixed ``radius``; returns the result and, per
@@ -192,7 +217,7 @@ def aggregate(parts: Sequence[torch.Tensor], weights: Sequence[float], rule: Agg
         return Aggregate(torch.zeros_like(stacked[0]), used, [1.0] * n, 0.0, [1.0] * n, [0.0] * n)
     directions, ratios, lengths = rescale(stacked, [max(rule.length_cap, c or 0.0) for c in earned])
     strength = torch.tensor(used, dtype=torch.float64) * ratios
-    center = coordinate_median(directions)
+    center = center_of(directions)
     dist = torch.linalg.vector_norm(directions - center, dim=1).sort().values
     radius = rule.clip_factor * float(dist[dist.numel() // 2])
     if radius == 0.0:  # at least half the directions sit on the center: it is the answer
