@@ -11,8 +11,10 @@ saturating); ``fp8`` (e4m3fn, a float32 scale ``absmax / 448`` per block of 64);
 away from zero, optionally stochastic: ``make_codec("e3m0", stochastic_rounding=True)``); ``topk32/64/128`` (the k
 largest of every 4096 elements, index and FP4 code in 16 bits: ``peer/outer/topk.py``; with error feedback).
 
-Vectorized torch on the input's device, in chunks; message bytes are on the host. Decoding is deterministic: the
-same bytes give bitwise identical tensors (the all-reduce relies on it). Shared parts: ``peer/outer/wire.py``.
+Vectorized torch on the input's device, in chunks; on the CPU, fused numba kernels with the same bytes
+(``peer/outer/cpu_path.py``; ``cpu_kernels=False`` keeps torch). Message bytes are on the host. Decoding is
+deterministic: the same bytes give bitwise identical tensors (the all-reduce relies on it). Shared parts:
+``peer/outer/wire.py``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Callable, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from peer.outer import cpu_path
 from peer.outer.e3m0 import E3M0Codec
 from peer.outer.topk import TOPK_KS, TopKCodec
 from peer.outer.wire import (_BF16_MAX, _FLT_MAX, _LITTLE, _Blocks, Codec, CodecError, _check_float, _check_scales,
@@ -33,6 +36,10 @@ from peer.proto import codec_pb2
 
 __all__ = ["CODECS", "SPARSE_CODECS", "Codec", "CodecError", "CodecLike", "E3M0Codec", "all_finite", "codec_key",
            "decode", "encode", "get_codec", "make_codec", "roundtrip"]
+
+
+def _on_cpu(device: Optional[torch.device]) -> bool:
+    return device is None or torch.device(device).type == "cpu"
 
 
 # ------------------------------------------------------------------------------------------ fp32
@@ -67,12 +74,16 @@ class Bf16Codec:
 
     name, version, block_size = "bf16", 1, 1
 
-    def __init__(self, chunk_elems: Optional[int] = None):
+    def __init__(self, chunk_elems: Optional[int] = None, cpu_kernels: bool = True):
         self.chunk_elems = chunk_elems
+        self.cpu_kernels = cpu_kernels  # False: the torch path on the CPU too (the tests' reference)
 
     def encode_flat(self, flat: torch.Tensor) -> codec_pb2.EncodedTensor:
         flat = _check_float(flat)
         n = flat.numel()
+        fast = cpu_path.bf16_encode(flat) if self.cpu_kernels else None
+        if fast is not None:
+            return codec_pb2.EncodedTensor(codec=self.name, codec_version=self.version, numel=n, data=fast)
         out = torch.empty(n, dtype=torch.bfloat16, device=flat.device)
         chunk = self.chunk_elems or _default_chunk(flat.device)
         n_chunks = -(-n // chunk)
@@ -93,6 +104,9 @@ class Bf16Codec:
 
     def decode_flat(self, msg: codec_pb2.EncodedTensor, device: Optional[torch.device] = None) -> torch.Tensor:
         data, _ = _read(msg, self, block_size=0, data_len=2 * msg.numel, n_scales=0)
+        fast = cpu_path.bf16_decode(data, msg.numel) if self.cpu_kernels and _on_cpu(device) else None
+        if fast is not None:
+            return fast
         if _LITTLE:
             bits = _host_buffer(data, torch.int16)
         else:
@@ -120,12 +134,17 @@ class Fp8Codec:
     name, version, block_size = "fp8", 1, 64
     MAX = 448.0
 
-    def __init__(self, chunk_elems: Optional[int] = None):
+    def __init__(self, chunk_elems: Optional[int] = None, cpu_kernels: bool = True):
         self.chunk_elems = chunk_elems
+        self.cpu_kernels = cpu_kernels  # False: the torch path on the CPU too (the tests' reference)
         self._tables: dict[torch.device, torch.Tensor] = {}
 
     def encode_flat(self, flat: torch.Tensor) -> codec_pb2.EncodedTensor:
         flat = _check_float(flat)
+        fast = cpu_path.fp8_encode(flat) if self.cpu_kernels else None
+        if fast is not None:
+            return codec_pb2.EncodedTensor(codec=self.name, codec_version=self.version, numel=flat.numel(),
+                                           block_size=self.block_size, data=fast[0], scales=fast[1])
         blocks = _Blocks(flat, self.block_size, self.chunk_elems)
         nb, dev = blocks.n_blocks, flat.device
         data = torch.empty(nb * self.block_size, dtype=torch.uint8, device=dev)
@@ -159,6 +178,9 @@ class Fp8Codec:
         table = self._tables.get(dev)
         if table is None:
             table = self._tables[dev] = _fp8_table().to(dev)
+        fast = cpu_path.fp8_decode(data, scale_bytes, msg.numel, table) if self.cpu_kernels and _on_cpu(dev) else None
+        if fast is not None:
+            return fast
         out = torch.empty(nb * self.block_size, dtype=torch.float32, device=dev)
         chunk = _default_chunk(dev)
         idx = _scratch("a", min(chunk, out.numel()), torch.int32, dev)

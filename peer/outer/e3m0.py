@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from peer.outer import cpu_path
 from peer.outer.wire import (_FLT_MAX, _INF_BITS, _LITTLE, _Blocks, _check_float, _check_scales, _default_chunk,
                              _host_buffer, _le_f32, _le_f32_bytes, _nonfinite_error, _read, _scratch, _to_bytes)
 from peer.proto import codec_pb2
@@ -71,8 +72,9 @@ class E3M0Codec:
     name, version, block_size = "e3m0", 1, 64
 
     def __init__(self, stochastic_rounding: bool = False, generator: Optional[torch.Generator] = None,
-                 chunk_elems: Optional[int] = None):
+                 chunk_elems: Optional[int] = None, cpu_kernels: bool = True):
         self.stochastic_rounding = bool(stochastic_rounding)
+        self.cpu_kernels = cpu_kernels  # False: the torch path on the CPU too (the reference the tests compare)
         self.generator = generator
         self.chunk_elems = chunk_elems
         self._tables: dict[torch.device, torch.Tensor] = {}
@@ -81,6 +83,10 @@ class E3M0Codec:
 
     def encode_flat(self, flat: torch.Tensor) -> codec_pb2.EncodedTensor:
         flat = _check_float(flat)
+        fast = cpu_path.e3m0_encode(flat) if self.cpu_kernels and not self.stochastic_rounding else None
+        if fast is not None:
+            return codec_pb2.EncodedTensor(codec=self.name, codec_version=self.version, numel=flat.numel(),
+                                           block_size=64, data=fast[0], scales=fast[1])
         blocks = _Blocks(flat, 64, self.chunk_elems)
         nb, dev = blocks.n_blocks, flat.device
         data = torch.empty(nb * 32, dtype=torch.uint8, device=dev)
@@ -120,6 +126,9 @@ class E3M0Codec:
 
     # ---- decode
 
+    def _kernels_for(self, dev: torch.device) -> bool:
+        return self.cpu_kernels and dev.type == "cpu"
+
     def _pair_table(self, dev: torch.device) -> torch.Tensor:
         table = self._tables.get(dev)
         if table is None:
@@ -134,6 +143,9 @@ class E3M0Codec:
         data = _host_buffer(data_bytes, torch.uint8).to(dev)
         scales = _le_f32(scale_bytes).to(dev)
         _check_scales(scales, _FLT_MAX / 64, self.name)  # so 64 * s (the largest magnitude) is finite
+        fast = cpu_path.e3m0_decode(data_bytes, scale_bytes, msg.numel) if self._kernels_for(dev) else None
+        if fast is not None:
+            return fast
         table = self._pair_table(dev)
         out = torch.empty(nb * 64, dtype=torch.float32, device=dev)
         chunk = _default_chunk(dev)  # elements per chunk

@@ -18,6 +18,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from peer.outer import cpu_path
 from peer.outer.e3m0 import e3m0_code_values, e3m0_reference_codes
 from peer.outer.wire import (_FLT_MAX, _check_float, _check_scales, _le_f32, _le_f32_bytes, _nonfinite_error, _read,
                              CodecError, all_finite)
@@ -39,35 +40,44 @@ class TopKCodec:
 
     version, block_size = 1, BLOCK
 
-    def __init__(self, k: int):
+    def __init__(self, k: int, cpu_kernels: bool = True):
         if k not in TOPK_KS:
             raise ValueError(f"top-k codecs keep {TOPK_KS} entries per block of {BLOCK}, not {k}")
         self.k = k
         self.name = f"topk{k}"
+        self.cpu_kernels = cpu_kernels  # False: the torch path on the CPU too (the tests' reference)
 
     def encode_flat(self, flat: torch.Tensor) -> codec_pb2.EncodedTensor:
         flat = _check_float(flat)
         n = flat.numel()
-        x = flat.detach().to(torch.float32)
-        if not all_finite(x):
-            raise _nonfinite_error()
-        n_blocks = -(-n // BLOCK)
-        if n % BLOCK:  # zero-padded to whole blocks
-            blocks = torch.zeros(n_blocks * BLOCK, dtype=torch.float32, device=x.device)
-            blocks[:n] = x
+        fast = cpu_path.topk_encode(flat, self.k, entries_for(n, self.k), self._select) if self.cpu_kernels else None
+        if fast is not None:
+            data, scale_bytes = fast
         else:
-            blocks = x
-        blocks = blocks.view(n_blocks, BLOCK)
+            x = flat.detach().to(torch.float32)
+            if not all_finite(x):
+                raise _nonfinite_error()
+            n_blocks = -(-n // BLOCK)
+            if n % BLOCK:  # zero-padded to whole blocks
+                blocks = torch.zeros(n_blocks * BLOCK, dtype=torch.float32, device=x.device)
+                blocks[:n] = x
+            else:
+                blocks = x
+            entries, scales = self._select(blocks.view(n_blocks, BLOCK), n - (n_blocks - 1) * BLOCK)
+            entries = entries.reshape(-1)[:entries_for(n, self.k)]  # (the padding sorts last in the last block)
+            data, scale_bytes = entries.cpu().numpy().astype("<u2").tobytes(), _le_f32_bytes(scales.cpu())
+        return codec_pb2.EncodedTensor(codec=self.name, codec_version=self.version, numel=n, block_size=BLOCK,
+                                       data=data, scales=scale_bytes)
+
+    def _select(self, blocks: torch.Tensor, n_last: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Entries (index << 4 | code, int32, k per block) and scales of whole blocks, the last of which has
+        n_last real elements (the rest is zero padding)."""
         magnitude = blocks.abs()
-        if n % BLOCK:  # the padding is never chosen: every real element outranks it
-            magnitude[-1, n % BLOCK:] = -1.0
+        if n_last < BLOCK:  # the padding is never chosen: every real element outranks it
+            magnitude[-1, n_last:] = -1.0
         index = magnitude.topk(self.k, dim=1, sorted=False).indices.sort(dim=1).values
         codes, scales = e3m0_reference_codes(blocks.gather(1, index))  # scale: the block's absmax / 64
-        entries = (index.to(torch.int32) << 4) | codes.to(torch.int32)
-        entries = entries.reshape(-1)[:entries_for(n, self.k)]  # (the padding sorts last in the last block)
-        data = entries.cpu().numpy().astype("<u2").tobytes()
-        return codec_pb2.EncodedTensor(codec=self.name, codec_version=self.version, numel=n, block_size=BLOCK,
-                                       data=data, scales=_le_f32_bytes(scales.cpu()))
+        return (index.to(torch.int32) << 4) | codes.to(torch.int32), scales
 
     def decode_flat(self, msg: codec_pb2.EncodedTensor, device: Optional[torch.device] = None) -> torch.Tensor:
         n, k = msg.numel, self.k
@@ -76,6 +86,10 @@ class TopKCodec:
         data, scale_bytes = _read(msg, self, block_size=BLOCK, data_len=2 * count, n_scales=n_blocks)
         scales = _le_f32(scale_bytes).clone()
         _check_scales(scales, _FLT_MAX / 64, self.name)
+        if self.cpu_kernels and (device is None or torch.device(device).type == "cpu"):
+            fast = cpu_path.topk_decode(data, scale_bytes, n, k, self.name)
+            if fast is not None:
+                return fast
         entries = torch.from_numpy(np.frombuffer(data, dtype="<u2").astype(np.int64))
         index, codes = entries >> 4, entries & 15
         block = torch.arange(count) // k  # the block of each entry (the last block's entries come last)

@@ -1,0 +1,320 @@
+"""numba kernels of the CPU codec path (:mod:`peer.outer.cpu_path` calls them; never import this module directly).
+
+Each kernel does one codec's whole per-element work in one pass over a range of blocks ``[b0, b1)``, so that
+several threads can share one call (``nogil``). Contract: the byte results are those of the torch reference in
+``codec.py``/``e3m0.py``/``topk.py`` for every input; float arithmetic is IEEE float32/float64 exactly as there
+(no fastmath). Inputs are 1-D C-contiguous arrays sized by the caller; every index read from the wire is
+bounds-checked again here, so a kernel never reads or writes outside its arrays. Kernels return a flag instead
+of raising (1: a non-finite input or a NaN code; topk_check: 1 falling indices, 2 an index past its block).
+Array indices are uint64: numba then emits no negative-index wraparound, which would stop vectorization.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core.extending import intrinsic
+
+
+
+def _cache_usable() -> bool:
+    """numba caches next to this file, else in the user's cache dir; where neither is writable it refuses
+    ``cache=True`` outright, and the kernels then compile in every process instead."""
+    try:
+        njit(cache=True)(lambda: 0)
+        return True
+    except RuntimeError:
+        return False
+
+
+_jit = njit(nogil=True, cache=_cache_usable(), error_model="numpy", boundscheck=False)
+
+ABS = np.int32(0x7FFFFFFF)
+INF_BITS = np.int32(0x7F800000)
+NO_THRESHOLD = np.int32(0x7FFFFFFF)  # above every finite |x|: codes of a zero-scale block are all 0 (or 8)
+E3M0_T = (0.5, 1.5, 3.0, 6.0, 12.0, 24.0, 48.0)  # thresholds in scales (exact in float64)
+E3M0_VALUES = np.array([0, 1, 2, 4, 8, 16, 32, 64, 0, -1, -2, -4, -8, -16, -32, -64], dtype=np.float32)
+F32_64, F32_448, F32_ONE = np.float32(64.0), np.float32(448.0), np.float32(1.0)
+F32_DENORM = np.float32(2.0 ** 14)  # bits 141 << 23: c10's e4m3fn subnormal rounding constant
+U1, U2, U15, U16, U32, U64, U4096 = (np.uint64(v) for v in (1, 2, 15, 16, 32, 64, 4096))
+
+
+@intrinsic
+def f2i(typingctx, x):
+    """The bits of a float32 as int32."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+    return types.int32(types.float32), codegen
+
+
+@intrinsic
+def i2f(typingctx, x):
+    """The float32 of int32 bits."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.int32), codegen
+
+
+@_jit
+def _ru32(p):
+    """Bits of the smallest float32 >= p (0 < p < FLT_MAX)."""
+    f = np.float32(p)
+    return np.int32(f2i(f) + np.int32(np.float64(f) < p))
+
+
+@_jit
+def _e3m0_thresholds(s):
+    """th_j = bits of RU32(E3M0_T[j] * s): for float32 a >= 0, a >= t_j s (exactly) <=> bits(a) >= th_j."""
+    if s == 0:
+        t = NO_THRESHOLD
+        return (t, t, t, t, t, t, t)
+    d = np.float64(s)  # t_j * d is exact: 2 significant bits times 24
+    return (_ru32(0.5 * d), _ru32(1.5 * d), _ru32(3.0 * d), _ru32(6.0 * d), _ru32(12.0 * d), _ru32(24.0 * d),
+            _ru32(48.0 * d))
+
+
+@_jit
+def _e3m0_code(v, th):
+    a = v & ABS
+    e = (np.int32(a >= th[0]) + np.int32(a >= th[1]) + np.int32(a >= th[2]) + np.int32(a >= th[3])
+         + np.int32(a >= th[4]) + np.int32(a >= th[5]) + np.int32(a >= th[6]))
+    return e | ((v >> np.int32(28)) & np.int32(8))  # bit 3: the sign bit
+
+
+@_jit
+def _absmax_bits(xi, base, m):
+    amax = np.int32(0)
+    for j in range(m):
+        amax = max(amax, xi[base + j] & ABS)
+    return amax
+
+
+@_jit
+def e3m0_encode(xi, n, b0, b1, data, scales):
+    """xi: the float32 input's bits (n elements); writes data[32 b:32 b + 32] and scales[b] for b in [b0, b1)."""
+    un = np.uint64(n)
+    for b in range(np.uint64(b0), np.uint64(b1)):
+        base = b * U64
+        m = min(U64, un - base)
+        amax = _absmax_bits(xi, base, m)
+        if amax >= INF_BITS:
+            return 1
+        s = i2f(amax) / F32_64
+        scales[b] = s
+        th = _e3m0_thresholds(s)
+        if m == U64:
+            for i in range(U32):
+                lo = _e3m0_code(xi[base + U2 * i], th)
+                hi = _e3m0_code(xi[base + U2 * i + U1], th)
+                data[b * U32 + i] = np.uint8(lo | (hi << np.int32(4)))
+        else:  # the tail block: padding encodes as code 0
+            for i in range(U32):
+                lo = _e3m0_code(xi[base + U2 * i], th) if U2 * i < m else np.int32(0)
+                hi = _e3m0_code(xi[base + U2 * i + U1], th) if U2 * i + U1 < m else np.int32(0)
+                data[b * U32 + i] = np.uint8(lo | (hi << np.int32(4)))
+    return 0
+
+
+@_jit
+def e3m0_decode(data, scales, out, n, b0, b1):
+    """out[64 b + j] = value of code j of block b times scales[b]; out has n elements."""
+    un = np.uint64(n)
+    for b in range(np.uint64(b0), np.uint64(b1)):
+        s = scales[b]
+        base = b * U64
+        m = min(U64, un - base)
+        if m == U64:
+            for i in range(U32):
+                d = np.uint64(data[b * U32 + i])
+                out[base + U2 * i] = E3M0_VALUES[d & U15] * s
+                out[base + U2 * i + U1] = E3M0_VALUES[d >> np.uint64(4)] * s
+        else:
+            for j in range(m):
+                d = np.uint64(data[b * U32 + j // U2])
+                out[base + j] = E3M0_VALUES[(d >> (np.uint64(4) * (j & U1))) & U15] * s
+    return 0
+
+
+@_jit
+def _to_e4m3fn(f):
+    """float32 (|f| <= 448) -> e4m3fn byte, round to nearest even: c10's fp8e4m3fn_from_fp32_value."""
+    u = np.int64(f2i(f)) & 0xFFFFFFFF
+    sign = u & 0x80000000
+    u ^= sign
+    sub = (np.int64(f2i(i2f(np.int32(u)) + F32_DENORM)) - (141 << 23)) & 0xFF
+    normal = ((u + ((7 - 127) << 23) + 0x7FFFF + ((u >> 20) & 1)) >> 20) & 0xFF
+    r = np.int64(0x7F) if u >= (1087 << 20) else (sub if u < (121 << 23) else normal)
+    return np.uint8(r | (sign >> 24))
+
+
+@_jit
+def fp8_encode(xf, xi, n, b0, b1, data, scales):
+    """Blocks of 64: s = absmax / 448 (one ulp down if 448 s overflows), codes of clamp(x / s, +-448)."""
+    un = np.uint64(n)
+    for b in range(np.uint64(b0), np.uint64(b1)):
+        base = b * U64
+        m = min(U64, un - base)
+        amax = _absmax_bits(xi, base, m)
+        if amax >= INF_BITS:
+            return 1
+        s = i2f(amax) / F32_448
+        if np.isinf(s * F32_448):  # absmax near FLT_MAX: one ulp down (s > 0)
+            s = i2f(f2i(s) - np.int32(1))
+        scales[b] = s
+        d = s if s > 0 else F32_ONE
+        for j in range(m):
+            data[base + j] = _to_e4m3fn(min(max(xf[base + j] / d, -F32_448), F32_448))
+        for j in range(m, U64):
+            data[base + j] = 0
+    return 0
+
+
+@_jit
+def fp8_decode(codes, table, scales, out, n, b0, b1):
+    """out = table[code] * scale; returns 1 if any code of the blocks (padding included) is a NaN code."""
+    un = np.uint64(n)
+    peak = np.uint8(0)
+    for b in range(np.uint64(b0), np.uint64(b1)):
+        s = scales[b]
+        base = b * U64
+        for j in range(U64):
+            peak = max(peak, codes[base + j] & np.uint8(0x7F))
+        for j in range(min(U64, un - base)):
+            out[base + j] = table[np.uint64(codes[base + j])] * s
+    return np.int32(peak == 0x7F)
+
+
+@_jit
+def bf16_encode(xi, i0, i1, out):
+    """float32 bits -> bfloat16 bits, round to nearest even; finite values that round to Inf saturate."""
+    peak = np.int32(0)
+    for i in range(np.uint64(i0), np.uint64(i1)):
+        v = xi[i]
+        peak = max(peak, v & ABS)
+        u = np.int64(v) & 0xFFFFFFFF
+        r = (u + (((u >> 16) & 1) + 0x7FFF)) >> 16
+        r = (r & 0x8000) | 0x7F7F if (r & 0x7FFF) >= 0x7F80 else r
+        out[i] = np.uint16(r & 0xFFFF)
+    return np.int32(peak >= INF_BITS)
+
+
+@_jit
+def bf16_decode(bits, out, i0, i1):
+    """out (float32 bits as int32) = bits << 16; returns 1 if any value is Inf or NaN."""
+    peak = np.int32(0)
+    for i in range(np.uint64(i0), np.uint64(i1)):
+        v = np.int32(bits[i])
+        peak = max(peak, v & np.int32(0x7FFF))
+        out[i] = v << np.int32(16)
+    return np.int32(peak >= 0x7F80)
+
+
+# ------------------------------------------------------------------------------------------ top-k
+
+
+@_jit
+def _kth_largest(vals, c, k, lo, hi):
+    """The k-th largest of vals[:c] (int32 >= 0), given that it lies in [lo, hi]: the largest t there with
+    #(vals >= t) >= k, by bisection of the value (branch-free counts vectorize; a quickselect mispredicts)."""
+    while lo < hi:
+        mid = lo + (hi - lo + 1) // 2
+        cnt = 0
+        for i in range(c):
+            cnt += np.int64(vals[i] >= mid)
+        if cnt >= k:
+            lo = mid
+        else:
+            hi = mid - 1
+    return np.int32(lo)
+
+
+@_jit
+def topk_encode(xi, n, k, b0, b1, entries, scales, amb):
+    """Blocks of 4096: the k largest |x| (bits), in rising index order, as index << 4 | E3M0 code against
+    absmax / 64. Where the k-th largest value ties with one left out, which of the tied ones torch.topk keeps
+    is its own affair: the block is flagged in ``amb`` (and not written) for the caller's torch path."""
+    gmax = np.empty(256, np.int32)  # the largest |x| of each group of 16: only groups that reach the guess are read
+    cand = np.empty(4096, np.uint64)
+    work = np.empty(4096, np.int32)
+    uk = np.uint64(k)
+    for b in range(np.uint64(b0), np.uint64(b1)):
+        base = b * U4096
+        m = min(U4096, np.uint64(n) - base)
+        ng = (m + U15) // U16
+        amax = np.int32(0)
+        for g in range(ng):
+            gm = _absmax_bits(xi, base + U16 * g, min(U16, m - U16 * g))
+            gmax[g] = gm
+            amax = max(amax, gm)
+        if amax >= INF_BITS:
+            return 1
+        amaxf = i2f(amax)
+        s = amaxf / F32_64
+        scales[b] = s
+        th = _e3m0_thresholds(s)
+        out0 = b * uk
+        if m <= uk:  # a short tail block: all of it
+            for j in range(m):
+                entries[out0 + j] = np.uint16((np.int32(j) << np.int32(4)) | _e3m0_code(xi[base + j], th))
+            continue
+        # candidates: |x| >= the k-th largest group maximum, which k distinct elements reach, so at least k
+        guess = np.int32(0) if ng < uk else _kth_largest(gmax, ng, k, np.int64(0), np.int64(amax))
+        c = U1 - U1
+        for g in range(ng):
+            if gmax[g] >= guess:
+                for j in range(U16 * g, min(U16 * g + U16, m)):
+                    a = xi[base + j] & ABS
+                    cand[c] = j
+                    work[c] = a
+                    c += np.uint64(a >= guess)
+        t = _kth_largest(work, c, k, np.int64(guess), np.int64(amax))
+        n_ge = 0
+        for i in range(c):
+            n_ge += np.int64(work[i] >= t)
+        if n_ge != k:
+            amb[b] = 1
+            continue
+        w = out0
+        for i in range(c):
+            j = cand[i]
+            v = xi[base + j]
+            if (v & ABS) >= t:
+                entries[w] = np.uint16((np.int32(j) << np.int32(4)) | _e3m0_code(v, th))
+                w += U1
+    return 0
+
+
+@_jit
+def topk_check(entries, n, k):
+    """0 if every block's indices rise strictly and stay inside the block; 1 if some do not rise, else 2."""
+    count = entries.shape[0]
+    for c in range(1, count):
+        if c % k != 0 and (entries[c] >> 4) <= (entries[c - 1] >> 4):
+            return 1
+    n_blocks = (n + 4095) // 4096
+    for c in range(count):
+        b = c // k
+        limit = n - 4096 * b if b == n_blocks - 1 else 4096
+        if (entries[c] >> 4) >= limit:
+            return 2
+    return 0
+
+
+@_jit
+def topk_decode(entries, scales, out, n, k, b0, b1):
+    """Zeros, then the value of each entry of blocks [b0, b1) (checked by topk_check; bounds checked again)."""
+    count = np.uint64(entries.shape[0])
+    uk = np.uint64(k)
+    for b in range(np.uint64(b0), np.uint64(b1)):
+        base = b * U4096
+        m = min(U4096, np.uint64(n) - base)
+        for j in range(m):
+            out[base + j] = 0.0
+        s = scales[b]
+        for c in range(b * uk, min(b * uk + uk, count)):
+            e = np.uint64(entries[c])
+            j = e >> np.uint64(4)
+            if j < m:
+                out[base + j] = E3M0_VALUES[e & U15] * s
+    return 0
