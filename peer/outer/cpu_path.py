@@ -5,9 +5,9 @@ errors raised); it returns ``None`` where it does not apply (no numba, a big-end
 torch), and the codec then runs its torch path. Decoders get sizes already checked by ``wire._read``.
 
 Threads: kernels release the GIL and run over ranges of blocks, split between the calling thread and a small pool
-(``torch.get_num_threads() - 1`` workers), so concurrent calls from several threads are safe and never wait on
-each other's work. The kernels compile once per process, on first use, under a lock that ``fork`` also takes, so a
-child never inherits a half-done compile; the child drops the parent's pool and makes its own.
+(``torch.get_num_threads() - 1`` workers), so concurrent calls from several threads are safe, and a call never
+waits for another call's chunks. The kernels compile once per process, on first use, under a lock that ``fork``
+also takes, so a child never inherits a half-done compile; the child drops the parent's pool and makes its own.
 Set ``SWARMLOCO_NO_NUMBA=1`` to use the torch path everywhere.
 """
 
@@ -117,8 +117,9 @@ def _parallel(fn: Callable[[int, int], int], n_blocks: int, block_elems: int) ->
 
     futures = [pool.submit(drain) for _ in range(workers - 1)]
     flag = drain()
-    for f in futures:
-        flag |= f.result()
+    for f in futures:  # one still queued behind another call's never took a chunk: drop it, do not wait
+        if not f.cancel():
+            flag |= f.result()
     return flag
 
 
