@@ -209,6 +209,29 @@ def test_topk_decode_rejects_what_torch_rejects():
             assert_same_decode(name, bad)
 
 
+def test_every_code_byte_decodes_as_torch_does():
+    scales = [1.0, 3.0, 2.5e-39, 1e-45, 5.3e36, 0.0, 0.7, FLT_MAX / 448]
+    every = bytes(range(256)) * 2
+    e3m0 = codec_pb2.EncodedTensor(codec="e3m0", codec_version=1, numel=1024, block_size=64, data=every * 1,
+                                   scales=struct.pack("<16f", *(scales * 2)))
+    assert_same_decode("e3m0", e3m0)
+    no_nan = bytes(b for b in range(256) if b & 0x7F != 0x7F)
+    data = (no_nan * 3)[:64 * 8]
+    fp8 = codec_pb2.EncodedTensor(codec="fp8", codec_version=1, numel=len(data), block_size=64, data=data,
+                                  scales=struct.pack("<8f", *[min(v, FLT_MAX / 448) for v in scales]))
+    assert_same_decode("fp8", fp8)
+
+
+def test_kernels_refuse_arrays_smaller_than_their_range():
+    import numpy as np
+    # read-only wire buffers, as the wrappers pass them (so no kernel compiles a second signature)
+    u8, f32, u16 = (np.frombuffer(bytes(n), t) for n, t in ((64, np.uint8), (8, np.float32), (16, np.uint16)))
+    assert cpu_kernels.e3m0_decode(u8, f32, np.zeros(200, np.float32), 200, 0, 4) == 2  # 4 blocks, data for 2
+    assert cpu_kernels.fp8_decode(u8, f32, np.zeros(128, np.float32), 128, 0, 2) == 2
+    assert cpu_kernels.bf16_decode(u16, np.zeros(4, np.int32), 0, 8) == 2
+    assert cpu_kernels.topk_decode(u16, f32, np.zeros(100, np.float32), 100, 32, 0, 2) == 2
+
+
 # ------------------------------------------------------------------------------- threads, fork, JIT
 
 

@@ -175,12 +175,12 @@ class Fp8Codec:
         codes = _host_buffer(data, torch.uint8).to(dev)
         scales = _le_f32(scale_bytes).to(dev)
         _check_scales(scales, _FLT_MAX / self.MAX, self.name)
+        fast = cpu_path.fp8_decode(data, scale_bytes, msg.numel) if self.cpu_kernels and _on_cpu(dev) else None
+        if fast is not None:
+            return fast
         table = self._tables.get(dev)
         if table is None:
             table = self._tables[dev] = _fp8_table().to(dev)
-        fast = cpu_path.fp8_decode(data, scale_bytes, msg.numel, table) if self.cpu_kernels and _on_cpu(dev) else None
-        if fast is not None:
-            return fast
         out = torch.empty(nb * self.block_size, dtype=torch.float32, device=dev)
         chunk = _default_chunk(dev)
         idx = _scratch("a", min(chunk, out.numel()), torch.int32, dev)

@@ -5,7 +5,8 @@ several threads can share one call (``nogil``). Contract: the byte results are t
 ``codec.py``/``e3m0.py``/``topk.py`` for every input; float arithmetic is IEEE float32/float64 exactly as there
 (no fastmath). Inputs are 1-D C-contiguous arrays sized by the caller; every index read from the wire is
 bounds-checked again here, so a kernel never reads or writes outside its arrays. Kernels return a flag instead
-of raising (1: a non-finite input or a NaN code; topk_check: 1 falling indices, 2 an index past its block).
+of raising (1: a non-finite input or a NaN code; 2: arrays too small for the range, which the callers'
+size checks rule out; topk_check: 1 falling indices, 2 an index past its block).
 Array indices are uint64: numba then emits no negative-index wraparound, which would stop vectorization.
 """
 
@@ -37,6 +38,7 @@ E3M0_T = (0.5, 1.5, 3.0, 6.0, 12.0, 24.0, 48.0)  # thresholds in scales (exact i
 E3M0_VALUES = np.array([0, 1, 2, 4, 8, 16, 32, 64, 0, -1, -2, -4, -8, -16, -32, -64], dtype=np.float32)
 F32_64, F32_448, F32_ONE = np.float32(64.0), np.float32(448.0), np.float32(1.0)
 F32_DENORM = np.float32(2.0 ** 14)  # bits 141 << 23: c10's e4m3fn subnormal rounding constant
+F32_2M9 = np.float32(2.0 ** -9)  # the e4m3fn subnormal step
 U1, U2, U15, U16, U32, U64, U4096 = (np.uint64(v) for v in (1, 2, 15, 16, 32, 64, 4096))
 
 
@@ -117,8 +119,18 @@ def e3m0_encode(xi, n, b0, b1, data, scales):
 
 
 @_jit
+def _e3m0_value(c):
+    """Value of code c (int32, 0..15) in scales: 0 or +-2^(e-1) for exponent field e; code 8 is +0.0."""
+    e = c & np.int32(7)
+    bits = ((np.int32(126) + e) << np.int32(23)) | ((c & np.int32(8)) << np.int32(28))
+    return i2f(np.int32(bits) if e != 0 else np.int32(0))
+
+
+@_jit
 def e3m0_decode(data, scales, out, n, b0, b1):
     """out[64 b + j] = value of code j of block b times scales[b]; out has n elements."""
+    if b1 * 32 > data.shape[0] or b1 > scales.shape[0] or n > out.shape[0] or b1 > (n + 63) // 64 or b0 < 0:
+        return 2  # arrays smaller than the range: never reached after wire._read
     un = np.uint64(n)
     for b in range(np.uint64(b0), np.uint64(b1)):
         s = scales[b]
@@ -126,13 +138,13 @@ def e3m0_decode(data, scales, out, n, b0, b1):
         m = min(U64, un - base)
         if m == U64:
             for i in range(U32):
-                d = np.uint64(data[b * U32 + i])
-                out[base + U2 * i] = E3M0_VALUES[d & U15] * s
-                out[base + U2 * i + U1] = E3M0_VALUES[d >> np.uint64(4)] * s
+                d = np.int32(data[b * U32 + i])
+                out[base + U2 * i] = _e3m0_value(d & np.int32(15)) * s
+                out[base + U2 * i + U1] = _e3m0_value(d >> np.int32(4)) * s
         else:
             for j in range(m):
-                d = np.uint64(data[b * U32 + j // U2])
-                out[base + j] = E3M0_VALUES[(d >> (np.uint64(4) * (j & U1))) & U15] * s
+                d = np.int32(data[b * U32 + j // U2])
+                out[base + j] = _e3m0_value((d >> (np.int32(j & U1) * np.int32(4))) & np.int32(15)) * s
     return 0
 
 
@@ -171,8 +183,20 @@ def fp8_encode(xf, xi, n, b0, b1, data, scales):
 
 
 @_jit
-def fp8_decode(codes, table, scales, out, n, b0, b1):
-    """out = table[code] * scale; returns 1 if any code of the blocks (padding included) is a NaN code."""
+def _e4m3fn_value(c):
+    """float32 value of e4m3fn byte c (int32); 0x80 is +0.0 (the NaN codes 0x7F, 0xFF are caught apart)."""
+    e = (c >> np.int32(3)) & np.int32(15)
+    m = c & np.int32(7)
+    normal = ((e + np.int32(120)) << np.int32(23)) | (m << np.int32(20))
+    mag = normal if e != 0 else f2i(np.float32(m) * F32_2M9)  # subnormal: m * 2^-9, exact
+    return i2f(np.int32(mag | ((c & np.int32(0x80)) << np.int32(24))) if mag != 0 else np.int32(0))
+
+
+@_jit
+def fp8_decode(codes, scales, out, n, b0, b1):
+    """out = value(code) * scale; returns 1 if any code of the blocks (padding included) is a NaN code."""
+    if b1 * 64 > codes.shape[0] or b1 > scales.shape[0] or n > out.shape[0] or b1 > (n + 63) // 64 or b0 < 0:
+        return 2  # arrays smaller than the range: never reached after wire._read
     un = np.uint64(n)
     peak = np.uint8(0)
     for b in range(np.uint64(b0), np.uint64(b1)):
@@ -181,7 +205,7 @@ def fp8_decode(codes, table, scales, out, n, b0, b1):
         for j in range(U64):
             peak = max(peak, codes[base + j] & np.uint8(0x7F))
         for j in range(min(U64, un - base)):
-            out[base + j] = table[np.uint64(codes[base + j])] * s
+            out[base + j] = _e4m3fn_value(np.int32(codes[base + j])) * s
     return np.int32(peak == 0x7F)
 
 
@@ -202,6 +226,8 @@ def bf16_encode(xi, i0, i1, out):
 @_jit
 def bf16_decode(bits, out, i0, i1):
     """out (float32 bits as int32) = bits << 16; returns 1 if any value is Inf or NaN."""
+    if i1 > bits.shape[0] or i1 > out.shape[0] or i0 < 0:
+        return 2  # arrays smaller than the range: never reached after wire._read
     peak = np.int32(0)
     for i in range(np.uint64(i0), np.uint64(i1)):
         v = np.int32(bits[i])
@@ -304,6 +330,8 @@ def topk_check(entries, n, k):
 @_jit
 def topk_decode(entries, scales, out, n, k, b0, b1):
     """Zeros, then the value of each entry of blocks [b0, b1) (checked by topk_check; bounds checked again)."""
+    if b1 > scales.shape[0] or n > out.shape[0] or b1 > (n + 4095) // 4096 or b0 < 0:
+        return 2  # arrays smaller than the range: never reached after wire._read
     count = np.uint64(entries.shape[0])
     uk = np.uint64(k)
     for b in range(np.uint64(b0), np.uint64(b1)):

@@ -79,7 +79,7 @@ def _warm_up(K: ModuleType) -> None:
     K.e3m0_encode(xi, 64, 0, 1, u8, f32)
     K.e3m0_decode(ro_u8, ro_f32, f32, 64, 0, 1)
     K.fp8_encode(x, xi, 64, 0, 1, u8, f32)
-    K.fp8_decode(ro_u8, f32, ro_f32, f32, 64, 0, 1)
+    K.fp8_decode(ro_u8, ro_f32, f32, 64, 0, 1)
     K.bf16_encode(xi, 0, 64, u16)
     K.bf16_decode(ro_u16, f32.view(np.int32), 0, 64)
     K.topk_encode(xi, 64, 32, 0, 1, u16, f32, u8)
@@ -123,6 +123,13 @@ def _parallel(fn: Callable[[int, int], int], n_blocks: int, block_elems: int) ->
     return flag
 
 
+def _check_flag(flag: int, name: str) -> int:
+    """A decoder's flag; 2 means its arrays did not fit the range (the size checks before rule it out)."""
+    if flag & 2:
+        raise CodecError(f"{name} piece: sizes do not match")
+    return flag
+
+
 def _empty(n: int, dtype) -> np.ndarray:
     """A new array, first touched here, one write per 4 KiB page: threads that fault in fresh (huge) pages of
     one mapping at the same time contend in the kernel, several times slower than one thread doing it."""
@@ -160,7 +167,7 @@ def e3m0_decode(data: bytes, scales: bytes, n: int) -> Optional[torch.Tensor]:
     if K is None:
         return None
     d, s, out = np.frombuffer(data, np.uint8), np.frombuffer(scales, np.float32), _empty(n, np.float32)
-    _parallel(lambda b0, b1: K.e3m0_decode(d, s, out, n, b0, b1), s.size, 64)
+    _check_flag(_parallel(lambda b0, b1: K.e3m0_decode(d, s, out, n, b0, b1), s.size, 64), "e3m0")
     return torch.from_numpy(out)
 
 
@@ -177,14 +184,13 @@ def fp8_encode(flat: torch.Tensor) -> Optional[tuple[bytes, bytes]]:
     return data.tobytes(), scales.tobytes()
 
 
-def fp8_decode(data: bytes, scales: bytes, n: int, table: torch.Tensor) -> Optional[torch.Tensor]:
-    """``table``: the float32 value of each of the 256 codes. Raises CodecError on a NaN code."""
+def fp8_decode(data: bytes, scales: bytes, n: int) -> Optional[torch.Tensor]:
+    """Raises CodecError on a NaN code."""
     K = kernels()
     if K is None:
         return None
     d, s, out = np.frombuffer(data, np.uint8), np.frombuffer(scales, np.float32), _empty(n, np.float32)
-    t = table.numpy()
-    if _parallel(lambda b0, b1: K.fp8_decode(d, t, s, out, n, b0, b1), s.size, 64):
+    if _check_flag(_parallel(lambda b0, b1: K.fp8_decode(d, s, out, n, b0, b1), s.size, 64), "fp8"):
         raise CodecError("fp8 piece has NaN codes (0x7F or 0xFF)")
     return torch.from_numpy(out)
 
@@ -207,7 +213,7 @@ def bf16_decode(data: bytes, n: int) -> Optional[torch.Tensor]:
         return None
     bits, out = np.frombuffer(data, np.uint16), _empty(n, np.float32)
     oi = out.view(np.int32)
-    if _parallel(lambda i0, i1: K.bf16_decode(bits, oi, i0, i1), n, 1):
+    if _check_flag(_parallel(lambda i0, i1: K.bf16_decode(bits, oi, i0, i1), n, 1), "bf16"):
         raise CodecError("bf16 piece has non-finite values")
     return torch.from_numpy(out)
 
@@ -255,5 +261,5 @@ def topk_decode(data: bytes, scales: bytes, n: int, k: int, name: str) -> Option
     if bad:
         raise CodecError(f"{name} piece has an index past its block's end")
     out = _empty(n, np.float32)
-    _parallel(lambda b0, b1: K.topk_decode(e, s, out, n, k, b0, b1), s.size, 4096)
+    _check_flag(_parallel(lambda b0, b1: K.topk_decode(e, s, out, n, k, b0, b1), s.size, 4096), name)
     return torch.from_numpy(out)
