@@ -230,6 +230,10 @@ def test_kernels_refuse_arrays_smaller_than_their_range():
     assert cpu_kernels.fp8_decode(u8, f32, np.zeros(128, np.float32), 128, 0, 2) == 2
     assert cpu_kernels.bf16_decode(u16, np.zeros(4, np.int32), 0, 8) == 2
     assert cpu_kernels.topk_decode(u16, f32, np.zeros(100, np.float32), 100, 32, 0, 2) == 2
+    xi = np.zeros(5000, np.int32)
+    assert cpu_kernels.e3m0_encode(xi, 5000, 0, 79, np.zeros(32 * 78, np.uint8), np.zeros(79, np.float32)) == 2
+    assert cpu_kernels.topk_encode(xi, 5000, 32, 0, 2, np.zeros(63, np.uint16), np.zeros(2, np.float32),
+                                   np.zeros(2, np.uint8)) == 2
 
 
 # ------------------------------------------------------------------------------- threads, fork, JIT

@@ -1,4 +1,4 @@
-"""numba kernels of the CPU codec path (:mod:`peer.outer.cpu_path` calls them; never import this module directly).
+"""numba kernels of the codecs' CPU path (:mod:`peer.outer.cpu_path` runs them; importing this compiles nothing).
 
 Each kernel does one codec's whole per-element work in one pass over a range of blocks ``[b0, b1)``, so that
 several threads can share one call (``nogil``). Contract: the byte results are those of the torch reference in
@@ -6,7 +6,7 @@ several threads can share one call (``nogil``). Contract: the byte results are t
 (no fastmath). Inputs are 1-D C-contiguous arrays sized by the caller; every index read from the wire is
 bounds-checked again here, so a kernel never reads or writes outside its arrays. Kernels return a flag instead
 of raising (1: a non-finite input or a NaN code; 2: arrays too small for the range, which the callers'
-size checks rule out; topk_check: 1 falling indices, 2 an index past its block).
+sizes rule out; topk_check: 1 falling indices, 2 an index past its block).
 Array indices are uint64: numba then emits no negative-index wraparound, which would stop vectorization.
 """
 
@@ -16,7 +16,6 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core.extending import intrinsic
-
 
 
 def _cache_usable() -> bool:
@@ -34,7 +33,6 @@ _jit = njit(nogil=True, cache=_cache_usable(), error_model="numpy", boundscheck=
 ABS = np.int32(0x7FFFFFFF)
 INF_BITS = np.int32(0x7F800000)
 NO_THRESHOLD = np.int32(0x7FFFFFFF)  # above every finite |x|: codes of a zero-scale block are all 0 (or 8)
-E3M0_T = (0.5, 1.5, 3.0, 6.0, 12.0, 24.0, 48.0)  # thresholds in scales (exact in float64)
 E3M0_VALUES = np.array([0, 1, 2, 4, 8, 16, 32, 64, 0, -1, -2, -4, -8, -16, -32, -64], dtype=np.float32)
 F32_64, F32_448, F32_ONE = np.float32(64.0), np.float32(448.0), np.float32(1.0)
 F32_DENORM = np.float32(2.0 ** 14)  # bits 141 << 23: c10's e4m3fn subnormal rounding constant
@@ -67,7 +65,7 @@ def _ru32(p):
 
 @_jit
 def _e3m0_thresholds(s):
-    """th_j = bits of RU32(E3M0_T[j] * s): for float32 a >= 0, a >= t_j s (exactly) <=> bits(a) >= th_j."""
+    """th_j = bits of RU32(t_j * s), t = 0.5, 1.5, 3, ..., 48: for float32 a >= 0, a >= t_j s <=> bits(a) >= th_j."""
     if s == 0:
         t = NO_THRESHOLD
         return (t, t, t, t, t, t, t)
@@ -95,6 +93,8 @@ def _absmax_bits(xi, base, m):
 @_jit
 def e3m0_encode(xi, n, b0, b1, data, scales):
     """xi: the float32 input's bits (n elements); writes data[32 b:32 b + 32] and scales[b] for b in [b0, b1)."""
+    if n > xi.shape[0] or b1 * 32 > data.shape[0] or b1 > scales.shape[0] or b1 > (n + 63) // 64 or b0 < 0:
+        return 2
     un = np.uint64(n)
     for b in range(np.uint64(b0), np.uint64(b1)):
         base = b * U64
@@ -130,7 +130,7 @@ def _e3m0_value(c):
 def e3m0_decode(data, scales, out, n, b0, b1):
     """out[64 b + j] = value of code j of block b times scales[b]; out has n elements."""
     if b1 * 32 > data.shape[0] or b1 > scales.shape[0] or n > out.shape[0] or b1 > (n + 63) // 64 or b0 < 0:
-        return 2  # arrays smaller than the range: never reached after wire._read
+        return 2  # arrays smaller than the range: the callers' size checks rule it out
     un = np.uint64(n)
     for b in range(np.uint64(b0), np.uint64(b1)):
         s = scales[b]
@@ -163,6 +163,9 @@ def _to_e4m3fn(f):
 @_jit
 def fp8_encode(xf, xi, n, b0, b1, data, scales):
     """Blocks of 64: s = absmax / 448 (one ulp down if 448 s overflows), codes of clamp(x / s, +-448)."""
+    if n > xf.shape[0] or n > xi.shape[0] or b1 * 64 > data.shape[0] or b1 > scales.shape[0] \
+            or b1 > (n + 63) // 64 or b0 < 0:
+        return 2
     un = np.uint64(n)
     for b in range(np.uint64(b0), np.uint64(b1)):
         base = b * U64
@@ -196,7 +199,7 @@ def _e4m3fn_value(c):
 def fp8_decode(codes, scales, out, n, b0, b1):
     """out = value(code) * scale; returns 1 if any code of the blocks (padding included) is a NaN code."""
     if b1 * 64 > codes.shape[0] or b1 > scales.shape[0] or n > out.shape[0] or b1 > (n + 63) // 64 or b0 < 0:
-        return 2  # arrays smaller than the range: never reached after wire._read
+        return 2  # arrays smaller than the range: the callers' size checks rule it out
     un = np.uint64(n)
     peak = np.uint8(0)
     for b in range(np.uint64(b0), np.uint64(b1)):
@@ -212,6 +215,8 @@ def fp8_decode(codes, scales, out, n, b0, b1):
 @_jit
 def bf16_encode(xi, i0, i1, out):
     """float32 bits -> bfloat16 bits, round to nearest even; finite values that round to Inf saturate."""
+    if i1 > xi.shape[0] or i1 > out.shape[0] or i0 < 0:
+        return 2
     peak = np.int32(0)
     for i in range(np.uint64(i0), np.uint64(i1)):
         v = xi[i]
@@ -227,7 +232,7 @@ def bf16_encode(xi, i0, i1, out):
 def bf16_decode(bits, out, i0, i1):
     """out (float32 bits as int32) = bits << 16; returns 1 if any value is Inf or NaN."""
     if i1 > bits.shape[0] or i1 > out.shape[0] or i0 < 0:
-        return 2  # arrays smaller than the range: never reached after wire._read
+        return 2  # arrays smaller than the range: the callers' size checks rule it out
     peak = np.int32(0)
     for i in range(np.uint64(i0), np.uint64(i1)):
         v = np.int32(bits[i])
@@ -260,6 +265,9 @@ def topk_encode(xi, n, k, b0, b1, entries, scales, amb):
     """Blocks of 4096: the k largest |x| (bits), in rising index order, as index << 4 | E3M0 code against
     absmax / 64. Where the k-th largest value ties with one left out, which of the tied ones torch.topk keeps
     is its own affair: the block is flagged in ``amb`` (and not written) for the caller's torch path."""
+    if n > xi.shape[0] or b1 > scales.shape[0] or b1 > amb.shape[0] or b1 > (n + 4095) // 4096 or b0 < 0 \
+            or entries.shape[0] < min(n, 4096 * b1) // 4096 * k + min(k, min(n, 4096 * b1) % 4096):
+        return 2
     gmax = np.empty(256, np.int32)  # the largest |x| of each group of 16: only groups that reach the guess are read
     cand = np.empty(4096, np.uint64)
     work = np.empty(4096, np.int32)
@@ -331,7 +339,7 @@ def topk_check(entries, n, k):
 def topk_decode(entries, scales, out, n, k, b0, b1):
     """Zeros, then the value of each entry of blocks [b0, b1) (checked by topk_check; bounds checked again)."""
     if b1 > scales.shape[0] or n > out.shape[0] or b1 > (n + 4095) // 4096 or b0 < 0:
-        return 2  # arrays smaller than the range: never reached after wire._read
+        return 2  # arrays smaller than the range: the callers' size checks rule it out
     count = np.uint64(entries.shape[0])
     uk = np.uint64(k)
     for b in range(np.uint64(b0), np.uint64(b1)):

@@ -124,7 +124,7 @@ def _parallel(fn: Callable[[int, int], int], n_blocks: int, block_elems: int) ->
 
 
 def _check_flag(flag: int, name: str) -> int:
-    """A decoder's flag; 2 means its arrays did not fit the range (the size checks before rule it out)."""
+    """A kernel's flag; 2 means its arrays did not fit the range (the sizes computed before rule it out)."""
     if flag & 2:
         raise CodecError(f"{name} piece: sizes do not match")
     return flag
@@ -157,7 +157,7 @@ def e3m0_encode(flat: torch.Tensor) -> Optional[tuple[bytes, bytes]]:
     n = x.size
     nb = -(-n // 64)
     data, scales, xi = _empty(nb * 32, np.uint8), _empty(nb, np.float32), x.view(np.int32)
-    if _parallel(lambda b0, b1: K.e3m0_encode(xi, n, b0, b1, data, scales), nb, 64):
+    if _check_flag(_parallel(lambda b0, b1: K.e3m0_encode(xi, n, b0, b1, data, scales), nb, 64), "e3m0"):
         raise _nonfinite_error()
     return data.tobytes(), scales.tobytes()
 
@@ -179,7 +179,7 @@ def fp8_encode(flat: torch.Tensor) -> Optional[tuple[bytes, bytes]]:
     n = x.size
     nb = -(-n // 64)
     data, scales, xi = _empty(nb * 64, np.uint8), _empty(nb, np.float32), x.view(np.int32)
-    if _parallel(lambda b0, b1: K.fp8_encode(x, xi, n, b0, b1, data, scales), nb, 64):
+    if _check_flag(_parallel(lambda b0, b1: K.fp8_encode(x, xi, n, b0, b1, data, scales), nb, 64), "fp8"):
         raise _nonfinite_error()
     return data.tobytes(), scales.tobytes()
 
@@ -202,7 +202,7 @@ def bf16_encode(flat: torch.Tensor) -> Optional[bytes]:
         return None
     n, xi = x.size, x.view(np.int32)
     out = _empty(n, np.uint16)
-    if _parallel(lambda i0, i1: K.bf16_encode(xi, i0, i1, out), n, 1):
+    if _check_flag(_parallel(lambda i0, i1: K.bf16_encode(xi, i0, i1, out), n, 1), "bf16"):
         raise _nonfinite_error()
     return out.tobytes()
 
@@ -234,7 +234,8 @@ def topk_encode(flat: torch.Tensor, k: int, count: int,
     nb = -(-n // 4096)
     entries, scales, amb = _empty(count, np.uint16), _empty(nb, np.float32), np.zeros(nb, np.uint8)
     xi = x.view(np.int32)
-    if _parallel(lambda b0, b1: K.topk_encode(xi, n, k, b0, b1, entries, scales, amb), nb, 4096):
+    if _check_flag(_parallel(lambda b0, b1: K.topk_encode(xi, n, k, b0, b1, entries, scales, amb), nb, 4096),
+                   f"topk{k}"):
         raise _nonfinite_error()
     tied = np.flatnonzero(amb)
     if tied.size:
