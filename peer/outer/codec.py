@@ -1,9 +1,8 @@
 """Wire codecs for outer gradients: tensor <-> ``EncodedTensor`` protobuf (protos/codec.proto).
 
-:func:`encode` returns the message; :func:`decode` returns an fp32 tensor of the original shape. Decoding
-validates everything it reads (codec, version, sizes, scales), because messages come from untrusted peers, and
-raises :class:`CodecError`. Codecs register in :data:`CODECS`; the name and version (:func:`codec_key`) are part
-of the matchmaking key, so peers with different codecs never share a group.
+:func:`encode` returns the message; :func:`decode` an fp32 tensor of the original shape, validating everything it
+reads (messages come from untrusted peers: :class:`CodecError`). Codecs register in :data:`CODECS`; the name and
+version (:func:`codec_key`) are part of the matchmaking key, so peers with different codecs never share a group.
 
 Codecs (byte layouts: protos/codec.proto, docs/algorithm.md section 6): ``fp32``; ``bf16`` (round to nearest even,
 saturating); ``fp8`` (e4m3fn, a float32 scale ``absmax / 448`` per block of 64); ``e3m0`` (FP4 in
@@ -11,16 +10,15 @@ saturating); ``fp8`` (e4m3fn, a float32 scale ``absmax / 448`` per block of 64);
 away from zero, optionally stochastic: ``make_codec("e3m0", stochastic_rounding=True)``); ``topk32/64/128`` (the k
 largest of every 4096 elements, index and FP4 code in 16 bits: ``peer/outer/topk.py``; with error feedback).
 
-Vectorized torch on the input's device, in chunks; on the CPU, fused numba kernels with the same bytes
-(``peer/outer/cpu_path.py``; ``cpu_kernels=False`` keeps torch). Message bytes are on the host. Decoding is
-deterministic: the same bytes give bitwise identical tensors (the all-reduce relies on it). Shared parts:
-``peer/outer/wire.py``.
+Torch on the input's device; on the CPU, fused numba kernels with the same bytes (``peer/outer/cpu_path.py``).
+Message bytes are on the host. The same bytes decode to bitwise identical tensors (the all-reduce relies on it).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import time
 from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
@@ -278,6 +276,15 @@ def roundtrip(tensor: torch.Tensor, codec: CodecLike = "e3m0") -> torch.Tensor:
     """``decode(encode(tensor))`` on the tensor's device: what peers receive when we send ``tensor``
     (for error feedback). With stochastic rounding this is one random draw, not the one sent."""
     return decode(encode(tensor, codec), device=tensor.device)
+
+
+def warm_up(codec: CodecLike) -> float:
+    """Encodes and decodes a few blocks on the CPU, so that the codec's CPU kernels compile (or load from numba's
+    cache) now and not in the first round, where the compile would hold the thread that serves the swarm for
+    seconds. Returns the seconds it took."""
+    t0 = time.perf_counter()
+    roundtrip(torch.randn(2 * 4096 + 100, generator=torch.Generator().manual_seed(0)), codec)  # (a tail block too)
+    return time.perf_counter() - t0
 
 
 # -------------------------------------------------------------------------------- error feedback

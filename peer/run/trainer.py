@@ -22,7 +22,7 @@ from typing import Any, Optional
 from hivemind.utils import get_dht_time
 
 from peer.run import preflight
-from peer.outer.codec import get_codec, make_codec
+from peer.outer.codec import get_codec, make_codec, warm_up
 from peer.config import PeerConfig
 from peer.errors import JoinError, SetupError
 from peer.control.controls import PeerState
@@ -242,6 +242,8 @@ class Trainer:
         self.auto_tau = AutoTau(cfg.outer.tau_max, cfg.outer.sync_every, step_time) if cfg.outer.tau == "auto" \
             else None
         self.owner.note_traffic(max(f.numel for f in fragments), self.swarm.codec)
+        log.info("codec %s ready in %.1f s (its CPU kernels compiled or loaded before the first round)",
+                 self.swarm.codec.name, warm_up(self.swarm.codec))
         settings = OuterSettings.from_config(cfg.outer)
         schedule = self._schedule(len(fragments))
         if isinstance(schedule, StepsSchedule):
