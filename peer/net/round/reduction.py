@@ -132,7 +132,7 @@ class SpanReduction:
     def offence(self, index: int, offence: Offence, detail: str) -> None:
         """Member ``index`` committed ``offence`` (``detail`` says what). Kept as a verdict: the ledger counts it
         when the round hands its verdicts to the swarm (``AllReduceResult.verdicts``); one seen after that (a part
-        after our round ended) is logged only."""
+        after our round ended, refused anyway) is not counted."""
         self.verdicts.append(PeerVerdict(str(self.plan.peer_ids[index]), f"{self.plan.label}: {detail}", offence))
 
     def add(self, index: int, weight: float, part: torch.Tensor) -> bool:
