@@ -149,50 +149,51 @@ def _f32_host(flat: torch.Tensor, exact_only: bool = False) -> Optional[np.ndarr
 # ------------------------------------------------------------------------------------------ dense
 
 
-def e3m0_encode(flat: torch.Tensor) -> Optional[tuple[bytes, bytes]]:
+def _encode_blocks(flat: torch.Tensor, block_bytes: int, name: str, run) -> Optional[tuple[bytes, bytes]]:
+    """A block codec's encode (blocks of 64 values, ``block_bytes`` of data and a float32 scale each):
+    ``run(K, x, xi, n, b0, b1, data, scales)`` encodes blocks [b0, b1) with kernel module ``K``."""
     K = kernels()
     x = _f32_host(flat) if K is not None else None
     if K is None or x is None:
         return None
-    n = x.size
+    n, xi = x.size, x.view(np.int32)
     nb = -(-n // 64)
-    data, scales, xi = _empty(nb * 32, np.uint8), _empty(nb, np.float32), x.view(np.int32)
-    if _check_flag(_parallel(lambda b0, b1: K.e3m0_encode(xi, n, b0, b1, data, scales), nb, 64), "e3m0"):
+    data, scales = _empty(nb * block_bytes, np.uint8), _empty(nb, np.float32)
+    if _check_flag(_parallel(lambda b0, b1: run(K, x, xi, n, b0, b1, data, scales), nb, 64), name):
         raise _nonfinite_error()
     return data.tobytes(), scales.tobytes()
 
 
-def e3m0_decode(data: bytes, scales: bytes, n: int) -> Optional[torch.Tensor]:
+def _decode_blocks(data: bytes, scales: bytes, n: int, name: str, run) -> Optional[tuple[torch.Tensor, int]]:
+    """A block codec's decode into a new float32 tensor, and the kernels' flags ORed (sizes already checked):
+    ``run(K, d, s, out, n, b0, b1)`` decodes blocks [b0, b1)."""
     K = kernels()
     if K is None:
         return None
     d, s, out = np.frombuffer(data, np.uint8), np.frombuffer(scales, np.float32), _empty(n, np.float32)
-    _check_flag(_parallel(lambda b0, b1: K.e3m0_decode(d, s, out, n, b0, b1), s.size, 64), "e3m0")
-    return torch.from_numpy(out)
+    flag = _check_flag(_parallel(lambda b0, b1: run(K, d, s, out, n, b0, b1), s.size, 64), name)
+    return torch.from_numpy(out), flag
+
+
+def e3m0_encode(flat: torch.Tensor) -> Optional[tuple[bytes, bytes]]:
+    return _encode_blocks(flat, 32, "e3m0", lambda K, x, xi, n, b0, b1, d, s: K.e3m0_encode(xi, n, b0, b1, d, s))
+
+
+def e3m0_decode(data: bytes, scales: bytes, n: int) -> Optional[torch.Tensor]:
+    got = _decode_blocks(data, scales, n, "e3m0", lambda K, d, s, out, n, b0, b1: K.e3m0_decode(d, s, out, n, b0, b1))
+    return None if got is None else got[0]
 
 
 def fp8_encode(flat: torch.Tensor) -> Optional[tuple[bytes, bytes]]:
-    K = kernels()
-    x = _f32_host(flat) if K is not None else None
-    if K is None or x is None:
-        return None
-    n = x.size
-    nb = -(-n // 64)
-    data, scales, xi = _empty(nb * 64, np.uint8), _empty(nb, np.float32), x.view(np.int32)
-    if _check_flag(_parallel(lambda b0, b1: K.fp8_encode(x, xi, n, b0, b1, data, scales), nb, 64), "fp8"):
-        raise _nonfinite_error()
-    return data.tobytes(), scales.tobytes()
+    return _encode_blocks(flat, 64, "fp8", lambda K, x, xi, n, b0, b1, d, s: K.fp8_encode(x, xi, n, b0, b1, d, s))
 
 
 def fp8_decode(data: bytes, scales: bytes, n: int) -> Optional[torch.Tensor]:
     """Raises CodecError on a NaN code."""
-    K = kernels()
-    if K is None:
-        return None
-    d, s, out = np.frombuffer(data, np.uint8), np.frombuffer(scales, np.float32), _empty(n, np.float32)
-    if _check_flag(_parallel(lambda b0, b1: K.fp8_decode(d, s, out, n, b0, b1), s.size, 64), "fp8"):
+    got = _decode_blocks(data, scales, n, "fp8", lambda K, d, s, out, n, b0, b1: K.fp8_decode(d, s, out, n, b0, b1))
+    if got is not None and got[1]:
         raise CodecError("fp8 piece has NaN codes (0x7F or 0xFF)")
-    return torch.from_numpy(out)
+    return None if got is None else got[0]
 
 
 def bf16_encode(flat: torch.Tensor) -> Optional[bytes]:
