@@ -21,6 +21,7 @@ import concurrent.futures
 import contextlib
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
@@ -208,8 +209,17 @@ class DeferredLaunch:
 
     def _forward(self, handle: Handle, fn: Callable[["DeferredLaunch"], None]) -> None:
         add = getattr(handle, "add_done_callback", None)
-        if add is not None:
-            add(lambda _: fn(self))
+        if add is None:
+            return
+        # (weak: the handle keeps its callbacks, and self keeps the handle; a cycle would hold the round's
+        # aggregate until the cyclic GC)
+        ref = weakref.ref(self)
+
+        def forward(_) -> None:
+            launch = ref()
+            if launch is not None:
+                fn(launch)
+        add(forward)
 
     def done(self) -> bool:
         handle = self._handle  # (set before the launch's callbacks run, which may ask)

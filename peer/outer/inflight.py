@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -78,10 +79,16 @@ class Handover:
         add = getattr(pend.handle, "add_done_callback", None)
         if add is None:
             return
+        # The handle keeps its callbacks after they ran; a strong reference to ``pend`` here would make a cycle
+        # (handle -> callback -> pend -> handle) holding the round's delta and aggregate until the cyclic GC.
+        ref = weakref.ref(pend)
 
-        def arrived(_) -> None:
+        def arrived(handle) -> None:
+            pend = ref()
+            if pend is None:  # (the round left the engine: nothing to hand over)
+                return
             try:
-                outcome = pend.handle.result(timeout=0)
+                outcome = handle.result(timeout=0)
             except BaseException:  # (cancelled, or it raised: the training thread finds out at the apply)
                 return
             self.submit(pend, outcome, G, v, copy)
