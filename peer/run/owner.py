@@ -58,8 +58,8 @@ class OwnerLink:
     """Created by the trainer with its config; :meth:`start` once the run dir is locked and the DHT process has
     forked, :meth:`stop` at exit.
 
-    ``figures`` (the trainer's) returns the live figures of the status reply; the rest is kept here:
-    rounds by status (:meth:`count_round`), the fragments' last published round and digest
+    ``figures`` (:meth:`peer.run.figures.Figures.snapshot`) returns the live figures of the status reply; the rest
+    is kept here: rounds by status (:meth:`count_round`), the fragments' last published round and digest
     (:meth:`note_fragment`), written by the training thread and read by the control API's threads."""
 
     def __init__(self, cfg: PeerConfig, stop_event, figures: Callable[[], dict[str, Any]] = dict):

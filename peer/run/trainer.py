@@ -26,19 +26,18 @@ from peer.outer.codec import get_codec, make_codec, warm_up
 from peer.config import PeerConfig
 from peer.errors import JoinError, SetupError
 from peer.control.controls import PeerState
-from peer.run.evaluation import Evaluation, SharedEval
+from peer.run.evaluation import SharedEval
 from peer.run.events import EventLog, setup_logging
+from peer.run.figures import Figures
 from peer.run.ledger import RoundLedger
+from peer.run.outcomes import RoundReports
 from peer.run.catch_up import StateSync
 from peer.run.pace import PaceWatch
 from peer.run.resume import RunCheckpoints
 from peer.run.owner import REST_SLICE_S, OwnerLink, StopFlag
 from peer.run.phase import PhaseKeeper
-from peer.outer.fragments import Fragment, partition
-from peer.local.inner import StepStats
+from peer.outer.fragments import partition
 from peer.run.local_build import build_local
-from peer.outer.rounds import RoundOutcome, RoundStatus
-from peer.outer.state import FragmentState
 from peer.run.run_dir import RunDirLock
 from peer.outer.schedule import ClockSchedule, StepsSchedule
 from peer.net.transport import SwarmTransport
@@ -46,8 +45,7 @@ from peer.net.trust.records import MAX_FRAGMENTS
 from peer.outer.aggregate import AggregationRule
 from peer.outer.engine import StreamingEngine
 from peer.outer.settings import AutoTau, OuterSettings
-from peer.run.status import StatusLine, describe
-from peer.run.throughput import Throughput
+from peer.run.status import StatusLine
 from peer.net.swarm import Swarm
 from peer.net.flow.bandwidth import Bandwidth
 from peer.util import short_id
@@ -67,36 +65,30 @@ class Trainer:
     """Runs one peer until ``max_steps`` or a stop signal. Create, then call :meth:`run` once.
 
     Its fields are written by the training thread only (the thread that calls :meth:`run`); the control API's
-    threads read plain values of them through :meth:`_figures`."""
+    threads read plain values of what the owner sees through :class:`~peer.run.figures.Figures`."""
 
     def __init__(self, cfg: PeerConfig):
         self.cfg = cfg
         self.run_dir = Path(cfg.run.run_dir)
         self.stop = StopFlag()
-        # the control API, the limits (started in _run)
-        self.owner = OwnerLink(cfg, self.stop.event, figures=self._figures)
         self.run_hash = ""
         self.events = EventLog(None)  # opened in run(), once the run dir is ours
+        self.ledger = RoundLedger(self.events, aggregator=cfg.outer.aggregator)  # rounds counted and told
+        self.figures = Figures(cfg, self.ledger, self.events)  # what the owner sees: status line, step event, API
+        # the control API, the limits (started in _run)
+        self.owner = OwnerLink(cfg, self.stop.event, figures=self.figures.snapshot)
         # Created here (nothing starts before run()); its DHT process forks, so run() starts it before any CUDA.
         codec = make_codec(cfg.outer.codec, stochastic_rounding=True) if cfg.outer.stochastic_rounding \
             else cfg.outer.codec
         self.codec = codec
         self.swarm: Swarm  # created in _run, once the identity (and, in an authenticated run, our pass) is checked
-        self.ledger = RoundLedger(self.events, aggregator=cfg.outer.aggregator)  # rounds counted and told
         self.pace = PaceWatch(schedule=cfg.outer.schedule)  # whether we keep the swarm's pace (said when not)
         self.checkpoints = RunCheckpoints(cfg, self.run_dir, self.events)
         self.engine: Optional[StreamingEngine] = None  # set in _train
         self.sync: StateSync  # our fragments' states against the swarm's: created in _train, with the engine
-        self.auto_tau: Optional[AutoTau] = None
+        self.reports: RoundReports  # what a round's outcome changes outside the engine: created with the sync
         self.evaluation: Optional[SharedEval] = None  # the shared model on held-out data: created in _train
-        self.status: Optional[StatusLine] = None
         self.phase: Optional[PhaseKeeper] = None  # our phase against the swarm's (steps schedule): made in _build
-        self._step = 0  # for the status line while blocked
-        self.throughput = Throughput()  # tokens/s, compute seconds, the step time: restarted when the loop starts
-        self._loss: Optional[float] = None  # the last loss read from the device (every log_every steps)
-        self._floor: Optional[float] = None
-        self._device = cfg.inner.device
-        self._last_step_at = time.monotonic()  # the last inner step (or the start of training): idle_seconds
 
     def run(self) -> int:
         """Trains; returns the process exit code (0 on max_steps or a stop signal).
@@ -121,7 +113,7 @@ class Trainer:
         setup_logging(cfg.run.log_level, self.run_dir / "peer.log", label)
         self.events.open(cfg.run.log_json, feed=self.owner.feed.publish)  # (the ledger's and checkpoints' too)
         self.stop.install(wake=self.owner.controls.wake)
-        self.peer_id = peer_id
+        self.peer_id = self.figures.peer_id = peer_id
         try:
             return self._setup_and_train(peer_id, label)
         finally:
@@ -134,7 +126,7 @@ class Trainer:
         preflight.check_device(cfg.inner.device)
         preflight.check_model(cfg)
         source = preflight.open_data(cfg, cfg.data.shard if cfg.data.shard >= 0 else shard_of(peer_id))
-        run_hash = self.run_hash = cfg.run_hash()
+        run_hash = self.run_hash = self.figures.run_hash = cfg.run_hash()
         log.info("resolved config (run hash %s): %s", run_hash, cfg.to_dict())
         self.checkpoints.find(run_hash)
         access = preflight.load_access(cfg)
@@ -143,6 +135,7 @@ class Trainer:
                            rule=AggregationRule.from_config(cfg.outer), access=access,
                            bandwidth=Bandwidth(lambda: self.owner.controls.limits.get().byte_rates()),
                            on_exclude=lambda peer, why: self.events.emit("peer_excluded", peer=peer, reason=why))
+        self.figures.swarm = self.swarm
         try:  # the DHT forks a process: start it before anything can initialize CUDA
             try:
                 self.swarm.start(stop=self.stop.event)
@@ -176,7 +169,7 @@ class Trainer:
                         min(self.cfg.swarm.progress_ttl, self.cfg.swarm.start_timeout))
         seen = self.swarm.live_count()
         while want > 1 and not self.stop.event.is_set() and seen < want and time.monotonic() <= deadline:
-            self._show_status(f"waiting for peers ({seen}/{want} visible, up to {deadline - time.monotonic():.0f} s)")
+            self.figures.show(f"waiting for peers ({seen}/{want} visible, up to {deadline - time.monotonic():.0f} s)")
             self.stop.event.wait(min(1.0, self.cfg.swarm.progress_period))
             seen = self.swarm.live_count()
         log.info("%d peer(s) of this run visible (wanted %d); starting to train", seen, want)
@@ -188,11 +181,12 @@ class Trainer:
         cfg, controls = self.cfg, self.owner.controls
         parts = self._build(label, source)
         engine, inner = parts["engine"], parts["inner"]
-        assert self.status is not None and self.evaluation is not None  # (made by _build)
+        figures, status = self.figures, self.figures.status
+        assert status is not None and self.evaluation is not None  # (made by _build)
         step = self._join(parts)
         controls.enter(PeerState.TRAINING)
-        self._last_step_at = time.monotonic()
-        self.throughput.restart()
+        figures.last_step_at = time.monotonic()
+        figures.throughput.restart()
         while not self.stop.event.is_set() and (cfg.run.max_steps == 0 or step < cfg.run.max_steps):
             if self.swarm.pass_ended or controls.finish_requested:
                 break
@@ -203,16 +197,17 @@ class Trainer:
             step = self._realign(engine, step)
             t_step = time.monotonic()
             stats = inner.step(source.next_batch(cfg.data.batch_size, cfg.model.seq_len))
-            self._last_step_at = time.monotonic()
-            step_seconds = self._last_step_at - t_step
-            step = self._step = step + 1
-            if step % cfg.run.log_every == 0 or self.status.due():  # the loss waits for the device: not every step
-                self._loss = stats.ce  # (raises FloatingPointError if a step since the last read was not finite)
-            self.throughput.observe(stats.tokens, step_seconds)
+            figures.last_step_at = time.monotonic()
+            step_seconds = figures.last_step_at - t_step
+            step = figures.step = step + 1
+            if step % cfg.run.log_every == 0 or status.due():  # the loss waits for the device: not every step
+                figures.loss = stats.ce  # (raises FloatingPointError if a step since the last read was not finite)
+            figures.throughput.observe(stats.tokens, step_seconds)
             engine.add_tokens(stats.tokens)
             if step % cfg.run.log_every == 0:
-                self._log_step(step, stats, engine)
-            self.swarm.update_progress(step, engine.states[0].round, self.throughput.tokens_per_second, self._loss)
+                figures.log_step(step, stats, engine)
+            self.swarm.update_progress(step, engine.states[0].round, figures.throughput.tokens_per_second,
+                                       figures.loss)
             engine.launch_due(step)
             engine.apply_due(step)
             self.evaluation.maybe(engine.states, self.sync.digest)
@@ -220,9 +215,9 @@ class Trainer:
                 step = self._catch_up(engine, step, joining=False)
             self.checkpoints.save_if_due(step, rounds_done=self.ledger.done,
                                          applied=bool(engine.states[0].applied_rounds), **parts)
-            if self.status.due():
-                self._show_status()
-            self.owner.rest(step_seconds, self._show_status)
+            if status.due():
+                figures.show()
+            self.owner.rest(step_seconds, figures.show)
         return self._finish(step, parts)
 
     def _build(self, label: str, source) -> dict[str, Any]:
@@ -238,64 +233,58 @@ class Trainer:
         log.info("%d fragment(s) of %s elements (%s, %d blocks each); codec %s, tau %s, eager %s, merge %s",
                  len(fragments), [f.numel for f in fragments], cfg.outer.fragment_pattern,
                  cfg.outer.fragment_blocks, cfg.outer.codec, cfg.outer.tau, cfg.outer.eager, cfg.outer.merge)
-        step_time = self.throughput.step_time
-        self.auto_tau = AutoTau(cfg.outer.tau_max, cfg.outer.sync_every, step_time) if cfg.outer.tau == "auto" \
-            else None
+        step_time = self.figures.throughput.step_time
+        auto_tau = self.figures.auto_tau = AutoTau(cfg.outer.tau_max, cfg.outer.sync_every, step_time) \
+            if cfg.outer.tau == "auto" else None
         self.owner.note_traffic(max(f.numel for f in fragments), self.swarm.codec)
         log.info("codec %s ready in %.1f s (its CPU kernels compiled or loaded before the first round)",
                  self.swarm.codec.name, warm_up(self.swarm.codec))
         settings = OuterSettings.from_config(cfg.outer)
         schedule = self._schedule(len(fragments))
         if isinstance(schedule, StepsSchedule):
-            self.phase = PhaseKeeper(self.swarm, self.events, H=cfg.outer.sync_every,
-                                     patience=cfg.swarm.matchmaking_patience, step_time=step_time)
+            self.phase = self.figures.phase = PhaseKeeper(self.swarm, self.events, H=cfg.outer.sync_every,
+                                                          patience=cfg.swarm.matchmaking_patience, step_time=step_time)
         transport = SwarmTransport(self.swarm, min_group_size=cfg.swarm.min_group_size,
                                    sync_every=cfg.outer.sync_every if isinstance(schedule, StepsSchedule) else None)
         engine = StreamingEngine(fragments, settings, transport, group_size_hint=lambda: transport.live_count,
-                                 stop=self.stop.event, on_outcome=lambda f, st, o, step: self._report(label, f, st, o,
-                                                                                                    step),
+                                 stop=self.stop.event, on_outcome=lambda *outcome: self.reports.round(*outcome),
                                  error_feedback_codec=get_codec(cfg.outer.codec) if cfg.outer.error_feedback else None,
-                                 tau_fn=self.auto_tau, schedule=schedule, on_wait=self._show_status,
+                                 tau_fn=auto_tau, schedule=schedule, on_wait=self.figures.show,
                                  digest_of=lambda p: self.sync.digest(p),
                                  state_on_device={"auto": None, "on": True, "off": False}[cfg.outer.state_on_device])
-        self.engine = engine
+        self.engine = self.figures.engine = engine
         log.info("outer state: on the host%s", "" if engine.device_state is None else
                  f", a copy on {engine.device_state.device} (launches and applies enqueue work there)")
         self.sync = StateSync(self.swarm, engine, events=self.events, pace=self.pace, stop=self.stop.event,
                               sync_every=cfg.outer.sync_every, on_fragment=self.owner.note_fragment,
-                              show_status=self._show_status, owed_timeout=4 * cfg.swarm.progress_period + 2,
+                              show_status=self.figures.show, owed_timeout=4 * cfg.swarm.progress_period + 2,
                               drift_check_period=cfg.swarm.drift_check_period,
                               recheck_after=cfg.swarm.progress_period / 4)
-        self._floor = getattr(source, "entropy_floor", None)
+        self.reports = RoundReports(label, self.peer_id, swarm=self.swarm, sync=self.sync, owner=self.owner,
+                                    events=self.events, ledger=self.ledger, pace=self.pace, auto_tau=auto_tau)
+        self.figures.floor = getattr(source, "entropy_floor", None)
         held = source.held_out(cfg.run.eval_sequences, cfg.model.seq_len) if cfg.run.eval_every else None
         if cfg.run.eval_every and held is None:
             log.info("the shared model will not be evaluated: data.holdout = %s holds out fewer tokens than one "
                      "sequence (model.seq_len + 1)", cfg.data.holdout)
-        self.evaluation = SharedEval(inner, fragments, held, every=cfg.run.eval_every, report=self._report_eval)
-        self.status = StatusLine(cfg.run.status_interval, label)
-        self._device = str(next(model.parameters()).device)
+        self.evaluation = self.figures.evaluation = SharedEval(
+            inner, fragments, held, every=cfg.run.eval_every,
+            report=lambda e: self.reports.evaluation(e, self.figures.step))
+        self.figures.status = StatusLine(cfg.run.status_interval, label)
+        self.figures.device = str(next(model.parameters()).device)
         return dict(model=model, inner=inner, source=source, engine=engine)
 
     def _join(self, parts: dict[str, Any]) -> int:
         """Restores our checkpoint (if any) and publishes our fragments' states, waits for the swarm's peers and
         catches up with its state; returns the step to train from."""
         engine, controls = parts["engine"], self.owner.controls
-        step = self._step = self.checkpoints.restore(**parts)
+        step = self.figures.step = self.checkpoints.restore(**parts)
         for frag, st in zip(engine.fragments, engine.states):
             self.sync.publish(frag, st, step)
         controls.enter(PeerState.STARTING, "waiting for peers")
         self._wait_for_peers()
         controls.enter(PeerState.STARTING, "catching up with the swarm")
         return self._catch_up(engine, step, joining=True)
-
-    def _log_step(self, step: int, stats: StepStats, engine: StreamingEngine) -> None:
-        """The ``step`` event (every ``log_every`` steps): the losses, the throughput of the steps since the last
-        one, and compute against blocked seconds (compute utilization = compute / (compute + blocked))."""
-        t = self.throughput
-        t.lap()
-        self.events.emit("step", step=step, loss=stats.loss, ce=stats.ce, lr=stats.lr, tokens=t.tokens,
-                         tokens_per_second=t.tokens_per_second, elapsed=t.elapsed, floor=self._floor,
-                         compute_seconds=t.compute_seconds, blocked_seconds=engine.blocked_seconds, tau=self._tau())
 
     def _finish(self, step: int, parts: dict[str, Any]) -> int:
         """After the loop: completes the rounds in flight (a finish, or ``max_steps``: the others launched their last
@@ -320,7 +309,8 @@ class Trainer:
             log.error("%s: no peer of the run works with it any more; ask the operator for a new pass "
                       "(swarm.pass_path). Progress is kept in the checkpoint", ended)
         log.info("stopping after step %d (%s); %d rounds applied", step, reason, self.ledger.done)
-        self.events.emit("stop", step=step, reason=reason, rounds=self.ledger.done, tokens=self.throughput.tokens)
+        self.events.emit("stop", step=step, reason=reason, rounds=self.ledger.done,
+                         tokens=self.figures.throughput.tokens)
         return EXIT_PASS_ENDED if ended else 0
 
     # ---- the owner's controls ------------------------------------------------------------------
@@ -352,7 +342,7 @@ class Trainer:
             if now_why != why:
                 why = now_why
                 controls.enter(PeerState.PAUSED, why)
-            self._show_status(f"paused: {why}")
+            self.figures.show(f"paused: {why}")
             if controls.wake.wait(REST_SLICE_S):
                 controls.wake.clear()
         self.swarm.publish_paused(False)
@@ -364,38 +354,8 @@ class Trainer:
         controls.enter(PeerState.STARTING, "catching up with the swarm after a pause")
         step = self._catch_up(parts["engine"], step, joining=True)
         controls.enter(PeerState.TRAINING)
-        self._last_step_at = time.monotonic()
+        self.figures.last_step_at = time.monotonic()
         return step
-
-    def _figures(self) -> dict:
-        """The trainer's live figures for the control API's status (read from another thread: plain values)."""
-        engine, swarm = self.engine, getattr(self, "swarm", None)
-        tau = self._tau()  # ("auto" until the engine is built: reported as 0)
-        return dict(peer_id=getattr(self, "peer_id", ""), run_hash=self.run_hash, step=self._step, loss=self._loss,
-                    tokens_per_second=self.throughput.tokens_per_second, live_peers=swarm.live_count() if swarm else 1,
-                    paused_peers=len(swarm.paused_peers()) if swarm else 0,
-                    next_sync=engine.schedule.describe_next(self._step) if engine else "-",
-                    bytes_up=self.ledger.bytes_up, bytes_down=self.ledger.bytes_down,
-                    tau=tau if isinstance(tau, int) else 0, device=self._device,
-                    idle_seconds=time.monotonic() - self._last_step_at,
-                    excluded_peers=sorted(swarm.exclusions.excluded()) if swarm else [], **self._eval_figures())
-
-    def _tau(self) -> int | str:
-        """The overlap in force: ``tau = auto``'s choice now, else the configured tau."""
-        return self.auto_tau() if self.auto_tau else self.cfg.outer.tau
-
-    def _eval_figures(self) -> dict:
-        last = self.evaluation.last if self.evaluation is not None else None
-        if last is None:
-            return dict(eval_loss=None, eval_perplexity=None, eval_round=0)
-        return dict(eval_loss=last.loss, eval_perplexity=last.perplexity, eval_round=last.rounds[0])
-
-    def _report_eval(self, e: Evaluation) -> None:
-        log.info("the shared model's held-out loss: %.4f, perplexity %.2f (%d sequences; fragments at rounds %s, "
-                 "digests %s)", e.loss, e.perplexity, e.sequences, e.rounds, " ".join(d[:12] for d in e.digests))
-        self.events.emit("eval", step=self._step, loss=e.loss, perplexity=e.perplexity, rounds=e.rounds,
-                         digests=e.digests, sequences=e.sequences, tokens=e.tokens)
-        self.swarm.publish_eval(e.loss, e.rounds[0])
 
     # ---- phase -------------------------------------------------------------------------------
     def _catch_up(self, engine: StreamingEngine, step: int, **kw) -> int:
@@ -410,47 +370,8 @@ class Trainer:
         (:meth:`PhaseKeeper.realign`); our progress is kept."""
         return step if self.phase is None else self.phase.realign(engine.states, step, min_lag_seconds)
 
-    # ---- what the user sees --------------------------------------------------------------------
-    def _show_status(self, doing: Optional[str] = None) -> None:
-        """Prints the status line if it is due (also called while blocked, so the user never sees silence)."""
-        if self.status is None or not self.status.due():
-            return
-        self.status.show(step=self._step, loss=self._loss, floor=self._floor, tok_s=self.throughput.tokens_per_second,
-                         peers=self.swarm.live_count(), rounds=f"{self.ledger.ok}/{self.ledger.total}",
-                         next_sync=self.engine.schedule.describe_next(self._step) if self.engine else "-",
-                         up=self.ledger.bytes_up, down=self.ledger.bytes_down, doing=doing or describe(
-                             now=time.monotonic(), live=self.swarm.live_count(), need=self.cfg.swarm.min_group_size,
-                             activity=self.swarm.activity(), blocked=bool(self.engine and self.engine.waiting),
-                             moved_ahead=self.phase.moved_ahead() if self.phase else None))
-
-    def _tell_pace(self, step: int) -> None:
-        """Says once per streak that we do not keep the swarm's pace (peer/run/pace.py): console and event."""
-        if not self.pace.out_of_pace:
-            return
-        others = [r.upload_bytes_per_second for pid, r in self.swarm.live_peers().items() if pid != self.peer_id]
-        if (why := self.pace.verdict(self.swarm.declared_uplink(), others)) is not None:
-            log.warning("%s", why)
-            self.events.emit("out_of_pace", step=step, reason=why)
-
     def _schedule(self, num_fragments: int):
         cfg = self.cfg.outer
         if cfg.schedule == "clock":
             return ClockSchedule(cfg.round_seconds, num_fragments, origin=cfg.clock_origin, clock=get_dht_time)
         return StepsSchedule(cfg.sync_every, num_fragments)
-
-    def _report(self, label: str, frag: Fragment, st: FragmentState, outcome: RoundOutcome, step: int) -> None:
-        """Acts on one applied (or missed) round (a late one: catch up; a partial one: our state is suspect), then
-        the ledger counts and tells it."""
-        if outcome.status == RoundStatus.BEHIND:  # the swarm is past it: take its state right after this step
-            self.sync.note_late()
-        if outcome.status == RoundStatus.PARTIAL:  # a span we did not apply: our state of it is likely the odd one
-            self.sync.note_partial(frag.index)
-        if outcome.status == RoundStatus.OFF_BASE:  # the group applied our part to its base: take its result
-            self.sync.owe(frag.index, outcome.round, outcome.appliers)
-        digest = self.sync.publish(frag, st, step)
-        self.owner.count_round(str(outcome.status))
-        if self.auto_tau is not None and RoundStatus(outcome.status).averaged:
-            self.auto_tau.observe_round(outcome.seconds)
-        self.ledger.record(label, frag.index, frag.numel, outcome, step, digest)
-        self.pace.round(outcome.status)
-        self._tell_pace(step)
