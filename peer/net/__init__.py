@@ -7,9 +7,9 @@
 - ``policy``: pure decisions from the records (consensus, agreement), no I/O;
 - ``round``: one round on the wire (matchmaking, the group's plan, the all-reduce, two levels, the runner);
 - here: ``swarm`` (the owner of all of it: the networking thread, rounds), its ``heartbeat`` (our progress
-  record out, everyone's in), ``state_transfer``
-  (snapshots and verified downloads), ``transport`` (the engine's transport over the swarm), ``probe`` (the
-  doctor's look at a swarm).
+  record out, everyone's in), ``our_record`` (what our record says, set by the training thread),
+  ``state_transfer`` (snapshots and verified downloads), ``transport`` (the engine's transport over the swarm),
+  ``probe`` (the doctor's look at a swarm).
 
 May import: ``peer.outer``, ``peer.config``, ``peer.util``, ``peer.proto``; never ``peer.run``.
 """

@@ -66,8 +66,8 @@ class StateServicer(ServicerBase):
     """Serves this peer's last two snapshots of each fragment (a requester may have seen the previous
     round advertised). :meth:`publish` may be called from any thread (item assignments of new
     objects); the handler reads one snapshot object per request. The snapshots are written by :meth:`publish`
-    only (the training thread's, through ``Swarm.publish_snapshot``); ``serving`` and the requesters' pacers by the
-    handler, on ``swarm-net``."""
+    only (the training thread's, through ``OurRecord.publish_snapshot``); ``serving`` and the requesters' pacers by
+    the handler, on ``swarm-net``."""
 
     def __init__(self, chunk_elems: int, *, guard: StreamGuard, request_timeout: float, stream_timeout: float,
                  upload: Optional[Pacer] = None, max_uploads: int = 2):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import math
 import threading
 import time
 from typing import Callable, Optional
@@ -25,7 +24,7 @@ from hivemind.utils import get_dht_time
 from peer.net.round.reducer import AllReduceServicer
 from peer.net.trust.auth import Admission, RunAccess, encode_pass, identity_key
 from peer.net.flow.bandwidth import Bandwidth
-from peer.net.view.activity import RoundActivity, RoundStage
+from peer.net.view.activity import RoundActivity
 from peer.net.policy.agreement import quorum_count
 from peer.net.view.attendance import Absent, Attendance
 from peer.net.plumbing.dial_back import DialBackServicer, nat_verdict
@@ -42,14 +41,14 @@ from peer.outer.rounds import RoundOutcome
 from peer.net.trust.progress import dht_security, progress_key
 from peer.net.view.roster import Roster
 from peer.net.round.round_runner import Lesson, RoundRunner
-from peer.net.trust.records import MAX_PAST, ProgressRecord
+from peer.net.trust.records import ProgressRecord
 from peer.net.heartbeat import Heartbeat
+from peer.net.our_record import OurRecord
 from peer.net.state_transfer import DownloadError, ServedState, StateServicer, download
-from peer.util import VERSION, Stopped, result_or_stop
+from peer.util import Stopped, result_or_stop
 
 log = logging.getLogger(__name__)
 
-PAST_ROUNDS = 4  # rounds per fragment a record remembers (consensus.digest_at): rounds may be faster than records
 HOST_LISTING_PERIOD = 0.5  # seconds between two listings of the daemon's connections (per-host stream budgets)
 
 
@@ -65,11 +64,10 @@ class Swarm:
     Must be started before CUDA is initialized (the DHT forks). Every method except :meth:`start`
     must be called after :meth:`start` and before :meth:`shutdown`.
 
-    Who writes its state: what our record publishes (``_progress``, ``_eval``, ``paused``, ``_past``, the served
-    snapshots) the training thread, through :meth:`update_progress`, :meth:`publish_eval`, :meth:`publish_paused`
-    and :meth:`publish_snapshot`; the roster, the attendance, the rounds in flight, ``client_mode`` and the host
-    listing ``swarm-net`` (the heartbeat, the rounds and :meth:`learn`); ``_dht`` and ``_p2p`` :meth:`start` and
-    :meth:`shutdown`, on the thread that owns the swarm.
+    Who writes its state: what our record publishes (``ours``, :class:`~peer.net.our_record.OurRecord`, and the
+    snapshots it serves) the training thread; the roster, the attendance, the rounds in flight, ``client_mode`` and
+    the host listing ``swarm-net`` (the heartbeat, the rounds and :meth:`learn`); ``_dht`` and ``_p2p``
+    :meth:`start` and :meth:`shutdown`, on the thread that owns the swarm.
     """
 
     def __init__(self, cfg: SwarmConfig, *, run_key: str, codec, identity_path: str,
@@ -120,10 +118,7 @@ class Swarm:
         self.dial_back = DialBackServicer(guard=self.guard, timeout=cfg.request_timeout,
                                           request_timeout=cfg.request_timeout)
         self._subkey = b""
-        # (step, round of fragment 0, tokens/s, last loss), published by the heartbeat
-        self._progress: tuple[int, int, float, Optional[float]] = (0, 0, 0.0, None)
-        self._eval: tuple[Optional[float], int] = (None, 0)  # the shared model's held-out loss, and its round
-        self.paused = False  # published by the heartbeat: set while the owner pauses the trainer (publish_paused)
+        self.ours = OurRecord(self.state_servicer)  # what our record says (set by the training thread)
         self.client_mode = cfg.client_mode  # or set at start when nobody outside can dial us (_check_reachability)
         # who we see: live records, vouched speeds, partners, known peers (peer/net/view/roster.py; fed by the
         # heartbeat)
@@ -132,7 +127,6 @@ class Swarm:
         self._heartbeat: Optional[Heartbeat] = None  # our record out, everyone's in (set by start())
         # rounds in flight, by (fragment, round): added and removed by run_round on swarm-net, read by activity()
         self._rounds: dict[tuple[int, int], RoundRunner] = {}
-        self._past: dict[int, dict[int, str]] = {}  # fragment -> {round: digest} of our last snapshots (replaced whole)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self, stop: Optional[threading.Event] = None) -> None:
@@ -235,37 +229,11 @@ class Swarm:
         return [str(m) for m in self.dht.get_visible_maddrs()]
 
     # ---- progress records ------------------------------------------------------------------
-    def update_progress(self, step: int, round_: int, tokens_per_second: float,
-                        loss: Optional[float] = None) -> None:
-        """Sets what the next heartbeat publishes (cheap; call from the training loop). A loss that is not a finite
-        non-negative number is not published."""
-        published = float(loss) if loss is not None and math.isfinite(loss) and 0 <= loss <= 1e6 else None
-        self._progress = (step, round_, float(tokens_per_second), published)
-
-    def publish_eval(self, loss: float, round_: int) -> None:
-        """Sets the shared model's held-out loss (evaluated after fragment 0's round ``round_``) that the next
-        heartbeats publish (the monitor's held-out chart). A loss that is not finite and non-negative is not."""
-        self._eval = (float(loss) if math.isfinite(loss) and 0 <= loss <= 1e6 else None, round_)
-
-    def publish_paused(self, paused: bool) -> None:
-        """Sets whether the next heartbeats say this peer is paused by its owner (in no group, no vote, no wait)."""
-        self.paused = paused
-
     def _record(self) -> ProgressRecord:
         """Our progress record as of now (the heartbeat publishes it; called on swarm-net)."""
-        step, round_, tps, loss = self._progress
-        snaps = self._snapshots()
-        activity = self.activity()
-        seeking = [[a.fragment, a.round] for a in activity if a.stage is not RoundStage.ALLREDUCE]
-        averaging = [[a.fragment, a.round] for a in activity if a.stage is RoundStage.ALLREDUCE]
-        return ProgressRecord(peer_id=self.peer_id, step=step, round=round_, tokens_per_second=tps, seeking=seeking,
-                              averaging=averaging, paused=self.paused, loss=loss, version=VERSION,
-                              client_mode=self.client_mode, time=get_dht_time(),
-                              rounds=[s.round for s in snaps if s], digests=[s.digest for s in snaps if s],
-                              past=self._past_entries(),
-                              pass_line=encode_pass(self.access.token) if self.access else "",
-                              eval_loss=self._eval[0], eval_round=self._eval[1],
-                              upload_bytes_per_second=self.declared_uplink())
+        return self.ours.record(peer_id=self.peer_id, activity=self.activity(), client_mode=self.client_mode,
+                                pass_line=encode_pass(self.access.token) if self.access else "",
+                                uplink=self.declared_uplink())
 
     def wait_first_read(self, timeout: float) -> bool:
         """Blocks until the heartbeat has read the others' progress records once (found or not), up to
@@ -295,42 +263,11 @@ class Swarm:
         """The live records the consensus rules may act on: :meth:`Roster.vouched_peers`."""
         return self.roster.vouched_peers()
 
-    def applied_rounds(self) -> list[int]:
-        """Our applied round per fragment, as our published snapshots say ([] before the trainer published all)."""
-        snaps = self._snapshots()
-        return [s.round for s in snaps if s] if all(snaps) else []
-
-    def _snapshots(self) -> list[Optional[ServedState]]:
-        """Our published snapshot per fragment (None: not published yet)."""
-        return [self.state_servicer.snapshots.get(p) for p in range(len(self.state_servicer.snapshots))]
-
     def live_count(self) -> int:
         """Live peers of this run, ourselves always included."""
         return live_count(self.live_peers(), self.peer_id)
 
     # ---- state transfer --------------------------------------------------------------------
-    def _past_entries(self) -> list[tuple[int, int, str]]:
-        """The ``past`` of our record: per fragment, its last rounds before the current one (fewer per fragment
-        when there are many fragments: the record's list is bounded by MAX_PAST)."""
-        past = dict(self._past)  # (replaced whole by publish_snapshot: a consistent copy)
-        per_fragment = min(PAST_ROUNDS - 1, MAX_PAST // max(1, len(past)))
-        return [(p, r, d) for p, rounds in sorted(past.items()) for r, d in list(rounds.items())[-1 - per_fragment:-1]]
-
-    def publish_snapshot(self, snap: ServedState, *, adopted: bool = False) -> None:
-        """Serves ``snap`` to joiners and advertises its (round, digest) with the next heartbeat (and, for
-        PAST_ROUNDS rounds after, in the record's ``past``). ``adopted``: a state downloaded from the swarm,
-        which replaces our earlier rounds' digests (they were of a state we left). May be called from any
-        thread."""
-        self.state_servicer.publish(snap)
-        past = {**({} if adopted else self._past.get(snap.fragment, {})), snap.round: snap.digest}
-        self._past = {**self._past, snap.fragment: dict(sorted(past.items())[-PAST_ROUNDS:])}
-
-    def recent_digests(self, num_fragments: int) -> list[dict[int, str]]:
-        """Per fragment, our digests of its last PAST_ROUNDS published rounds ({round: digest}; the drift check
-        compares at the latest one other records cover: consensus.plan_catch_up)."""
-        past = self._past
-        return [dict(past.get(p, {})) for p in range(num_fragments)]
-
     def download_state(self, fragment: int, donors: list[str], *, round_: int, numel: int, digest: str,
                        stop: Optional[threading.Event] = None) -> ServedState:
         """Blocking: the fragment's state ``digest`` in parts from up to ``state_donors`` donors at once
@@ -406,8 +343,8 @@ class Swarm:
     def invited(self, here: tuple[int, int]) -> frozenset[str]:
         """Whom round ``here`` waits for now (:meth:`Attendance.expected`; the round hands its last answer back in
         its lesson)."""
-        return self.attendance.expected(self.live_peers(), self.peer_id, self.applied_rounds(), self.roster.partnered,
-                                        here=here)
+        return self.attendance.expected(self.live_peers(), self.peer_id, self.ours.applied_rounds(),
+                                        self.roster.partnered, here=here)
 
     def quorum_count(self, invited: frozenset[str]) -> int:
         """The count a round declares (agreement.quorum_count), of the peers it waits for (:meth:`invited`)."""
@@ -438,7 +375,7 @@ class Swarm:
 
     def _observe(self) -> None:
         """After each read of the records (the heartbeat, on swarm-net): what the attendance notes of them."""
-        self.attendance.observe(self.live_peers(), self.applied_rounds())
+        self.attendance.observe(self.live_peers(), self.ours.applied_rounds())
 
     def declared_uplink(self) -> float:
         """Our uplink in bytes/s as we declare it to groups and in our record: measured, at most the owner's upload

@@ -117,7 +117,7 @@ class StateSync:
         download, so donors' parts are verified block by block."""
         blocks = st.digest_blocks()
         digest = digest_of_blocks(blocks)
-        self.swarm.publish_snapshot(ServedState(frag.index, st.last_applied, step, st.G, st.v, digest, blocks),
+        self.swarm.ours.publish_snapshot(ServedState(frag.index, st.last_applied, step, st.G, st.v, digest, blocks),
                                     adopted=adopted)
         self.on_fragment(frag.index, st.last_applied, digest, frag.numel)
         self._digests[frag.index] = digest
@@ -136,7 +136,7 @@ class StateSync:
         plans = plan_catch_up(records, self.swarm.peer_id, [st.last_applied for st in engine.states],
                               [self.digest(p) for p in range(len(engine.states))],
                               joining=joining, expected=expected, late=late, suspect=sorted(self._suspect),
-                              my_past=self.swarm.recent_digests(len(engine.states)))
+                              my_past=self.swarm.ours.recent_digests(len(engine.states)))
         owed = self._owed_plans(self.swarm.live_peers())
         plans = [plan for plan in plans if plan.fragment not in owed] + list(owed.values())
         self._recheck = any(plan.wait for plan in plans if plan.fragment not in owed)

@@ -64,7 +64,7 @@ class RoundReports:
                  "digests %s)", e.loss, e.perplexity, e.sequences, e.rounds, " ".join(d[:12] for d in e.digests))
         self.events.emit("eval", step=step, loss=e.loss, perplexity=e.perplexity, rounds=e.rounds,
                          digests=e.digests, sequences=e.sequences, tokens=e.tokens)
-        self.swarm.publish_eval(e.loss, e.rounds[0])
+        self.swarm.ours.publish_eval(e.loss, e.rounds[0])
 
     def _tell_pace(self, step: int) -> None:
         """Says once per streak that we do not keep the swarm's pace (peer/run/pace.py): console and event."""

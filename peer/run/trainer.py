@@ -206,7 +206,7 @@ class Trainer:
             engine.add_tokens(stats.tokens)
             if step % cfg.run.log_every == 0:
                 figures.log_step(step, stats, engine)
-            self.swarm.update_progress(step, engine.states[0].round, figures.throughput.tokens_per_second,
+            self.swarm.ours.update_progress(step, engine.states[0].round, figures.throughput.tokens_per_second,
                                        figures.loss)
             engine.launch_due(step)
             engine.apply_due(step)
@@ -331,7 +331,7 @@ class Trainer:
         controls.enter(PeerState.PAUSING, f"{why}; completing the rounds in flight")
         engine.drain(step)
         self.checkpoints.save(step, **parts, wait=True)
-        self.swarm.publish_paused(True)
+        self.swarm.ours.publish_paused(True)
         log.info("paused after step %d (%s): rounds in flight applied, checkpoint written; the swarm sees this peer "
                  "as paused", step, why)
         self.events.emit("pause", step=step, reason=why)
@@ -345,7 +345,7 @@ class Trainer:
             self.figures.show(f"paused: {why}")
             if controls.wake.wait(REST_SLICE_S):
                 controls.wake.clear()
-        self.swarm.publish_paused(False)
+        self.swarm.ours.publish_paused(False)
         paused_s = time.monotonic() - t0
         self.events.emit("pause_end", step=step, seconds=paused_s)
         if self.stop.event.is_set() or controls.finish_requested:
