@@ -197,7 +197,7 @@ def one_preset(args) -> dict:
         return {"preset": args.one, "loop": args.loop, "host_peak_rss_bytes": host_peak_bytes(),
                 "peak_vram_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
     timed[0] = True
-    waited = (engine.blocked_seconds, engine.worker_wait_seconds)
+    waited = (engine.waits.blocked_seconds, engine.waits.worker_wait_seconds)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times: dict[str, list[float]] = {"plain": [], "peer": []}
@@ -238,7 +238,8 @@ def one_preset(args) -> dict:
                       for k, v in blocked.items()},
         # of the applies' time: waiting for the transport's aggregate, and for the worker's prepared state
         "launch_s": blocked["launch"], "apply_s": blocked["apply"],
-        "waited_s": {"transport": engine.blocked_seconds - waited[0], "worker": engine.worker_wait_seconds - waited[1]},
+        "waited_s": {"transport": engine.waits.blocked_seconds - waited[0],
+                     "worker": engine.waits.worker_wait_seconds - waited[1]},
         "outer_on_device": engine.device_state is not None,
         "bytes_by_size": {"model_fp32": 4 * n, "adamw": 8 * n, "outer_state": 4 * n * outer_copies,
                           "outer_copies": outer_copies,

@@ -62,6 +62,19 @@ class DeviceState:
         self._staging = ([torch.empty(numel, pin_memory=True) for _ in range(3)] if self._stream is not None
                          else None)
 
+    @classmethod
+    def choose(cls, device: torch.device, numels: Sequence[int], wanted: Optional[bool], *,
+               eligible: bool) -> Optional["DeviceState"]:
+        """The device copies of fragments of ``numels`` elements, where ``wanted`` (None: on CUDA, where the device
+        has twice the room they take free); ``eligible``: the engine's mode allows the device path (ValueError
+        where it is wanted and not)."""
+        if wanted and not eligible:
+            raise ValueError("the outer state on the device needs 0 <= tau < H and no error feedback")
+        if wanted is None:
+            need = cls.bytes_needed(sum(numels))
+            wanted = eligible and device.type == "cuda" and torch.cuda.mem_get_info(device)[0] >= 2 * need
+        return cls(device, len(numels), max(numels, default=0)) if wanted else None
+
     @staticmethod
     def bytes_needed(numel: int) -> int:
         """Device bytes the copies take for a model of ``numel`` trainable elements (two fp32 vectors), not counting

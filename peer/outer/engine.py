@@ -19,22 +19,23 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
-import time
 from typing import Callable, Optional
 
 import torch
 
 from peer.outer.codec import Codec
+from peer.outer.eager import Eager
 from peer.outer.device_state import DeferredLaunch, DeviceState, Staged, to_host
 from peer.outer.feedback import Feedback
 from peer.outer.fragments import Fragment
-from peer.outer.inflight import Handover, Pending, Prepared
+from peer.outer.inflight import Handover, Pending, Prepared, Waits
 from peer.outer.offload import HostBuffers, OuterWorker, device_of, gather, scatter, snapshot, to_device
+from peer.outer import saved_state
 from peer.outer.rounds import Handle, RoundOutcome, RoundStatus, Transport
-from peer.outer.state import FragmentState, NesterovSGD, advance_shared, block_digests, merge_into, merge_target
+from peer.outer.state import (FragmentState, NesterovSGD, advance_shared, blend, block_digests, merge_into,
+                               merge_target)
 from peer.outer.schedule import ClockSchedule, StepsSchedule
 from peer.outer.settings import OuterSettings
-from peer.util import time_left
 
 log = logging.getLogger(__name__)
 
@@ -59,26 +60,24 @@ class StreamingEngine:
         self.transport = transport
         self.opt = NesterovSGD(lr=settings.lr, momentum=settings.momentum)
         self.pending: list[list[Pending]] = [[] for _ in fragments]
-        self.last_share: list[Optional[float]] = [None] * len(fragments)  # our w/W in the last aggregate
-        self.group_size_hint = group_size_hint
         self.stop = stop or threading.Event()
         self.on_outcome = on_outcome
         self.schedule = schedule or StepsSchedule(settings.H, len(fragments))
         self.states = [FragmentState.from_params(f.flat(), self._eager_terms(), E_in_sync_point=self.one_outer_step)
                        for f in fragments]
         self.tau_fn = tau_fn  # tau = auto: asked at each launch; returns 0 to H - 1 (settings.AutoTau, clamp_tau)
-        self.blocked_seconds = 0.0  # time spent waiting for aggregates (compute utilization)
-        self.waiting = False  # blocked in apply_due right now
-        self.on_wait = on_wait  # called about every 0.2 s while blocked (the trainer shows its status)
         self.worker = OuterWorker()  # the host math of arrived aggregates and error feedback (stopped by close)
         # optional error feedback: the codec's rounding error of what we sent is added to our next Delta
         self.feedback = (Feedback(len(fragments), error_feedback_codec, self.worker)
                          if error_feedback_codec is not None else None)
         self.handover = Handover(self.worker, self._prepare)  # (the one writer of a round's prepared aggregate)
+        # the waits for aggregates, timed; on_wait is called about every 0.2 s while blocked (the trainer's status)
+        self.waits = Waits(self.handover, timeout=settings.wait_timeout, stop=self.stop, on_wait=on_wait)
         self.digest_of = digest_of or (lambda p: self.states[p].digest())
         # the launches' fragment-sized host vectors, reused (see _retire): a snapshot and Delta per round in flight
         device = device_of(fragments[0]) if fragments else torch.device("cpu")
-        self.device_state = self._device_state(device, state_on_device)
+        self.device_state = DeviceState.choose(device, [f.numel for f in fragments], state_on_device,
+                                               eligible=not self.one_outer_step and self.feedback is None)
         # the device path pools only Delta's host copy, which the device writes (waited for) and never reads
         self.buffers = HostBuffers(max((f.numel for f in fragments), default=0), pinned=device.type == "cuda",
                                    keep=2 * len(fragments) + 1,
@@ -87,20 +86,12 @@ class StreamingEngine:
             self.buffers.give(self.buffers.take(self.buffers.numel))
             for p, st in enumerate(self.states):
                 self.device_state.current(p, st.G, st.v)
-        self.worker_wait_seconds = 0.0  # the training thread's time waiting for the worker's prepared aggregates
+        # our share of each round, and the eager jump it scales (peer/outer/eager.py)
+        self.eager = Eager(fragments, self.opt, self.buffers, alpha=settings.alpha, replay=settings.merge == "replay",
+                           group_size_hint=group_size_hint)
         # the device path's launches, handed to the transport once Delta is on the host (stopped by close)
         self._launcher = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="outer-launch")
                           if self.device_state is not None else None)
-
-    def _device_state(self, device: torch.device, wanted: Optional[bool]) -> Optional[DeviceState]:
-        eligible = not self.one_outer_step and self.feedback is None
-        if wanted and not eligible:
-            raise ValueError("the outer state on the device needs 0 <= tau < H and no error feedback")
-        if wanted is None:
-            need = DeviceState.bytes_needed(sum(f.numel for f in self.fragments))
-            wanted = eligible and device.type == "cuda" and torch.cuda.mem_get_info(device)[0] >= 2 * need
-        return (DeviceState(device, len(self.fragments), max((f.numel for f in self.fragments), default=0))
-                if wanted else None)
 
     def close(self) -> None:
         """Stops the engine's threads (its state stays readable). Must be called once the engine is done."""
@@ -116,15 +107,6 @@ class StreamingEngine:
     def add_tokens(self, tokens: int) -> None:
         for st in self.states:
             st.tokens_since_sync += tokens
-
-    def _share(self, p: int) -> float:
-        """w / W: this peer's expected share of the group's weight, estimated as its share in the
-        fragment's last aggregate (1/M for equal peers; phases of different length cancel out)."""
-        return self.last_share[p] or 1.0 / max(1, self.group_size_hint())
-
-    def _record_share(self, p: int, pend: Pending, outcome: RoundOutcome) -> None:
-        if outcome.total_weight > 0:
-            self.last_share[p] = min(1.0, pend.weight / outcome.total_weight)
 
     def expected_round(self, p: int) -> int:
         """The last round of fragment ``p`` our state will have applied once the rounds in flight land."""
@@ -168,7 +150,7 @@ class StreamingEngine:
             tau = self.cfg.tau if self.tau_fn is None else self.tau_fn()
             jump = None
             if self.cfg.eager and 0 < tau < self.cfg.H:
-                jump, theta = self._eager_jump(p, theta, delta, st.G, st.v)
+                jump, theta = self.eager.jump(p, theta, delta, st.G, st.v)
             theta_at_launch = theta if self.cfg.merge == "replay" else None
             if jump is None and theta_at_launch is None:
                 self.buffers.give(theta)
@@ -198,28 +180,11 @@ class StreamingEngine:
         tau = self.cfg.tau if self.tau_fn is None else self.tau_fn()
         jump = None
         if self.cfg.eager and 0 < tau < self.cfg.H:
-            jump, theta = self._eager_jump(p, theta, delta, copy.G, copy.v)
+            jump, theta = self.eager.jump(p, theta, delta, copy.G, copy.v)
         theta_at_launch = theta if self.cfg.merge == "replay" else None
         pend = Pending(r, step, host, weight, handle, tau, theta_at_launch, jump, base=base)
         self.pending[p].append(pend)
         self.handover.on_arrival(pend, st.G, st.v, copy)
-
-    def _eager_jump(self, p: int, theta: torch.Tensor, delta: torch.Tensor, G: torch.Tensor,
-                    v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Moves fragment ``p``'s weights from ``theta`` to ``G + E``, ``E = effect(v, share * delta)``: our own share
-        of the round, applied now; the aggregate corrects it when it arrives. Returns the jump (kept with the round:
-        all that its apply needs to undo where nothing arrived; E itself is not kept) and the weights jumped to.
-        ``theta``'s buffer becomes the jump's; ``E`` is computed in a pooled buffer (a fresh fragment-sized buffer
-        costs more in page faults than its arithmetic) and given back here (the replay merge keeps its own copy of
-        the weights jumped to, ``term + G``)."""
-        scratch = self.buffers.take(theta.numel()) if theta.device.type == "cpu" else torch.empty_like(theta)
-        term = self.opt.effect(v, delta, scale=self._share(p), out=scratch)
-        # (G + E and E + G are the same bits)
-        merged = self._merged(theta, term + G if self.cfg.merge == "replay" else term.add_(G))
-        scatter(self.fragments[p], merged)
-        jump = torch.sub(merged, theta, out=theta)
-        self.buffers.give(scratch)
-        return jump, merged
 
     def _not_launched(self, p: int, r: int, weight: float, handle: Handle, step: int) -> bool:
         """Reports at once a round the transport decided not to launch (alone, or the swarm is past it): nothing
@@ -279,11 +244,9 @@ class StreamingEngine:
         """Waits for fragment ``p``'s oldest round in flight and applies it (reported to ``on_outcome``)."""
         queue = self.pending[p]
         pend = queue.pop(0)
-        outcome = self._wait(pend, p) if pend.prepared is None else None
-        in_hand = self.handover.retire(pend)  # (a done callback may have handed it to the worker while we waited)
-        t0 = time.monotonic()
-        prepared = in_hand.result() if in_hand is not None else None
-        self.worker_wait_seconds += time.monotonic() - t0
+        outcome = self.waits.outcome(pend, p) if pend.prepared is None else None
+        # (a done callback may have handed it to the worker while we waited)
+        prepared = self.waits.prepared(self.handover.retire(pend))
         outcome = prepared.outcome if prepared is not None else outcome
         assert outcome is not None
         if not RoundStatus(outcome.status).launched:  # (a deferred launch, kept home)
@@ -347,33 +310,6 @@ class StreamingEngine:
                 st, theta = self.states[p], self.fragments[p].flat()
                 st.E = theta - st.G  # the phase starts from theta = G + E (sync_point)
 
-    def _wait(self, pend: Pending, p: int) -> RoundOutcome:
-        t0 = time.monotonic()
-        self.waiting = True
-        try:
-            return self._wait_until_deadline(pend, p, t0 + self.cfg.wait_timeout)
-        finally:
-            self.waiting = False
-            self.blocked_seconds += time.monotonic() - t0
-
-    def _wait_until_deadline(self, pend: Pending, p: int, deadline: float) -> RoundOutcome:
-        while True:
-            try:
-                outcome = pend.handle.result(timeout=min(0.2, time_left(deadline)))
-                self.handover.answered(pend)
-                return outcome
-            except TimeoutError:
-                self.on_wait()
-                if self.stop.is_set() or time.monotonic() >= deadline:
-                    pend.handle.cancel()
-                    why = "stopping" if self.stop.is_set() else f"not in within wait_timeout {self.cfg.wait_timeout}s"
-                    return RoundOutcome(p, pend.round, RoundStatus.MISSED, error=why)
-
-    def _merged(self, theta: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if self.cfg.alpha == 0.0:  # (the default) the target itself: the blend changes no value but a zero's sign
-            return target
-        return self.cfg.alpha * theta + (1.0 - self.cfg.alpha) * target
-
     def _apply_streaming(self, p: int, pend: Pending, outcome: RoundOutcome, prepared: Optional[Prepared]) -> None:
         """state.apply_round's two halves: the shared state (prepared ahead where the aggregate came early), then
         the merge, computed where the parameters are (no copy of them to the host), and the eager undo."""
@@ -412,7 +348,7 @@ class StreamingEngine:
             self._restore_residual(p, pend, ~applied)
         if prepared.whole or bool(applied.any()):
             st.applied_rounds.append(pend.round)
-            self._record_share(p, pend, outcome)
+            self.eager.record(p, pend.weight, outcome.total_weight)
         elif not delivered:
             st.tokens_since_sync += int(pend.weight)
 
@@ -425,10 +361,10 @@ class StreamingEngine:
                 sl = slice(span.start, span.end)
                 self.opt.step_(G[sl], v[sl], average)
             st.G, st.v = G, v
-            self._record_share(p, prev, outcome)
+            self.eager.record(p, prev.weight, outcome.total_weight)
         if self.cfg.eager and st.E is not None and st.u is not None:
-            self.opt.step_(st.E, st.u, self._share(p) * (fresh.delta - prev.delta))
-        frag.assign(self._merged(frag.flat(), st.sync_point()))  # the next phase starts there
+            self.opt.step_(st.E, st.u, self.eager.share(p) * (fresh.delta - prev.delta))
+        frag.assign(blend(frag.flat(), st.sync_point(), self.cfg.alpha))  # the next phase starts there
         if arrived:
             st.applied_rounds.append(prev.round)
 
@@ -496,37 +432,14 @@ class StreamingEngine:
         return [t for st in self.states for t in (st.G, st.v)]
 
     def state_dict(self) -> dict:
-        """Outer state for a checkpoint (tensors and plain values only). Rounds in flight are saved
-        as what is needed to forget them on load: their aggregates cannot be waited for after a restart.
-        The eager terms E and u are saved only when this peer's settings use them; S is derived."""
-        terms = ("G", "v") + self._eager_terms()
-        return {
-            "fragments": [dict({k: getattr(st, k) for k in terms}, round=st.round,
-                               tokens_since_sync=st.tokens_since_sync, applied_rounds=st.applied_rounds[-64:])
-                          for st in self.states],
-            "pending": [[dict(round=pd.round, weight=pd.weight, jump=None if pd.jump is None else pd.jump.cpu())
-                         for pd in q] for q in self.pending],
-            "last_share": list(self.last_share),
-            "error_feedback": None if self.feedback is None else self.feedback.state_dict(),
-        }
+        """Outer state for a checkpoint (:func:`peer.outer.saved_state.save`)."""
+        return saved_state.save(self.states, self.pending, self.eager.last_share, self.feedback,
+                                ("G", "v") + self._eager_terms())
 
     def load_state_dict(self, state: dict) -> None:
-        """Restores :meth:`state_dict`. Must be called after the model weights were restored; rounds
-        that were in flight count as missed (eager jump undone, tokens carried)."""
-        if len(state["fragments"]) != len(self.states):
-            raise ValueError(f"checkpoint has {len(state['fragments'])} fragments, the model has {len(self.states)}")
-        for st, saved in zip(self.states, state["fragments"]):
-            if saved["G"].shape != st.G.shape:
-                raise ValueError(f"checkpoint fragment of {saved['G'].numel()} elements, model has {st.G.numel()}")
-            st.G, st.v = saved["G"].clone(), saved["v"].clone()  # (an older checkpoint's S equals G or G + E)
-            # absent when the saving peer did not use them (zero); a peer that does starts them from zero
-            st.E, st.u = ((saved[k].clone() if k in saved else torch.zeros_like(st.G)) if k in self._eager_terms()
-                          else None for k in ("E", "u"))
-            st.round, st.tokens_since_sync = saved["round"], saved["tokens_since_sync"]
-            st.applied_rounds = list(saved["applied_rounds"])
-        self.last_share = list(state["last_share"])
-        if self.feedback is not None and state.get("error_feedback"):
-            self.feedback.load_state_dict(state["error_feedback"])
+        """Restores :meth:`state_dict` (:func:`peer.outer.saved_state.restore`). Must be called after the model
+        weights were restored; rounds that were in flight count as missed (eager jump undone, tokens carried)."""
+        self.eager.last_share = saved_state.restore(state, self.states, self.feedback, self._eager_terms())
         for p, queue in enumerate(state["pending"]):
             for pend in queue:
                 self._forget(p, pend["weight"], pend["jump"])

@@ -1,17 +1,18 @@
-"""A round in flight, and the hand-over of its aggregate to the engine's worker.
+"""A round in flight: the hand-over of its aggregate to the engine's worker, and the training thread's wait for it.
 
 :class:`Pending` is what a launch leaves for its apply at ``launch + tau``; :class:`Prepared` is the round's
 aggregate applied to copies of the shared state by the worker, ahead of that step. :class:`Handover` is the one
 writer of a round's ``prepared``, ``answered`` and ``retired``: the training thread (at step boundaries, and when it
 takes a round out to apply or drop it) and the thread that completes a round (a done callback on its handle) both
 go through it, under its lock, so an aggregate is handed to the worker at most once and never after its round
-left the queue.
+left the queue. :class:`Waits` is the training thread's wait for a round's outcome and prepared aggregate, timed.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -21,6 +22,7 @@ import torch
 from peer.outer.device_state import Staged
 from peer.outer.offload import OuterWorker
 from peer.outer.rounds import Handle, RoundOutcome, RoundStatus
+from peer.util import time_left
 
 
 @dataclass
@@ -118,3 +120,47 @@ class Handover:
         with self._lock:
             pend.retired = True
             return pend.prepared
+
+
+class Waits:
+    """The training thread's waits at a round's apply: for the transport's outcome (up to ``timeout`` s; ``stop``
+    ends it; ``on_wait()`` about every 0.2 s meanwhile) and for the worker's prepared aggregate. Its fields are
+    written by the training thread only: ``blocked_seconds`` (the transport's waits: compute utilization),
+    ``worker_wait_seconds`` and ``waiting`` (blocked on the transport right now; the status line reads it)."""
+
+    def __init__(self, handover: Handover, *, timeout: float, stop: threading.Event, on_wait: Callable[[], None]):
+        self.handover, self.timeout, self.stop, self.on_wait = handover, timeout, stop, on_wait
+        self.blocked_seconds = 0.0
+        self.worker_wait_seconds = 0.0
+        self.waiting = False
+
+    def outcome(self, pend: Pending, p: int) -> RoundOutcome:
+        """``pend``'s outcome (fragment ``p``), or ``missed`` once ``timeout`` passed or ``stop`` is set (the
+        round is then cancelled)."""
+        t0 = time.monotonic()
+        self.waiting = True
+        try:
+            return self._until(pend, p, t0 + self.timeout)
+        finally:
+            self.waiting = False
+            self.blocked_seconds += time.monotonic() - t0
+
+    def _until(self, pend: Pending, p: int, deadline: float) -> RoundOutcome:
+        while True:
+            try:
+                outcome = pend.handle.result(timeout=min(0.2, time_left(deadline)))
+                self.handover.answered(pend)
+                return outcome
+            except TimeoutError:
+                self.on_wait()
+                if self.stop.is_set() or time.monotonic() >= deadline:
+                    pend.handle.cancel()
+                    why = "stopping" if self.stop.is_set() else f"not in within wait_timeout {self.timeout}s"
+                    return RoundOutcome(p, pend.round, RoundStatus.MISSED, error=why)
+
+    def prepared(self, in_hand: Optional[concurrent.futures.Future]) -> Optional[Prepared]:
+        """The worker's prepared aggregate (None where none was handed to it), once it is done."""
+        t0 = time.monotonic()
+        prepared = in_hand.result() if in_hand is not None else None
+        self.worker_wait_seconds += time.monotonic() - t0
+        return prepared

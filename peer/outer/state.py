@@ -228,6 +228,13 @@ def merge_target(G: torch.Tensor, alpha: float, replay: bool) -> torch.Tensor:
     return G if replay or alpha == 0.0 else (1.0 - alpha) * G
 
 
+def blend(theta: torch.Tensor, target: torch.Tensor, alpha: float) -> torch.Tensor:
+    """The merge's value of the weights ``theta`` moving to ``target``: ``alpha * theta + (1 - alpha) * target``."""
+    if alpha == 0.0:  # (the default) the target itself: the blend changes no value but a zero's sign
+        return target
+    return alpha * theta + (1.0 - alpha) * target
+
+
 def merge_into(theta: torch.Tensor, target: torch.Tensor, spans: Sequence[Span], alpha: float, *,
                replay_from: Optional[torch.Tensor] = None) -> None:
     """In place on ``theta``, every arrived span: ``alpha*theta + target`` (``target = (1-alpha) G``) or, with

@@ -61,7 +61,7 @@ class Figures:
                          next_sync=engine.schedule.describe_next(self.step) if engine else "-",
                          up=ledger.bytes_up, down=ledger.bytes_down, doing=doing or describe(
                              now=time.monotonic(), live=swarm.live_count(), need=self.cfg.swarm.min_group_size,
-                             activity=swarm.activity(), blocked=bool(engine and engine.waiting),
+                             activity=swarm.activity(), blocked=bool(engine and engine.waits.waiting),
                              moved_ahead=self.phase.moved_ahead() if self.phase else None))
 
     def log_step(self, step: int, stats: StepStats, engine: StreamingEngine) -> None:
@@ -71,7 +71,8 @@ class Figures:
         t.lap()
         self.events.emit("step", step=step, loss=stats.loss, ce=stats.ce, lr=stats.lr, tokens=t.tokens,
                          tokens_per_second=t.tokens_per_second, elapsed=t.elapsed, floor=self.floor,
-                         compute_seconds=t.compute_seconds, blocked_seconds=engine.blocked_seconds, tau=self.tau())
+                         compute_seconds=t.compute_seconds, blocked_seconds=engine.waits.blocked_seconds,
+                         tau=self.tau())
 
     def snapshot(self) -> dict:
         """The live figures for the control API's status (read from another thread: plain values)."""
