@@ -148,7 +148,8 @@ class NodeAuthority:
     @classmethod
     def create(cls, directory: str | Path, identity_path: str) -> "NodeAuthority":
         """Must be called before the DHT starts (its options go to create_dht). Raises AuthorityError."""
-        from peer.net.trust.auth import PassChecker, RevocationValidator, RunAuthorizer, identity_key, issue_pass
+        from peer.net.trust.auth import PassChecker, RunAuthorizer, identity_key, issue_pass
+        from peer.net.trust.revocations import RevocationValidator
         from peer.net.plumbing.addresses import ensure_identity
 
         directory = Path(directory)
@@ -179,7 +180,7 @@ class NodeAuthority:
 
         from hivemind.utils import get_dht_time
 
-        from peer.net.trust.auth import revocation_key, sign_revocations
+        from peer.net.trust.revocations import revocation_key, sign_revocations
 
         log = logging.getLogger("swarm.bootstrap")
         ids = revoked_ids(self.directory)

@@ -17,9 +17,9 @@ import pytest
 from hivemind.utils.crypto import RSAPrivateKey
 
 from helpers import Proc, events, run_async, wait_for
-from peer.net.trust.auth import (Admission, PassChecker, RevocationValidator, RunAccess, decode_pass, encode_pass,
-                           identity_key, issue_pass, owner_key, parse_pass_request, pass_request, peer_id_of,
-                           record_admitted, revocation_key, sign_revocations, verify_revocations)
+from peer.net.trust.auth import (Admission, PassChecker, RunAccess, decode_pass, encode_pass, identity_key,
+                                 issue_pass, owner_key, parse_pass_request, pass_request, peer_id_of, record_admitted)
+from peer.net.trust.revocations import RevocationValidator, revocation_key, sign_revocations, verify_revocations
 from peer.net.plumbing.addresses import ensure_identity
 from peer.net.trust.records import ProgressRecord
 from test_swarm import REPO, start_peer, wait_exit
@@ -265,13 +265,14 @@ def test_an_authenticated_run_admits_only_peers_with_a_pass(procs, tmp_path):
 @pytest.mark.timeout(120)
 def test_a_revocation_reaches_the_dht_process_which_then_refuses_the_revoked_peers_requests(tmp_path):
     """The DHT process checks every DHT request with the checker it forked with; the revocations a peer reads
-    are applied there too (auth.revoke_in_dht), so a revoked pass stops working at once, not at its expiry."""
+    are applied there too (revocations.revoke_in_dht), so a revoked pass stops working at once, not at its expiry."""
     from functools import partial
 
     from hivemind.utils import get_dht_time
 
     from peer.net.plumbing import dht as dht_node
-    from peer.net.trust.auth import RunAuthorizer, revoke_in_dht
+    from peer.net.trust.auth import RunAuthorizer
+    from peer.net.trust.revocations import revoke_in_dht
 
     def node(name: str, initial: list[str]):
         ensure_identity(str(tmp_path / f"{name}.id"))

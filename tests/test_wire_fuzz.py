@@ -31,7 +31,8 @@ from hypothesis import strategies as st
 from helpers import dht_nodes
 from peer.net.round.reducer import AllReduceServicer
 from peer.net.round.reduction import SpanReduction
-from peer.net.trust.auth import PassChecker, revocation_key
+from peer.net.trust.auth import PassChecker
+from peer.net.trust.revocations import revocation_key
 from peer.net.trust.exclusion import Offence
 from peer.net.round.group import PROTOCOL_VERSION, GroupPlan
 from peer.net.flow.streams import StreamGuard

@@ -29,7 +29,8 @@ from hivemind.utils import get_dht_time
 from peer.config import SwarmConfig
 from peer.net.plumbing.dht import reconnect
 from peer.net.plumbing.hivemind_internals import connect
-from peer.net.trust.auth import Admission, RunAccess, revocation_key, revoke_in_dht
+from peer.net.trust.auth import Admission, RunAccess
+from peer.net.trust.revocations import revocation_key, revoke_in_dht, revoke_listed
 from peer.net.trust.progress import progress_key
 from peer.net.trust.records import ProgressRecord
 from peer.net.view.roster import Roster
@@ -58,7 +59,7 @@ class Heartbeat:
         self.record, self.initial_peers, self.observe = record, initial_peers, observe
         self._first_read = threading.Event()  # set once the first read of the records ended
         self._reconnecting = False
-        self._dht_revoked: frozenset[str] = frozenset()  # revocations our DHT process applies (auth.revoke_in_dht)
+        self._dht_revoked: frozenset[str] = frozenset()  # revocations our DHT process applies (revoke_in_dht)
 
     async def run(self) -> None:
         """Starts a store and a read every ``progress_period`` s until cancelled (see the module docstring)."""
@@ -153,7 +154,7 @@ class Heartbeat:
         if found is None or not isinstance(found.value, dict):
             return
         for entry in found.value.values():
-            for pid in sorted(self.admission.revoke_listed(getattr(entry, "value", None))):
+            for pid in sorted(revoke_listed(self.admission, getattr(entry, "value", None))):
                 log.warning("peer %s: the run authority revoked peer %s's pass: no longer admitted",
                             short_id(self.peer_id), short_id(pid))
         if new := self.admission.revoked - self._dht_revoked:  # our DHT process checks requests with its own checker

@@ -10,8 +10,8 @@ An open run (``swarm.authority`` empty) admits anyone and says so at start. In a
 - **Checked** at every DHT request and response (:class:`RunAuthorizer`), every progress record
   (:func:`record_admitted`), every stream our handlers serve (``streams.StreamGuard`` asks :class:`Admission`),
   every group we average in and every state donor. Everything read from the wire is bounded and checked first.
-- **Revocations**: the authority's signed list, published by bootstrap nodes (:func:`revocation_key`,
-  :class:`RevocationValidator`), applied by :class:`Admission` and in the DHT process (:func:`revoke_in_dht`).
+- **Revocations**: the authority's signed list, published by bootstrap nodes and applied by :class:`Admission`
+  and in the DHT process (:mod:`peer.net.trust.revocations`).
 """
 
 from __future__ import annotations
@@ -31,20 +31,16 @@ from typing import Any, Iterable, Optional
 
 from google.protobuf.message import DecodeError
 from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.dht.protocol import DHTProtocol
-from hivemind.dht.routing import DHTID
-from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.proto import crypto_pb2
 from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.auth import TokenAuthorizerBase
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
-from peer.net.plumbing.hivemind_internals import private_key_from_der, public_key_der, request_and_record_checkers
+from peer.net.plumbing.hivemind_internals import private_key_from_der, public_key_der
 from peer.net.trust.records import MAX_PASS_CHARS, PEER_ID, ProgressRecord
 
 PASS_PREFIX = "swarmloco-pass:"
 REQUEST_PREFIX = "swarmloco-request:"
-MAX_REVOKED = 10_000  # peer ids in one revocation list
 MAX_PASSES = 4096  # passes an Admission remembers (the newest)
 _OWNER_KEY = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX, re.DOTALL)
 
@@ -240,60 +236,6 @@ class RunAuthorizer(TokenAuthorizerBase):
         return False
 
 
-# ---- revocations -----------------------------------------------------------------------------
-def revocation_key(authority: str | bytes) -> str:
-    """The DHT key of an authority's revocation list (derived from its public key: one per authority)."""
-    return "swarmloco_revoked_" + fingerprint(authority)
-
-
-def sign_revocations(authority: RSAPrivateKey, peer_ids: Iterable[str], issued: float) -> dict[str, Any]:
-    """The wire form of a revocation list (a msgpack-able dict)."""
-    ids = sorted(set(peer_ids))
-    payload = "\n".join(["swarmloco-revoked/1", repr(float(issued)), *ids]).encode()
-    return {"revoked": ids, "issued": float(issued), "signature": authority.sign(payload)}
-
-
-def verify_revocations(checker: PassChecker, value: Any) -> Optional[frozenset[str]]:
-    """The peer ids of a revocation list read from the DHT if the authority signed it, else None."""
-    if not isinstance(value, dict) or set(value) != {"revoked", "issued", "signature"}:
-        return None
-    ids, issued, signature = value["revoked"], value["issued"], value["signature"]
-    if (not isinstance(ids, list) or len(ids) > MAX_REVOKED or not isinstance(issued, float)
-            or not isinstance(signature, bytes) or not all(isinstance(i, str) and PEER_ID.fullmatch(i) for i in ids)):
-        return None
-    payload = "\n".join(["swarmloco-revoked/1", repr(issued), *ids]).encode()
-    return frozenset(ids) if parse_public_key(checker.authority_bytes).verify(payload, signature) else None
-
-
-class RevocationValidator(RecordValidatorBase):
-    """DHT nodes of an authenticated run store under the revocation key only lists the authority signed."""
-
-    def __init__(self, checker: PassChecker):
-        self.checker = checker
-        self._key_id = DHTID.generate(source=revocation_key(checker.authority_bytes)).to_bytes()
-
-    def validate(self, record: DHTRecord) -> bool:
-        if record.key != self._key_id:
-            return True
-        try:
-            return verify_revocations(self.checker, DHTProtocol.serializer.loads(record.value)) is not None
-        except Exception:  # a value that does not even deserialize
-            return False
-
-
-async def revoke_in_dht(peer_ids: frozenset, dht, node) -> int:
-    """Runs in a DHT process (``dht.run_coroutine(functools.partial(revoke_in_dht, ids))``): adds ``peer_ids`` to
-    the revoked ones of every pass checker there (the authorizer's, which checks every DHT request and response,
-    and the record validators'). The process got its checkers when it forked; without this a revoked pass
-    still passed its DHT request checks until it expired. Returns how many checkers it updated."""
-    authorizer, *validators = request_and_record_checkers(node)
-    checkers = [getattr(authorizer, "_checker", None)] + [getattr(v, "checker", None) for v in validators]
-    found = {id(c): c for c in checkers if isinstance(c, PassChecker)}
-    for checker in found.values():
-        checker.revoked = checker.revoked | frozenset(peer_ids)
-    return len(found)
-
-
 class Admission:
     """Which remote peer ids may take part. Everyone in an open run (``checker`` None); in an authenticated
     run, the ids whose valid pass we hold (from their progress records, or our own) and whose pass the
@@ -333,13 +275,6 @@ class Admission:
         for pid in new:
             self._passes.pop(pid, None)
         return new
-
-    def revoke_listed(self, value: Any) -> set[str]:
-        """Revokes the peers named by a revocation list (a DHT entry's value) the run authority signed; returns the
-        ones that are new (none for a list that does not verify, or in an open run)."""
-        if self.checker is None:
-            return set()
-        return self.revoke(verify_revocations(self.checker, value) or ())
 
     def admitted(self, peer_id: str) -> bool:
         if self.checker is None:

@@ -21,7 +21,8 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils.crypto import RSAPrivateKey
 
-from peer.net.trust.auth import PassChecker, RevocationValidator, RunAccess, RunAuthorizer, certifies, record_admitted
+from peer.net.trust.auth import PassChecker, RunAccess, RunAuthorizer, certifies, record_admitted
+from peer.net.trust.revocations import RevocationValidator
 from peer.net.trust.records import ProgressRecord
 
 _OWNER = re.compile(b".*" + RSASignatureValidator.PUBLIC_KEY_REGEX + b".*", re.DOTALL)
