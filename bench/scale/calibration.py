@@ -1,5 +1,6 @@
 """The costs the simulation takes from our own measurements (docs/benchmarks.md) and the run's defaults
-(peer/config/sections.py), each with its source. Everything else the simulation assumes is in ``Workload``'s docs.
+(peer/config/network.py, peer/config/sections.py), each with its source. Everything else the simulation assumes is
+in ``Workload``'s docs.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ BITS = {"e3m0": 4.5, "fp8": 8.5, "bf16": 16.0, "fp32": 32.0}  # bits per element
 
 @dataclass(kw_only=True, frozen=True)
 class Timeouts:
-    """The swarm's defaults (peer/config/sections.py SwarmConfig, OuterConfig)."""
+    """The swarm's defaults (peer/config/network.py SwarmConfig, peer/config/sections.py OuterConfig)."""
 
     matchmaking_time: float = 15.0
     matchmaking_timeout: float = 30.0

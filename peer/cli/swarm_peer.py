@@ -6,8 +6,8 @@ text into the shards of ``data.source = "tokens"`` (peer/cli/prepare_data.py); `
 ``swarm-peer sample`` take a run dir's model home or try it out (peer/cli/take_home.py); ``swarm-peer status | pause |
 resume | finish | limits | top --run-dir R`` control a running peer (peer/cli/control.py); ``swarm-peer doctor``
 checks a machine before it joins (peer/cli/doctor.py); ``swarm-peer monitor`` serves an operator's view of the
-run's swarm (peer/cli/monitor.py). Every config field has a
-flag and an ``SWARM_*`` env-var twin (see peer/config/sections.py); invalid input exits with status 2 and one line.
+run's swarm (peer/cli/monitor.py). Every config field has a flag and an ``SWARM_*`` env-var twin (see
+peer/config/sections.py and network.py); invalid input exits with status 2 and one line.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""Typed, validated configuration of a peer: one ``kw_only`` dataclass per section (:mod:`peer.config.sections`),
-every field with its default, its help and whether it is local (:func:`~peer.config.fields.setting`). Where the
-values come from (TOML, ``SWARM_*`` env vars, flags): :mod:`peer.config.load`. Any invalid value raises
-:class:`ConfigError` with one line naming the key and what is allowed; the CLI turns it into exit status 2.
+"""Typed, validated configuration of a peer: one ``kw_only`` dataclass per section (:mod:`peer.config.sections`;
+the ``swarm`` section's in :mod:`peer.config.network`), every field with its default, its help and whether it is
+local (:func:`~peer.config.fields.setting`). Where the values come from (TOML, ``SWARM_*`` env vars, flags):
+:mod:`peer.config.load`. Any invalid value raises :class:`ConfigError` with one line naming the key and what is
+allowed; the CLI turns it into exit status 2.
 
 The *run hash* (:meth:`PeerConfig.run_hash`) covers every setting that changes the shared
 computation (model, outer optimizer, schedule, codec, inner hyper-parameters, vocabulary, run id);
@@ -22,8 +23,8 @@ from typing import Any
 
 from peer.config.fields import (CODEC_NAMES, MAX_MBPS, MBIT, MIN_MBPS, ConfigError, default_of, parse_active_hours,
                                 setting, valid_mbps)
-from peer.config.sections import (DataConfig, InnerConfig, LimitsConfig, ModelConfig, OuterConfig, RunConfig,
-                                  SwarmConfig)
+from peer.config.network import SwarmConfig
+from peer.config.sections import DataConfig, InnerConfig, LimitsConfig, ModelConfig, OuterConfig, RunConfig
 
 __all__ = ["CODEC_NAMES", "MAX_MBPS", "MBIT", "MIN_MBPS", "ConfigError", "default_of", "parse_active_hours", "setting",
            "valid_mbps", "DataConfig", "InnerConfig", "LimitsConfig", "ModelConfig", "OuterConfig", "RunConfig",

@@ -134,7 +134,7 @@ def setup_logging(level: str, log_file: Path, peer_label: str) -> None:
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
     logging.getLogger("asyncio").addFilter(_drop_hivemind_leaked_waits)
     # Advice we follow on purpose (group sizes that are not powers of 2; request vs matchmaking
-    # timeouts are validated in peer/config/sections.py) is not worth a warning every round.
+    # timeouts are validated in peer/config/network.py) is not worth a warning every round.
     for chatty in ("hivemind.averaging.key_manager", "hivemind.averaging.matchmaking"):
         logging.getLogger(chatty).setLevel(logging.ERROR)
 
