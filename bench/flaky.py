@@ -1,4 +1,4 @@
-"""Runs swarm test modules again and again, two at a time (CI's load), and prints how often each passed.
+"""Runs swarm test modules again and again, two at a time (the suite's load), and prints how often each passed.
 
     .venv/bin/python bench/flaky.py tests/test_swarm.py tests/test_phase_swarm.py --runs 5 [--parallel 2]
 

@@ -276,7 +276,7 @@ def run_async(coro):
     Why one loop that never stops, in its own thread (as ``SwarmNet`` runs its loop): hivemind's ``MPFuture``
     (every DHT call) keeps the loop it was made in, and when its result comes after that loop stopped, its
     background thread runs the loop itself (``run_until_complete``). A fresh loop per call raced that at its
-    close (CI: "Cannot close a running event loop"). A loop that is always running gets such results through
+    close ("Cannot close a running event loop"). A loop that is always running gets such results through
     ``run_coroutine_threadsafe``, as in the peer. Must not be called from a coroutine on that loop."""
     loop = _tests_loop()
 

@@ -108,8 +108,8 @@ def disturb_and_rejoin(swarm: LoopbackSwarm, kind: str, victim: str, *, down_s: 
         else:
             swarm.peer[victim].kill_group(signal.SIGKILL)
         time.sleep(down_s)  # the disturbance itself (how long the peer is away), not a synchronization
-        # Back counts from the restart: a SIGINTed peer logs the step it was in as it stops (CI: "back" was
-        # that step, and the rejoin seemed to take the 20 s the peer was away).
+        # Back counts from the restart: a SIGINTed peer logs the step it was in as it stops, and counting from
+        # that step would add the time the peer was away to the rejoin.
         t = time.time()
         swarm.peer[victim] = swarm.start(victim, "--min-peers", "1")
     else:  # a laptop that sleeps: the whole process group stops, then continues

@@ -78,8 +78,8 @@ def test_an_absent_partner_that_came_to_our_state_is_waited_for_until_it_misses_
 def test_a_partner_that_comes_late_is_not_counted_absent_again_so_its_probe_comes_and_the_group_waits():
     """An absent partner back from an outage, a little out of phase: its record seeks each round only after the
     group assembled without it. Judged by whom the round waited for when it assembled, that is no miss, so its
-    probe comes on time and the group waits for it (CI: judged by the records after the group, each late round
-    counted as a miss and the probe never came)."""
+    probe comes on time and the group waits for it (judged by the records after the group, each late round would
+    count as a miss and the probe would never come)."""
     att = Attendance(misses=2, max_interval=8)
     a, b = "A" * 46, "B" * 46
     on_time = {a: rec(a), b: rec(b)}

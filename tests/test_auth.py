@@ -179,8 +179,8 @@ def _hostile_calls(peer_maddrs: list[str], peer_id: str, bootstrap: list[str]) -
                      "rpc_download": (StateServicer, state_pb2.StateRequest(fragment=0, round=1),
                                       state_pb2.StateChunk)}
             for name, (servicer, request, reply) in calls.items():
-                for _ in range(3):  # (CI once saw a stream end with no message at all: our new connection to the
-                    try:            # peer closed under it; a refusal comes on the next one)
+                for _ in range(3):  # (a stream may end with no message at all where our new connection to the
+                    try:            # peer closes under it; the refusal comes on the next one)
                         stream = await p2p.iterate_protobuf_handler(
                             target, servicer._get_handle_name(None, name), request, reply)
                         errors = [r.error async for r in stream]

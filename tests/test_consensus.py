@@ -203,8 +203,8 @@ def test_drift_is_found_at_our_latest_round_the_records_cover_and_repaired_at_ou
     11 (their current one), where our state already went off (a catch-up that landed a round late), and finds the
     drift; with our round 11 right, nothing is found; without our history nothing can be judged. The download
     waits until the holders' records show our round 12: adopting their round 11 would put us a round behind, and
-    our next round would apply the swarm's average to that old state, off again (seen in CI, round after round,
-    for a peer resumed in a swarm whose rounds came every second)."""
+    our next round would apply the swarm's average to that old state, off again, and so round after round while
+    the swarm's rounds come faster than its records (a peer resumed in a swarm with a round every second)."""
     others = {p: state(p, [11], ["good11"]) for p in ("x", "y")}
     plans = plan_catch_up(others, "me", [12], ["ours12"], joining=False, my_past=[{10: "a", 11: "bad11"}])
     assert [(c.fragment, c.round, c.digest, sorted(c.donors), c.wait) for c in plans] == [

@@ -116,7 +116,7 @@ def test_a_peer_is_judged_behind_a_nat_when_a_dial_failed_or_the_swarm_sees_it_e
 
 
 class _DropsFirst(DialBackServicer):
-    """A node whose first dial-back exchange ends with no reply (the stream closes), as CI once saw right after a
+    """A node whose first dial-back exchange ends with no reply (the stream closes), as may happen right after a
     peer joined; it answers the next one."""
 
     calls = 0

@@ -215,8 +215,8 @@ def test_compiled_inner_steps_match_the_eager_ones_and_keep_the_weights_names():
     differently), and the loop's model, its state_dict and its parameters stay the uncompiled module's (no
     ``_orig_mod.`` prefix in checkpoints or fragments). About 30-60 s on a 2-core CPU, most of it compiling.
     Gradients are compared from the same weights at every step, not weights after steps: Adam divides by |g|,
-    so an element whose gradient is near zero turns summation noise into an lr-sized move (CI: one weight of
-    blocks.4.mlp.down out of tolerance after three steps)."""
+    so an element whose gradient is near zero turns summation noise into an lr-sized move (after a few steps one
+    weight can be out of any tolerance)."""
     torch._dynamo.reset()
     batches = [MarkovSource(256, seed=6).next_batch(4, 16) for _ in range(3)]
     eager, compiled = _tiny(seed=2), _tiny(seed=2)

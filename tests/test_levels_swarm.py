@@ -59,8 +59,8 @@ def test_eight_peers_with_a_group_cap_of_four_agree_in_two_levels(procs, tmp_pat
         assert all(e["group_size"] <= 4 for e in got), summary[k]  # groups of at most the cap: two levels
         # and every peer's contribution is in it: the total weight is all 8 peers' tokens (equal batches)
         assert len({e["total_weight"] for e in got}) == 1 and got[0]["total_weight"] >= 8 * 20 * 4 * 16 * 0.99
-    # the swarm learns: one batch's loss is noisy at this size (60 steps of 16 tokens; in CI one peer's last
-    # logged loss was 0.03 above its first), so the peers' mean over the last two logs against the first two
+    # the swarm learns: one batch's loss is noisy at this size (60 steps of 16 tokens: one peer's last logged
+    # loss may be above its first), so the peers' mean over the last two logs against the first two
     first, last = [], []
     for n in names:
         losses = [e["loss"] for e in events(tmp_path, n, "step")]

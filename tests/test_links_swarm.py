@@ -21,7 +21,7 @@ def test_a_slow_uplink_gets_deadlines_its_parts_fit_and_every_round_completes(pr
     """Every round that all three peers were in completes ok with all three contributions, at a deadline sized
     for the slow link. (A round one of them was not in is left out: hivemind's matchmaking can list a member
     that never learned of its group, and the peer then catches up and may reach the next round just after the
-    others formed it, as CI saw once. That is matchmaking's doing, not a deadline's; with fixed deadlines every
+    others formed it. That is matchmaking's doing, not a deadline's; with fixed deadlines every
     round all three are in ends partial, the slow member's part and span missing.)"""
     initial = start_bootstrap(procs, tmp_path)
     names = ["p0", "p1", "p2"]

@@ -165,8 +165,8 @@ def test_a_leader_assembles_once_every_expected_peer_joined_and_takes_others_tha
 def test_a_join_request_that_waited_for_the_leaders_lock_until_its_follower_gave_up_is_refused(tmp_path):
     """Two peers that ask each other at once each hold their lock while waiting for the other's answer: both
     requests time out, and the first leader to take its lock back used to accept the other's request, whose
-    follower had left. It then listed a member that never learned of its group (CI: the group waited out
-    part_timeout for that member's part, and the leader fell 16 rounds behind). A request that waited for the
+    follower had left. It then listed a member that never learned of its group (the group then waits out
+    part_timeout for that member's part, and its leader falls rounds behind). A request that waited for the
     lock past half of ``request_timeout`` is refused; a fresh one is accepted."""
     from hivemind.p2p import P2PContext, PeerID
     from hivemind.proto import averaging_pb2
