@@ -40,6 +40,15 @@ from test_swarm import FAST, wait_exit  # noqa: E402
 
 ATTACKS = ["clean", "stream_hog", "record_flood"]
 PAGE = os.sysconf("SC_PAGE_SIZE")
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_ticks(pid: int) -> tuple[str, int]:
+    """(``p2pd`` or ``python``, user + system clock ticks so far) of one process."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    name = stat[stat.index("(") + 1:stat.rindex(")")]
+    fields = stat[stat.rindex(")") + 2:].split()
+    return ("p2pd" if "p2pd" in name else "python"), int(fields[11]) + int(fields[12])
 
 
 def tree_usage(proc: Proc) -> tuple[int, int]:
@@ -55,11 +64,14 @@ def tree_usage(proc: Proc) -> tuple[int, int]:
 
 
 class Sampler:
-    """Peak :func:`tree_usage` of each honest peer, every ``period`` s until :meth:`stop` (its owner stops it)."""
+    """Peak :func:`tree_usage` of each honest peer and the CPU time of its processes (the last reading of each
+    pid: the peer, its DHT process, its libp2p daemon), every ``period`` s until :meth:`stop` (its owner stops
+    it)."""
 
     def __init__(self, peers: dict[str, Proc], period: float = 0.5):
         self.peers, self.period = peers, period
         self.peak = {n: (0, 0) for n in peers}
+        self.cpu: dict[str, dict[int, tuple[str, int]]] = {n: {} for n in peers}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
         self._thread.start()
@@ -69,6 +81,23 @@ class Sampler:
             for n, proc in self.peers.items():
                 rss, files = tree_usage(proc)
                 self.peak[n] = (max(self.peak[n][0], rss), max(self.peak[n][1], files))
+                for pid in proc.session_pids():
+                    try:
+                        kind, ticks = cpu_ticks(pid)
+                    except (OSError, ValueError, IndexError):  # it exited between the listing and the read
+                        continue
+                    if pid == proc.pid:
+                        kind = "peer"
+                    elif kind == "python":
+                        kind = "dht"  # the peer's forked DHT process
+                    self.cpu[n][pid] = (kind, ticks)
+
+    def cpu_seconds(self, name: str) -> dict[str, float]:
+        """CPU seconds of one honest peer's processes, by kind (``peer``, ``dht``, ``p2pd``)."""
+        out: dict[str, float] = {"peer": 0.0, "dht": 0.0, "p2pd": 0.0}
+        for kind, ticks in self.cpu[name].values():
+            out[kind] = out.get(kind, 0.0) + ticks / TICK
+        return out
 
     def stop(self) -> None:
         self._stop.set()
@@ -110,6 +139,7 @@ def one_run(attack: str, honest: int, steps: int, out: Path) -> dict:
                 proc.kill_group(signal.SIGKILL)
         lab.close()
     names = list(peers)
+    cpu = [sampler.cpu_seconds(n) for n in names]
     refused = [refusals((out / f"{n}.log").read_text(errors="replace")) for n in names]
     return {
         "attack": attack,
@@ -122,6 +152,7 @@ def one_run(attack: str, honest: int, steps: int, out: Path) -> dict:
         "host_budget": any(h for _, h in refused),
         "hostile_lines": sum("HOSTILE:" in line for line in (out / "x.log").read_text(errors="replace").splitlines()),
         "wall_seconds": wall,
+        "cpu_seconds": {k: sum(c[k] for c in cpu) / len(cpu) for k in cpu[0]},
     }
 
 
@@ -144,13 +175,15 @@ def main() -> int:
                        args.out)
     clean = rows[0]["honest_ce"]
     print("\n| attack | honest final CE | vs clean | honest rounds ok | peak memory of a peer (GiB) "
-          "| peak open files of a peer | streams refused (per-host budget) | forged actions | honest run (s) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| peak open files of a peer | streams refused (per-host budget) | forged actions | honest run (s) "
+          "| CPU s of a peer: peer / DHT / p2pd |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
+        c = r["cpu_seconds"]
         print(f"| {r['attack']} | {r['honest_ce']:.4f} | {100 * (r['honest_ce'] / clean - 1):+.2f}% | "
               f"{r['ok_rounds']}/{r['rounds']} | {r['peak_rss'] / 2**30:.2f} | {r['peak_files']} | "
               f"{r['refused']} ({'yes' if r['host_budget'] else 'no'}) | {r['hostile_lines']} | "
-              f"{r['wall_seconds']:.0f} |")
+              f"{r['wall_seconds']:.0f} | {c['peer']:.0f} / {c['dht']:.0f} / {c['p2pd']:.0f} |")
     return 0
 
 

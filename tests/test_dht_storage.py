@@ -5,10 +5,11 @@ import time
 
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import CompositeValidator, DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
 
 from helpers import dht_nodes
-from peer.net.plumbing.dht_storage import BOUNDS, BoundedStorage, StorageBounds
+from peer.net.plumbing.dht_storage import BOUNDS, BoundedStorage, SizeGate, StorageBounds
 from peer.net.trust.records import MAX_FRAGMENTS, MAX_PASS_CHARS, MAX_PAST, ProgressRecord
 
 SMALL = StorageBounds(max_value_bytes=1000, max_horizon=60.0, max_keys=4, max_subkeys=3, max_bytes=5000)
@@ -64,6 +65,32 @@ def test_the_largest_valid_progress_record_fits_a_value():
                          version="v" * 32, upload_bytes_per_second=1e300, time=1e300)
     signed = len(DHTProtocol.serializer.dumps(rec.model_dump())) + 1024  # (hivemind's [signature:...] suffix)
     assert signed <= BOUNDS.max_value_bytes, signed
+
+
+def test_an_oversized_value_is_refused_before_any_other_validator_reads_it():
+    """The size gate runs first whatever order the validators were given in: a value one byte over the bound
+    never reaches the others (each reads every byte: a flood of large records would cost their time); one at
+    the bound does."""
+
+    class Reader(RecordValidatorBase):
+        def __init__(self, priority: int):
+            self.read, self._priority = [], priority
+
+        def validate(self, record: DHTRecord) -> bool:
+            self.read.append(len(record.value))
+            return True
+
+        @property
+        def priority(self) -> int:
+            return self._priority
+
+    readers = [Reader(10), Reader(-10)]
+    chain = CompositeValidator([readers[0], SizeGate(), readers[1]])
+    record = lambda n: DHTRecord(key=b"k", subkey=b"s", value=b"x" * n, expiration_time=1.0)  # noqa: E731
+    assert not chain.validate(record(BOUNDS.max_value_bytes + 1))
+    assert all(r.read == [] for r in readers)
+    assert chain.validate(record(BOUNDS.max_value_bytes))
+    assert all(r.read == [BOUNDS.max_value_bytes] for r in readers)
 
 
 def test_a_real_node_keeps_no_value_past_its_bounds(tmp_path):

@@ -143,8 +143,9 @@ def _start_dht(
             raise ValueError(f"--identity-path: cannot create {str(identity_path)!r}: {e}") from e
         except ValueError as e:
             raise ValueError(f"--identity-path: {e}") from e
+    from peer.net.plumbing.dht_storage import SizeGate
 
-
+    record_validators = [SizeGate(), *record_validators]  # (an oversized record costs no validator's time)
     dht = None
     # p2pd start <= startup_timeout; bootstrap pings + neighbour search are bounded by ~2 * wait_timeout.
     ready_timeout = startup_timeout + 4 * wait_timeout + 10.0

@@ -12,7 +12,8 @@ store (False, as hivemind answers for a stale value) whose
 
 A refused store evicts nothing: a flood cannot push honest records out, only fill the budget for as long as its own
 records live (at most ``max_horizon``). Peers refresh their records every heartbeat, so a record already held can
-always be replaced. The cache (records a node learned while searching) has the same bounds.
+always be replaced. The cache (records a node learned while searching) has the same bounds. :class:`SizeGate`
+refuses an oversized value before any record validator reads it (each reads every byte).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
 
 from peer.config.fields import MAX_RECORD_TTL
@@ -109,6 +111,31 @@ class BoundedStorage(DHTLocalStorage):
             self._sizes[key] = sum(_entry_cost(e.value, sk) for sk, e in held.value.items())
         else:
             self._sizes[key] = _entry_cost(held.value)
+
+
+class SizeGate(RecordValidatorBase):
+    """The first record validator of every node of ours: a value larger than ``max_value_bytes`` (signature
+    included, as the storage counts it) is refused before the signature search, msgpack and the record's schema
+    read it, since :class:`BoundedStorage` would refuse it anyway. Stateless."""
+
+    def __init__(self, bounds: StorageBounds = BOUNDS):
+        self.bounds = bounds
+
+    def validate(self, record: DHTRecord) -> bool:
+        return len(record.value) <= self.bounds.max_value_bytes
+
+    def sign_value(self, record: DHTRecord) -> bytes:
+        return record.value
+
+    def strip_value(self, record: DHTRecord) -> bytes:
+        return record.value
+
+    @property
+    def priority(self) -> int:
+        return 1 << 30  # validators run in decreasing priority: this one before the others
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        return isinstance(other, SizeGate)
 
 
 def install() -> None:
