@@ -11,9 +11,8 @@ store (False, as hivemind answers for a stale value) whose
 - size would take what the node holds past ``max_bytes`` (values and subkeys, as stored).
 
 A refused store evicts nothing: a flood cannot push honest records out, only fill the budget for as long as its own
-records live (at most ``max_horizon``). Peers refresh their records every heartbeat, so a record already held can
-always be replaced. The cache (records a node learned while searching) has the same bounds. :class:`SizeGate`
-refuses an oversized value before any record validator reads it (each reads every byte).
+records live (at most ``max_horizon``); peers refresh their records every beat. The cache has the same bounds.
+:class:`SizeGate` refuses an oversized value before any record validator reads it (each reads every byte).
 """
 
 from __future__ import annotations
