@@ -166,6 +166,43 @@ def test_strangers_that_never_come_stop_counting_even_when_no_group_assembles():
     assert fresh.no_group(invited=frozenset({ME}), live=records, me=ME, met=met) == [] and not fresh.absent(STRANGERS)
 
 
+def test_strangers_that_come_do_not_forgive_the_strangers_that_never_came():
+    """At a fresh start every honest peer is a stranger to the others. Sybils' records keep the first rounds below
+    the quorum until the strangers are absent; when the honest peers then meet for the first time, or a fresh id
+    of the attacker's comes to one group, only those that came are forgiven: the sybils stay uninvited (but at
+    probes) and uncounted, so the next rounds assemble. (Forgiving every stranger cost two more rounds of no
+    group at each such meeting: bench/swarm_attacks.py sybil_majority.) Once no stranger that stayed away is
+    live, newcomers start afresh."""
+    att = Attendance(misses=2, max_interval=8)
+    honest, sybils = ["A" * 46, "B" * 46, "C" * 46], [f"S{k}".ljust(46, "s") for k in range(6)]
+    partners: set[str] = set()
+    met = partners.__contains__
+    records = {pid: rec(pid) for pid in honest + sybils}
+    for here in [(0, 6), (1, 6)]:  # every id is a stranger, counted: 10 in all, a group of 4 is no quorum
+        att.no_group(invited=att.expected(records, ME, [5, 5], met, here), live=records, me=ME, met=met)
+    assert att.absent(STRANGERS)
+    wanted = att.expected(records, ME, [5, 5], met, (0, 7))
+    att.record(invited=wanted, live=records, came=set(honest) | {ME}, me=ME, met=met)  # the honest meet
+    partners.update(honest)
+    assert att.absent(STRANGERS)
+    later = [att.counted(att.expected(records, ME, [5, 5], met, (f, r)), ME, met) for f, r in [(1, 7), (0, 8)]]
+    assert all(c == frozenset(honest) | {ME} for c in later), later
+    # a fresh id of the attacker's that comes to a group is forgiven alone
+    fresh = "F" * 46
+    records[fresh] = rec(fresh)
+    att.record(invited=att.expected(records, ME, [5, 5], met, (1, 8)), live=records,
+               came=set(honest) | {fresh, ME}, me=ME, met=met)
+    partners.add(fresh)
+    assert att.absent(STRANGERS)
+    assert not any(s in att.counted(att.expected(records, ME, [5, 5], met, (0, 9)), ME, met) for s in sybils)
+    # the sybils' records expire: the strangers' absence is forgotten with them
+    for s in sybils:
+        del records[s]
+    att.record(invited=att.expected(records, ME, [5, 5], met, (1, 9)), live=records, came=set(records) | {ME},
+               me=ME, met=met)
+    assert not att.absent(STRANGERS)
+
+
 def test_a_peer_catching_up_is_not_waited_for_and_not_counted_absent():
     att = Attendance(misses=1)
     a, joiner = "A" * 46, "J" * 46

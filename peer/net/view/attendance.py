@@ -1,8 +1,7 @@
 """Who a group waits for: the live peers expected at a round, and those that stayed away (pure: no I/O).
 
-A live record is not a peer that comes: a crashed peer stays live for ``progress_ttl``, a hung one for ever, and in
-an open run one machine can publish records under many made-up ids. :class:`Attendance` is the one place that
-decides whom a round waits for (:meth:`Attendance.expected`); the group assembles as soon as those joined
+A live record is not a peer that comes (a crashed or hung peer's, or made-up ids'). :class:`Attendance` decides
+whom a round waits for (:meth:`Attendance.expected`); the group assembles as soon as those joined
 (:mod:`peer.net.round.matchmaking`), and any other live peer that comes before that is still welcome. Not waited for:
 
 - a peer whose state is well behind ours (:func:`catching_up`): it downloads the swarm's state before it comes;
@@ -12,7 +11,8 @@ decides whom a round waits for (:meth:`Attendance.expected`); the group assemble
 
 Peers never in a group with us are judged together, as *strangers* (:data:`STRANGERS`): fresh ids cost nothing,
 so per-id bookkeeping would let sybils make every round wait; a round that assembled no group judges them too
-(:meth:`Attendance.no_group`), and absent strangers count in no quorum (:meth:`Attendance.counted`).
+(:meth:`Attendance.no_group`), absent strangers count in no quorum (:meth:`Attendance.counted`), and while they are
+absent a stranger that comes is forgiven alone, until no stranger that stayed away is live.
 """
 
 from __future__ import annotations
@@ -134,12 +134,19 @@ class Attendance:
         outage, a little out of phase), and counting that as a miss would double its probe interval at every
         round it is late, so that it is never waited for again. It is not invited, so its probes come on time;
         at a probe the group waits for it."""
+        # While strangers are absent, a stranger that came speaks for itself only (it is a partner from now on):
+        # forgiving them all would let made-up ids that never come be waited for again, and counted, whenever
+        # honest peers meet for the first time or one more fresh id of the attacker's comes to a group.
+        strangers_absent = self.absent(STRANGERS)
+
+        def key(pid: str) -> str:
+            return pid if strangers_absent and pid in came else self._key(pid, met)
         keys: dict[str, list[str]] = {}
         for pid in live:
             if pid != me:
-                keys.setdefault(self._key(pid, met), []).append(pid)
-        for pid in set(came) - {me}:  # a stranger that came is forgiven, and so are strangers
-            self._absence.pop(self._key(pid, met), None)
+                keys.setdefault(key(pid), []).append(pid)
+        for pid in set(came) - {me}:  # a stranger that came is forgiven (and so are strangers, while not absent)
+            self._absence.pop(key(pid), None)
             self._absence.pop(pid, None)
         became = []
         for key, pids in keys.items():
@@ -154,8 +161,9 @@ class Attendance:
                                               f"within {self.max_interval} rounds)"))
             else:
                 a.skipped += 1
-        # forget peers no longer live (a peer that comes back after its record expired starts afresh)
-        self._absence = {k: v for k, v in self._absence.items() if k in keys or k == STRANGERS}
+        # forget peers no longer live (a peer that comes back after its record expired starts afresh), and the
+        # strangers' absence once no stranger that stayed away is live (newcomers then start afresh too)
+        self._absence = {k: v for k, v in self._absence.items() if k in keys}
         if len(self._absence) > MAX_TRACKED:
             self._absence = dict(list(self._absence.items())[-MAX_TRACKED:])
         return became
