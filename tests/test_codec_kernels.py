@@ -134,6 +134,21 @@ def test_fp8_rounding_of_a_sweep_of_float32_values():
     assert_same_encode("fp8", x)
 
 
+def test_fp8_rounding_at_every_tie():
+    """Every e4m3fn rounding midpoint below 448 (normal and subnormal), and its float32 neighbours."""
+    normal = [(e << 23) | (m << 20) | (1 << 19) for e in range(121, 136) for m in range(8)]
+    subnormal = torch.tensor([(2 * k + 1) * 2.0 ** -10 for k in range(8)]).view(torch.int32).tolist()
+    ties = torch.tensor(normal + subnormal, dtype=torch.int64)
+    bits = torch.cat([ties - 1, ties, ties + 1]).to(torch.int32)
+    x = bits.view(torch.float32)
+    x = x[x.abs() <= 448.0]
+    x = torch.cat([x, -x])
+    pad = (-x.numel()) % 63
+    x = torch.cat([x, torch.zeros(pad)]).reshape(-1, 63)
+    x = torch.cat([torch.full((x.shape[0], 1), 448.0), x], 1).reshape(-1)
+    assert_same_encode("fp8", x)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("name", CODECS)
 def test_other_dtypes_and_strides(name, dtype):

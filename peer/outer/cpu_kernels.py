@@ -8,6 +8,8 @@ bounds-checked again here, so a kernel never reads or writes outside its arrays.
 of raising (1: a non-finite input or a NaN code; 2: arrays too small for the range, which the callers'
 sizes rule out; topk_check: 1 falling indices, 2 an index past its block).
 Array indices are uint64: numba then emits no negative-index wraparound, which would stop vectorization.
+numba widens int32 arithmetic to int64; hot per-element helpers cast each step back to int32 so that their
+loops vectorize in 32-bit lanes.
 """
 
 from __future__ import annotations
@@ -150,14 +152,15 @@ def e3m0_decode(data, scales, out, n, b0, b1):
 
 @_jit
 def _to_e4m3fn(f):
-    """float32 (|f| <= 448) -> e4m3fn byte, round to nearest even: c10's fp8e4m3fn_from_fp32_value."""
-    u = np.int64(f2i(f)) & 0xFFFFFFFF
-    sign = u & 0x80000000
-    u ^= sign
-    sub = (np.int64(f2i(i2f(np.int32(u)) + F32_DENORM)) - (141 << 23)) & 0xFF
-    normal = ((u + ((7 - 127) << 23) + 0x7FFFF + ((u >> 20) & 1)) >> 20) & 0xFF
-    r = np.int64(0x7F) if u >= (1087 << 20) else (sub if u < (121 << 23) else normal)
-    return np.uint8(r | (sign >> 24))
+    """float32 (|f| <= 448) -> e4m3fn byte, round to nearest even: c10's fp8e4m3fn_from_fp32_value in int32
+    (no NaN branch: |f| <= 448), both cases computed and one selected, so the loops vectorize."""
+    v = f2i(f)
+    u = np.int32(v & ABS)
+    sub = np.int32(f2i(i2f(u) + F32_DENORM) - np.int32(141 << 23))  # the add rounds |f| to a multiple of 2^-9
+    odd = np.int32((u >> np.int32(20)) & np.int32(1))
+    normal = np.int32(np.int32(np.int32(u + np.int32(((7 - 127) << 23) + 0x7FFFF)) + odd) >> np.int32(20))
+    r = sub if u < np.int32(121 << 23) else normal
+    return np.uint8(np.int32(r | np.int32((v >> np.int32(24)) & np.int32(0x80))))
 
 
 @_jit
@@ -178,21 +181,26 @@ def fp8_encode(xf, xi, n, b0, b1, data, scales):
             s = i2f(f2i(s) - np.int32(1))
         scales[b] = s
         d = s if s > 0 else F32_ONE
-        for j in range(m):
-            data[base + j] = _to_e4m3fn(min(max(xf[base + j] / d, -F32_448), F32_448))
-        for j in range(m, U64):
-            data[base + j] = 0
+        if m == U64:  # a constant trip count: the loop vectorizes
+            for j in range(U64):
+                data[base + j] = _to_e4m3fn(min(max(xf[base + j] / d, -F32_448), F32_448))
+        else:
+            for j in range(m):
+                data[base + j] = _to_e4m3fn(min(max(xf[base + j] / d, -F32_448), F32_448))
+            for j in range(m, U64):
+                data[base + j] = 0
     return 0
 
 
 @_jit
 def _e4m3fn_value(c):
     """float32 value of e4m3fn byte c (int32); 0x80 is +0.0 (the NaN codes 0x7F, 0xFF are caught apart)."""
-    e = (c >> np.int32(3)) & np.int32(15)
-    m = c & np.int32(7)
-    normal = ((e + np.int32(120)) << np.int32(23)) | (m << np.int32(20))
+    e = np.int32((c >> np.int32(3)) & np.int32(15))
+    m = np.int32(c & np.int32(7))
+    normal = np.int32(np.int32(np.int32(e + np.int32(120)) << np.int32(23)) | np.int32(m << np.int32(20)))
     mag = normal if e != 0 else f2i(np.float32(m) * F32_2M9)  # subnormal: m * 2^-9, exact
-    return i2f(np.int32(mag | ((c & np.int32(0x80)) << np.int32(24))) if mag != 0 else np.int32(0))
+    sign = np.int32(np.int32(c & np.int32(0x80)) << np.int32(24))
+    return i2f(np.int32(mag | sign) if mag != 0 else np.int32(0))
 
 
 @_jit
@@ -205,10 +213,16 @@ def fp8_decode(codes, scales, out, n, b0, b1):
     for b in range(np.uint64(b0), np.uint64(b1)):
         s = scales[b]
         base = b * U64
-        for j in range(U64):
-            peak = max(peak, codes[base + j] & np.uint8(0x7F))
-        for j in range(min(U64, un - base)):
-            out[base + j] = _e4m3fn_value(np.int32(codes[base + j])) * s
+        if base + U64 <= un:  # a whole block: one pass, a constant trip count
+            for j in range(U64):
+                c = codes[base + j]
+                peak = max(peak, c & np.uint8(0x7F))
+                out[base + j] = _e4m3fn_value(np.int32(c)) * s
+        else:
+            for j in range(U64):
+                peak = max(peak, codes[base + j] & np.uint8(0x7F))
+            for j in range(un - base):
+                out[base + j] = _e4m3fn_value(np.int32(codes[base + j])) * s
     return np.int32(peak == 0x7F)
 
 
