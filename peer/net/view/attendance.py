@@ -139,14 +139,14 @@ class Attendance:
         # honest peers meet for the first time or one more fresh id of the attacker's comes to a group.
         strangers_absent = self.absent(STRANGERS)
 
-        def key(pid: str) -> str:
+        def key_of(pid: str) -> str:
             return pid if strangers_absent and pid in came else self._key(pid, met)
         keys: dict[str, list[str]] = {}
         for pid in live:
             if pid != me:
-                keys.setdefault(key(pid), []).append(pid)
+                keys.setdefault(key_of(pid), []).append(pid)
         for pid in set(came) - {me}:  # a stranger that came is forgiven (and so are strangers, while not absent)
-            self._absence.pop(key(pid), None)
+            self._absence.pop(key_of(pid), None)
             self._absence.pop(pid, None)
         became = []
         for key, pids in keys.items():
