@@ -1,12 +1,13 @@
-"""numba kernels of the codecs' CPU path (:mod:`peer.outer.cpu_path` runs them; importing this compiles nothing).
+"""numba kernels of the CPU path: the codecs' (:mod:`peer.outer.cpu_path` runs them) and the outer step's
+(:mod:`peer.outer.cpu_fused`); importing this compiles nothing.
 
-Each kernel does one codec's whole per-element work in one pass over a range of blocks ``[b0, b1)``, so that
-several threads can share one call (``nogil``). Contract: the byte results are those of the torch reference in
-``codec.py``/``e3m0.py``/``topk.py`` for every input; float arithmetic is IEEE float32/float64 exactly as there
-(no fastmath). Inputs are 1-D C-contiguous arrays sized by the caller; every index read from the wire is
-bounds-checked again here, so a kernel never reads or writes outside its arrays. Kernels return a flag instead
-of raising (1: a non-finite input or a NaN code; 2: arrays too small for the range, which the callers'
-sizes rule out; topk_check: 1 falling indices, 2 an index past its block).
+Each kernel does one codec's (or outer step's) whole per-element work in one pass over a range of blocks
+``[b0, b1)``, so that several threads can share one call (``nogil``). Contract: the results are those of the torch
+reference in ``codec.py``/``e3m0.py``/``topk.py``/``state.py`` for every input; float arithmetic is IEEE
+float32/float64 exactly as there (no fastmath). Inputs are 1-D C-contiguous arrays sized by the caller; every index
+read from the wire is bounds-checked again here, so a kernel never reads or writes outside its arrays. Kernels
+return a flag instead of raising (1: a non-finite input or a NaN code; 2: arrays too small for the range, which the
+callers' sizes rule out; topk_check: 1 falling indices, 2 an index past its block).
 Array indices are uint64: numba then emits no negative-index wraparound, which would stop vectorization.
 numba widens int32 arithmetic to int64; hot per-element helpers cast each step back to int32 so that their
 loops vectorize in 32-bit lanes.
@@ -367,4 +368,32 @@ def topk_decode(entries, scales, out, n, k, b0, b1):
             j = e >> np.uint64(4)
             if j < m:
                 out[base + j] = E3M0_VALUES[e & U15] * s
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ outer step
+
+
+@_jit
+def nesterov(G, v, d, G_out, v_out, m, lr, i0, i1):
+    """NesterovSGD.step_ from G, v into G_out, v_out, elements [i0, i1): v' = v*m + d; G' = G - (v'*m + d)*lr."""
+    if i1 > G.shape[0] or i1 > v.shape[0] or i1 > d.shape[0] or i1 > G_out.shape[0] or i1 > v_out.shape[0] or i0 < 0:
+        return 2
+    for i in range(np.uint64(i0), np.uint64(i1)):
+        vv = v[i] * m + d[i]
+        v_out[i] = vv
+        G_out[i] = G[i] - (vv * m + d[i]) * lr
+    return 0
+
+
+@_jit
+def eager_jump(theta, G, v, d, jump, k_v, k_out, i0, i1):
+    """The eager jump of the alpha = 0 merge over elements [i0, i1) of the weights ``theta`` (written): the target
+    m = (v*k_v + d)*k_out + G (NesterovSGD.effect, then + G), jump = m - theta, theta = m."""
+    if i1 > theta.shape[0] or i1 > G.shape[0] or i1 > v.shape[0] or i1 > d.shape[0] or i1 > jump.shape[0] or i0 < 0:
+        return 2
+    for i in range(np.uint64(i0), np.uint64(i1)):
+        t = (v[i] * k_v + d[i]) * k_out + G[i]
+        jump[i] = t - theta[i]
+        theta[i] = t
     return 0

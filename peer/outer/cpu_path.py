@@ -85,9 +85,12 @@ def _warm_up(K: ModuleType) -> None:
     K.topk_encode(xi, 64, 32, 0, 1, u16, f32, u8)
     K.topk_check(ro_u16, 64, 32)
     K.topk_decode(ro_u16, ro_f32, f32, 64, 32, 0, 1)
+    f32s = [np.zeros(64, np.float32) for _ in range(5)]
+    K.nesterov(*f32s, np.float32(0.9), np.float32(0.7), 0, 64)
+    K.eager_jump(*f32s, np.float32(0.9), np.float32(-0.7), 0, 64)
 
 
-def _parallel(fn: Callable[[int, int], int], n_blocks: int, block_elems: int) -> int:
+def parallel(fn: Callable[[int, int], int], n_blocks: int, block_elems: int) -> int:
     """Runs fn(b0, b1) over [0, n_blocks) on up to torch.get_num_threads() threads; ORs their flags. The range
     is cut in small chunks that each thread takes in turn: a thread the OS runs less (beside torch's own
     OpenMP workers, which spin a while after each op) then takes fewer, never holding up the rest."""
@@ -159,7 +162,7 @@ def _encode_blocks(flat: torch.Tensor, block_bytes: int, name: str, run) -> Opti
     n, xi = x.size, x.view(np.int32)
     nb = -(-n // 64)
     data, scales = _empty(nb * block_bytes, np.uint8), _empty(nb, np.float32)
-    if _check_flag(_parallel(lambda b0, b1: run(K, x, xi, n, b0, b1, data, scales), nb, 64), name):
+    if _check_flag(parallel(lambda b0, b1: run(K, x, xi, n, b0, b1, data, scales), nb, 64), name):
         raise _nonfinite_error()
     return data.tobytes(), scales.tobytes()
 
@@ -171,7 +174,7 @@ def _decode_blocks(data: bytes, scales: bytes, n: int, name: str, run) -> Option
     if K is None:
         return None
     d, s, out = np.frombuffer(data, np.uint8), np.frombuffer(scales, np.float32), _empty(n, np.float32)
-    flag = _check_flag(_parallel(lambda b0, b1: run(K, d, s, out, n, b0, b1), s.size, 64), name)
+    flag = _check_flag(parallel(lambda b0, b1: run(K, d, s, out, n, b0, b1), s.size, 64), name)
     return torch.from_numpy(out), flag
 
 
@@ -203,7 +206,7 @@ def bf16_encode(flat: torch.Tensor) -> Optional[bytes]:
         return None
     n, xi = x.size, x.view(np.int32)
     out = _empty(n, np.uint16)
-    if _check_flag(_parallel(lambda i0, i1: K.bf16_encode(xi, i0, i1, out), n, 1), "bf16"):
+    if _check_flag(parallel(lambda i0, i1: K.bf16_encode(xi, i0, i1, out), n, 1), "bf16"):
         raise _nonfinite_error()
     return out.tobytes()
 
@@ -214,7 +217,7 @@ def bf16_decode(data: bytes, n: int) -> Optional[torch.Tensor]:
         return None
     bits, out = np.frombuffer(data, np.uint16), _empty(n, np.float32)
     oi = out.view(np.int32)
-    if _check_flag(_parallel(lambda i0, i1: K.bf16_decode(bits, oi, i0, i1), n, 1), "bf16"):
+    if _check_flag(parallel(lambda i0, i1: K.bf16_decode(bits, oi, i0, i1), n, 1), "bf16"):
         raise CodecError("bf16 piece has non-finite values")
     return torch.from_numpy(out)
 
@@ -235,7 +238,7 @@ def topk_encode(flat: torch.Tensor, k: int, count: int,
     nb = -(-n // 4096)
     entries, scales, amb = _empty(count, np.uint16), _empty(nb, np.float32), np.zeros(nb, np.uint8)
     xi = x.view(np.int32)
-    if _check_flag(_parallel(lambda b0, b1: K.topk_encode(xi, n, k, b0, b1, entries, scales, amb), nb, 4096),
+    if _check_flag(parallel(lambda b0, b1: K.topk_encode(xi, n, k, b0, b1, entries, scales, amb), nb, 4096),
                    f"topk{k}"):
         raise _nonfinite_error()
     tied = np.flatnonzero(amb)
@@ -263,5 +266,5 @@ def topk_decode(data: bytes, scales: bytes, n: int, k: int, name: str) -> Option
     if bad:
         raise CodecError(f"{name} piece has an index past its block's end")
     out = _empty(n, np.float32)
-    _check_flag(_parallel(lambda b0, b1: K.topk_decode(e, s, out, n, k, b0, b1), s.size, 4096), name)
+    _check_flag(parallel(lambda b0, b1: K.topk_decode(e, s, out, n, k, b0, b1), s.size, 4096), name)
     return torch.from_numpy(out)

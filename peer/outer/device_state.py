@@ -29,7 +29,7 @@ import torch
 
 from peer.outer.offload import side_stream
 from peer.outer.rounds import Handle, RoundOutcome, Span
-from peer.outer.state import advance_shared, check_average
+from peer.outer.state import advanced, check_average
 
 if TYPE_CHECKING:
     from peer.outer.state import NesterovSGD
@@ -83,17 +83,15 @@ class DeviceState:
 
     def advance(self, copy: Staged, spans: Sequence[Span],
                 opt: "NesterovSGD") -> tuple[Staged, torch.Tensor, torch.Tensor]:
-        """(On the worker.) :func:`~peer.outer.state.advance_shared` on the device from ``copy`` (the state's copy
+        """(On the worker.) :func:`~peer.outer.state.advanced` on the device from ``copy`` (the state's copy
         when the aggregate came in): new device ``G, v``, not installed, and their host copies, which the caller
         makes the state. Returns the staged copies (``host_G``: the new host ``G``), the new host ``v`` and the
         host mask of the elements an aggregate arrived for."""
         if self._staging is None:  # (the CPU: the "device" copies are host tensors)
-            G, v = copy.G.clone(), copy.v.clone()
-            applied = advance_shared(G, v, spans, opt)
+            G, v, applied = advanced(copy.G, copy.v, spans, opt)
             return Staged(G, G, v, None if bool(applied.all()) else applied), v, applied
         inbound, out_G, out_v = self._staging
         with torch.cuda.stream(self._stream):
-            G, v = copy.G.clone(), copy.v.clone()
             arrived = []
             for span in spans:  # (disjoint: each average goes through its own slice of the staging)
                 average = None
@@ -102,7 +100,7 @@ class DeviceState:
                     staged_in = inbound[span.start:span.start + span.average.numel()].copy_(span.average)
                     average = staged_in.to(self.device, non_blocking=True)
                 arrived.append(Span(span.start, span.end, average))
-            applied = advance_shared(G, v, arrived, opt)
+            G, v, applied = advanced(copy.G, copy.v, arrived, opt)
             whole = bool(applied.all())
             out_G[:G.numel()].copy_(G, non_blocking=True)
             out_v[:v.numel()].copy_(v, non_blocking=True)

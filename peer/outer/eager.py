@@ -13,6 +13,7 @@ from typing import Callable, Optional
 
 import torch
 
+from peer.outer.cpu_fused import eager_jump
 from peer.outer.fragments import Fragment
 from peer.outer.offload import HostBuffers, scatter
 from peer.outer.state import NesterovSGD, blend
@@ -39,14 +40,24 @@ class Eager:
         if total_weight > 0:
             self.last_share[p] = min(1.0, weight / total_weight)
 
-    def jump(self, p: int, theta: torch.Tensor, delta: torch.Tensor, G: torch.Tensor,
-             v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Moves fragment ``p``'s weights from ``theta`` to ``G + E``, ``E = effect(v, share * delta)``: our own share
-        of the round, applied now; the aggregate corrects it when it arrives. Returns the jump (kept with the round:
-        all that its apply needs to undo where nothing arrived; E itself is not kept) and the weights jumped to.
-        ``theta``'s buffer becomes the jump's; ``E`` is computed in a pooled buffer (a fresh fragment-sized buffer
-        costs more in page faults than its arithmetic) and given back here (the replay merge keeps its own copy of
-        the weights jumped to, ``term + G``)."""
+    def jump(self, p: int, theta: Optional[torch.Tensor], delta: torch.Tensor, G: torch.Tensor,
+             v: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Moves fragment ``p``'s weights from ``theta`` (None: the parameters as they are, on the CPU) to ``G + E``,
+        ``E = effect(v, share * delta)``: our own share of the round, applied now; the aggregate corrects it when it
+        arrives. Returns the jump (kept with the round: all that its apply needs to undo where nothing arrived; E
+        itself is not kept) and the weights jumped to (None where ``theta`` was). ``theta``'s buffer becomes the
+        jump's; ``E`` is computed in a pooled buffer (a fresh fragment-sized buffer costs more in page faults than
+        its arithmetic) and given back here (the replay merge keeps its own copy of the weights jumped to, ``term +
+        G``). With the alpha = 0 merge on the CPU, all of it is one pass over the parameters
+        (:func:`peer.outer.cpu_fused.eager_jump`), and nothing but the jump is allocated."""
+        if theta is None:
+            frag = self.fragments[p]
+            jump = self.buffers.take(frag.numel)
+            k_v, k_out = self.opt.effect_scalars(self.share(p))
+            if self.alpha == 0.0 and not self.replay and k_out != 0.0 \
+                    and eager_jump(frag.params, G, v, delta, jump, k_v, k_out):
+                return jump, None
+            theta = frag.flat(out=jump)
         scratch = self.buffers.take(theta.numel()) if theta.device.type == "cpu" else torch.empty_like(theta)
         term = self.opt.effect(v, delta, scale=self.share(p), out=scratch)
         # (G + E and E + G are the same bits)

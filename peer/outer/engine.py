@@ -29,10 +29,11 @@ from peer.outer.device_state import DeferredLaunch, DeviceState, Staged, to_host
 from peer.outer.feedback import Feedback
 from peer.outer.fragments import Fragment
 from peer.outer.inflight import Handover, Pending, Prepared, Waits
-from peer.outer.offload import HostBuffers, OuterWorker, device_of, gather, scatter, snapshot, to_device
+from peer.outer.offload import (HostBuffers, OuterWorker, device_of, difference, gather, scatter, snapshot,
+                                to_device)
 from peer.outer import saved_state
 from peer.outer.rounds import Handle, RoundOutcome, RoundStatus, Transport
-from peer.outer.state import (FragmentState, NesterovSGD, advance_shared, blend, block_digests, merge_into,
+from peer.outer.state import (FragmentState, NesterovSGD, advanced, blend, block_digests, merge_into,
                                merge_target)
 from peer.outer.schedule import ClockSchedule, StepsSchedule
 from peer.outer.settings import OuterSettings
@@ -131,8 +132,7 @@ class StreamingEngine:
                 continue
             # Synchronous: the eager jump below needs theta at this step before the next update, and a round the
             # transport keeps home is reported at once (docs/architecture.md, "Off the training thread").
-            theta = snapshot(frag, out=self.buffers.take(frag.numel)).wait()
-            delta = st.outer_gradient(theta, out=self.buffers.take(frag.numel))
+            theta, delta = self._outer_gradient(p)
             weight = float(max(st.tokens_since_sync, 1))
             st.tokens_since_sync = 0
             residual_before = None if self.feedback is None else self.feedback.compensate(p, delta)
@@ -160,6 +160,17 @@ class StreamingEngine:
             if not self.one_outer_step:
                 self.handover.on_arrival(pend, st.G, st.v, None)
 
+    def _outer_gradient(self, p: int) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+        """The host path's ``Delta = S - theta`` in a pooled vector, and ``theta`` in another where it was copied:
+        parameters on the CPU with ``S = G`` are read where they are (``theta`` None: :meth:`Eager.jump` reads them
+        there too) unless the replay merge keeps them; others are snapshotted first."""
+        frag, st = self.fragments[p], self.states[p]
+        delta = self.buffers.take(frag.numel)
+        if device_of(frag).type == "cpu" and st.sync_point() is st.G and self.cfg.merge != "replay":
+            return None, difference(frag, st.G, out=delta)
+        theta = snapshot(frag, out=self.buffers.take(frag.numel)).wait()
+        return theta, st.outer_gradient(theta, out=delta)
+
     def _launch_on_device(self, p: int, r: int, step: int) -> None:
         """The launch of the device path: every operation on the parameters' device is only enqueued; ``Delta``
         reaches the transport from the launch thread once it is on the host (peer/outer/device_state.py). A round
@@ -180,7 +191,8 @@ class StreamingEngine:
         tau = self.cfg.tau if self.tau_fn is None else self.tau_fn()
         jump = None
         if self.cfg.eager and 0 < tau < self.cfg.H:
-            jump, theta = self.eager.jump(p, theta, delta, copy.G, copy.v)
+            jump, jumped = self.eager.jump(p, theta, delta, copy.G, copy.v)
+            theta = theta if jumped is None else jumped  # (never None: theta is given)
         theta_at_launch = theta if self.cfg.merge == "replay" else None
         pend = Pending(r, step, host, weight, handle, tau, theta_at_launch, jump, base=base)
         self.pending[p].append(pend)
@@ -297,8 +309,7 @@ class StreamingEngine:
             staged, v, applied = self.device_state.advance(copy, outcome.applied_spans(), self.opt)
             G = staged.host_G
             return Prepared(outcome, base, G, v, applied, G, block_digests(G, v), staged.applied is None, staged)
-        G, v = base.clone(), base_v.clone()
-        applied = advance_shared(G, v, outcome.applied_spans(), self.opt)
+        G, v, applied = advanced(base, base_v, outcome.applied_spans(), self.opt)
         return Prepared(outcome, base, G, v, applied, merge_target(G, self.cfg.alpha, self.cfg.merge == "replay"),
                         block_digests(G, v), bool(applied.all()))
 

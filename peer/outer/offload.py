@@ -93,6 +93,18 @@ def gather(frag: Fragment) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).to(torch.float32) for p in frag.params])
 
 
+def difference(frag: Fragment, S: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``S - theta`` into ``out``, ``theta`` the fragment's current values read where they are (parameters on the
+    CPU: no copy of them first), ``S`` and ``out`` fp32 on the parameters' device: the bits of ``torch.sub(S,
+    gather(frag))``."""
+    offset = 0
+    for p in frag.params:
+        k = p.numel()
+        torch.sub(S[offset:offset + k], p.detach().reshape(-1), out=out[offset:offset + k])
+        offset += k
+    return out
+
+
 def scatter(frag: Fragment, flat: torch.Tensor) -> None:
     """Writes ``flat`` (fp32, on the parameters' device or the host) into the parameters; a host vector goes
     through :func:`to_device` first, so the host does not wait for the device queue."""

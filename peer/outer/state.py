@@ -23,6 +23,7 @@ import blake3
 import numpy as np
 import torch
 
+from peer.outer.cpu_fused import nesterov_into
 from peer.outer.rounds import Span
 from peer.outer.wire import all_finite
 
@@ -45,6 +46,18 @@ class NesterovSGD:
         G.sub_(torch.mul(v, self.momentum).add_(delta).mul_(self.lr))
 
     @torch.no_grad()
+    def step_into(self, G: torch.Tensor, v: torch.Tensor, delta: torch.Tensor, G_out: torch.Tensor,
+                  v_out: torch.Tensor) -> None:
+        """:meth:`step_` from ``G, v`` into ``G_out, v_out`` (the same bits; the inputs unchanged, the outputs not
+        aliasing them): no copy of the state first and no temporary; on the CPU one fused pass
+        (:func:`peer.outer.cpu_fused.nesterov_into`)."""
+        if nesterov_into(G, v, delta, G_out, v_out, self.momentum, self.lr):
+            return
+        torch.mul(v, self.momentum, out=v_out).add_(delta)
+        torch.mul(v_out, self.momentum, out=G_out).add_(delta).mul_(self.lr)
+        torch.sub(G, G_out, out=G_out)
+
+    @torch.no_grad()
     def effect(self, v: torch.Tensor, delta: torch.Tensor, *, scale: float = 1.0,
                out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """How much one step with ``scale * delta`` would move the parameters (``new G - G``), no state change:
@@ -53,12 +66,19 @@ class NesterovSGD:
         once (no fused multiply-add), so the CPU and CUDA give the same bits."""
         if out is None:
             out = torch.empty_like(v)
+        k_v, k_out = self.effect_scalars(scale)
+        if k_out == 0.0:
+            return torch.mul(v, k_v, out=out)
+        torch.mul(v, k_v, out=out)  # = c * (m^2 / c * v + delta) * -lr
+        out.add_(delta)
+        return out.mul_(k_out)
+
+    def effect_scalars(self, scale: float) -> tuple[float, float]:
+        """:meth:`effect`'s two factors: it is ``(v * k_v + delta) * k_out``, or ``v * k_v`` where ``k_out`` is 0."""
         c = (1.0 + self.momentum) * scale
         if c == 0.0:
-            return torch.mul(v, -self.lr * self.momentum * self.momentum, out=out)
-        torch.mul(v, self.momentum * self.momentum / c, out=out)  # = c * (m^2 / c * v + delta) * -lr
-        out.add_(delta)
-        return out.mul_(-self.lr * c)
+            return -self.lr * self.momentum * self.momentum, 0.0
+        return self.momentum * self.momentum / c, -self.lr * c
 
 
 @dataclass
@@ -191,14 +211,37 @@ def apply_round(state: FragmentState, theta: torch.Tensor, spans: Sequence[Span]
     (The engine runs the same two halves apart: :func:`advance_shared` off the training thread as soon as the
     aggregate is in, :func:`merge_into` at ``launch + tau``.)
     """
-    G, v = state.G.clone(), state.v.clone()  # (replaced, never written in place: see FragmentState)
-    applied = advance_shared(G, v, spans, opt)
-    state.G, state.v = G, v
+    state.G, state.v, applied = advanced(state.G, state.v, spans, opt)  # (replaced, never written in place)
     if state.E is not None:
         state.E[applied] = 0
     theta = theta.clone()
     merge_into(theta, merge_target(state.G, alpha, replay_from is not None), spans, alpha, replay_from=replay_from)
     return theta, applied
+
+
+def advanced(G: torch.Tensor, v: torch.Tensor, spans: Sequence[Span],
+             opt: NesterovSGD) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """New ``G, v``: :func:`advance_shared` applied to copies of ``G, v`` (which are not changed), written in one
+    pass (:meth:`NesterovSGD.step_into` over the arrived spans, a copy elsewhere); and the bool mask of the
+    elements an aggregate arrived for."""
+    n = G.numel()
+    new_G, new_v = torch.empty_like(G), torch.empty_like(v)
+    applied = torch.zeros(n, dtype=torch.bool)
+    arrived = sorted(((s, s.average) for s in spans if s.average is not None), key=lambda a: a[0].start)
+    done = 0
+    for span, average in arrived:
+        check_average(span)
+        if not done <= span.start <= span.end <= n:  # (overlapping or out of range: the general path says why)
+            new_G.copy_(G)
+            new_v.copy_(v)
+            return new_G, new_v, advance_shared(new_G, new_v, spans, opt)
+        sl = slice(span.start, span.end)
+        new_G[done:span.start], new_v[done:span.start] = G[done:span.start], v[done:span.start]
+        opt.step_into(G[sl], v[sl], average, new_G[sl], new_v[sl])
+        applied[sl] = True
+        done = span.end
+    new_G[done:], new_v[done:] = G[done:], v[done:]
+    return new_G, new_v, applied
 
 
 def advance_shared(G: torch.Tensor, v: torch.Tensor, spans: Sequence[Span], opt: NesterovSGD) -> torch.Tensor:
