@@ -76,7 +76,8 @@ class EchoTransport:
                             total_weight=2 * weight)
 
     def launch(self, *, fragment, round_, delta, weight, step, expected_round, base=None):
-        return self.pool.submit(self._round, fragment, round_, delta.clone(), weight)
+        # (no copy of Delta: the engine keeps it until the round is answered, and the swarm's transport makes none)
+        return self.pool.submit(self._round, fragment, round_, delta, weight)
 
 
 def flops_per_token(model, n_layers: int, d_model: int, seq_len: int) -> float:
