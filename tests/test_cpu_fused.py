@@ -4,6 +4,7 @@ place, and the engine with and without the kernels; and the fallback where a ker
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -20,6 +21,7 @@ from peer.outer.fragments import Fragment  # noqa: E402
 from peer.outer.rounds import RoundOutcome, Span  # noqa: E402
 from peer.outer.settings import OuterSettings  # noqa: E402
 from peer.outer.state import NesterovSGD, advance_shared, advanced  # noqa: E402
+from tests.test_streaming_engine import ScriptedTransport  # noqa: E402
 
 # sizes: empty, one, around a vector's width, and one the threads share (parallel() splits above 2^18 per thread)
 SIZES = [0, 1, 7, 64, 1001, (3 << 18) + 5]
@@ -70,6 +72,59 @@ def test_eager_jump_gives_the_torch_path_bit_for_bit(share):
     assert all(p._version > was for p, was in zip(params, versions))  # (autograd sees the write)
 
 
+def test_difference_and_assign_give_the_torch_path_bit_for_bit():
+    shapes = [(3, 5), (1 << 19,), (7,), (64, 33)]
+    params = [torch.nn.Parameter(values(math.prod(s), 30 + i).reshape(s)) for i, s in enumerate(shapes)]
+    n = sum(p.numel() for p in params)
+    S, out = values(n, 40), torch.empty(n)
+    assert cpu_fused.difference(params, S, out)
+    theta = torch.cat([p.detach().reshape(-1) for p in params])
+    assert torch.equal(out.view(torch.int32), (S - theta).view(torch.int32))
+    src, versions = values(n, 41), [p._version for p in params]
+    assert cpu_fused.assign(params, src)
+    assert torch.equal(torch.cat([p.detach().reshape(-1) for p in params]).view(torch.int32), src.view(torch.int32))
+    assert all(p._version > was for p, was in zip(params, versions))
+
+
+def test_a_launch_and_an_apply_pass_over_all_parameters_in_one_call_each(monkeypatch):
+    """A fragment of many parameters: the launch runs two kernels (Delta, the jump) and the apply one (the merge),
+    each once for the whole fragment, not once per parameter (each call gives the GIL back)."""
+    calls = []
+    real = cpu_fused._run
+    monkeypatch.setattr(cpu_fused, "_run", lambda K, name, args, n: calls.append(name) or real(K, name, args, n))
+    params = [torch.nn.Parameter(torch.randn(5)) for _ in range(12)]
+    settings = OuterSettings(H=4, tau=2, eager=True, lr=0.7, momentum=0.9, wait_timeout=1.0)
+    echo = ScriptedTransport(lambda f, r, d: RoundOutcome(f, r, "ok", spans=[Span(0, d.numel(), d.clone())],
+                                                          total_weight=20.0))
+    eng = StreamingEngine([Fragment(0, [str(i) for i in range(12)], params)], settings, echo)
+    launched = []
+    for step in range(1, 7):
+        calls.clear()
+        eng.launch_due(step)
+        launched.append(len(calls))
+        calls.clear()
+        eng.apply_due(step)
+        launched.append(len(calls))
+    eng.close()
+    # steps 4 (launch) and 6 (apply: the Nesterov step, prepared there as this transport's handle takes no done
+    # callbacks, and the merge); the rest nothing
+    assert launched == [0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 2], launched
+
+
+@pytest.mark.parametrize("n", [1000, cpu_fused.HELD_BELOW + 3])
+def test_a_pass_holding_the_gil_and_one_on_threads_give_the_same_bits(n):
+    """Below HELD_BELOW a kernel runs holding the GIL, above on threads: both the torch path's bits."""
+    params = [torch.nn.Parameter(values(n - n // 3, 50)), torch.nn.Parameter(values(n // 3, 51))]
+    G, v, d = values(n, 52), values(n, 53) * 1e-3, values(n, 54)
+    theta = torch.cat([p.detach() for p in params])
+    opt = NesterovSGD(lr=0.7, momentum=0.9)
+    merged = opt.effect(v, d, scale=0.25).add_(G)
+    jump = torch.empty(n)
+    assert cpu_fused.eager_jump(params, G, v, d, jump, *opt.effect_scalars(0.25))
+    assert torch.equal(jump.view(torch.int32), (merged - theta).view(torch.int32))
+    assert torch.equal(torch.cat([p.detach() for p in params]).view(torch.int32), merged.view(torch.int32))
+
+
 def test_a_kernel_that_does_not_apply_changes_nothing():
     """A bf16 parameter, or a non-contiguous input: False, and nothing written (the caller runs the torch path)."""
     params = [torch.ones(4), torch.ones(4, dtype=torch.bfloat16)]
@@ -110,8 +165,6 @@ def test_advanced_refuses_what_advance_shared_refuses():
 
 def train(settings: OuterSettings, steps: int = 24) -> tuple[torch.Tensor, ...]:
     """Two fragments (a matrix and a vector; a vector), every round whole and echoed, eager at tau = 2."""
-    from tests.test_streaming_engine import ScriptedTransport
-
     torch.manual_seed(0)
     w, b, u = (torch.nn.Parameter(torch.randn(*s)) for s in ((9, 13), (13,), (40,)))
     frags = [Fragment(0, ["w", "b"], [w, b]), Fragment(1, ["u"], [u])]
@@ -146,3 +199,14 @@ def test_the_engine_gives_the_same_bits_with_and_without_the_kernels(eager, alph
     plain = train(settings)
     for a, b in zip(fused, plain):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def test_a_parameter_given_new_memory_is_written_there():
+    """The kernels' list of a fragment's parameters is kept between calls; a parameter whose memory was replaced
+    (``p.data = ...``) is found in its new memory, not written in the old one."""
+    params = [torch.nn.Parameter(torch.zeros(6)), torch.nn.Parameter(torch.zeros(4))]
+    assert cpu_fused.assign(params, torch.ones(10))
+    old = params[1].data
+    params[1].data = torch.zeros(4)
+    assert cpu_fused.assign(params, torch.full((10,), 2.0))
+    assert torch.equal(params[1].detach(), torch.full((4,), 2.0)) and torch.equal(old, torch.ones(4))

@@ -32,6 +32,7 @@ def _cache_usable() -> bool:
 
 
 _jit = njit(nogil=True, cache=_cache_usable(), error_model="numpy", boundscheck=False)
+_jit_held = njit(nogil=False, cache=_cache_usable(), error_model="numpy", boundscheck=False)
 
 ABS = np.int32(0x7FFFFFFF)
 INF_BITS = np.int32(0x7F800000)
@@ -386,14 +387,86 @@ def nesterov(G, v, d, G_out, v_out, m, lr, i0, i1):
     return 0
 
 
+# The parameters' kernels take a fragment's parameters as one typed list of 1-D arrays, ``thetas``, param j being
+# elements [offsets[j], offsets[j + 1]) of the fragment's flat vector, and work on the flat range [i0, i1): one call
+# for the whole fragment (each call gives the GIL back once, and on a busy peer getting it back can take a
+# scheduler's time slice).
+
+
 @_jit
-def eager_jump(theta, G, v, d, jump, k_v, k_out, i0, i1):
-    """The eager jump of the alpha = 0 merge over elements [i0, i1) of the weights ``theta`` (written): the target
-    m = (v*k_v + d)*k_out + G (NesterovSGD.effect, then + G), jump = m - theta, theta = m."""
-    if i1 > theta.shape[0] or i1 > G.shape[0] or i1 > v.shape[0] or i1 > d.shape[0] or i1 > jump.shape[0] or i0 < 0:
+def _params_fit(thetas, offsets, i0, i1, n):
+    """Whether the list, its offsets and the flat arrays (n elements) hold the range [i0, i1)."""
+    if len(offsets) != len(thetas) + 1 or i0 < 0 or i1 > offsets[len(thetas)] or i1 > n:
+        return False
+    for j in range(len(thetas)):
+        if thetas[j].shape[0] != offsets[j + 1] - offsets[j]:
+            return False
+    return True
+
+
+@_jit
+def eager_jump(thetas, offsets, G, v, d, jump, k_v, k_out, i0, i1):
+    """The eager jump of the alpha = 0 merge over the parameters' elements [i0, i1) (written): the target
+    t = (v*k_v + d)*k_out + G (NesterovSGD.effect, then + G), jump = t - theta, theta = t."""
+    n = min(G.shape[0], v.shape[0], d.shape[0], jump.shape[0])
+    if not _params_fit(thetas, offsets, i0, i1, n):
         return 2
-    for i in range(np.uint64(i0), np.uint64(i1)):
-        t = (v[i] * k_v + d[i]) * k_out + G[i]
-        jump[i] = t - theta[i]
-        theta[i] = t
+    for j in range(len(thetas)):
+        a, b, base = max(offsets[j], i0), min(offsets[j + 1], i1), np.uint64(offsets[j])
+        theta = thetas[j]
+        for i in range(np.uint64(a), np.uint64(max(a, b))):
+            t = (v[i] * k_v + d[i]) * k_out + G[i]
+            jump[i] = t - theta[i - base]
+            theta[i - base] = t
     return 0
+
+
+@_jit
+def difference(thetas, offsets, S, out, i0, i1):
+    """out = S - theta over the parameters' elements [i0, i1)."""
+    if not _params_fit(thetas, offsets, i0, i1, min(S.shape[0], out.shape[0])):
+        return 2
+    for j in range(len(thetas)):
+        a, b, base = max(offsets[j], i0), min(offsets[j + 1], i1), np.uint64(offsets[j])
+        theta = thetas[j]
+        for i in range(np.uint64(a), np.uint64(max(a, b))):
+            out[i] = S[i] - theta[i - base]
+    return 0
+
+
+@_jit
+def assign(thetas, offsets, src, i0, i1):
+    """theta = src over the parameters' elements [i0, i1)."""
+    if not _params_fit(thetas, offsets, i0, i1, src.shape[0]):
+        return 2
+    for j in range(len(thetas)):
+        a, b, base = max(offsets[j], i0), min(offsets[j + 1], i1), np.uint64(offsets[j])
+        theta = thetas[j]
+        for i in range(np.uint64(a), np.uint64(max(a, b))):
+            theta[i - base] = src[i]
+    return 0
+
+
+# The same kernels holding the GIL, for small fragments: a call that gives the GIL back waits to get it back while
+# another thread of the process runs Python (up to its switch interval, or its time slice on a shared core), which
+# costs more than the work of a small fragment.
+
+
+@_jit_held
+def eager_jump_held(thetas, offsets, G, v, d, jump, k_v, k_out, i0, i1):
+    return eager_jump(thetas, offsets, G, v, d, jump, k_v, k_out, i0, i1)
+
+
+@_jit_held
+def difference_held(thetas, offsets, S, out, i0, i1):
+    return difference(thetas, offsets, S, out, i0, i1)
+
+
+@_jit_held
+def assign_held(thetas, offsets, src, i0, i1):
+    return assign(thetas, offsets, src, i0, i1)
+
+
+@_jit_held
+def nesterov_held(G, v, d, G_out, v_out, m, lr, i0, i1):
+    return nesterov(G, v, d, G_out, v_out, m, lr, i0, i1)

@@ -86,8 +86,22 @@ def _warm_up(K: ModuleType) -> None:
     K.topk_check(ro_u16, 64, 32)
     K.topk_decode(ro_u16, ro_f32, f32, 64, 32, 0, 1)
     f32s = [np.zeros(64, np.float32) for _ in range(5)]
-    K.nesterov(*f32s, np.float32(0.9), np.float32(0.7), 0, 64)
-    K.eager_jump(*f32s, np.float32(0.9), np.float32(-0.7), 0, 64)
+    thetas, offsets = param_list([np.zeros(32, np.float32), np.zeros(32, np.float32)])
+    for held in ("", "_held"):
+        getattr(K, "nesterov" + held)(*f32s, np.float32(0.9), np.float32(0.7), 0, 64)
+        getattr(K, "eager_jump" + held)(thetas, offsets, *f32s[:4], np.float32(0.9), np.float32(-0.7), 0, 64)
+        getattr(K, "difference" + held)(thetas, offsets, *f32s[:2], 0, 64)
+        getattr(K, "assign" + held)(thetas, offsets, f32s[0], 0, 64)
+
+
+def param_list(arrays: list[np.ndarray]) -> tuple[object, np.ndarray]:
+    """The kernels' form of a fragment's parameters (``cpu_kernels``: the list and its offsets)."""
+    from numba.typed import List
+
+    thetas = List()
+    for a in arrays:
+        thetas.append(a)
+    return thetas, np.cumsum([0] + [a.size for a in arrays], dtype=np.int64)
 
 
 def parallel(fn: Callable[[int, int], int], n_blocks: int, block_elems: int) -> int:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from peer.outer import cpu_fused
 from peer.outer.fragments import Fragment
 
 
@@ -96,7 +97,9 @@ def gather(frag: Fragment) -> torch.Tensor:
 def difference(frag: Fragment, S: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``S - theta`` into ``out``, ``theta`` the fragment's current values read where they are (parameters on the
     CPU: no copy of them first), ``S`` and ``out`` fp32 on the parameters' device: the bits of ``torch.sub(S,
-    gather(frag))``."""
+    gather(frag))``; on the CPU one fused pass (:func:`peer.outer.cpu_fused.difference`)."""
+    if cpu_fused.difference(frag.params, S, out):
+        return out
     offset = 0
     for p in frag.params:
         k = p.numel()
@@ -107,7 +110,10 @@ def difference(frag: Fragment, S: torch.Tensor, out: torch.Tensor) -> torch.Tens
 
 def scatter(frag: Fragment, flat: torch.Tensor) -> None:
     """Writes ``flat`` (fp32, on the parameters' device or the host) into the parameters; a host vector goes
-    through :func:`to_device` first, so the host does not wait for the device queue."""
+    through :func:`to_device` first, so the host does not wait for the device queue. On the CPU one fused pass
+    (:func:`peer.outer.cpu_fused.assign`)."""
+    if cpu_fused.assign(frag.params, flat):
+        return
     frag.assign(to_device(flat, device_of(frag)))
 
 
