@@ -11,7 +11,8 @@ hostile otherwise) on
 restarted from its checkpoint, so it downloads the swarm's state while the attacker is among the donors.
 
 Prints one table (and writes ``--out``, JSON): per attack, the honest peers' final training CE (mean over
-their last 40 steps) and its change against the clean run, the honest peers' rounds that ended
+their last 40 steps) and its change against the clean run (and, where ``absent`` ran, against the honest peers
+alone: an attacker that brings no honest data costs at least that), the honest peers' rounds that ended
 ok, how many honest peers excluded the attacker and at which of their rounds the first did, how many
 honest peers caught up from a forged state (a ``catch_up`` event whose digest no honest peer ever held),
 how many forged things the attacker did (its ``HOSTILE:`` lines), the honest peers' run time, their rounds'
@@ -151,12 +152,16 @@ def main() -> int:
     rows = run_attacks(attacks, lambda attack, out: one_run(attack, args.honest, args.steps, out), args.out_dir,
                        args.out)
     clean = rows[0]["honest_ce"]
-    print("\n| attack | honest final CE | vs clean | honest rounds ok | attacker excluded by | first at round "
+    # "absent": the honest peers alone, what any attacker costs that brings no honest data and is ignored at once
+    absent = next((r["honest_ce"] for r in rows if r["attack"] == "absent"), None)
+    vs_absent = (lambda r: f"{100 * (r['honest_ce'] / absent - 1):+.2f}% | ") if absent else (lambda r: "")
+    print("\n| attack | honest final CE | vs clean | " + ("vs absent | " if absent else "")
+          + "honest rounds ok | attacker excluded by | first at round "
           "| catch-ups (from a forged state) | forged actions | honest run (s) | matchmaking median / p90 (s) "
           "| absences noted |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- " * (12 if absent else 11) + "|")
     for r in rows:
-        print(f"| {r['attack']} | {r['honest_ce']:.4f} | {100 * (r['honest_ce'] / clean - 1):+.2f}% | "
+        print(f"| {r['attack']} | {r['honest_ce']:.4f} | {100 * (r['honest_ce'] / clean - 1):+.2f}% | {vs_absent(r)}"
               f"{r['ok_rounds']}/{r['rounds']} | {r['excluded_by']}/{args.honest} | "
               f"{r['first_exclusion_round'] if r['first_exclusion_round'] is not None else '-'} | "
               f"{r['catch_ups']} ({r['forged_catch_ups']}) | {r['hostile_lines']} | {r['wall_seconds']:.0f} | "
