@@ -4,17 +4,18 @@
     .venv/bin/python bench/lab_attacks.py --attacks stream_hog
 
 Host 0 runs the bootstrap node, hosts 1..``--honest`` the honest peers, the last host one more peer: honest in
-``clean``, bench/hostile_peer.py otherwise (``stream_hog``: 34 more identities on its host holding streams;
+``clean``, none in ``absent`` (what an attacker whose own rounds fail costs: its data), bench/hostile_peer.py
+otherwise (``stream_hog``: 34 more identities on its host holding streams;
 ``record_flood``: 40 records of 1 MiB at every beat). Each peer listens on its own host's address, so the
 per-host stream budget (``swarm.max_streams_per_host``) sees the attacker's identities as one host, as it would
 on the internet; on loopback every peer counts alone. The settings of bench/swarm_attacks.py (tiny preset,
 seq 32 x batch 4, H = 20, 2 fragments), ``--steps`` steps (400).
 
-Prints one table (and writes ``--out``, JSON): per attack, the honest peers' final training CE against the
-clean run, their rounds that ended ok, the largest resident memory and open files of one honest peer (its
-processes together: the peer, its DHT process, its libp2p daemon; sampled every 0.5 s), the streams the honest
-peers refused (their logs' last count) and whether any refusal was the per-host budget's, and the attacker's
-forged actions (its ``HOSTILE:`` lines).
+Prints one table (and writes ``--out``, JSON): per attack, the honest peers' final training CE against the clean
+run (and the ``absent`` one, where it ran), their rounds that ended ok, the largest resident memory and open files
+of one honest peer (its processes together: the peer, its DHT process, its libp2p daemon; sampled every 0.5 s), the
+streams the honest peers refused (their logs' last count) and whether any refusal was the per-host budget's, and
+the attacker's forged actions (its ``HOSTILE:`` lines).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import argparse
 import os
 import platform
 import re
+import shutil
 import signal
 import sys
 import threading
@@ -35,10 +37,10 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from helpers import Proc, events  # noqa: E402
 from netns import NetnsLab, netns_available, start_lab_swarm  # noqa: E402
-from swarm_attacks import final_ce, run_attacks  # noqa: E402
+from swarm_attacks import ce_columns, final_ce, run_attacks  # noqa: E402
 from test_swarm import FAST, wait_exit  # noqa: E402
 
-ATTACKS = ["clean", "stream_hog", "record_flood"]
+ATTACKS = ["clean", "absent", "stream_hog", "record_flood"]
 PAGE = os.sysconf("SC_PAGE_SIZE")
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -111,10 +113,11 @@ def refusals(log_text: str) -> tuple[int, bool]:
 
 
 def one_run(attack: str, honest: int, steps: int, out: Path) -> dict:
-    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out, ignore_errors=True)  # (the logs and events are appended to: an earlier run's would count)
+    out.mkdir(parents=True)
     procs: list = []
     lab = NetnsLab(honest + 2).create()
-    size = honest + 1
+    size = honest if attack == "absent" else honest + 1
     flags = ["--max-steps", str(steps), "--min-peers", str(size), *FAST, "--log-every", "2"]
     sampler = None
     try:
@@ -125,11 +128,10 @@ def one_run(attack: str, honest: int, steps: int, out: Path) -> dict:
         cmd = [sys.executable, *entry, "run", "--config", str(REPO / "configs/demo.toml"), "--initial-peers",
                *initial, "--host-maddrs", f"/ip4/{lab.addr(host)}/tcp/0", "--run-dir", str(run_dir), "--log-json",
                str(run_dir / "events.jsonl"), "--no-reachability-check", *flags]
-        bad = Proc.start(lab.run_args(host, cmd), log_path=out / "x.log", cwd=REPO)
-        procs.append(bad)
+        if attack != "absent":
+            procs.append(Proc.start(lab.run_args(host, cmd), log_path=out / "x.log", cwd=REPO))
         sampler = Sampler(peers)
-        for proc in peers.values():
-            wait_exit(proc, 900)
+        exits = [wait_exit(proc, 900) for proc in peers.values()]
         wall = time.monotonic() - t0
     finally:
         if sampler is not None:
@@ -143,6 +145,7 @@ def one_run(attack: str, honest: int, steps: int, out: Path) -> dict:
     refused = [refusals((out / f"{n}.log").read_text(errors="replace")) for n in names]
     return {
         "attack": attack,
+        "honest_failed": sum(1 for code in exits if code != 0),  # honest peers that exited with an error
         "honest_ce": sum(final_ce(out, n) for n in names) / len(names),
         "ok_rounds": sum(1 for n in names for e in events(out, n, "round") if e["status"] == "ok"),
         "rounds": sum(1 for n in names for e in events(out, n, "round")),
@@ -150,7 +153,8 @@ def one_run(attack: str, honest: int, steps: int, out: Path) -> dict:
         "peak_files": max(sampler.peak[n][1] for n in names),
         "refused": sum(r for r, _ in refused),
         "host_budget": any(h for _, h in refused),
-        "hostile_lines": sum("HOSTILE:" in line for line in (out / "x.log").read_text(errors="replace").splitlines()),
+        "hostile_lines": sum("HOSTILE:" in line for line in (out / "x.log").read_text(errors="replace").splitlines())
+        if attack != "absent" else 0,
         "wall_seconds": wall,
         "cpu_seconds": {k: sum(c[k] for c in cpu) / len(cpu) for k in cpu[0]},
     }
@@ -173,17 +177,21 @@ def main() -> int:
           f"{args.steps} steps, {platform.node()}, {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
     rows = run_attacks(attacks, lambda attack, out: one_run(attack, args.honest, args.steps, out), args.out_dir,
                        args.out)
-    clean = rows[0]["honest_ce"]
-    print("\n| attack | honest final CE | vs clean | honest rounds ok | peak memory of a peer (GiB) "
+    header, ce_cells = ce_columns(rows)
+    print(f"\n| attack | {header} | honest rounds ok | peak memory of a peer (GiB) "
           "| peak open files of a peer | streams refused (per-host budget) | forged actions | honest run (s) "
           "| CPU s of a peer: peer / DHT / p2pd |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- " * (header.count("|") + 9) + "|")
     for r in rows:
         c = r["cpu_seconds"]
-        print(f"| {r['attack']} | {r['honest_ce']:.4f} | {100 * (r['honest_ce'] / clean - 1):+.2f}% | "
+        print(f"| {r['attack']} | {ce_cells(r)} | "
               f"{r['ok_rounds']}/{r['rounds']} | {r['peak_rss'] / 2**30:.2f} | {r['peak_files']} | "
               f"{r['refused']} ({'yes' if r['host_budget'] else 'no'}) | {r['hostile_lines']} | "
               f"{r['wall_seconds']:.0f} | {c['peer']:.0f} / {c['dht']:.0f} / {c['p2pd']:.0f} |")
+    for r in rows:
+        if r["honest_failed"]:
+            print(f"({r['attack']}: {r['honest_failed']} honest peer(s) exited with an error: their logs are in "
+                  f"{Path(args.out_dir) / r['attack']})")
     return 0
 
 

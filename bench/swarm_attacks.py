@@ -29,6 +29,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
@@ -135,6 +136,20 @@ def run_attacks(attacks: list[str], run, out_dir: str, out: str | None) -> list[
     return rows
 
 
+def ce_columns(rows: list[dict]) -> tuple[str, Callable[[dict], str]]:
+    """The table's CE columns: the honest final CE and its change against ``clean`` (the first row) and, where an
+    ``absent`` run is among them (the honest peers alone: what an attacker costs that brings no honest data and
+    is ignored at once), against that. Returns their header and a row's cells."""
+    clean = rows[0]["honest_ce"]
+    absent = next((r["honest_ce"] for r in rows if r["attack"] == "absent"), None)
+
+    def cells(r: dict) -> str:
+        out = f"{r['honest_ce']:.4f} | {100 * (r['honest_ce'] / clean - 1):+.2f}%"
+        return out if absent is None else out + f" | {100 * (r['honest_ce'] / absent - 1):+.2f}%"
+
+    return "honest final CE | vs clean" + (" | vs absent" if absent is not None else ""), cells
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--attacks", default=",".join(ATTACKS))
@@ -151,17 +166,13 @@ def main() -> int:
           f"{platform.node()}, {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
     rows = run_attacks(attacks, lambda attack, out: one_run(attack, args.honest, args.steps, out), args.out_dir,
                        args.out)
-    clean = rows[0]["honest_ce"]
-    # "absent": the honest peers alone, what any attacker costs that brings no honest data and is ignored at once
-    absent = next((r["honest_ce"] for r in rows if r["attack"] == "absent"), None)
-    vs_absent = (lambda r: f"{100 * (r['honest_ce'] / absent - 1):+.2f}% | ") if absent else (lambda r: "")
-    print("\n| attack | honest final CE | vs clean | " + ("vs absent | " if absent else "")
-          + "honest rounds ok | attacker excluded by | first at round "
+    header, ce_cells = ce_columns(rows)
+    print(f"\n| attack | {header} | honest rounds ok | attacker excluded by | first at round "
           "| catch-ups (from a forged state) | forged actions | honest run (s) | matchmaking median / p90 (s) "
           "| absences noted |")
-    print("| --- " * (12 if absent else 11) + "|")
+    print("| --- " * (header.count("|") + 10) + "|")
     for r in rows:
-        print(f"| {r['attack']} | {r['honest_ce']:.4f} | {100 * (r['honest_ce'] / clean - 1):+.2f}% | {vs_absent(r)}"
+        print(f"| {r['attack']} | {ce_cells(r)} | "
               f"{r['ok_rounds']}/{r['rounds']} | {r['excluded_by']}/{args.honest} | "
               f"{r['first_exclusion_round'] if r['first_exclusion_round'] is not None else '-'} | "
               f"{r['catch_ups']} ({r['forged_catch_ups']}) | {r['hostile_lines']} | {r['wall_seconds']:.0f} | "
