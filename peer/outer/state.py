@@ -208,7 +208,7 @@ def apply_round(state: FragmentState, theta: torch.Tensor, spans: Sequence[Span]
     ``G`` (``S = G``, derived). Missing spans change nothing. Must be called with ``theta`` = this
     fragment's current flat fp32 parameters.
     Returns the new theta and a bool mask of the elements that received an aggregate.
-    (The engine runs the same two halves apart: :func:`advance_shared` off the training thread as soon as the
+    (The engine runs the same two halves apart: :func:`advanced` off the training thread as soon as the
     aggregate is in, :func:`merge_into` at ``launch + tau``.)
     """
     state.G, state.v, applied = advanced(state.G, state.v, spans, opt)  # (replaced, never written in place)
