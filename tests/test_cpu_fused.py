@@ -23,8 +23,8 @@ from peer.outer.settings import OuterSettings  # noqa: E402
 from peer.outer.state import NesterovSGD, advance_shared, advanced  # noqa: E402
 from tests.test_streaming_engine import ScriptedTransport  # noqa: E402
 
-# sizes: empty, one, around a vector's width, and one the threads share (parallel() splits above 2^18 per thread)
-SIZES = [0, 1, 7, 64, 1001, (3 << 18) + 5]
+# sizes: empty, one, around a vector's width, over a million (still holding the GIL), and one the threads share
+SIZES = [0, 1, 7, 64, 1001, (3 << 18) + 5, cpu_fused.HELD_BELOW + 5]
 
 
 def values(n: int, seed: int) -> torch.Tensor:
@@ -53,8 +53,8 @@ def test_nesterov_into_gives_the_in_place_step_bit_for_bit(n):
 
 @pytest.mark.parametrize("share", [0.5, 1 / 3, 1.0, 1e-7])
 def test_eager_jump_gives_the_torch_path_bit_for_bit(share):
-    """Parameters of several shapes, one of them large enough for the threads: the weights jumped to and the jump
-    are those of effect, + G, the scatter and - theta."""
+    """Parameters of several shapes: the weights jumped to and the jump are those of effect, + G, the scatter and
+    - theta (the threaded pass: test_a_pass_holding_the_gil_and_one_on_threads_give_the_same_bits)."""
     shapes = [(3, 5), (1 << 19,), (7,), (64, 33)]
     params = [values(s[0] * (s[1] if len(s) > 1 else 1), 10 + i).reshape(s) for i, s in enumerate(shapes)]
     n = sum(p.numel() for p in params)
@@ -72,8 +72,9 @@ def test_eager_jump_gives_the_torch_path_bit_for_bit(share):
     assert all(p._version > was for p, was in zip(params, versions))  # (autograd sees the write)
 
 
-def test_difference_and_assign_give_the_torch_path_bit_for_bit():
-    shapes = [(3, 5), (1 << 19,), (7,), (64, 33)]
+@pytest.mark.parametrize("big", [1 << 19, cpu_fused.HELD_BELOW])  # (holding the GIL; on threads)
+def test_difference_and_assign_give_the_torch_path_bit_for_bit(big):
+    shapes = [(3, 5), (big,), (7,), (64, 33)]
     params = [torch.nn.Parameter(values(math.prod(s), 30 + i).reshape(s)) for i, s in enumerate(shapes)]
     n = sum(p.numel() for p in params)
     S, out = values(n, 40), torch.empty(n)
@@ -114,8 +115,11 @@ def test_a_launch_and_an_apply_pass_over_all_parameters_in_one_call_each(monkeyp
 
 
 @pytest.mark.parametrize("n", [1000, cpu_fused.HELD_BELOW + 3])
-def test_a_pass_holding_the_gil_and_one_on_threads_give_the_same_bits(n):
+def test_a_pass_holding_the_gil_and_one_on_threads_give_the_same_bits(n, monkeypatch):
     """Below HELD_BELOW a kernel runs holding the GIL, above on threads: both the torch path's bits."""
+    threaded = []
+    real = cpu_fused.parallel
+    monkeypatch.setattr(cpu_fused, "parallel", lambda fn, n_, b: threaded.append(n_) or real(fn, n_, b))
     params = [torch.nn.Parameter(values(n - n // 3, 50)), torch.nn.Parameter(values(n // 3, 51))]
     G, v, d = values(n, 52), values(n, 53) * 1e-3, values(n, 54)
     theta = torch.cat([p.detach() for p in params])
@@ -123,6 +127,7 @@ def test_a_pass_holding_the_gil_and_one_on_threads_give_the_same_bits(n):
     merged = opt.effect(v, d, scale=0.25).add_(G)
     jump = torch.empty(n)
     assert cpu_fused.eager_jump(params, G, v, d, jump, *opt.effect_scalars(0.25))
+    assert threaded == ([n] if n >= cpu_fused.HELD_BELOW else [])  # (the path the size asks for ran)
     assert torch.equal(jump.view(torch.int32), (merged - theta).view(torch.int32))
     assert torch.equal(torch.cat([p.detach() for p in params]).view(torch.int32), merged.view(torch.int32))
 
