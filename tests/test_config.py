@@ -109,6 +109,13 @@ def test_the_per_host_stream_budget_lies_between_the_per_peer_one_and_the_total(
     assert build_config(None, NEW, environ={}).swarm.max_streams_per_host == 64
 
 
+def test_the_partners_reserve_leaves_strangers_half_the_streams_at_least():
+    for bad in (-1, 257):
+        with pytest.raises(ConfigError, match=r"partner_streams: must be between 0 and half of swarm.max_streams"):
+            build_config(None, {**NEW, ("swarm", "partner_streams"): bad}, environ={})
+    assert build_config(None, NEW, environ={}).swarm.partner_streams == 128
+
+
 def test_progress_ttl_must_outlast_a_stalled_dht():
     """A record reaches the DHT and is read up to one dht_timeout late each while a DHT node is unreachable."""
     with pytest.raises(ConfigError, match=r"progress_ttl: must be > swarm.progress_period \+ 2 \* swarm.dht_timeout"):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import pytest
+
 from peer.net.flow.streams import UNRESOLVED, HostBook, StreamGuard, host_key
 
 
@@ -51,3 +53,36 @@ def test_relayed_and_loopback_peers_count_one_by_one():
         assert admitted == 20  # per peer 4, no host budget
 
     asyncio.run(run())
+
+
+def test_strangers_from_many_hosts_leave_the_partners_their_reserved_streams():
+    """Issue 28: honest partners (peers we averaged with) keep reserved capacity. Strangers of 40 hosts, 16
+    streams each, would fill all 512; they get 512 - 128, and a partner still opens its own."""
+    async def run() -> None:
+        book, partners = HostBook(), {"partner"}
+        guard = StreamGuard(per_peer=16, total=512, per_host=64, hosts=book, partner=partners.__contains__,
+                            reserved=128)
+        strangers = [f"S{i}" for i in range(40)]
+        book.learn([(p, [f"/ip4/203.0.113.{i}/tcp/4001"]) for i, p in enumerate(strangers)] +
+                   [("partner", ["/ip4/198.51.100.2/tcp/4001"]), ("newcomer", ["/ip4/198.51.100.3/tcp/4001"])])
+        with contextlib.ExitStack() as held:
+            def open_all(peers, n):
+                return sum(held.enter_context(guard.admit(p, 60)) is None for p in peers for _ in range(n))
+            assert open_all(strangers, 16) == 512 - 128
+            assert open_all(["newcomer"], 1) == 0  # a stranger too: the rest is reserved
+            assert open_all(["partner"], 16) == 16
+            # strangers are taken in turn: S0..S23 hold 16 each; S30, refused so far, averages with us
+            partners.add("S30")
+            assert open_all(["S30"], 16) == 16
+            assert guard.open_strangers == 512 - 128 and guard.open_total == 512 - 128 + 32
+        assert guard.open_total == 0 and guard.open_strangers == 0
+        # once the strangers are gone, a newcomer gets in again
+        with guard.admit("newcomer", 60) as refusal:
+            assert refusal is None
+
+    asyncio.run(run())
+
+
+def test_the_reserve_must_leave_room_for_strangers():
+    with pytest.raises(ValueError, match="reserved"):
+        StreamGuard(per_peer=4, total=16, reserved=16)

@@ -97,9 +97,13 @@ class Swarm:
         self.hosts = HostBook()
         # (when the last listing started, its task): one at a time, two a second
         self._hosts_listed: tuple[float, Optional[asyncio.Task]] = (0.0, None)
+        # who we see: live records, vouched speeds, partners, known peers (peer/net/view/roster.py; fed by the
+        # heartbeat)
+        self.roster = Roster(ttl=cfg.progress_ttl, exclusions=self.exclusions, admitted=self.admission.admitted)
         self.guard = StreamGuard(per_peer=cfg.max_streams_per_peer, total=cfg.max_streams,  # all our handlers
                                  admitted=self.admission.admitted, per_host=cfg.max_streams_per_host,
-                                 hosts=self.hosts, resolve=self._list_hosts)
+                                 hosts=self.hosts, resolve=self._list_hosts, partner=self.roster.partnered,
+                                 reserved=cfg.partner_streams)
         self.policy = DeadlinePolicy.of(cfg)  # how long rounds and state downloads may take (peer/net/flow/links.py)
         self.uplink = LinkMeter()  # our uplink as our reducers timed our parts, declared to every group
         self.downlink = LinkMeter()  # our downlink as averages and state came in (sizes our state downloads)
@@ -120,9 +124,6 @@ class Swarm:
         self._subkey = b""
         self.ours = OurRecord(self.state_servicer)  # what our record says (set by the training thread)
         self.client_mode = cfg.client_mode  # or set at start when nobody outside can dial us (_check_reachability)
-        # who we see: live records, vouched speeds, partners, known peers (peer/net/view/roster.py; fed by the
-        # heartbeat)
-        self.roster = Roster(ttl=cfg.progress_ttl, exclusions=self.exclusions, admitted=self.admission.admitted)
         self.attendance = Attendance()  # whom our rounds wait for (peer/net/view/attendance.py; swarm-net only)
         self._heartbeat: Optional[Heartbeat] = None  # our record out, everyone's in (set by start())
         # rounds in flight, by (fragment, round): added and removed by run_round on swarm-net, read by activity()

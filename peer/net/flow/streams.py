@@ -7,7 +7,8 @@ one (bound every size before allocating it, give every wait a deadline, bound wh
 - **Frame size**: :func:`cap_frame_size` replaces hivemind's ``P2P.receive_raw_data``, once per process, with a
   reader that refuses a frame larger than the run's largest message before reading its body.
 - **Streams**: :class:`StreamGuard` admits at most ``per_peer`` concurrent streams from one remote peer,
-  ``per_host`` from the peers of one host (:class:`HostBook`: fresh identities share their host's) and ``total``.
+  ``per_host`` from the peers of one host (:class:`HostBook`: fresh identities share their host's) and ``total``,
+  of which ``reserved`` only for our partners (peers we were in a group with): strangers cannot take them all.
 - **Stream lifetime**: every admitted stream's task is cancelled at its deadline, whatever it is waiting for.
 
 Handlers read their request as a stream, counted from the moment it opens; :func:`single_request` and
@@ -110,7 +111,8 @@ class HostBook:
 
 class StreamGuard:
     """Counts the streams each remote peer holds open in our handlers and bounds them: ``per_peer`` from one
-    peer, ``per_host`` from the peers of one host (with ``hosts``; :class:`HostBook`), ``total`` in all.
+    peer, ``per_host`` from the peers of one host (with ``hosts``; :class:`HostBook`), ``total`` in all, of which
+    strangers (not ``partner(peer)`` when their stream opens) hold at most ``total - reserved``.
 
     Used from the event loop that runs the handlers (no locking needed). One guard is shared by all the
     handlers of a peer, so the bounds hold across protocols. ``resolve`` is called (in that loop) when a peer's
@@ -119,13 +121,18 @@ class StreamGuard:
 
     def __init__(self, *, per_peer: int, total: int, admitted: Callable[[str], bool] = lambda peer: True,
                  per_host: Optional[int] = None, hosts: Optional[HostBook] = None,
-                 resolve: Callable[[], None] = lambda: None):
+                 resolve: Callable[[], None] = lambda: None, partner: Callable[[str], bool] = lambda peer: False,
+                 reserved: int = 0):
         """``admitted``: whether a remote peer may use our handlers at all (authenticated runs: it holds a
-        valid pass, ``auth.Admission``)."""
+        valid pass, ``auth.Admission``). ``partner``: whether we averaged with a peer lately (``Roster.partnered``);
+        ``reserved`` streams of ``total`` are kept for those."""
+        if not 0 <= reserved < total:
+            raise ValueError(f"reserved streams must be in [0, {total}), got {reserved}")
         self.per_peer, self.total, self.per_host = per_peer, total, per_host
-        self.admitted = admitted
+        self.admitted, self.partner, self.reserved = admitted, partner, reserved
         self.hosts, self.resolve = hosts, resolve
         self.open: Counter[str] = Counter()
+        self.open_strangers = 0  # of the open streams, those admitted while their peer was no partner
         self.refused = 0  # streams refused since start (for logs and tests)
         self.unadmitted = 0  # ... of which from peers without a valid pass
 
@@ -138,9 +145,11 @@ class StreamGuard:
         assert self.hosts is not None, "Must be called on a guard with a HostBook"
         return sum(n for peer, n in self.open.items() if self.hosts.host(peer) == host)
 
-    def _refusal(self, peer: str) -> Optional[str]:
+    def _refusal(self, peer: str, stranger: bool) -> Optional[str]:
         if self.open[peer] >= self.per_peer or self.open_total >= self.total:
             return "too many open streams from this peer"
+        if stranger and self.open_strangers >= self.total - self.reserved:
+            return "too many open streams from peers this peer has not averaged with"
         if self.hosts is not None and self.per_host is not None:
             host = self.hosts.host(peer)
             if host == UNRESOLVED:
@@ -163,7 +172,8 @@ class StreamGuard:
                             peer[-8:], self.unadmitted)
             yield "this run admits only peers with a valid pass"
             return
-        refusal = self._refusal(peer)
+        stranger = not self.partner(peer)
+        refusal = self._refusal(peer, stranger)
         if refusal is not None:
             self.refused += 1
             if self.refused in (1, 10, 100) or self.refused % 1000 == 0:
@@ -175,12 +185,14 @@ class StreamGuard:
         task = asyncio.current_task()
         watchdog = asyncio.get_running_loop().call_later(timeout, task.cancel) if task is not None else None
         self.open[peer] += 1
+        self.open_strangers += stranger
         try:
             yield None
         finally:
             if watchdog is not None:
                 watchdog.cancel()
             self.open[peer] -= 1
+            self.open_strangers -= stranger
             if self.open[peer] <= 0:
                 del self.open[peer]
 
