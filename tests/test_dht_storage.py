@@ -9,10 +9,12 @@ from hivemind.dht.validation import CompositeValidator, DHTRecord, RecordValidat
 from hivemind.utils import get_dht_time
 
 from helpers import dht_nodes
+from peer.net.flow.streams import FRAME_OVERHEAD, frame_limit_for
 from peer.net.plumbing.dht_storage import BOUNDS, BoundedStorage, SizeGate, StorageBounds
 from peer.net.trust.records import MAX_FRAGMENTS, MAX_PASS_CHARS, MAX_PAST, ProgressRecord
 
-SMALL = StorageBounds(max_value_bytes=1000, max_horizon=60.0, max_keys=4, max_subkeys=3, max_bytes=5000)
+SMALL = StorageBounds(max_value_bytes=1000, max_horizon=60.0, max_keys=4, max_subkeys=3, max_key_bytes=5000,
+                      max_bytes=5000)
 
 
 def key(i: int) -> DHTID:
@@ -38,7 +40,7 @@ def test_each_bound_refuses_a_store_and_evicts_nothing():
 
 def test_the_byte_budget_counts_what_is_held_and_frees_what_expires():
     s = BoundedStorage(bounds=StorageBounds(max_value_bytes=1000, max_horizon=60.0, max_keys=10, max_subkeys=3,
-                                            max_bytes=5000))
+                                            max_key_bytes=5000, max_bytes=5000))
     now = get_dht_time()
     for i, expires in enumerate([30, 30, 0.5, 30]):
         assert s.store(key(i), b"x" * 1000, now + expires)
@@ -52,6 +54,24 @@ def test_the_byte_budget_counts_what_is_held_and_frees_what_expires():
         time.sleep(0.05)
     assert s.get(key(2)) is None and s.used() == 3 * (1000 + 64) + 164  # an expired value frees its bytes
     assert s.store(key(5), b"x" * 1000, now + 30)
+
+
+def test_a_key_holds_no_more_than_one_frame_a_reader_accepts():
+    """A key's value, every subkey of it, goes to a reader in one message: sybil records of the largest valid
+    size under the progress key would otherwise make it larger than any reader's frame, and nobody could read
+    the swarm's records from that node. A key stops taking new subkeys at ``max_key_bytes``; others still do."""
+    assert BOUNDS.max_key_bytes + FRAME_OVERHEAD <= frame_limit_for(4096)  # (the smallest swarm.chunk_bytes)
+    bounds = StorageBounds(max_value_bytes=1000, max_horizon=60.0, max_keys=10, max_subkeys=100,
+                           max_key_bytes=3 * (1000 + 2 + 64), max_bytes=100_000)
+    s = BoundedStorage(bounds=bounds)
+    soon = get_dht_time() + 30
+    for sub in (b"s0", b"s1", b"s2"):
+        assert s.store(key(0), b"x" * 1000, soon, subkey=sub)
+    assert not s.store(key(0), b"x", soon, subkey=b"s3")  # a fourth would pass the key's bytes
+    assert s.store(key(0), b"y" * 1000, soon + 1, subkey=b"s1")  # one held can be replaced by one as large
+    assert not s.store(key(0), b"y" * 1001, soon + 1, subkey=b"s1")  # ... not by a larger one
+    assert s.store(key(1), b"x" * 1000, soon, subkey=b"s3")  # another key is not affected
+    assert len(s.get(key(0)).value) == 3  # (nothing pushed out)
 
 
 def test_the_largest_valid_progress_record_fits_a_value():

@@ -1,13 +1,13 @@
 """What one DHT node keeps for others, bounded.
 
-hivemind's ``DHTLocalStorage`` keeps every record anyone stores until the expiration its writer chose, of any size
-and count: 40 records of 1 MiB from one stranger grew each honest peer's processes by 4 GB. :class:`BoundedStorage`
-takes its place in our DHT processes (:func:`install`, in the DHT process before its node starts) and refuses a
+hivemind's ``DHTLocalStorage`` keeps every record anyone stores, of any size and count, until its writer's expiration.
+:class:`BoundedStorage` takes its place in our DHT processes (:func:`install`, before the node starts) and refuses a
 store (False, as hivemind answers for a stale value) whose
 
 - value is larger than ``max_value_bytes`` (the largest valid progress record is ~51 KB),
 - expiration lies more than ``max_horizon`` seconds ahead (our records live seconds to minutes),
 - key is new while ``max_keys`` keys are held, or subkey is new while its key holds ``max_subkeys``,
+- size would take its key past ``max_key_bytes`` (a key's whole value is one message to a reader: frames are bounded),
 - size would take what the node holds past ``max_bytes`` (values and subkeys, as stored).
 
 A refused store evicts nothing: a flood cannot push honest records out, only fill the budget for as long as its own
@@ -36,6 +36,7 @@ class StorageBounds:
     max_horizon: float = MAX_RECORD_TTL
     max_keys: int = 4096
     max_subkeys: int = 1024
+    max_key_bytes: int = 960 * 1024  # (a reader's frame: at least 1 MiB + 64 KiB, headers and peer lists included)
     max_bytes: int = 64 * 1024 * 1024
 
 
@@ -48,6 +49,11 @@ def _subkey_bytes(subkey: Any) -> int:
 
 def _entry_cost(value: Any, subkey: Any = None) -> int:
     return len(value) + (0 if subkey is None else _subkey_bytes(subkey)) + ENTRY_OVERHEAD
+
+
+def _key_cost(value: DictionaryDHTValue) -> int:
+    """What a dictionary holds now (its expired subkeys dropped as it is read)."""
+    return sum(_entry_cost(e.value, sk) for sk, e in value.items())
 
 
 class BoundedStorage(DHTLocalStorage):
@@ -100,14 +106,17 @@ class BoundedStorage(DHTLocalStorage):
             if entry is None and len(held.value) >= b.max_subkeys:
                 return False
             old = 0 if entry is None else _entry_cost(entry.value, subkey)
-        return used - old + _entry_cost(value, subkey) <= b.max_bytes
+            if _key_cost(held.value) - old + _entry_cost(value, subkey) > b.max_key_bytes:
+                return False
+        new = _entry_cost(value, subkey)
+        return used - old + new <= b.max_bytes and new <= b.max_key_bytes
 
     def _account(self, key) -> None:
         held = self.data.get(key)
         if held is None:
             self._sizes.pop(key, None)
         elif isinstance(held.value, DictionaryDHTValue):
-            self._sizes[key] = sum(_entry_cost(e.value, sk) for sk, e in held.value.items())
+            self._sizes[key] = _key_cost(held.value)
         else:
             self._sizes[key] = _entry_cost(held.value)
 
