@@ -236,9 +236,11 @@ async def _dial(a, b, addrs, failure) -> None:
 
 
 @contextlib.contextmanager
-def dht_nodes(n: int, tmp_path, *, validators: Callable[[int], Sequence] = lambda i: ()):
+def dht_nodes(n: int, tmp_path, *, validators: Callable[[int], Sequence] = lambda i: (),
+              client: Callable[[int], bool] = lambda i: False):
     """``n`` real DHT nodes (``peer.dht_node.create_dht``: DHT process + p2pd) on 127.0.0.1, each joining
-    through the first; node i gets ``validators(i)``. All are shut down on exit, also on failure."""
+    through the first; node i gets ``validators(i)``, and is in client mode (stores nothing, reads over the network)
+    where ``client(i)``. All are shut down on exit, also on failure."""
     from peer.net.plumbing import dht as dht_node
 
     nodes: list = []
@@ -247,7 +249,7 @@ def dht_nodes(n: int, tmp_path, *, validators: Callable[[int], Sequence] = lambd
             initial = dht_node.visible_maddrs(nodes[0]) if nodes else []
             nodes.append(dht_node.create_dht(initial_peers=initial, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                                              announce_maddrs=[], identity_path=str(Path(tmp_path) / f"n{i}.id"),
-                                             client_mode=False, record_validators=validators(i),
+                                             client_mode=client(i), record_validators=validators(i),
                                              startup_timeout=30, wait_timeout=3.0))
         yield nodes
     finally:

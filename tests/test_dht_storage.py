@@ -9,7 +9,6 @@ from hivemind.dht.validation import CompositeValidator, DHTRecord, RecordValidat
 from hivemind.utils import get_dht_time
 
 from helpers import dht_nodes
-from peer.net.flow.streams import FRAME_OVERHEAD, frame_limit_for
 from peer.net.plumbing.dht_storage import BOUNDS, BoundedStorage, SizeGate, StorageBounds
 from peer.net.trust.records import MAX_FRAGMENTS, MAX_PASS_CHARS, MAX_PAST, ProgressRecord
 
@@ -56,11 +55,8 @@ def test_the_byte_budget_counts_what_is_held_and_frees_what_expires():
     assert s.store(key(5), b"x" * 1000, now + 30)
 
 
-def test_a_key_holds_no_more_than_one_frame_a_reader_accepts():
-    """A key's value, every subkey of it, goes to a reader in one message: sybil records of the largest valid
-    size under the progress key would otherwise make it larger than any reader's frame, and nobody could read
-    the swarm's records from that node. A key stops taking new subkeys at ``max_key_bytes``; others still do."""
-    assert BOUNDS.max_key_bytes + FRAME_OVERHEAD <= frame_limit_for(4096)  # (the smallest swarm.chunk_bytes)
+def test_a_key_holds_no_more_than_one_answer_carries():
+    """The storage alone: a key stops taking new subkeys at ``max_key_bytes``; others still do."""
     bounds = StorageBounds(max_value_bytes=1000, max_horizon=60.0, max_keys=10, max_subkeys=100,
                            max_key_bytes=3 * (1000 + 2 + 64), max_bytes=100_000)
     s = BoundedStorage(bounds=bounds)
@@ -72,6 +68,19 @@ def test_a_key_holds_no_more_than_one_frame_a_reader_accepts():
     assert not s.store(key(0), b"y" * 1001, soon + 1, subkey=b"s1")  # ... not by a larger one
     assert s.store(key(1), b"x" * 1000, soon, subkey=b"s3")  # another key is not affected
     assert len(s.get(key(0)).value) == 3  # (nothing pushed out)
+
+
+def test_a_reader_over_the_network_gets_a_key_filled_to_its_bound(tmp_path):
+    """A DHT node answers a find with the key's whole value in one message, which p2pd carries up to 4 MiB: 90
+    records of 50 KB under one key (4.5 MB; sybils of a flood, each record valid) made every reader that does not
+    hold the key itself get nothing. Now the node keeps what fits, and a client-mode reader gets all of it."""
+    with dht_nodes(2, tmp_path, client=lambda i: i == 1) as (node, reader):
+        expires = get_dht_time() + 60
+        kept = sum(bool(node.store("progress", b"x" * 50_000, expires, subkey=f"sybil{i}".encode()))
+                   for i in range(90))
+        assert 0 < kept < 90 and kept * (50_000 + 64) <= BOUNDS.max_key_bytes
+        got = reader.get("progress", latest=True)
+        assert got is not None and len(got.value) == kept
 
 
 def test_the_largest_valid_progress_record_fits_a_value():

@@ -7,7 +7,7 @@ store (False, as hivemind answers for a stale value) whose
 - value is larger than ``max_value_bytes`` (the largest valid progress record is ~51 KB),
 - expiration lies more than ``max_horizon`` seconds ahead (our records live seconds to minutes),
 - key is new while ``max_keys`` keys are held, or subkey is new while its key holds ``max_subkeys``,
-- size would take its key past ``max_key_bytes`` (a key's whole value is one message to a reader: frames are bounded),
+- size would take its key past ``max_key_bytes`` (a key's whole value is one DHT answer: p2pd carries up to 4 MiB),
 - size would take what the node holds past ``max_bytes`` (values and subkeys, as stored).
 
 A refused store evicts nothing: a flood cannot push honest records out, only fill the budget for as long as its own
@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.p2p.p2p_daemon_bindings.control import DEFAULT_MAX_MSG_SIZE
 from hivemind.utils import get_dht_time
 
 from peer.config.fields import MAX_RECORD_TTL
@@ -36,7 +37,9 @@ class StorageBounds:
     max_horizon: float = MAX_RECORD_TTL
     max_keys: int = 4096
     max_subkeys: int = 1024
-    max_key_bytes: int = 960 * 1024  # (a reader's frame: at least 1 MiB + 64 KiB, headers and peer lists included)
+    # hivemind's DHT answers a find with the key's whole value, every subkey, in one message over p2pd's persistent
+    # connections, which carry at most DEFAULT_MAX_MSG_SIZE (4 MiB): a larger key is unreadable (the answer fails)
+    max_key_bytes: int = DEFAULT_MAX_MSG_SIZE - 256 * 1024  # (the rest: the answer's headers and peer list)
     max_bytes: int = 64 * 1024 * 1024
 
 
