@@ -110,10 +110,12 @@ def test_the_per_host_stream_budget_lies_between_the_per_peer_one_and_the_total(
 
 
 def test_the_partners_reserve_leaves_strangers_half_the_streams_at_least():
-    for bad in (-1, 257):
-        with pytest.raises(ConfigError, match=r"partner_streams: must be between 0 and half of swarm.max_streams"):
-            build_config(None, {**NEW, ("swarm", "partner_streams"): bad}, environ={})
-    assert build_config(None, NEW, environ={}).swarm.partner_streams == 128
+    for bad in (-0.1, 0.6):
+        with pytest.raises(ConfigError, match=r"partner_share: must be between 0 and 0.5"):
+            build_config(None, {**NEW, ("swarm", "partner_share"): bad}, environ={})
+    small = build_config(None, {**NEW, ("swarm", "max_streams"): 16, ("swarm", "max_streams_per_host"): 16},
+                         environ={}).swarm  # (a share: a lower max_streams needs no other change)
+    assert small.partner_share == 0.25 and int(small.max_streams * small.partner_share) == 4
 
 
 def test_progress_ttl_must_outlast_a_stalled_dht():

@@ -99,7 +99,7 @@ class SwarmConfig:
     max_streams_per_host: int = setting(64, local=True, help="Streams the peers of one host (an IPv4 address, an "
             "IPv6 /64) may hold open in this peer's handlers at once, however many identities it runs; relayed and "
             "loopback peers are counted one by one.")
-    partner_streams: int = setting(128, local=True, help="Of swarm.max_streams, the streams kept for peers this peer "
+    partner_share: float = setting(0.25, local=True, help="The share of swarm.max_streams kept for peers this peer "
             "averaged with lately: strangers, however many, hold the rest at most.")
     exclude_after: int = setting(3, local=True, help="Offences (parts that do not decode, parts the robust rule cut "
             "hard, implausible averages) after which this peer stops working with another for the rest of the run "
@@ -123,9 +123,8 @@ class SwarmConfig:
                self.max_streams)
         check(self.max_streams_per_peer <= self.max_streams_per_host <= self.max_streams, "swarm.max_streams_per_host",
               "between swarm.max_streams_per_peer and swarm.max_streams", self.max_streams_per_host)
-        check(0 <= self.partner_streams <= self.max_streams // 2, "swarm.partner_streams",
-              "between 0 and half of swarm.max_streams (strangers, newcomers among them, need the rest)",
-              self.partner_streams)
+        check(0.0 <= self.partner_share <= 0.5, "swarm.partner_share",
+              "between 0 and 0.5 (strangers, newcomers among them, need the rest)", self.partner_share)
         for key in ("start_timeout", "state_timeout", "matchmaking_time", "matchmaking_timeout", "request_timeout",
                     "allreduce_timeout", "part_timeout", "progress_period", "progress_ttl", "startup_timeout",
                     "dht_timeout", "join_timeout"):

@@ -103,7 +103,7 @@ class Swarm:
         self.guard = StreamGuard(per_peer=cfg.max_streams_per_peer, total=cfg.max_streams,  # all our handlers
                                  admitted=self.admission.admitted, per_host=cfg.max_streams_per_host,
                                  hosts=self.hosts, resolve=self._list_hosts, partner=self.roster.partnered,
-                                 reserved=cfg.partner_streams)
+                                 reserved=int(cfg.max_streams * cfg.partner_share))
         self.policy = DeadlinePolicy.of(cfg)  # how long rounds and state downloads may take (peer/net/flow/links.py)
         self.uplink = LinkMeter()  # our uplink as our reducers timed our parts, declared to every group
         self.downlink = LinkMeter()  # our downlink as averages and state came in (sizes our state downloads)
