@@ -96,7 +96,7 @@ class BoundedStorage(DHTLocalStorage):
             return False
         if not expiration_time <= get_dht_time() + b.max_horizon:  # (also refuses NaN)
             return False
-        used = self.used()
+        used, new = self.used(), _entry_cost(value, subkey)
         held = self.data.get(key)
         if held is None:
             if len(self.data) >= b.max_keys:
@@ -109,9 +109,8 @@ class BoundedStorage(DHTLocalStorage):
             if entry is None and len(held.value) >= b.max_subkeys:
                 return False
             old = 0 if entry is None else _entry_cost(entry.value, subkey)
-            if _key_cost(held.value) - old + _entry_cost(value, subkey) > b.max_key_bytes:
+            if _key_cost(held.value) - old + new > b.max_key_bytes:
                 return False
-        new = _entry_cost(value, subkey)
         return used - old + new <= b.max_bytes and new <= b.max_key_bytes
 
     def _account(self, key) -> None:
