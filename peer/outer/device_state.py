@@ -57,10 +57,11 @@ class DeviceState:
         self.device = device
         self._copies: list[Optional[Staged]] = [None] * n_fragments
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # (the worker's)
-        # the worker's pinned staging (an aggregate in; G and v out), allocated once: pinning memory per round
-        # costs more than the round's arithmetic and holds up the training thread's own CUDA calls meanwhile
-        self._staging = ([torch.empty(numel, pin_memory=True) for _ in range(3)] if self._stream is not None
-                         else None)
+        # the worker's pinned staging, allocated once (pinning memory per round costs more than the round's
+        # arithmetic and holds up the training thread's CUDA calls meanwhile) and used in turn by an aggregate's
+        # parts on their way in, then G and v on their way out: one vector, as torch's pinned allocator rounds
+        # each to a power of two (a 1B model's 636 MB fragment takes 1 GiB)
+        self._staging = torch.empty(numel, pin_memory=True) if self._stream is not None else None
 
     @classmethod
     def choose(cls, device: torch.device, numels: Sequence[int], wanted: Optional[bool], *,
@@ -90,25 +91,31 @@ class DeviceState:
         if self._staging is None:  # (the CPU: the "device" copies are host tensors)
             G, v, applied = advanced(copy.G, copy.v, spans, opt)
             return Staged(G, G, v, None if bool(applied.all()) else applied), v, applied
-        inbound, out_G, out_v = self._staging
+        staging = self._staging
         with torch.cuda.stream(self._stream):
             arrived = []
-            for span in spans:  # (disjoint: each average goes through its own slice of the staging)
+            for span in spans:
                 average = None
                 if span.average is not None:
                     check_average(span)
-                    staged_in = inbound[span.start:span.start + span.average.numel()].copy_(span.average)
+                    staged_in = staging[:span.average.numel()].copy_(span.average)
                     average = staged_in.to(self.device, non_blocking=True)
+                    wait_for(self._record())  # (the staging is free for the next part)
                 arrived.append(Span(span.start, span.end, average))
             G, v, applied = advanced(copy.G, copy.v, arrived, opt)
             whole = bool(applied.all())
-            out_G[:G.numel()].copy_(G, non_blocking=True)
-            out_v[:v.numel()].copy_(v, non_blocking=True)
-            staged = Staged(G, G, v, None if whole else applied.pin_memory().to(self.device, non_blocking=True))
+            host_G, host_v = (self._download(t) for t in (G, v))
+            staged = Staged(host_G, G, v, None if whole else applied.pin_memory().to(self.device, non_blocking=True))
             staged.ready = self._record()
-        wait_for(staged.ready)  # (then the staging is free again)
-        staged.host_G = out_G[:G.numel()].clone()  # (host copies of our own: the state outlives the staging)
-        return staged, out_v[:v.numel()].clone(), applied
+        return staged, host_v, applied
+
+    def _download(self, t: torch.Tensor) -> torch.Tensor:
+        """(On the worker's stream.) A host copy of the device vector ``t`` of our own, through the staging."""
+        assert self._staging is not None
+        out = self._staging[:t.numel()]
+        out.copy_(t, non_blocking=True)
+        wait_for(self._record())
+        return out.clone()  # (the state outlives the staging)
 
     def upload(self, G: torch.Tensor, v: torch.Tensor) -> Staged:
         """Copies of the host state ``G, v``, on their way (:meth:`install` orders the training stream after)."""
