@@ -39,6 +39,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -124,6 +125,13 @@ def plain_step_fn(model, device: torch.device, clip: float, compile: bool = Fals
     return step
 
 
+def pinned_bytes(device: torch.device) -> Optional[dict]:
+    """torch's pinned host allocator's byte counters (it rounds each block up to a power of two), on CUDA."""
+    if device.type != "cuda" or not hasattr(torch.cuda, "host_memory_stats"):
+        return None
+    return {k: v for k, v in torch.cuda.host_memory_stats().items() if "bytes" in k}
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -156,7 +164,8 @@ def one_preset(args) -> dict:
     settings = OuterSettings(H=args.sync_every, tau=args.tau, eager=True)
     # as the trainer does: each applied state's digest is taken once, at its outcome, and read at the next launch
     digests: dict[int, str] = {}
-    engine = StreamingEngine(fragments, settings, EchoTransport("e3m0"),
+    on_device = {"auto": None, "on": True, "off": False}[args.state_on_device]
+    engine = StreamingEngine(fragments, settings, EchoTransport("e3m0"), state_on_device=on_device,
                              on_outcome=lambda frag, st, outcome, step: digests.__setitem__(frag.index, st.digest()),
                              digest_of=lambda p: digests[p])
     digests.update({p: st.digest() for p, st in enumerate(engine.states)})  # (the trainer's start publishes them)
@@ -196,7 +205,8 @@ def one_preset(args) -> dict:
     if args.loop != "both":  # the peer's memory alone (the plain loop's above): every fragment's round ran
         engine.close()
         return {"preset": args.one, "loop": args.loop, "host_peak_rss_bytes": host_peak_bytes(),
-                "peak_vram_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+                "peak_vram_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+                "pinned": pinned_bytes(device)}
     timed[0] = True
     waited = (engine.waits.blocked_seconds, engine.waits.worker_wait_seconds)
     if device.type == "cuda":
@@ -298,6 +308,7 @@ def main(argv=None) -> int:
     ap.add_argument("--activation-checkpointing", action="store_true")
     ap.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw8bit"], help="inner.optimizer")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model in both loops (inner.compile)")
+    ap.add_argument("--state-on-device", default="auto", choices=["auto", "on", "off"], help="outer.state_on_device")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: codec, tests, memory")
     ap.add_argument("--out", default="runs/bench_gpu.json")
     ap.add_argument("--profile-applies", default="", help="write a cProfile of the timed applies to this file")
@@ -312,7 +323,9 @@ def main(argv=None) -> int:
         return 2
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     print(f"bench/gpu.py {stamp} device {args.device}: batch {args.batch} x seq {args.seq_len}, vocab {args.vocab}, "
-          f"H {args.sync_every}, tau {args.tau}, eager, e3m0, {args.blocks} blocks x {args.steps} steps per loop")
+          f"H {args.sync_every}, tau {args.tau}, eager, e3m0, {args.blocks} blocks x {args.steps} steps per loop; "
+          f"micro-batch {args.micro_batch or 'none'}, activation checkpointing {args.activation_checkpointing}, "
+          f"{args.optimizer}, compile {args.compile}, outer state on the device {args.state_on_device}")
     results = []
     for preset in args.presets.split(","):
         result: dict = {}
@@ -329,7 +342,8 @@ def main(argv=None) -> int:
             if loop == "both":
                 result = out
             else:
-                result.setdefault("memory", {})[loop] = {k: out[k] for k in ("host_peak_rss_bytes", "peak_vram_bytes")}
+                kept = ("host_peak_rss_bytes", "peak_vram_bytes", "pinned")
+                result.setdefault("memory", {})[loop] = {k: out.get(k) for k in kept}
         results.append(result)
     print("\n| preset | params | plain s/step | peer s/step | peer / plain | rounds | tokens/s (peer) "
           "| MFU plain / peer | launch ms (median / max) | apply ms (median / max) | peak VRAM plain / peer "
