@@ -54,6 +54,7 @@ from peer.outer.codec import roundtrip  # noqa: E402
 from peer.outer.engine import StreamingEngine  # noqa: E402
 from peer.outer.settings import OuterSettings  # noqa: E402
 from peer.outer.fragments import partition  # noqa: E402
+from peer.outer.schedule import rolling_copies  # noqa: E402
 from peer.outer.rounds import RoundOutcome, RoundStatus, Span  # noqa: E402
 from peer.util import host_peak_bytes  # noqa: E402
 
@@ -164,7 +165,7 @@ def one_preset(args) -> dict:
     settings = OuterSettings(H=args.sync_every, tau=args.tau, eager=True)
     # as the trainer does: each applied state's digest is taken once, at its outcome, and read at the next launch
     digests: dict[int, str] = {}
-    on_device = {"auto": None, "on": True, "off": False}[args.state_on_device]
+    on_device = {"auto": None, "on": True, "rolling": "rolling", "off": False}[args.state_on_device]
     engine = StreamingEngine(fragments, settings, EchoTransport("e3m0"), state_on_device=on_device,
                              on_outcome=lambda frag, st, outcome, step: digests.__setitem__(frag.index, st.digest()),
                              digest_of=lambda p: digests[p])
@@ -228,6 +229,7 @@ def one_preset(args) -> dict:
         with open(args.profile_applies, "w") as f:
             pstats.Stats(profiler, stream=f).sort_stats("cumulative").print_stats(30)
     rounds = sum(len(st.applied_rounds) for st in engine.states)
+    residency = engine.device_state
     per_step = {k: sum(v) / len(v) for k, v in times.items()}
     tokens = args.batch * args.seq_len
     fpt = flops_per_token(model, shape.n_layers, shape.d_model, args.seq_len)
@@ -251,10 +253,14 @@ def one_preset(args) -> dict:
         "launch_s": blocked["launch"], "apply_s": blocked["apply"],
         "waited_s": {"transport": engine.waits.blocked_seconds - waited[0],
                      "worker": engine.waits.worker_wait_seconds - waited[1]},
-        "outer_on_device": engine.device_state is not None,
+        "outer_on_device": residency is not None and ("rolling" if residency.rolling else True),
+        "rolling_copies": rolling_copies(args.tau, args.sync_every, len(fragments)),
         "bytes_by_size": {"model_fp32": 4 * n, "adamw": 8 * n, "outer_state": 4 * n * outer_copies,
                           "outer_copies": outer_copies,
-                          "outer_on_device": 8 * n if engine.device_state is not None else 0},
+                          "outer_on_device": 0 if residency is None else memory.outer_state_bytes(memory.Setting(
+                              preset=args.one, vocab_size=args.vocab, seq_len=args.seq_len, batch_size=args.batch,
+                              state_on_device="rolling" if residency.rolling else True,
+                              rolling_copies=rolling_copies(args.tau, args.sync_every, len(fragments))))},
     }
 
 
@@ -285,8 +291,9 @@ def model_against_measured(args, result: dict) -> str:
     cuda = args.device.startswith("cuda")
     measured = result.get("memory") or {}
     parts = []
-    for loop, on_device in (("plain", False), ("peer", bool(result.get("outer_on_device")))):
-        guess = memory.estimate(dataclasses.replace(setting, state_on_device=on_device),
+    for loop, on_device in (("plain", False), ("peer", result.get("outer_on_device") or False)):
+        guess = memory.estimate(dataclasses.replace(setting, state_on_device=on_device,
+                                                    rolling_copies=result.get("rolling_copies", 3)),
                                 memory.CUDA if cuda else memory.CPU).total
         got = (measured.get(loop) or {}).get("peak_vram_bytes") if cuda else None  # (RSS: not tensors alone)
         parts.append(f"{loop} {gib(guess)}" + (f" against {gib(got)} measured ({guess / got - 1:+.1%})" if got else ""))
@@ -308,7 +315,8 @@ def main(argv=None) -> int:
     ap.add_argument("--activation-checkpointing", action="store_true")
     ap.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw8bit"], help="inner.optimizer")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model in both loops (inner.compile)")
-    ap.add_argument("--state-on-device", default="auto", choices=["auto", "on", "off"], help="outer.state_on_device")
+    ap.add_argument("--state-on-device", default="auto", choices=["auto", "on", "rolling", "off"],
+                    help="outer.state_on_device")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: codec, tests, memory")
     ap.add_argument("--out", default="runs/bench_gpu.json")
     ap.add_argument("--profile-applies", default="", help="write a cProfile of the timed applies to this file")

@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from peer.config import PeerConfig
+from peer.config import ConfigError, PeerConfig
 from peer.local import memory
 from peer.local.inner import InnerLoop
 from peer.local.markov import MarkovSource
@@ -103,6 +103,29 @@ def test_ways_to_fit_keep_within_the_budget_and_try_the_whole_batch_first():
     assert memory.estimate(dataclasses.replace(base, activation_checkpointing=True)).total < whole
     assert memory.estimate(dataclasses.replace(base, micro_batch=2)).total < whole
     assert memory.estimate(dataclasses.replace(base, state_on_device=True)).total > whole
+
+
+def test_a_rolling_residency_costs_the_largest_fragments_in_flight():
+    """The rolling residency's copies: ``rolling_copies`` of the largest fragment (its blocks and the embedding, as
+    :func:`~peer.outer.fragments.partition` makes it), between none and every fragment's."""
+    from peer.outer.fragments import partition
+
+    for name in ("100M", "1B"):
+        with torch.device("meta"):
+            model, blocks = build_model(name, 32000, 1024)
+        largest = max(f.numel for f in partition(model, blocks, 3, "strided"))
+        assert abs(memory.largest_fragment(memory.PRESETS[name], 32000, 3) - largest) <= 4096, name
+    base = memory.Setting(preset="1B", vocab_size=32000, seq_len=1024, batch_size=8, activation_checkpointing=True,
+                          optimizer="adamw8bit")
+    on, rolling = (memory.estimate(dataclasses.replace(base, state_on_device=kind)).outer_state
+                   for kind in (True, "rolling"))
+    assert 0 < rolling == 8 * 3 * memory.largest_fragment(memory.PRESETS["1B"], 32000, 3) < on
+    # the 1B preset on a 24 GiB card: launches that only enqueue work, with the rolling residency
+    option, guess = next(memory.ways_to_fit(base, int(memory.HEADROOM * 24 * memory.GIB)))
+    assert option.state_on_device == "rolling" and guess.total < 24 * memory.GIB
+    assert PeerConfig.from_dict({"outer": {"state_on_device": "rolling"}}).outer.state_on_device == "rolling"
+    with pytest.raises(ConfigError, match="auto, on, rolling or off"):
+        PeerConfig.from_dict({"outer": {"state_on_device": "half"}})
 
 
 def config(**model) -> PeerConfig:

@@ -10,6 +10,7 @@ import torch
 
 from peer.outer.fragments import Fragment
 from peer.outer.rounds import RoundOutcome, Span
+from peer.outer.schedule import rolling_copies
 from peer.outer.engine import StreamingEngine
 from peer.outer.offload import HostBuffers
 from peer.outer import state as state_module
@@ -406,6 +407,63 @@ def test_the_device_path_gives_the_host_path_bit_for_bit(merge, alpha, eager):
     assert torch.equal(device[0], run_mixed(settings, state_on_device=True)[0])  # (not a matter of timing)
 
 
+def run_fragments(settings, state_on_device, device="cpu", no_sync=False, n=3, steps=40):
+    """Trains ``n`` one-parameter fragments on ``device`` through :func:`mixed_rounds` (no round kept home); returns
+    the weights and every fragment's shared state and applied rounds, the device copies held after each step,
+    and the uploads the training thread made after the start. ``no_sync`` as in :func:`run_mixed`."""
+    params = [torch.nn.Parameter(torch.zeros(8, device=device)) for _ in range(n)]
+    eng = StreamingEngine([Fragment(i, [f"w{i}"], [q]) for i, q in enumerate(params)], settings,
+                          ScriptedTransport(lambda f, r, d: mixed_rounds(f, r, d, kinds=4)), group_size_hint=lambda: 2,
+                          state_on_device=state_on_device)
+    held, uploads = [], []
+    if eng.device_state is not None:
+        upload = eng.device_state.upload
+        eng.device_state.upload = lambda G, v: uploads.append(threading.current_thread().name) or upload(G, v)
+    for step in range(1, steps + 1):
+        with torch.no_grad():
+            for i, q in enumerate(params):
+                q -= torch.linspace(0.1, 0.8, 8, device=device) * (step + i)
+        eng.add_tokens(10)
+        if no_sync and step > 2:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            eng.launch_due(step)
+            eng.apply_due(step)
+        finally:
+            if no_sync:
+                torch.cuda.set_sync_debug_mode(0)
+        if eng.device_state is not None:
+            held.append(eng.device_state.resident())
+    eng.drain(steps)
+    eng.close()
+    kept = [(q.detach().cpu(), st.G.cpu(), st.v.cpu(), list(st.applied_rounds)) for q, st in zip(params, eng.states)]
+    return kept, held, uploads
+
+
+def same(a, b) -> bool:
+    return all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("tau", [1, 3])
+def test_a_rolling_residency_holds_the_rounds_in_flight_and_gives_the_same_bits(tau):
+    """Where the card has no room for every fragment's copy, the device path keeps those with a round in flight and
+    the next to launch, which the worker fetches ahead of its launch: the same weights and shared state as every
+    copy kept (and as the host path), at a step boundary the copies of the rounds in flight (a fragment launches
+    every 2 steps, a round lasts ``tau``) and the next fragment's, and no upload by the training thread after the
+    start."""
+    settings = OuterSettings(H=6, tau=tau, eager=True, lr=0.7, momentum=0.9, wait_timeout=0.05)
+    host, _, _ = run_fragments(settings, False)
+    every, held_every, _ = run_fragments(settings, True)
+    rolling, held, uploads = run_fragments(settings, "rolling")
+    for a, b, c in zip(host, every, rolling):
+        assert same(a, b) and same(b, c)
+    assert all(len(applied) >= 4 for *_, applied in rolling)
+    assert held_every == [3] * len(held_every)
+    assert max(held) == -(-tau // 2) + 1 and min(held) >= 1
+    assert max(held) <= rolling_copies(tau, 6, 3)  # (what a card must have room for)
+    assert uploads == []
+
+
 @pytest.mark.parametrize("state_on_device", [False, True])
 def test_aggregates_handed_over_on_arrival_give_the_same_bits(state_on_device):
     """Rounds whose handles are futures (the swarm's) have their aggregates prepared by a done callback instead
@@ -631,6 +689,19 @@ def test_cuda_device_path_gives_the_cpu_host_path_bit_for_bit_through_every_endi
     cuda = run_mixed(settings, device="cuda", state_on_device=True, no_sync=True)
     for a, b in zip(cpu, cuda):
         assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (bench/gpu.py runs it on one)")
+def test_cuda_rolling_residency_gives_the_cpu_host_path_bit_for_bit_without_waiting():
+    """:func:`run_fragments` through the rolling residency on CUDA (copies fetched by the worker through the pinned
+    staging, dropped after their apply), its launches and applies after the first making no synchronizing call:
+    the CPU host path's bits, and no upload by the training thread after the start."""
+    settings = OuterSettings(H=6, tau=3, eager=True, lr=0.7, momentum=0.9, wait_timeout=0.05)
+    cpu, _, _ = run_fragments(settings, False)
+    cuda, held, uploads = run_fragments(settings, "rolling", device="cuda", no_sync=True)
+    for a, b in zip(cpu, cuda):
+        assert same(a, b)
+    assert max(held) == 2 and uploads == []
 
 
 def test_error_feedback_residual_is_put_back_where_a_launched_round_delivered_nothing():

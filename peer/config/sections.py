@@ -145,9 +145,10 @@ class OuterConfig:
     wait_timeout: float = setting(180.0, local=True, help="Seconds to wait at launch + tau for an aggregate before "
             "the round counts as missed.")
     state_on_device: str = setting("auto", local=True, help="Keep a copy of the outer state G, v on the training "
-            "device, so launches and applies only enqueue work there (8 bytes per parameter of device memory): on, "
-            "off, or auto (on with CUDA when the device has twice that free; needs tau < sync_every and no "
-            "error feedback).")
+            "device, so launches and applies only enqueue work there: on (every fragment's: 8 bytes per parameter "
+            "of device memory), rolling (only the fragments in flight and the next to launch), off, or auto (on "
+            "with CUDA where the device has twice that room beside the training, else rolling where it has twice "
+            "that room, else off; needs tau < sync_every and no error feedback).")
     aggregator: str = setting("clipped", help="How a reducer combines its span's parts: clipped (weights capped, "
             "CenteredClip around the coordinate-wise median: one peer's effect is bounded; for swarms of strangers) "
             "or mean (the plain token-weighted mean: every peer trusted). See peer/outer/aggregate.py.")
@@ -180,9 +181,9 @@ class OuterConfig:
                self.tau_max)
         check(self.merge in ("alpha", "replay"), "outer.merge", "alpha or replay", self.merge)
         check(self.wait_timeout > 0, "outer.wait_timeout", "> 0 seconds", self.wait_timeout)
-        check(self.state_on_device in ("auto", "on", "off"), "outer.state_on_device", "auto, on or off",
-              self.state_on_device)
-        check(self.state_on_device != "on" or (not self.error_feedback and self.tau != self.sync_every),
+        check(self.state_on_device in ("auto", "on", "rolling", "off"), "outer.state_on_device",
+              "auto, on, rolling or off", self.state_on_device)
+        check(self.state_on_device in ("auto", "off") or (not self.error_feedback and self.tau != self.sync_every),
               "outer.state_on_device", "auto or off with outer.error_feedback or outer.tau = outer.sync_every "
               "(their terms live on the host)", self.state_on_device)
         check(0 <= self.alpha <= 1, "outer.alpha", "in [0, 1]", self.alpha)

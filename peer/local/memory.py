@@ -7,7 +7,7 @@ for backward, and the loss's copies of the logits; the gradients are not allocat
 later chunks run while the earlier ones' gradients are held (4 bytes per parameter more), each chunk's activations
 and logits sized by the chunk. Activation checkpointing keeps one input per block and recomputes a block at a time.
 On CUDA the bf16 autocast also caches a bf16 copy of the weights, and the device path (``outer.state_on_device``)
-keeps two fp32 copies of the outer state there.
+keeps two fp32 copies of the outer state there: of every fragment, or of the rolling residency's few.
 
 The per-element constants are measured: on the CPU by tracking every storage an inner step allocates
 (tests/test_memory_model.py), on CUDA from the H200's peaks (docs/benchmarks.md, "A memory model").
@@ -42,11 +42,21 @@ CPU = Constants(block=22.7, kept=1.0, logits=5.7, weight_cache=0, step_temporari
 CUDA = Constants(block=17.5, kept=1.0, logits=5.2, weight_cache=2, step_temporaries=0.0)  # (fused AdamW)
 
 
+def block_parameters(shape: ModelShape) -> int:
+    """Trainable parameters of one block of :class:`~peer.local.model.Transformer` (no biases)."""
+    head_dim = shape.d_model // shape.n_heads
+    return 4 * shape.d_model**2 + 2 * shape.d_model * shape.d_ff + 2 * shape.d_model + 2 * head_dim
+
+
 def parameters(shape: ModelShape, vocab_size: int) -> int:
     """Trainable parameters of :class:`~peer.local.model.Transformer` (tied embedding, no biases)."""
-    head_dim = shape.d_model // shape.n_heads
-    block = 4 * shape.d_model**2 + 2 * shape.d_model * shape.d_ff + 2 * shape.d_model + 2 * head_dim
-    return vocab_size * shape.d_model + shape.n_layers * block + shape.d_model
+    return vocab_size * shape.d_model + shape.n_layers * block_parameters(shape) + shape.d_model
+
+
+def largest_fragment(shape: ModelShape, vocab_size: int, fragment_blocks: int) -> int:
+    """Elements of the largest fragment: ``fragment_blocks`` blocks and the embedding (which goes with the first)."""
+    blocks = min(fragment_blocks, shape.n_layers)
+    return min(parameters(shape, vocab_size), blocks * block_parameters(shape) + (vocab_size + 1) * shape.d_model)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -57,7 +67,7 @@ class Estimate:
     weight_cache: int
     activations: int  # what the blocks keep for backward at the peak (checkpointed inputs, one block recomputed)
     logits: int
-    outer_state: int  # the device path's copies of G and v
+    outer_state: int  # the device path's copies of G and v (of every fragment, or of the rolling residency's)
     step: int  # the other moment: the optimizer step (weights, moments, gradients and its temporaries)
 
     @property
@@ -76,13 +86,16 @@ class Setting:
     batch_size: int
     micro_batch: int = 0  # 0: the whole batch at once
     activation_checkpointing: bool = False
-    state_on_device: bool = False
+    state_on_device: "bool | str" = False  # outer.state_on_device: True (every fragment's copy), "rolling", False
+    rolling_copies: int = 3  # the copies a rolling residency holds (peer.outer.schedule.rolling_copies)
+    fragment_blocks: int = 3  # outer.fragment_blocks
     optimizer: str = "adamw"  # or adamw8bit (inner.optimizer)
 
     def describe(self) -> str:
         parts = [f"micro_batch {self.micro_batch}" if self.micro_batch else "whole batch"]
         parts += ["activation checkpointing"] if self.activation_checkpointing else []
-        parts += ["outer state on the device"] if self.state_on_device else []
+        if self.state_on_device:
+            parts += [f"outer state on the device ({'rolling' if self.state_on_device == 'rolling' else 'on'})"]
         parts += ["8-bit AdamW"] if self.optimizer == "adamw8bit" else []
         return ", ".join(parts)
 
@@ -110,18 +123,26 @@ def estimate(setting: Setting, constants: Constants = CUDA) -> Estimate:
     step = (8 + moments) * n + (16 * largest if eight_bit else constants.step_temporaries * n)
     return Estimate(weights_and_optimizer=int((8 if chunked else 4) * n + moments * n),
                     weight_cache=constants.weight_cache * n, activations=activations, logits=logits,
-                    outer_state=8 * n if setting.state_on_device else 0, step=int(step))
+                    outer_state=outer_state_bytes(setting), step=int(step))
+
+
+def outer_state_bytes(setting: Setting) -> int:
+    """Device bytes of the device path's copies of ``G, v`` (two fp32 vectors per element copied)."""
+    if setting.state_on_device == "rolling":
+        shape = PRESETS[setting.preset]
+        return 8 * setting.rolling_copies * largest_fragment(shape, setting.vocab_size, setting.fragment_blocks)
+    return 8 * parameters(PRESETS[setting.preset], setting.vocab_size) if setting.state_on_device else 0
 
 
 def ways_to_fit(base: Setting, budget: int, constants: Constants = CUDA) -> Iterator[tuple[Setting, Estimate]]:
     """The settings of ``base``'s preset and batch that fit ``budget`` bytes, the fastest kind first (torch's AdamW
-    before the 8-bit one, whole batches before micro-batches, the largest micro-batch first; checkpointing and the
-    device path only where needed)."""
+    before the 8-bit one, whole batches before micro-batches, the largest micro-batch first, checkpointing only where
+    needed; the device path with every fragment's copy, then its rolling residency, then the host path)."""
     micro = [0] + [m for m in (8, 4, 2, 1) if m < base.batch_size and base.batch_size % m == 0]
     for optimizer in dict.fromkeys((base.optimizer, "adamw8bit")):
         for m in micro:
             for checkpointing in (False, True):
-                for on_device in (True, False):
+                for on_device in (True, "rolling", False):
                     option = dataclasses.replace(base, micro_batch=m, activation_checkpointing=checkpointing,
                                                  state_on_device=on_device, optimizer=optimizer)
                     if (guess := estimate(option, constants)).total <= budget:

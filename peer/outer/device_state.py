@@ -1,7 +1,7 @@
 """The launch and the apply on the parameters' device, so that the training thread only enqueues work.
 
 The host's fp32 ``G, v`` stay the authority (digests, checkpoints, the state served to downloaders).
-:class:`DeviceState` keeps a copy of each fragment's ``G, v`` on the device:
+:class:`DeviceState` keeps a copy of every fragment's ``G, v`` on the device, or of those in flight and the next:
 
 - launch: ``Delta = G - theta``, the eager jump and its write into the parameters run on the device; ``Delta`` goes
   to a pinned host buffer on a side stream, and :class:`DeferredLaunch` hands it to the transport from its own
@@ -11,8 +11,8 @@ The host's fp32 ``G, v`` stay the authority (digests, checkpoints, the state ser
   own) and brings the new ``G, v`` to the host (:meth:`DeviceState.advance`); at ``launch + tau`` the training
   stream waits for that work (an event, not the host) and copies ``G`` into the parameters.
 
-Every elementwise operation rounds once (no fused multiply-add): a GPU peer's state is the one a CPU peer computes.
-On the CPU every "device" tensor is the host one (the tests run this path here).
+Every elementwise operation rounds once (no fused multiply-add): a GPU peer's state is the one a CPU peer computes;
+on the CPU every "device" tensor is the host one (the tests run this path here).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
-from peer.outer.offload import side_stream
+from peer.outer.offload import OuterWorker, side_stream
 from peer.outer.rounds import Handle, RoundOutcome, Span
 from peer.outer.state import advanced, check_average
 
@@ -48,14 +48,21 @@ class Staged:
 
 
 class DeviceState:
-    """Per fragment, a copy on ``device`` of the host's ``G, v``. Written by the training thread only
-    (:meth:`current`, :meth:`install`); :meth:`advance` runs on the engine's worker and returns its copies instead of
-    storing them."""
+    """Per fragment, a copy on ``device`` of the host's ``G, v``: of every fragment, or (``rolling``) only of the
+    fragments with a round in flight and the next to launch, which the worker fetches ahead of its launch (both
+    schedules launch fragments in the order 0, 1, ..., P - 1, 0, ...). Written by the training thread only
+    (:meth:`current`, :meth:`install`, :meth:`prefetch`, :meth:`release`); :meth:`advance` and the fetches run on
+    the engine's worker and return their copies instead of storing them."""
 
-    def __init__(self, device: torch.device, n_fragments: int, numel: int):
-        """``numel``: the largest fragment's."""
-        self.device = device
+    def __init__(self, device: torch.device, n_fragments: int, numel: int, *, rolling: bool = False,
+                 worker: Optional[OuterWorker] = None):
+        """``numel``: the largest fragment's; ``worker``: where a rolling residency fetches (needed with it)."""
+        if rolling and worker is None:
+            raise ValueError("a rolling residency fetches on a worker")
+        self.device, self.rolling, self._worker = device, rolling, worker
         self._copies: list[Optional[Staged]] = [None] * n_fragments
+        # per fragment, the host G a fetch on the worker copies, and that fetch (rolling only)
+        self._fetching: list[Optional[tuple[torch.Tensor, concurrent.futures.Future]]] = [None] * n_fragments
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # (the worker's)
         # the worker's pinned staging, allocated once (pinning memory per round costs more than the round's
         # arithmetic and holds up the training thread's CUDA calls meanwhile) and used in turn by an aggregate's
@@ -64,22 +71,30 @@ class DeviceState:
         self._staging = torch.empty(numel, pin_memory=True) if self._stream is not None else None
 
     @classmethod
-    def choose(cls, device: torch.device, numels: Sequence[int], wanted: Optional[bool], *,
-               eligible: bool) -> Optional["DeviceState"]:
-        """The device copies of fragments of ``numels`` elements, where ``wanted`` (None: on CUDA, where the device
-        has twice the room they take free); ``eligible``: the engine's mode allows the device path (ValueError
-        where it is wanted and not)."""
-        if wanted and not eligible:
+    def choose(cls, device: torch.device, numels: Sequence[int], wanted: "bool | str | None", *, eligible: bool,
+               worker: OuterWorker, copies: int, reserve: int = 0) -> Optional["DeviceState"]:
+        """The device copies of fragments of ``numels`` elements: ``wanted`` True keeps every fragment's, "rolling"
+        those in flight (at most ``copies``: :func:`peer.outer.schedule.rolling_copies`), False none; None (auto):
+        on CUDA, every fragment's where the device has twice the room they take free beyond ``reserve`` (bytes the
+        training will still allocate), else the rolling residency where it has twice that room, else none.
+        ``eligible``: the engine's mode allows the device path (ValueError where it is wanted and not)."""
+        if wanted is False or (wanted is None and not eligible):
+            return None
+        if not eligible:
             raise ValueError("the outer state on the device needs 0 <= tau < H and no error feedback")
+        largest = max(numels, default=0)
         if wanted is None:
-            need = cls.bytes_needed(sum(numels))
-            wanted = eligible and device.type == "cuda" and torch.cuda.mem_get_info(device)[0] >= 2 * need
-        return cls(device, len(numels), max(numels, default=0)) if wanted else None
+            if device.type != "cuda":
+                return None
+            free = torch.cuda.mem_get_info(device)[0] - reserve
+            if free < 2 * cls.bytes_needed(largest * copies):
+                return None
+            wanted = True if free >= 2 * cls.bytes_needed(sum(numels)) else "rolling"
+        return cls(device, len(numels), largest, rolling=wanted == "rolling", worker=worker)
 
     @staticmethod
     def bytes_needed(numel: int) -> int:
-        """Device bytes the copies take for a model of ``numel`` trainable elements (two fp32 vectors), not counting
-        a round's own while it is prepared."""
+        """Device bytes the copies of ``numel`` elements of ``G, v`` take (two fp32 vectors)."""
         return 8 * numel
 
     def advance(self, copy: Staged, spans: Sequence[Span],
@@ -117,6 +132,47 @@ class DeviceState:
         wait_for(self._record())
         return out.clone()  # (the state outlives the staging)
 
+    def prefetch(self, p: int, G: torch.Tensor, v: torch.Tensor) -> None:
+        """(Rolling only.) Starts fetching fragment ``p``'s copy of the host state ``G, v`` on the worker, unless it
+        is on the device or on its way already: :meth:`current` takes it at the launch. Must be called on the
+        training thread, ahead of ``p``'s launch."""
+        fetching = self._fetching[p]
+        if not self.rolling or self._holds(p, G) or (fetching is not None and fetching[0] is G):
+            return
+        assert self._worker is not None
+        self._fetching[p] = (G, self._worker.submit(self._fetch, G, v))
+
+    def release(self, p: int) -> None:
+        """(Rolling only.) Drops fragment ``p``'s copy: no round of it is in flight and it is not the next to
+        launch. Must be called on the training thread."""
+        if self.rolling:
+            self._copies[p] = self._fetching[p] = None
+
+    def resident(self) -> int:
+        """Fragments whose copy is on the device, or on its way there."""
+        return sum(copy is not None or fetching is not None for copy, fetching in zip(self._copies, self._fetching))
+
+    def _holds(self, p: int, G: torch.Tensor) -> bool:
+        copy = self._copies[p]
+        return copy is not None and copy.host_G is G
+
+    def _fetch(self, G: torch.Tensor, v: torch.Tensor) -> Staged:
+        """(On the worker.) Copies of ``G, v`` through the staging, so the training thread neither pins nor
+        copies host memory for them."""
+        with self._on_stream():
+            staged = Staged(G, self._through_staging(G), self._through_staging(v), None)
+            staged.ready = self._record()
+        return staged
+
+    def _through_staging(self, host: torch.Tensor) -> torch.Tensor:
+        """(On the worker's stream.) ``host`` on the device, copied through the pinned staging."""
+        if self._staging is None:
+            return host.to(self.device)
+        staged = self._staging[:host.numel()].copy_(host)
+        on_device = staged.to(self.device, non_blocking=True)
+        wait_for(self._record())  # (the staging is free again)
+        return on_device
+
     def upload(self, G: torch.Tensor, v: torch.Tensor) -> Staged:
         """Copies of the host state ``G, v``, on their way (:meth:`install` orders the training stream after)."""
         with self._on_stream():
@@ -144,12 +200,18 @@ class DeviceState:
         return staged
 
     def current(self, p: int, G: torch.Tensor, v: torch.Tensor) -> Staged:
-        """Fragment ``p``'s copy of the host state ``G, v``, uploaded now where the state changed without
-        :meth:`install` (the start, an adoption, a checkpoint load). Must be called on the training thread."""
+        """Fragment ``p``'s copy of the host state ``G, v``: the one installed, or fetched ahead (waited for), or
+        uploaded now where the state changed without either (the start, an adoption, a checkpoint load, a fetch
+        that failed). Must be called on the training thread."""
         copy = self._copies[p]
-        if copy is None or copy.host_G is not G:
-            copy = self.install(p, self.upload(G, v))
-        return copy
+        if copy is not None and copy.host_G is G:
+            return copy
+        fetching, self._fetching[p] = self._fetching[p], None
+        fetched = None
+        if fetching is not None and fetching[0] is G:
+            with contextlib.suppress(concurrent.futures.CancelledError, RuntimeError):  # (then uploaded below)
+                fetched = fetching[1].result()
+        return self.install(p, fetched if fetched is not None else self.upload(G, v))
 
     def _on_stream(self):
         return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()

@@ -35,7 +35,7 @@ from peer.outer import saved_state
 from peer.outer.rounds import Handle, RoundOutcome, RoundStatus, Transport
 from peer.outer.state import (FragmentState, NesterovSGD, advanced, blend, block_digests, merge_into,
                                merge_target)
-from peer.outer.schedule import ClockSchedule, StepsSchedule
+from peer.outer.schedule import ClockSchedule, StepsSchedule, rolling_copies
 from peer.outer.settings import OuterSettings
 
 log = logging.getLogger(__name__)
@@ -51,11 +51,12 @@ class StreamingEngine:
                  error_feedback_codec: Optional[Codec] = None, tau_fn: Optional[Callable[[], int]] = None,
                  schedule: Optional[StepsSchedule | ClockSchedule] = None,
                  on_wait: Callable[[], None] = lambda: None, digest_of: Optional[Callable[[int], str]] = None,
-                 state_on_device: Optional[bool] = None):
+                 state_on_device: "bool | str | None" = None, device_reserve: int = 0):
         """``digest_of(p)``: the digest of fragment p's ``G, v`` as they are now (default: hashed here; the trainer
         passes the one it published after the last change). ``state_on_device``: launch and apply on the parameters'
-        device from a copy of ``G, v`` there (peer/outer/device_state.py); None: on CUDA where the device has room,
-        in the streaming modes without error feedback (the others keep the host path)."""
+        device from a copy of ``G, v`` there (peer/outer/device_state.py), of every fragment (True) or of those in
+        flight ("rolling"); None: on CUDA where the device has room beyond ``device_reserve`` bytes, in the
+        streaming modes without error feedback (the others keep the host path)."""
         self.fragments = fragments
         self.cfg = settings
         self.transport = transport
@@ -78,7 +79,10 @@ class StreamingEngine:
         # the launches' fragment-sized host vectors, reused (see _retire): a snapshot and Delta per round in flight
         device = device_of(fragments[0]) if fragments else torch.device("cpu")
         self.device_state = DeviceState.choose(device, [f.numel for f in fragments], state_on_device,
-                                               eligible=not self.one_outer_step and self.feedback is None)
+                                               eligible=not self.one_outer_step and self.feedback is None,
+                                               worker=self.worker, reserve=device_reserve,
+                                               copies=rolling_copies(self._longest_tau(), settings.H, len(fragments)))
+        self._upcoming = 0  # the fragment to launch next (both schedules launch them in turn)
         # the device path pools only Delta's host copy, which the device writes (waited for) and never reads
         self.buffers = HostBuffers(max((f.numel for f in fragments), default=0), pinned=device.type == "cuda",
                                    keep=2 * len(fragments) + 1,
@@ -86,7 +90,10 @@ class StreamingEngine:
         if self.device_state is not None:  # (allocated and uploaded now, at the start, not at the first launches)
             self.buffers.give(self.buffers.take(self.buffers.numel))
             for p, st in enumerate(self.states):
-                self.device_state.current(p, st.G, st.v)
+                if not self.device_state.rolling:
+                    self.device_state.current(p, st.G, st.v)
+            if fragments:
+                self.device_state.prefetch(0, self.states[0].G, self.states[0].v)
         # our share of each round, and the eager jump it scales (peer/outer/eager.py)
         self.eager = Eager(fragments, self.opt, self.buffers, alpha=settings.alpha, replay=settings.merge == "replay",
                            group_size_hint=group_size_hint)
@@ -99,6 +106,10 @@ class StreamingEngine:
         self.worker.close()
         if self._launcher is not None:
             self._launcher.shutdown(wait=True, cancel_futures=True)
+
+    def _longest_tau(self) -> int:
+        """The longest overlap a round may have: ``tau``, or with ``tau = auto`` its bound."""
+        return self.cfg.tau if self.tau_fn is None else min(self.cfg.H - 1, getattr(self.tau_fn, "tau_max", self.cfg.H))
 
     @property
     def one_outer_step(self) -> bool:
@@ -197,6 +208,9 @@ class StreamingEngine:
         pend = Pending(r, step, host, weight, handle, tau, theta_at_launch, jump, base=base)
         self.pending[p].append(pend)
         self.handover.on_arrival(pend, st.G, st.v, copy)
+        self._upcoming = (p + 1) % len(self.fragments)
+        upcoming = self.states[self._upcoming]
+        self.device_state.prefetch(self._upcoming, upcoming.G, upcoming.v)  # (rolling: on its way from now)
 
     def _not_launched(self, p: int, r: int, weight: float, handle: Handle, step: int) -> bool:
         """Reports at once a round the transport decided not to launch (alone, or the swarm is past it): nothing
@@ -218,6 +232,7 @@ class StreamingEngine:
         self._forget(p, pend.weight, pend.jump)
         self._retire(p, pend)
         self._report_home(p, pend.round, pend.launch_step, outcome, step)
+        self._settle(p)
 
     def _report_home(self, p: int, r: int, launch_step: int, outcome: RoundOutcome, step: int) -> None:
         """Reports round ``r`` of fragment ``p``, which the transport kept home, its progress already carried
@@ -280,6 +295,13 @@ class StreamingEngine:
         replaced.append(outcome)
         del pend, prepared, outcome
         self.worker.release(replaced)
+        self._settle(p)
+
+    def _settle(self, p: int) -> None:
+        """After a round of ``p`` left the queue: the rolling residency drops ``p``'s device copy where no round of
+        it is in flight and it is not the next to launch."""
+        if self.device_state is not None and not self.pending[p] and p != self._upcoming:
+            self.device_state.release(p)
 
     def _retire(self, p: int, pend: Pending) -> None:
         """Gives a round's host vectors back to the pool once the round is over (applied, given up or forgotten):

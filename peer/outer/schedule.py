@@ -44,6 +44,13 @@ def next_sync_step(step: int, num_fragments: int, H: int) -> int:
                for p in range(num_fragments))
 
 
+def rolling_copies(tau: int, H: int, num_fragments: int) -> int:
+    """The device copies of ``G, v`` a rolling residency (peer/outer/device_state.py) holds at most: the rounds in
+    flight (both schedules launch a fragment every ``H / P`` steps, in the order 0, 1, ..., P - 1; a round lasts
+    ``tau``), the next fragment to launch, and an aggregate's new state being prepared."""
+    return min(num_fragments, -(-tau * num_fragments // H) + 2)
+
+
 class StepsSchedule:
     """Lockstep schedule on the local step counter (the paper's; homogeneous peers)."""
 

@@ -24,6 +24,7 @@ from peer.config import PeerConfig
 from peer.errors import SetupError
 from peer.local import memory
 from peer.run import preflight
+from peer.run.local_build import memory_setting
 from peer.run.run_dir import RunDirLock
 
 CLOCK_TOLERANCE_S = 3.0  # hivemind refuses a DHT peer whose time differs by more (MAX_DHT_TIME_DISCREPANCY_SECONDS)
@@ -130,10 +131,9 @@ def _memory(cfg: PeerConfig, budget: Optional[int] = None, on_cuda: Optional[boo
     where = "of the card's" if on_cuda else "of the host's"
     constants = memory.CUDA if on_cuda else memory.CPU
     usable = int(memory.HEADROOM * budget)
-    ours = memory.Setting(preset=m.preset, vocab_size=cfg.data.vocab_size, seq_len=m.seq_len,
-                          batch_size=cfg.data.batch_size, micro_batch=cfg.data.micro_batch,
-                          activation_checkpointing=m.activation_checkpointing,
-                          state_on_device=on_cuda and cfg.outer.state_on_device == "on", optimizer=cfg.inner.optimizer)
+    wanted = cfg.outer.state_on_device
+    on_device: bool | str = ("rolling" if wanted == "rolling" else wanted == "on") if on_cuda else False
+    ours = memory_setting(cfg, state_on_device=on_device)
     guess = memory.estimate(ours, constants)
     found = (f"{m.preset} at batch {ours.batch_size} x {ours.seq_len} ({ours.describe()}): about "
              f"{guess.total / memory.GIB:.1f} GiB at the peak, {budget / memory.GIB:.1f} GiB {where}")

@@ -10,8 +10,10 @@ from torch import nn
 
 from peer.config import PeerConfig
 from peer.control.limits import vram_fraction
+from peer.local import memory
 from peer.local.inner import InnerLoop
 from peer.local.model import build_model, count_parameters
+from peer.outer.schedule import rolling_copies
 
 log = logging.getLogger(__name__)
 
@@ -63,3 +65,35 @@ def cap_vram(vram_gb: float, device: torch.device) -> None:
         return
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     log.info("GPU memory capped at %.1f GiB of %.1f GiB (limits.vram_gb)", cap / 2 ** 30, total / 2 ** 30)
+
+
+def memory_setting(cfg: PeerConfig, *, state_on_device: "bool | str" = False) -> memory.Setting:
+    """The memory model's view of a peer's config (its model a preset), ``state_on_device`` as resolved: the copies
+    a rolling residency holds are planned for the longest overlap (``tau``, or ``tau_max`` with ``tau = auto``)."""
+    m, o = cfg.model, cfg.outer
+    layers = memory.PRESETS[m.preset].n_layers
+    blocks = o.fragment_blocks if 0 < o.fragment_blocks < layers else layers
+    tau = o.tau if isinstance(o.tau, int) else min(o.sync_every - 1, o.tau_max)
+    return memory.Setting(preset=m.preset, vocab_size=cfg.data.vocab_size, seq_len=m.seq_len,
+                          batch_size=cfg.data.batch_size, micro_batch=cfg.data.micro_batch,
+                          activation_checkpointing=m.activation_checkpointing, state_on_device=state_on_device,
+                          optimizer=cfg.inner.optimizer, fragment_blocks=blocks,
+                          rolling_copies=rolling_copies(tau, o.sync_every, -(-layers // blocks)))
+
+
+def outer_state_reserve(cfg: PeerConfig, device: torch.device) -> int:
+    """Device bytes the outer state's copies must leave free beyond what is free now (``outer.state_on_device =
+    auto``, peer/outer/device_state.py): what the inner step will still allocate (the memory model's peak less
+    what is allocated now, for a preset model; its optimizer moments and activations come at the first step), and
+    what the owner's cap (``limits.vram_gb``) keeps of the free memory. 0 off CUDA. Must be called after
+    :func:`build_local`."""
+    if device.type != "cuda":
+        return 0
+    reserve = 0
+    if not (cfg.model.factory or cfg.model.hf_config) and cfg.model.preset in memory.PRESETS:
+        peak = memory.estimate(memory_setting(cfg), memory.CUDA).total
+        reserve = max(0, peak - torch.cuda.memory_allocated(device))
+    if cfg.limits.vram_gb > 0:
+        capped = int(cfg.limits.vram_gb * 2 ** 30) - torch.cuda.memory_reserved(device)
+        reserve += max(0, torch.cuda.mem_get_info(device)[0] - capped)
+    return reserve

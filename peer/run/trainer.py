@@ -37,7 +37,8 @@ from peer.run.resume import RunCheckpoints
 from peer.run.owner import REST_SLICE_S, OwnerLink, StopFlag
 from peer.run.phase import PhaseKeeper
 from peer.outer.fragments import partition
-from peer.run.local_build import build_local
+from peer.outer.offload import device_of
+from peer.run.local_build import build_local, outer_state_reserve
 from peer.run.run_dir import RunDirLock
 from peer.outer.schedule import ClockSchedule, StepsSchedule
 from peer.net.transport import SwarmTransport
@@ -251,10 +252,14 @@ class Trainer:
                                  error_feedback_codec=get_codec(cfg.outer.codec) if cfg.outer.error_feedback else None,
                                  tau_fn=auto_tau, schedule=schedule, on_wait=self.figures.show,
                                  digest_of=lambda p: self.sync.digest(p),
-                                 state_on_device={"auto": None, "on": True, "off": False}[cfg.outer.state_on_device])
+                                 state_on_device={"auto": None, "on": True, "rolling": "rolling",
+                                                  "off": False}[cfg.outer.state_on_device],
+                                 device_reserve=outer_state_reserve(cfg, device_of(fragments[0])))
         self.engine = self.figures.engine = engine
-        log.info("outer state: on the host%s", "" if engine.device_state is None else
-                 f", a copy on {engine.device_state.device} (launches and applies enqueue work there)")
+        residency = engine.device_state
+        log.info("outer state: on the host%s", "" if residency is None else
+                 f", a copy {'of the fragments in flight ' if residency.rolling else ''}on {residency.device} "
+                 "(launches and applies enqueue work there)")
         self.sync = StateSync(self.swarm, engine, events=self.events, pace=self.pace, stop=self.stop.event,
                               sync_every=cfg.outer.sync_every, on_fragment=self.owner.note_fragment,
                               show_status=self.figures.show, owed_timeout=4 * cfg.swarm.progress_period + 2,
