@@ -124,3 +124,26 @@ def test_when_the_loop_catches_up_is_the_state_syncs_decision_and_adoption_is_to
     assert sync.adopted and not sync.recheck
     sync.drift_check_period = 1e-9
     assert sync.due()  # the periodic drift check
+
+
+def test_the_drift_check_keeps_the_state_our_group_applied_against_records_of_others():
+    """Sybils that sat in one of our groups (partners, so their records count) claim another digest at the round
+    our group applied: the group's appliers hold ours by construction, so only their records can move us. After
+    we adopt a state from donors, no group of ours applied it, and the records' majority rules again."""
+    forged = {p: record(p, 12, "forged12") for p in ("s1", "s2", "s3")}
+    honest = {"g1": record("g1", 12, "ours12")}
+    swarm, engine = Swarm({**forged, **honest}, {}), Engine()
+    sync = sync_for(swarm, engine)
+    sync._digests[0] = "ours12"
+    sync.note_applied(0, 12, ["me", "g1"])
+    sync.note_applied(0, 11, ["x"])  # (not an applier ourselves: nothing to keep)
+    assert sync._confirmed == {0: {12: frozenset({"g1"})}}
+    sync.catch_up(50, joining=False)
+    assert swarm.downloads == [] and engine.adopted == []
+    swarm.records = dict(forged)  # (our co-applier left: still nothing outvotes the group)
+    sync.catch_up(51, joining=False)
+    assert swarm.downloads == []
+    swarm.records = {**forged, "g1": record("g1", 12, "theirs12"), "g2": record("g2", 12, "theirs12")}
+    sync.note_applied(0, 12, ["me", "g1", "g2"])
+    sync.catch_up(52, joining=False)  # our co-appliers say our state is off: theirs is downloaded
+    assert swarm.downloads == [(0, 12, "theirs12", ["g1", "g2"])] and 0 not in sync._confirmed

@@ -158,6 +158,25 @@ def test_the_drift_check_compares_at_our_round_through_records_already_past_it()
     assert plan_catch_up({"p1": silent}, "p4", [19], ["c"], joining=False, suspect=[0]) == []
 
 
+def test_at_a_round_our_group_applied_only_its_appliers_can_say_our_state_is_off():
+    """Records of peers that did not apply our round with us (sybils that sat in one group and became partners, or
+    strangers) cannot pull us off the digest our group applied, however many they are; our co-appliers' can."""
+    sybils = {p: state(p, [5], ["forged"]) for p in ("s1", "s2", "s3")}
+    assert plan_catch_up(sybils, "me", [5], ["ours"], joining=False)[0].digest == "forged"  # (no group known)
+    group = {5: {"g1", "g2"}}
+    assert plan_catch_up({**sybils, "g1": state("g1", [5], ["ours"])}, "me", [5], ["ours"], joining=False,
+                         confirmed=[group]) == []
+    assert plan_catch_up(sybils, "me", [5], ["ours"], joining=False, confirmed=[group]) == []  # (g1, g2 gone)
+    off = {**sybils, "g1": state("g1", [5], ["theirs"]), "g2": state("g2", [5], ["theirs"])}
+    plan = plan_catch_up(off, "me", [5], ["ours"], joining=False, confirmed=[group])
+    assert [(c.round, c.digest, sorted(c.donors)) for c in plan] == [(5, "theirs", ["g1", "g2"])]
+    # a round we did not apply in a group (adopted, or an older state): the rule of the records as before
+    assert plan_catch_up(sybils, "me", [5], ["ours"], joining=False, confirmed=[{4: {"g1"}}])[0].digest == "forged"
+    # whether we are behind is still the records' word (it decides launches too: launch_gate)
+    far = {p: state(p, [8], ["forged"]) for p in ("s1", "s2")}
+    assert plan_catch_up(far, "me", [5], ["ours"], joining=False, confirmed=[group])[0].round == 8
+
+
 def test_launch_gate_skips_rounds_the_swarm_is_past():
     records = {p: state(p, [7, 6], ["a", "b"]) for p in ("x", "y")}
     # in step with the swarm (it applied round 7; we applied 7, or have it in flight): launch round 8

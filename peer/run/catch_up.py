@@ -17,6 +17,7 @@ import time
 from typing import Callable, Optional
 
 from peer.net.policy.consensus import CatchUp, plan_catch_up, plan_owed, plausible_donor_step, step_after_catch_up
+from peer.net.our_record import PAST_ROUNDS
 from peer.net.state_transfer import DownloadError, ServedState
 from peer.net.swarm import Swarm
 from peer.outer.engine import StreamingEngine
@@ -27,6 +28,7 @@ from peer.run.events import EventLog
 from peer.run.pace import PaceWatch
 
 log = logging.getLogger(__name__)
+CONFIRMED_ROUNDS = PAST_ROUNDS  # rounds per fragment whose appliers we keep: as many as the drift check compares at
 
 
 class StateSync:
@@ -47,6 +49,9 @@ class StateSync:
         self.show_status = show_status
         # fragments whose last partial round left our state off the swarm's (the catch-up asks the majority)
         self._suspect: set[int] = set()
+        # per fragment, {round: the other peers that applied it with us} for our last rounds applied in a group:
+        # there only their records can say our state is off (consensus.plan_catch_up's ``confirmed``)
+        self._confirmed: dict[int, dict[int, frozenset[str]]] = {}
         # per fragment, the digest of its state as last published: every change of G, v is published (restore,
         # rounds, adoption), so the drift check reads it here instead of hashing every fragment again
         self._digests: dict[int, str] = {}
@@ -72,6 +77,16 @@ class StateSync:
         """A round of ``fragment`` was ``partial`` (a span we did not apply): our state of it is likely the odd one,
         so the next catch-up takes any other digest the swarm holds at our round (consensus.plan_catch_up)."""
         self._suspect.add(fragment)
+
+    def note_applied(self, fragment: int, round_: int, appliers: list[str]) -> None:
+        """We applied round ``round_`` of ``fragment`` (``ok``) with ``appliers`` (the group's members whose base was
+        ours, us included): they hold our digest there, which records of anyone else cannot outvote."""
+        if self.swarm.peer_id not in appliers:
+            return
+        kept = self._confirmed.setdefault(fragment, {})
+        kept[round_] = frozenset(appliers) - {self.swarm.peer_id}
+        for old in sorted(kept)[:-CONFIRMED_ROUNDS]:
+            del kept[old]
 
     def due(self) -> bool:
         """Whether the training loop should call :meth:`catch_up` now: a late round, a repair waiting for records
@@ -136,7 +151,8 @@ class StateSync:
         plans = plan_catch_up(records, self.swarm.peer_id, [st.last_applied for st in engine.states],
                               [self.digest(p) for p in range(len(engine.states))],
                               joining=joining, expected=expected, late=late, suspect=sorted(self._suspect),
-                              my_past=self.swarm.ours.recent_digests(len(engine.states)))
+                              my_past=self.swarm.ours.recent_digests(len(engine.states)),
+                              confirmed=[self._confirmed.get(p, {}) for p in range(len(engine.states))])
         owed = self._owed_plans(self.swarm.live_peers())
         plans = [plan for plan in plans if plan.fragment not in owed] + list(owed.values())
         self._recheck = any(plan.wait for plan in plans if plan.fragment not in owed)
@@ -163,6 +179,7 @@ class StateSync:
                 continue
             engine.adopt(plan.fragment, snap.G, snap.v, snap.round, snap.blocks)
             self._suspect.discard(plan.fragment)
+            self._confirmed.pop(plan.fragment, None)  # (a state from donors: no group of ours applied it)
             self.owed.pop(plan.fragment, None)
             donor_steps.append(plausible_donor_step(snap.step, plan.fragment, snap.round, len(engine.states),
                                                     self.sync_every))

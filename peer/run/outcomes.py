@@ -50,6 +50,8 @@ class RoundReports:
             self.sync.note_partial(frag.index)
         if outcome.status == RoundStatus.OFF_BASE:  # the group applied our part to its base: take its result
             self.sync.owe(frag.index, outcome.round, outcome.appliers)
+        if outcome.status == RoundStatus.OK:  # its appliers hold our digest now: the drift check trusts them first
+            self.sync.note_applied(frag.index, outcome.round, outcome.appliers)
         digest = self.sync.publish(frag, st, step)
         self.owner.count_round(str(outcome.status))
         if self.auto_tau is not None and RoundStatus(outcome.status).averaged:

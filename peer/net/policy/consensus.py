@@ -17,7 +17,7 @@ on the steps schedule".
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Collection, Mapping, Optional, Sequence
 
 from peer.net.trust.records import ProgressRecord
 from peer.outer.rounds import RoundStatus
@@ -238,7 +238,8 @@ def swarm_is_past(records: Mapping[str, ProgressRecord], me: str, fragment: int,
 def plan_catch_up(records: Mapping[str, ProgressRecord], me: str, my_rounds: Sequence[int],
                   my_digests: Sequence[str], *, joining: bool,
                   expected: Optional[Sequence[int]] = None, late: bool = False, suspect: Sequence[int] = (),
-                  my_past: Sequence[Mapping[int, str]] = ()) -> list[CatchUp]:
+                  my_past: Sequence[Mapping[int, str]] = (),
+                  confirmed: Sequence[Mapping[int, Collection[str]]] = ()) -> list[CatchUp]:
     """Which fragments to download, from the other peers' progress records (pure; see below).
 
     Rounds here are *applied* rounds (a peer that trained alone does not advance). For each fragment,
@@ -259,6 +260,11 @@ def plan_catch_up(records: Mapping[str, ProgressRecord], me: str, my_rounds: Seq
     records, no other record has reached our current round yet; the comparison is then made at our latest
     earlier round that other records cover (a state that went off stays off: every later round applies the
     same averages to it).
+
+    ``confirmed``: per fragment, {round: the other peers that applied that round of ours with us} (the group's
+    appliers hold our digest there by construction: docs/architecture.md, "One digest for every applied round").
+    At such a round only their records can tell us we are off; other records, however many (sybils that sat
+    in one group and became partners), cannot.
     """
     plans = []
     for p, (mine_r, mine_d) in enumerate(zip(my_rounds, my_digests)):
@@ -269,6 +275,9 @@ def plan_catch_up(records: Mapping[str, ProgressRecord], me: str, my_rounds: Seq
         others = _others(records, me, p)
         check_r, check_d, at_mine = _latest_covered(records, me, p, {**(my_past[p] if p < len(my_past) else {}),
                                                                      mine_r: mine_d})
+        appliers = confirmed[p].get(check_r) if p < len(confirmed) else None
+        if appliers is not None:
+            at_mine = {pid: d for pid, d in at_mine.items() if pid in appliers}
         same_round = list(at_mine.values())
         ours = expected[p] if expected is not None else mine_r
         if best > mine_r and (joining or best >= mine_r + 2 or (late and best > ours)):
