@@ -356,6 +356,18 @@ def mixed_rounds(f, r, d, kinds=5):
     return None if kind == "missed" else RoundOutcome(f, r, "alone", group_size=1)
 
 
+def launch_and_apply(eng: StreamingEngine, step: int, *, no_sync: bool) -> None:
+    """One step boundary's launches and applies; ``no_sync``: in CUDA's sync debug mode "error"."""
+    if no_sync:
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        eng.launch_due(step)
+        eng.apply_due(step)
+    finally:
+        if no_sync:
+            torch.cuda.set_sync_debug_mode(0)
+
+
 def run_mixed(settings, device="cpu", state_on_device=False, no_sync=False, steps=26, kinds=5,
               transport=ScriptedTransport):
     """Trains one 8-element parameter on ``device`` through :func:`mixed_rounds`; returns what a peer keeps.
@@ -370,14 +382,7 @@ def run_mixed(settings, device="cpu", state_on_device=False, no_sync=False, step
         with torch.no_grad():
             p -= torch.linspace(0.1, 0.8, 8, device=device) * step
         eng.add_tokens(10)
-        if no_sync and step > 2:
-            torch.cuda.set_sync_debug_mode("error")
-        try:
-            eng.launch_due(step)
-            eng.apply_due(step)
-        finally:
-            if no_sync:
-                torch.cuda.set_sync_debug_mode(0)
+        launch_and_apply(eng, step, no_sync=no_sync and step > 2)
     eng.drain(steps)
     eng.close()
     st = eng.states[0]
@@ -424,14 +429,7 @@ def run_fragments(settings, state_on_device, device="cpu", no_sync=False, n=3, s
             for i, q in enumerate(params):
                 q -= torch.linspace(0.1, 0.8, 8, device=device) * (step + i)
         eng.add_tokens(10)
-        if no_sync and step > 2:
-            torch.cuda.set_sync_debug_mode("error")
-        try:
-            eng.launch_due(step)
-            eng.apply_due(step)
-        finally:
-            if no_sync:
-                torch.cuda.set_sync_debug_mode(0)
+        launch_and_apply(eng, step, no_sync=no_sync and step > 2)
         if eng.device_state is not None:
             held.append(eng.device_state.resident())
     eng.drain(steps)
@@ -489,6 +487,15 @@ class DoneOnSubscribe(concurrent.futures.Future):
             self.set_result(self._outcome)
 
 
+def step_one_param(eng: StreamingEngine, p: torch.nn.Parameter, steps) -> None:
+    """Inner steps that move ``p`` by ``0.1 * step``, each followed by its launches and applies."""
+    for step in steps:
+        with torch.no_grad():
+            p -= 0.1 * step
+        eng.add_tokens(10)
+        launch_and_apply(eng, step, no_sync=False)
+
+
 @pytest.mark.parametrize("state_on_device", [False, True])
 def test_a_round_leaves_no_reference_cycle_that_holds_its_tensors(state_on_device):
     """A round's delta, aggregate and prepared state are freed by reference counting once the round has left the
@@ -508,12 +515,7 @@ def test_a_round_leaves_no_reference_cycle_that_holds_its_tensors(state_on_devic
         p = torch.nn.Parameter(torch.zeros(8))
         eng = StreamingEngine([Fragment(0, ["w"], [p])], settings, Transport(), group_size_hint=lambda: 2,
                               state_on_device=state_on_device)
-        for step in range(1, 27):
-            with torch.no_grad():
-                p -= 0.1 * step
-            eng.add_tokens(10)
-            eng.launch_due(step)
-            eng.apply_due(step)
+        step_one_param(eng, p, range(1, 27))
         applied = list(eng.states[0].applied_rounds)
         gc.collect()  # (while the engine lives: it is one object graph for the whole run, its rounds are not)
         held = [o for o in gc.garbage if isinstance(o, torch.Tensor)]
@@ -549,11 +551,7 @@ def test_the_state_and_aggregate_an_apply_replaces_are_freed_on_the_worker(state
                           state_on_device=state_on_device)
     watched: set[int] = set()
     for step in range(1, 27):
-        with torch.no_grad():
-            p -= 0.1 * step
-        eng.add_tokens(10)
-        eng.launch_due(step)
-        eng.apply_due(step)
+        step_one_param(eng, p, [step])
         for name in ("G", "v"):
             t = getattr(eng.states[0], name)
             if id(t) not in watched:

@@ -159,10 +159,7 @@ class DeviceState:
     def _fetch(self, G: torch.Tensor, v: torch.Tensor) -> Staged:
         """(On the worker.) Copies of ``G, v`` through the staging, so the training thread neither pins nor
         copies host memory for them."""
-        with self._on_stream():
-            staged = Staged(G, self._through_staging(G), self._through_staging(v), None)
-            staged.ready = self._record()
-        return staged
+        return self._copies_of(G, v, self._through_staging)
 
     def _through_staging(self, host: torch.Tensor) -> torch.Tensor:
         """(On the worker's stream.) ``host`` on the device, copied through the pinned staging."""
@@ -175,8 +172,12 @@ class DeviceState:
 
     def upload(self, G: torch.Tensor, v: torch.Tensor) -> Staged:
         """Copies of the host state ``G, v``, on their way (:meth:`install` orders the training stream after)."""
+        return self._copies_of(G, v, self._to_device)
+
+    def _copies_of(self, G: torch.Tensor, v: torch.Tensor, to_device: Callable[[torch.Tensor], torch.Tensor]) -> Staged:
+        """``G, v`` copied by ``to_device`` on the worker's stream, with the event after the copies."""
         with self._on_stream():
-            staged = Staged(G, self._to_device(G), self._to_device(v), None)
+            staged = Staged(G, to_device(G), to_device(v), None)
             staged.ready = self._record()
         return staged
 
