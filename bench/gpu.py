@@ -230,6 +230,7 @@ def one_preset(args) -> dict:
             pstats.Stats(profiler, stream=f).sort_stats("cumulative").print_stats(30)
     rounds = sum(len(st.applied_rounds) for st in engine.states)
     residency = engine.device_state
+    copies = rolling_copies(args.tau, args.sync_every, len(fragments))  # (what a rolling residency holds at most)
     per_step = {k: sum(v) / len(v) for k, v in times.items()}
     tokens = args.batch * args.seq_len
     fpt = flops_per_token(model, shape.n_layers, shape.d_model, args.seq_len)
@@ -254,13 +255,12 @@ def one_preset(args) -> dict:
         "waited_s": {"transport": engine.waits.blocked_seconds - waited[0],
                      "worker": engine.waits.worker_wait_seconds - waited[1]},
         "outer_on_device": residency is not None and ("rolling" if residency.rolling else True),
-        "rolling_copies": rolling_copies(args.tau, args.sync_every, len(fragments)),
+        "rolling_copies": copies,
         "bytes_by_size": {"model_fp32": 4 * n, "adamw": 8 * n, "outer_state": 4 * n * outer_copies,
                           "outer_copies": outer_copies,
                           "outer_on_device": 0 if residency is None else memory.outer_state_bytes(memory.Setting(
                               preset=args.one, vocab_size=args.vocab, seq_len=args.seq_len, batch_size=args.batch,
-                              state_on_device="rolling" if residency.rolling else True,
-                              rolling_copies=rolling_copies(args.tau, args.sync_every, len(fragments))))},
+                              state_on_device="rolling" if residency.rolling else True, rolling_copies=copies))},
     }
 
 
