@@ -130,7 +130,9 @@ def setup_logging(level: str, log_file: Path, peer_label: str) -> None:
     for handler in (logging.StreamHandler(sys.stderr), _ForgivingFileHandler(log_file)):
         handler.setFormatter(fmt)
         root.addHandler(handler)
-    for noisy in ("hivemind", "asyncio"):  # hivemind logs matchmaking chatter at INFO
+    # hivemind logs matchmaking chatter at INFO; numba's compiler dumps bytecode at DEBUG (the codec kernels
+    # load at start: some 700 lines, seconds of a peer's start at --log-level DEBUG)
+    for noisy in ("hivemind", "asyncio", "numba"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
     logging.getLogger("asyncio").addFilter(_drop_hivemind_leaked_waits)
     # Advice we follow on purpose (group sizes that are not powers of 2; request vs matchmaking
