@@ -7,7 +7,7 @@ import contextlib
 
 import pytest
 
-from peer.net.flow.streams import UNRESOLVED, HostBook, StreamGuard, host_key
+from peer.net.flow.streams import HOST_LISTING_PERIOD, UNRESOLVED, HostBook, StreamGuard, host_key
 
 
 def test_a_host_is_an_ipv4_address_or_an_ipv6_64_and_relayed_or_loopback_peers_have_none():
@@ -86,3 +86,38 @@ def test_strangers_from_many_hosts_leave_the_partners_their_reserved_streams():
 def test_the_reserve_must_leave_room_for_strangers():
     with pytest.raises(ValueError, match="reserved"):
         StreamGuard(per_peer=4, total=16, reserved=16)
+
+
+def test_the_book_lists_the_daemons_connections_once_at_a_time_and_not_more_often_than_its_period():
+    class Daemon:  # (hivemind's P2P: list_peers is all the book asks of it)
+        def __init__(self) -> None:
+            self.calls, self.answer = 0, asyncio.Event()
+
+        async def list_peers(self):
+            self.calls += 1
+            await self.answer.wait()
+            return [type("Info", (), {"peer_id": "A", "addrs": ["/ip4/203.0.113.7/tcp/4001"]})()]
+
+    async def until(cond) -> bool:  # (the listing runs as a task: a few turns of the loop)
+        for _ in range(200):
+            if cond():
+                return True
+            await asyncio.sleep(0.005)
+        return cond()
+
+    async def run() -> None:
+        book, daemon = HostBook(), Daemon()
+        for _ in range(3):  # a burst of unlisted peers: one listing
+            book.list_soon(daemon, timeout=5)
+        assert await until(lambda: daemon.calls == 1) and book.host("A") == UNRESOLVED
+        book.list_soon(daemon, timeout=5)  # one still running: none more
+        daemon.answer.set()
+        assert await until(lambda: book.host("A") == "203.0.113.7")
+        book.list_soon(daemon, timeout=5)  # within the period of the last: none
+        await asyncio.sleep(HOST_LISTING_PERIOD / 2)
+        assert daemon.calls == 1
+        await asyncio.sleep(HOST_LISTING_PERIOD / 2)
+        book.list_soon(daemon, timeout=5)
+        assert await until(lambda: daemon.calls == 2)
+
+    asyncio.run(run())

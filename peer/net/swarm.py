@@ -13,7 +13,6 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-import time
 from typing import Callable, Optional
 
 import torch
@@ -49,7 +48,6 @@ from peer.util import Stopped, result_or_stop
 
 log = logging.getLogger(__name__)
 
-HOST_LISTING_PERIOD = 0.5  # seconds between two listings of the daemon's connections (per-host stream budgets)
 
 
 def swarm_key(run_id: str, run_hash: str, codec: str) -> str:
@@ -96,7 +94,6 @@ class Swarm:
         # which host each remote peer connects from (its streams count in its host's budget); listed by the daemon
         self.hosts = HostBook()
         # (when the last listing started, its task): one at a time, two a second
-        self._hosts_listed: tuple[float, Optional[asyncio.Task]] = (0.0, None)
         # who we see: live records, vouched speeds, partners, known peers (peer/net/view/roster.py; fed by the
         # heartbeat)
         self.roster = Roster(ttl=cfg.progress_ttl, exclusions=self.exclusions, admitted=self.admission.admitted)
@@ -171,19 +168,9 @@ class Swarm:
                         "it reduces no span and serves no state); forward the port or pass --client-mode", why)
 
     def _list_hosts(self) -> None:
-        """(swarm-net loop) Has ``hosts`` learn the daemon's open connections soon: a stream came from a peer whose
-        host is not known yet. One listing at a time, at most two a second."""
-        started, task = self._hosts_listed
-        if (task is None or task.done()) and time.monotonic() - started >= HOST_LISTING_PERIOD:
-            self._hosts_listed = (time.monotonic(), asyncio.get_running_loop().create_task(self._learn_hosts()))
-
-    async def _learn_hosts(self) -> None:
-        try:
-            infos = await asyncio.wait_for(self.p2p.list_peers(), self.cfg.request_timeout)
-        except Exception as e:  # (a slow daemon: the peers stay unresolved, sharing one budget, until the next)
-            log.debug("could not list the daemon's connections: %s: %s", type(e).__name__, e)
-            return
-        self.hosts.learn((str(info.peer_id), [str(a) for a in info.addrs]) for info in infos)
+        """(swarm-net loop) A stream came from a peer whose host is not known yet: ``hosts`` lists the daemon's
+        connections soon."""
+        self.hosts.list_soon(self.p2p, self.cfg.request_timeout)
 
     def shutdown(self) -> None:
         """Withdraws our progress record, stops the event loop thread and the DHT. Idempotent."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import Counter
 from typing import AsyncIterator, Callable, Iterable, Iterator, Optional, TypeVar
 
@@ -71,6 +72,7 @@ def cap_frame_size(limit: int) -> None:
 
 UNRESOLVED = "(unresolved)"  # the host key of peers whose connection the daemon has not listed to us yet
 MAX_HOSTS_KNOWN = 4096  # peers whose host is remembered
+HOST_LISTING_PERIOD = 0.5  # seconds between two listings of the daemon's connections
 
 
 def host_key(addrs: Iterable[str]) -> Optional[str]:
@@ -94,11 +96,12 @@ def host_key(addrs: Iterable[str]) -> Optional[str]:
 class HostBook:
     """Which host each remote peer connects from (:func:`host_key`), as the P2P daemon lists its connections
     (:meth:`learn`). A peer not listed yet is :data:`UNRESOLVED`: such peers share one budget until the next
-    listing, so fresh identities gain nothing by being fresh. Used from the handlers' event loop only: written by
-    :meth:`learn` (the swarm's listing task, ``Swarm._learn_hosts``), read by the stream guard."""
+    listing, so fresh identities gain nothing by being fresh. Used from one event loop only (the handlers' that
+    read it): written by :meth:`learn`, from the listing that :meth:`list_soon` starts there."""
 
     def __init__(self) -> None:
         self._hosts: dict[str, Optional[str]] = {}
+        self._listing: tuple[float, Optional[asyncio.Task]] = (float("-inf"), None)
 
     def host(self, peer: str) -> Optional[str]:
         return self._hosts.get(peer, UNRESOLVED)
@@ -107,6 +110,22 @@ class HostBook:
         """Replaces what is known with the daemon's list of open connections, (peer id, its addresses)."""
         hosts = {peer: host_key(addrs) for peer, addrs in connections}
         self._hosts = dict(list(hosts.items())[:MAX_HOSTS_KNOWN])
+
+    def list_soon(self, p2p: P2P, timeout: float) -> None:
+        """Has the book learn ``p2p``'s daemon's open connections soon (a peer not listed yet came): one listing at a
+        time, at most one per :data:`HOST_LISTING_PERIOD`, each within ``timeout``; a task of the running event loop,
+        which owns it. Must be called in the event loop that owns ``p2p``."""
+        started, task = self._listing
+        if (task is None or task.done()) and time.monotonic() - started >= HOST_LISTING_PERIOD:
+            self._listing = (time.monotonic(), asyncio.get_running_loop().create_task(self._list(p2p, timeout)))
+
+    async def _list(self, p2p: P2P, timeout: float) -> None:
+        try:
+            infos = await asyncio.wait_for(p2p.list_peers(), timeout)
+        except Exception as e:  # (a slow daemon: the peers stay unresolved, sharing one budget, until the next)
+            log.debug("could not list the daemon's connections: %s: %s", type(e).__name__, e)
+            return
+        self.learn((str(info.peer_id), [str(a) for a in info.addrs]) for info in infos)
 
 
 class StreamGuard:
