@@ -1,6 +1,7 @@
 """What a DHT node keeps for others is bounded (peer/net/plumbing/dht_storage.py): the storage alone, and a real
 node."""
 
+import contextlib
 import time
 
 from hivemind.dht.protocol import DHTProtocol
@@ -9,7 +10,8 @@ from hivemind.dht.validation import CompositeValidator, DHTRecord, RecordValidat
 from hivemind.utils import get_dht_time
 
 from helpers import dht_nodes
-from peer.net.plumbing.dht_storage import BOUNDS, BoundedStorage, SizeGate, StorageBounds
+from peer.net.plumbing import dht_storage
+from peer.net.plumbing.dht_storage import BOUNDS, STORER, BoundedStorage, SizeGate, StorageBounds
 from peer.net.trust.records import MAX_FRAGMENTS, MAX_PASS_CHARS, MAX_PAST, ProgressRecord
 
 SMALL = StorageBounds(max_value_bytes=1000, max_horizon=60.0, max_keys=4, max_subkeys=3, max_key_bytes=5000,
@@ -132,3 +134,74 @@ def test_a_real_node_keeps_no_value_past_its_bounds(tmp_path):
         for node in (a, b):
             assert node.get("big") is None and node.get("forever") is None
             assert node.get("fine").value == b"x" * 1000
+
+
+QUOTA = StorageBounds(max_value_bytes=1000, max_horizon=60.0, max_keys=100, max_subkeys=100, max_key_bytes=100_000,
+                      max_bytes=100_000, max_peer_bytes=3 * (1000 + 64), max_host_bytes=5 * (1000 + 64))
+
+
+@contextlib.contextmanager
+def storing_for(peer: str, host=None):
+    token = STORER.set((peer, host))
+    try:
+        yield
+    finally:
+        STORER.reset(token)
+
+
+def test_another_node_holds_no_more_than_its_share_and_its_host_no_more_than_its_own():
+    """One node's stores stop at max_peer_bytes (new keys, new subkeys); replacing what it holds still works; other
+    nodes, and our own stores, are not held back. The nodes of one host stop together at max_host_bytes; loopback
+    and relayed nodes (host None) count one by one."""
+    s, soon = BoundedStorage(bounds=QUOTA), get_dht_time() + 30
+    with storing_for("sybil1", "10.0.0.9"):
+        assert [s.store(key(i), b"x" * 1000, soon) for i in range(4)] == [True, True, True, False]
+        assert not s.store(key(9), b"x" * 10, soon, subkey=b"more")
+        assert s.store(key(0), b"y" * 1000, soon + 1)  # its own entry replaced: no more held than before
+        assert s.held_for("sybil1") == 3 * (1000 + 64)
+    with storing_for("sybil2", "10.0.0.9"):
+        assert [s.store(key(10 + i), b"x" * 1000, soon) for i in range(3)] == [True, True, False]  # the host's 5
+    with storing_for("honest", "10.0.0.1"):
+        assert s.store(key(20), b"x" * 1000, soon)
+    with storing_for("loopback1", None), storing_for("loopback2", None):  # (the inner one stores)
+        assert [s.store(key(30 + i), b"x" * 1000, soon) for i in range(4)] == [True, True, True, False]
+    with storing_for("loopback1", None):
+        assert s.store(key(40), b"x" * 1000, soon)
+    assert all(s.store(key(50 + i), b"x" * 1000, soon) for i in range(10))  # our own: only the node's bounds
+
+
+def test_what_another_node_stored_frees_its_share_once_gone(monkeypatch):
+    """Entries that expired, or that we replaced with our own, stop counting against the node that stored them
+    (at the next recount: once per PRUNE_PERIOD, here every time)."""
+    monkeypatch.setattr(dht_storage, "PRUNE_PERIOD", 0.0)
+    s, now = BoundedStorage(bounds=QUOTA), get_dht_time()
+    with storing_for("peer", "10.0.0.9"):
+        assert s.store(key(0), b"x" * 1000, now + 0.3)
+        assert s.store(key(1), b"x" * 999, now + 30, subkey=b"a")  # (an entry of 999 + 1 + 64 bytes)
+        assert s.store(key(2), b"x" * 1000, now + 30)
+        assert not s.store(key(3), b"x" * 1000, now + 30)
+    assert s.store(key(2), b"ours", now + 31)  # we replaced its value: no longer its
+    deadline = time.monotonic() + 5
+    while s.get(key(0)) is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with storing_for("peer", "10.0.0.9"):
+        assert s.store(key(3), b"x" * 1000, now + 30) and s.store(key(4), b"x" * 1000, now + 30)
+        assert not s.store(key(5), b"x" * 1000, now + 30)
+        assert s.held_for("peer") == 3 * (1000 + 64)
+
+
+async def _entries_held(_dht, node) -> int:
+    return len(node.protocol.storage.data)
+
+
+def test_a_real_node_keeps_for_another_no_more_than_its_share(tmp_path):
+    """Through two DHT processes on loopback: the storer's node keeps all 30 of its values of 50 KB, the other node
+    (which is told who asks) only what fits the storer's share."""
+    with dht_nodes(2, tmp_path) as (a, b):
+        expires = get_dht_time() + 60
+        for i in range(30):  # (True where every node that was asked kept it)
+            a.store(f"flood{i}", b"x" * 50_000, expires)
+        held = [node.run_coroutine(_entries_held) for node in (a, b)]
+        assert held[0] >= 30
+        assert 0 < held[1] <= BOUNDS.max_peer_bytes // (50_000 + 64), held
+        assert b.store("honest", b"x" * 50_000, expires)  # b's own store, and room for others: untouched

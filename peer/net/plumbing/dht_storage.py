@@ -2,13 +2,12 @@
 
 hivemind's ``DHTLocalStorage`` keeps every record anyone stores, of any size and count, until its writer's expiration.
 :class:`BoundedStorage` takes its place in our DHT processes (:func:`install`, before the node starts) and refuses a
-store (False, as hivemind answers for a stale value) whose
-
-- value is larger than ``max_value_bytes`` (the largest valid progress record is ~51 KB),
-- expiration lies more than ``max_horizon`` seconds ahead (our records live seconds to minutes),
-- key is new while ``max_keys`` keys are held, or subkey is new while its key holds ``max_subkeys``,
-- size would take its key past ``max_key_bytes`` (a key's whole value is one DHT answer: p2pd carries up to 4 MiB),
-- size would take what the node holds past ``max_bytes`` (values and subkeys, as stored).
+store (False, as hivemind answers for a stale value) whose value is larger than ``max_value_bytes`` or expires more
+than ``max_horizon`` s ahead; whose key is new at ``max_keys``, or subkey new at ``max_subkeys``; or whose size
+would take past its bound its key (``max_key_bytes``: a key's whole value is one DHT answer, which p2pd carries up
+to 4 MiB), the node (``max_bytes``), or what the other node that asks holds here (``max_peer_bytes``) and all the
+nodes of its host (``max_host_bytes``: :class:`~peer.net.flow.streams.HostBook`; fresh identities share their
+host's, loopback and relayed nodes count one by one). Our own stores count toward the first four only.
 
 A refused store evicts nothing: a flood cannot push honest records out, only fill the budget for as long as its own
 records live (at most ``max_horizon``); peers refresh their records every beat. The cache has the same bounds.
@@ -17,8 +16,12 @@ records live (at most ``max_horizon``); peers refresh their records every beat. 
 
 from __future__ import annotations
 
+import functools
+import time
+from collections import Counter
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
@@ -26,9 +29,13 @@ from hivemind.p2p.p2p_daemon_bindings.control import DEFAULT_MAX_MSG_SIZE
 from hivemind.utils import get_dht_time
 
 from peer.config.fields import MAX_RECORD_TTL
-from peer.net.plumbing.hivemind_internals import drop_expired, use_dht_storage
+from peer.net.flow.streams import UNRESOLVED, HostBook
+from peer.net.plumbing.hivemind_internals import around_dht_stores, drop_expired, use_dht_storage
 
 ENTRY_OVERHEAD = 64  # bytes counted per stored entry beyond its value and subkey (heap entry, dict slot)
+PRUNE_PERIOD = 1.0  # seconds between two recounts of what other nodes hold here (each walks every such entry)
+# (peer id, host) of the node whose store request this DHT node serves now; None while it stores its own
+STORER: ContextVar[Optional[tuple[str, Optional[str]]]] = ContextVar("dht_storer", default=None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,6 +48,10 @@ class StorageBounds:
     # connections, which carry at most DEFAULT_MAX_MSG_SIZE (4 MiB): a larger key is unreadable (the answer fails)
     max_key_bytes: int = DEFAULT_MAX_MSG_SIZE - 256 * 1024  # (the rest: the answer's headers and peer list)
     max_bytes: int = 64 * 1024 * 1024
+    # An honest peer stores its progress record (<= ~51 KB) and a few small round keys: 512 KiB is ten times that;
+    # 2 MiB serves about 35 peers behind one address (a home, a campus NAT), and 4 hosts' worth fill no key.
+    max_peer_bytes: int = 512 * 1024
+    max_host_bytes: int = 2 * 1024 * 1024
 
 
 BOUNDS = StorageBounds()
@@ -59,14 +70,28 @@ def _key_cost(value: DictionaryDHTValue) -> int:
     return sum(_entry_cost(e.value, sk) for sk, e in value.items())
 
 
+@dataclass(frozen=True)
+class _Charge:
+    """An entry another node stored here: who (its peer id and host) and what it costs."""
+
+    peer: str
+    host: Optional[str]
+    cost: int
+
+
 class BoundedStorage(DHTLocalStorage):
     """``DHTLocalStorage`` that refuses what would pass its :class:`StorageBounds`. Used by one DHT node's event loop
-    (hivemind's protocol), the only writer."""
+    (hivemind's protocol), the only writer; a store serves another node while :data:`STORER` names it."""
 
     def __init__(self, maxsize: Optional[int] = None, *, bounds: StorageBounds = BOUNDS):
         super().__init__(maxsize)
         self.bounds = bounds
         self._sizes: dict[Any, int] = {}  # key -> bytes it held when last stored to (stale-high once entries expire)
+        # (key, subkey) -> who stored it from afar; and their sums, stale-high until a recount (:meth:`_recount`)
+        self._charges: dict[tuple[Any, Any], _Charge] = {}
+        self._by_peer: Counter[str] = Counter()
+        self._by_host: Counter[str] = Counter()
+        self._counted = float("-inf")  # when the last recount ran (time.monotonic())
 
     def used(self) -> int:
         """Bytes held (counted when each key was last stored to)."""
@@ -81,6 +106,8 @@ class BoundedStorage(DHTLocalStorage):
             return False
         ok = super().store(key, value, expiration_time)
         self._account(key)
+        if ok:
+            self._charge(key, None, _entry_cost(value))
         return ok
 
     def store_subkey(self, key, subkey, value, expiration_time) -> bool:
@@ -88,7 +115,13 @@ class BoundedStorage(DHTLocalStorage):
             return False
         ok = super().store_subkey(key, subkey, value, expiration_time)
         self._account(key)
+        if ok:
+            self._charge(key, subkey, _entry_cost(value, subkey))
         return ok
+
+    def held_for(self, peer: str) -> int:
+        """Bytes that ``peer``'s store requests hold here (counted when stored: stale-high until a recount)."""
+        return self._by_peer[peer]
 
     def _admits(self, key, subkey, value, expiration_time: float) -> bool:
         b = self.bounds
@@ -111,7 +144,63 @@ class BoundedStorage(DHTLocalStorage):
             old = 0 if entry is None else _entry_cost(entry.value, subkey)
             if _key_cost(held.value) - old + new > b.max_key_bytes:
                 return False
-        return used - old + new <= b.max_bytes and new <= b.max_key_bytes
+        if not (used - old + new <= b.max_bytes and new <= b.max_key_bytes):
+            return False
+        storer = STORER.get()
+        return storer is None or self._within_quota(key, subkey, storer, new)
+
+    def _within_quota(self, key, subkey, storer: tuple[str, Optional[str]], new: int) -> bool:
+        """Whether ``storer``'s node, and its host's, may hold ``new`` more bytes here (less what the entry it
+        replaces cost them). Over the bound, the sums are recounted first (at most once per PRUNE_PERIOD: each
+        recount walks every entry other nodes stored, and a flood makes many refusals)."""
+        peer, host = storer
+
+        def fits() -> bool:
+            prev = self._charges.get((key, subkey))
+            mine = new - (prev.cost if prev is not None and prev.peer == peer else 0)
+            ours = new - (prev.cost if prev is not None and prev.host == host else 0)
+            return (self._by_peer[peer] + mine <= self.bounds.max_peer_bytes
+                    and (host is None or self._by_host[host] + ours <= self.bounds.max_host_bytes))
+
+        if fits():
+            return True
+        if time.monotonic() - self._counted < PRUNE_PERIOD:
+            return False
+        self._recount()
+        return fits()
+
+    def _recount(self) -> None:
+        """Drops the charges of entries that are gone (expired, or replaced by another kind of value)."""
+        self._counted = time.monotonic()
+        drop_expired(self)
+        for (key, subkey), charge in list(self._charges.items()):
+            held = self.data.get(key)
+            dictionary = held is not None and isinstance(held.value, DictionaryDHTValue)
+            if held is None or (subkey is None) == dictionary or (dictionary and held.value.get(subkey) is None):
+                self._uncharge(key, subkey)
+
+    def _charge(self, key, subkey, cost: int) -> None:
+        """After a store: the entry is the storer's now (ours: nobody's)."""
+        self._uncharge(key, subkey)
+        storer = STORER.get()
+        if storer is not None:
+            peer, host = storer
+            self._charges[(key, subkey)] = _Charge(peer, host, cost)
+            self._by_peer[peer] += cost
+            if host is not None:
+                self._by_host[host] += cost
+
+    def _uncharge(self, key, subkey) -> None:
+        charge = self._charges.pop((key, subkey), None)
+        if charge is None:
+            return
+        self._by_peer[charge.peer] -= charge.cost
+        if self._by_peer[charge.peer] <= 0:
+            del self._by_peer[charge.peer]
+        if charge.host is not None:
+            self._by_host[charge.host] -= charge.cost
+            if self._by_host[charge.host] <= 0:
+                del self._by_host[charge.host]
 
     def _account(self, key) -> None:
         held = self.data.get(key)
@@ -148,7 +237,25 @@ class SizeGate(RecordValidatorBase):
         return isinstance(other, SizeGate)
 
 
-def install() -> None:
+def install(*, list_timeout: float = 5.0) -> None:
     """In the DHT process, before its node starts: hivemind's protocol creates its storage and cache from
-    :class:`BoundedStorage` (it looks the class up in its module when the node starts)."""
+    :class:`BoundedStorage` (it looks the class up in its module when the node starts), and serves other nodes'
+    stores naming them in :data:`STORER` (their hosts from the daemon's connections, listed within
+    ``list_timeout`` s)."""
     use_dht_storage(BoundedStorage)
+    around_dht_stores(lambda rpc_store: _naming_the_storer(rpc_store, HostBook(), list_timeout))
+
+
+def _naming_the_storer(rpc_store: Callable, hosts: HostBook, list_timeout: float) -> Callable:
+    @functools.wraps(rpc_store)  # (hivemind registers a handler by its type hints: the wrapped one's)
+    async def rpc_store_naming_the_storer(protocol, request, context):
+        peer = str(context.remote_id)
+        host = hosts.host(peer)
+        if host == UNRESOLVED:  # (such nodes share one budget until the listing names their hosts)
+            hosts.list_soon(protocol.p2p, list_timeout)
+        token = STORER.set((peer, host))
+        try:
+            return await rpc_store(protocol, request, context)
+        finally:
+            STORER.reset(token)
+    return rpc_store_naming_the_storer

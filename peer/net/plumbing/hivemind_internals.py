@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 PRIVATE = {  # module: the private names the functions below use
     "hivemind.dht.dht": ["DHT._inner_pipe", "DHT._outer_pipe", "DHT.kwargs"],
     "hivemind.p2p.p2p_daemon": ["P2P._client", "P2P.receive_raw_data", "P2P.FORCE_REACHABILITY_MAPPING"],
-    "hivemind.dht.protocol": ["DHTLocalStorage", "DHTProtocol.record_validator", "DHTProtocol.authorizer"],
+    "hivemind.dht.protocol": ["DHTLocalStorage", "DHTProtocol.record_validator", "DHTProtocol.authorizer",
+                              "DHTProtocol.rpc_store"],
     "hivemind.dht.validation": ["CompositeValidator._validators"],
     "hivemind.utils.crypto": ["RSAPrivateKey._private_key", "RSAPublicKey._public_key"],
     "hivemind.dht.storage": ["DHTLocalStorage._remove_outdated"],
@@ -54,6 +55,18 @@ def add_reachability_mode(name: str, flags: dict) -> None:
     from hivemind.p2p import P2P
 
     P2P.FORCE_REACHABILITY_MAPPING.setdefault(name, dict(flags))
+
+
+def around_dht_stores(wrap: Callable[[Callable], Callable]) -> None:
+    """Makes DHT nodes started from now on in this process serve other nodes' store requests with
+    ``wrap(hivemind's handler)``, a coroutine function of ``(protocol, request, context)``: the storage it calls
+    is not told who asked (``context.remote_id``), and hivemind has no hook for it. Once per process."""
+    from hivemind.dht.protocol import DHTProtocol
+
+    if not getattr(DHTProtocol.rpc_store, "_wrapped", False):
+        wrapped = wrap(DHTProtocol.rpc_store)
+        setattr(wrapped, "_wrapped", True)
+        setattr(DHTProtocol, "rpc_store", wrapped)
 
 
 def use_dht_storage(storage_class: type) -> None:
