@@ -549,13 +549,13 @@ def test_the_state_and_aggregate_an_apply_replaces_are_freed_on_the_worker(state
     p = torch.nn.Parameter(torch.zeros(8))
     eng = StreamingEngine([Fragment(0, ["w"], [p])], settings, Transport(), group_size_hint=lambda: 2,
                           state_on_device=state_on_device)
-    watched: set[int] = set()
+    last: dict[str, weakref.ref] = {}  # (not ids: a freed tensor's id is reused by the next one)
     for step in range(1, 27):
         step_one_param(eng, p, [step])
         for name in ("G", "v"):
             t = getattr(eng.states[0], name)
-            if id(t) not in watched:
-                watched.add(id(t))
+            if name not in last or last[name]() is not t:
+                last[name] = weakref.ref(t)
                 watch(t, name)
     eng.worker.submit(lambda: None).result()  # (its queue, the releases in it included, has run)
     seen = list(freed)  # (not what close frees: the round still in flight)
