@@ -49,7 +49,6 @@ from peer.util import Stopped, result_or_stop
 log = logging.getLogger(__name__)
 
 
-
 def swarm_key(run_id: str, run_hash: str, codec: str) -> str:
     """The prefix of every DHT key of a run (progress records, matchmaking, state): run id, run hash and the wire
     codec's name and version, so peers of different runs or codecs never meet."""
@@ -93,7 +92,6 @@ class Swarm:
             self.admission.learn(access.token)
         # which host each remote peer connects from (its streams count in its host's budget); listed by the daemon
         self.hosts = HostBook()
-        # (when the last listing started, its task): one at a time, two a second
         # who we see: live records, vouched speeds, partners, known peers (peer/net/view/roster.py; fed by the
         # heartbeat)
         self.roster = Roster(ttl=cfg.progress_ttl, exclusions=self.exclusions, admitted=self.admission.admitted)

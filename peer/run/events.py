@@ -130,8 +130,8 @@ def setup_logging(level: str, log_file: Path, peer_label: str) -> None:
     for handler in (logging.StreamHandler(sys.stderr), _ForgivingFileHandler(log_file)):
         handler.setFormatter(fmt)
         root.addHandler(handler)
-    # hivemind logs matchmaking chatter at INFO; numba's compiler dumps bytecode at DEBUG (the codec kernels
-    # load at start: some 700 lines, seconds of a peer's start at --log-level DEBUG)
+    # hivemind logs matchmaking chatter at INFO; numba's compiler dumps bytecode at DEBUG (hundreds of lines while
+    # the codec kernels load at start)
     for noisy in ("hivemind", "asyncio", "numba"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
     logging.getLogger("asyncio").addFilter(_drop_hivemind_leaked_waits)

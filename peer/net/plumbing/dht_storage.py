@@ -7,7 +7,7 @@ than ``max_horizon`` s ahead; whose key is new at ``max_keys``, or subkey new at
 would take past its bound its key (``max_key_bytes``: a key's whole value is one DHT answer, which p2pd carries up
 to 4 MiB), the node (``max_bytes``), or what the other node that asks holds here (``max_peer_bytes``) and all the
 nodes of its host (``max_host_bytes``: :class:`~peer.net.flow.streams.HostBook`; fresh identities share their
-host's, loopback and relayed nodes count one by one). Our own stores count toward the first four only.
+host's, loopback and relayed nodes count one by one). Our own stores count against no peer or host.
 
 A refused store evicts nothing: a flood cannot push honest records out, only fill the budget for as long as its own
 records live (at most ``max_horizon``); peers refresh their records every beat. The cache has the same bounds.
@@ -49,7 +49,7 @@ class StorageBounds:
     max_key_bytes: int = DEFAULT_MAX_MSG_SIZE - 256 * 1024  # (the rest: the answer's headers and peer list)
     max_bytes: int = 64 * 1024 * 1024
     # An honest peer stores its progress record (<= ~51 KB) and a few small round keys: 512 KiB is ten times that;
-    # 2 MiB serves about 35 peers behind one address (a home, a campus NAT), and 4 hosts' worth fill no key.
+    # 2 MiB serves about 35 peers behind one address (a home, a campus NAT), and one host's fills no key.
     max_peer_bytes: int = 512 * 1024
     max_host_bytes: int = 2 * 1024 * 1024
 
