@@ -70,8 +70,9 @@ def test_a_scaled_average_is_implausible_an_honest_one_or_a_small_own_gradient_i
 def test_forged_records_of_peers_that_never_took_part_do_not_move_a_running_peer(tmp_path):
     """Issue 13's forging variants against the consensus rules: made-up peer ids claiming a 'majority' state
     far ahead. A running peer acts only on the records of peers it was in a group with (Swarm.vouched_peers),
-    so it neither skips its round as late nor downloads the forged state; a peer that met no one yet (a
-    joiner) has no such anchor and falls back to every live record (authenticated runs, open)."""
+    so it neither skips its round as late nor downloads the forged state. A peer that met no one yet (a joiner)
+    acts on the records of peers its daemon is connected to, one per host: ids no daemon answers for count for
+    nothing, and the sybils of one host once."""
     from hivemind.utils import ValueWithExpiration
 
     from peer.config import SwarmConfig
@@ -90,10 +91,18 @@ def test_forged_records_of_peers_that_never_took_part_do_not_move_a_running_peer
     swarm = Swarm(SwarmConfig(new_swarm=True), run_key="t", codec="fp32", identity_path=str(tmp_path / "id"))
     swarm.roster.merge(ValueWithExpiration(entries, 1e12), dht_now=100.0, me="M" * 46)
     me = "M" * 46
-    assert set(swarm.vouched_peers()) == set(honest + sybils)  # a joiner: no one vouched yet
     everyone = swarm.live_peers()
-    assert plan_catch_up(everyone, me, [5], ["aa"], joining=False)[0].digest == "ff"  # what the forgery achieved
+    assert set(everyone) == set(honest + sybils)
+    assert plan_catch_up(everyone, me, [5], ["aa"], joining=False)[0].digest == "ff"  # what the forgery achieves
     assert launch_verdict(everyone, me, fragment=0, round_=6, expected_round=5, min_group_size=2) is not None
+    assert swarm.vouched_peers() == {}  # a joiner whose daemon is connected to none of them: no anchor yet
+    swarm.hosts.learn([(honest[0], ["/ip4/10.0.0.1/tcp/1"]), (honest[1], ["/ip4/10.0.0.2/tcp/1"])]
+                      + [(pid, ["/ip4/10.0.0.9/tcp/1"]) for pid in sybils[:2]])  # two sybils with a daemon each
+    joiner = swarm.vouched_peers()
+    assert set(joiner) == {*honest, sybils[0]}  # one per host; the sybils without a daemon not at all
+    assert plan_catch_up(joiner, me, [5], ["aa"], joining=True) == []
+    assert launch_verdict(everyone, me, vouched=joiner, fragment=0, round_=6, expected_round=5,
+                          min_group_size=2) is None
     swarm.roster.met(set(honest))  # we averaged with the two honest peers
     vouched = swarm.vouched_peers()
     assert set(vouched) == set(honest)

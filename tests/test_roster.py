@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from hivemind.utils import ValueWithExpiration
 
+from peer.net.flow.streams import HostBook
 from peer.net.trust.exclusion import Exclusions, Offence
 from peer.net.trust.records import ProgressRecord
 from peer.net.view.roster import Roster
@@ -57,3 +58,19 @@ def test_arrivals_are_the_peers_that_came_into_view_partners_first_and_bounded()
     got = roster.merge(entries(*[ProgressRecord(**{**rec(p).model_dump(), "time": 3.0}) for p in (B, *sybils)]),
                        dht_now=161.0, me=ME)
     assert len(got) == MAX_ARRIVALS and got[0] == B
+
+
+def test_before_any_group_only_connected_peers_anchor_one_per_host_and_ours():
+    """A peer that met no one yet acts on the records of peers its daemon holds a connection with (the host book's
+    listing), one per host (the smallest id), loopback and relayed peers one by one, and on its own; once it was
+    in a group, on its partners'."""
+    E, F = "E" * 46, "F" * 46
+    hosts = HostBook()
+    roster = Roster(ttl=30.0, exclusions=Exclusions(threshold=1), admitted=lambda pid: True, hosts=hosts)
+    roster.merge(entries(*(rec(p) for p in (ME, A, B, C, D, E, F))), dht_now=100.0, me=ME)
+    assert set(roster.vouched_peers()) == {ME}  # nobody listed yet: none of their records anchors
+    hosts.learn([(A, ["/ip4/198.51.100.1/tcp/1"]), (B, ["/ip4/203.0.113.7/tcp/1"]), (C, ["/ip4/203.0.113.7/tcp/2"]),
+                 (D, ["/ip4/127.0.0.1/tcp/3"]), (E, ["/ip4/127.0.0.1/tcp/4"])])  # (F: no daemon answers for it)
+    assert set(roster.vouched_peers()) == {ME, A, B, D, E}
+    roster.met({C})
+    assert set(roster.vouched_peers()) == {C}

@@ -102,15 +102,29 @@ class Heartbeat:
         accept = None if self.admission.open else self.admission.accept_record
         arrived = self.roster.merge(found, dht_now=get_dht_time(), me=self.peer_id, accept=accept)
         self.observe()
-        self._first_read.set()
         others = [pid for pid in self.roster.live_peers() if pid != self.peer_id]
+        if others:
+            if arrived:
+                await self._greet(arrived)
+            await self._list_connections()
+        self._first_read.set()
         log.debug("peer %s: progress read took %.1f s, %d others live", short_id(self.peer_id),
                   time.monotonic() - t0, len(others))
         if not others:
             await self._reconnect()
-        elif arrived:
-            await self._greet(arrived)
         await asyncio.gather(revocations, return_exceptions=True)
+
+    async def _list_connections(self) -> None:
+        """Has the roster's host book list our daemon's connections (whose records anchor a peer that met no one
+        yet: :meth:`Roster.vouched_peers`): before the first read ends, so that the trainer's first decisions have
+        them, and soon after each later one."""
+        hosts = self.roster.hosts
+        if hosts is None:
+            return
+        if self._first_read.is_set():
+            hosts.list_soon(self.p2p, self.cfg.request_timeout)
+        else:
+            await hosts.list_now(self.p2p, self.cfg.request_timeout)
 
     async def _reconnect(self) -> None:
         """We see no other peer: ping the initial peers and the peers we saw before that our DHT node lost

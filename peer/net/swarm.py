@@ -94,7 +94,8 @@ class Swarm:
         self.hosts = HostBook()
         # who we see: live records, vouched speeds, partners, known peers (peer/net/view/roster.py; fed by the
         # heartbeat)
-        self.roster = Roster(ttl=cfg.progress_ttl, exclusions=self.exclusions, admitted=self.admission.admitted)
+        self.roster = Roster(ttl=cfg.progress_ttl, exclusions=self.exclusions, admitted=self.admission.admitted,
+                             hosts=self.hosts)
         self.guard = StreamGuard(per_peer=cfg.max_streams_per_peer, total=cfg.max_streams,  # all our handlers
                                  admitted=self.admission.admitted, per_host=cfg.max_streams_per_host,
                                  hosts=self.hosts, resolve=self._list_hosts, partner=self.roster.partnered,

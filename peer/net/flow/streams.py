@@ -117,9 +117,10 @@ class HostBook:
         which owns it. Must be called in the event loop that owns ``p2p``."""
         started, task = self._listing
         if (task is None or task.done()) and time.monotonic() - started >= HOST_LISTING_PERIOD:
-            self._listing = (time.monotonic(), asyncio.get_running_loop().create_task(self._list(p2p, timeout)))
+            self._listing = (time.monotonic(), asyncio.get_running_loop().create_task(self.list_now(p2p, timeout)))
 
-    async def _list(self, p2p: P2P, timeout: float) -> None:
+    async def list_now(self, p2p: P2P, timeout: float) -> None:
+        """Learns ``p2p``'s daemon's open connections, within ``timeout`` (a listing that fails changes nothing)."""
         try:
             infos = await asyncio.wait_for(p2p.list_peers(), timeout)
         except Exception as e:  # (a slow daemon: the peers stay unresolved, sharing one budget, until the next)

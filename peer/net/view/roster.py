@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
+from peer.net.flow.streams import UNRESOLVED, HostBook
 from peer.net.policy.agreement import partners
 from peer.net.trust.exclusion import Exclusions
 from peer.net.trust.progress import LiveView, SpeedLedger
@@ -37,7 +38,7 @@ class Roster:
     Written by the heartbeat (:meth:`merge`) and the round's lessons (:meth:`met`), both in the networking thread."""
 
     def __init__(self, *, ttl: float, exclusions: Exclusions, admitted: Callable[[str], bool],
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, hosts: Optional[HostBook] = None):
         self.view = LiveView(ttl)  # everyone's records, merged by the heartbeat
         self.speeds = SpeedLedger()  # the speeds their records vouch for (the robust rule's caps)
         self.exclusions, self.admitted = exclusions, admitted
@@ -45,6 +46,8 @@ class Roster:
         self._partners: dict[str, float] = {}  # peer id -> when we last were in a group with it
         self._in_view: frozenset[str] = frozenset()  # the other live peers at the last merge
         self._clock = clock
+        self.hosts = hosts  # whom our daemon holds connections with, and their hosts (None: every record anchors)
+        self._me = ""  # our own id (the merges say it)
 
     def merge(self, found, *, dht_now: float, me: str,
               accept: Optional[Callable[[bytes, ProgressRecord], bool]] = None) -> list[str]:
@@ -54,7 +57,7 @@ class Roster:
         after its link was down), at most MAX_ARRIVALS, our partners first. The caller dials them: a peer
         whose link was down has its own dials to us refused by libp2p's dial backoff for a while after its
         link returns, while ours to it, stopped since its record expired, are not."""
-        now = self._clock()
+        now, self._me = self._clock(), me
         if found is not None:
             self.view.merge(found, dht_now=dht_now, local_now=now, accept=accept)
             self.speeds.observe(self.view.live(now), now)
@@ -81,17 +84,37 @@ class Roster:
     def vouched_peers(self) -> dict[str, ProgressRecord]:
         """The live records the consensus rules may act on (the swarm's state to adopt, whether a round is late,
         where the swarm's step is): those of the peers we were in a group with within ``KNOWN_PEER_TTL``, when
-        any of them is live; otherwise every live record (a peer that has met no one yet, e.g. a joiner).
+        any of them is live; otherwise (a peer that has met no one yet: a joiner, or every peer of a new swarm)
+        those of the peers our daemon holds a connection with, one per host (:meth:`anchored`), and ours.
 
         A record is self-declared: one peer can publish records under many made-up ids (sybils), each claiming
         a "majority" state or a round far ahead. Only peers that took part in our rounds count, so such claims
-        cannot be manufactured without joining rounds (and being clipped and excluded there). A joiner has no
-        such anchor: in an open run it trusts the records it finds; in an authenticated run every record
-        carries a pass. (Whom a round waits for is :mod:`peer.net.view.attendance`'s call: a newcomer has met no one,
-        and a group that never waited for it would rarely let it in.)"""
+        cannot be manufactured without joining rounds (and being clipped and excluded there). Before any round,
+        a record of an id no daemon answers for counts for nothing, and the ids of one host count once: ninety
+        records of made-up ids claiming round 2^40 held every honest peer of a new open swarm `behind`, each
+        round, downloading from donors that did not exist. (Whom a round waits for is
+        :mod:`peer.net.view.attendance`'s call: a newcomer has met no one, and a group that never waited for it
+        would rarely let it in.)"""
         live = self.live_peers()
         vouched = {pid: live[pid] for pid in partners(live, self.partnered)}
-        return vouched or live
+        return vouched or self.anchored(live)
+
+    def anchored(self, live: dict[str, ProgressRecord]) -> dict[str, ProgressRecord]:
+        """Of ``live``: ours, and those of peers our daemon holds a connection with (``hosts``' last listing), at
+        most one per host (the smallest id; loopback and relayed peers one by one). Every record without
+        ``hosts``."""
+        if self.hosts is None:
+            return live
+        out, hosts_seen = {}, set()
+        for pid in sorted(live):
+            host = self.hosts.host(pid)
+            if pid != self._me:
+                if host == UNRESOLVED or host in hosts_seen:
+                    continue
+                if host is not None:
+                    hosts_seen.add(host)
+            out[pid] = live[pid]
+        return out
 
     def partnered(self, peer: str) -> bool:
         """Whether we were in a group with ``peer`` within ``KNOWN_PEER_TTL`` (else it is a stranger to us)."""
