@@ -20,6 +20,8 @@ ATTACK is one of:
   ``HOG_STREAMS`` streams each to every peer this one is connected to (the reduce and download handlers in
   turn), send nothing, hold them, and open new ones as the peers close them (issue 28's exhaustion);
 - ``record_flood``: stores ``FLOOD_RECORDS`` records of 1 MiB each under the run's progress key at every beat.
+- ``key_fill``: stores ``FILL_SYBILS`` valid progress records of sybils (each self-certifying, its lists at their
+  bounds: ~45 KB) under the run's progress key at every beat, more than a key holds (3.75 MiB), from its one DHT node.
 
 Every forged thing is logged on this process's console ("HOSTILE: ..."), so a bench can count it. Not part
 of the product: it imports it and patches it in this process only.
@@ -41,6 +43,7 @@ log = logging.getLogger("hostile")
 SYBILS = 6
 HOG_IDENTITIES, HOG_STREAMS = 34, 16  # issue 28: 34 identities, each up to the per-peer stream budget
 FLOOD_RECORDS, FLOOD_BYTES = 40, 1 << 20
+FILL_SYBILS = 90  # x ~45 KB: past the 3.75 MiB a progress key holds
 
 
 def lying_reducer() -> None:
@@ -262,8 +265,28 @@ def record_flood() -> None:
     _rewrite_records(flood)
 
 
+def key_fill() -> None:
+    """Sybils whose valid records, as large as a record may be, fill the progress key for everyone: honest records
+    that grow (or newcomers') find no room there (issue 28's growth under a flood)."""
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from peer.net.trust.auth import peer_id_of
+    from peer.net.trust.records import MAX_FRAGMENTS, MAX_PAST
+
+    keys = [RSAPrivateKey() for _ in range(FILL_SYBILS)]
+    _sign_for(keys)
+    ids = [peer_id_of(key.get_public_key()) for key in keys]
+    subkeys = [b"[owner:" + key.get_public_key().to_bytes() + b"]" for key in keys]
+    big, digest = 1 << 40, "f" * 64
+    padding = {"rounds": [big] * MAX_FRAGMENTS, "digests": [digest] * MAX_FRAGMENTS,
+               "past": [(big, big, digest)] * MAX_PAST, "seeking": [[big, big]] * 64, "averaging": [[big, big]] * 64}
+    log.warning("HOSTILE: %d sybil records with their lists full at every beat", FILL_SYBILS)
+    _rewrite_records(lambda rec: [(None, rec)] + [(sub, {**rec, **padding, "peer_id": pid})
+                                                  for sub, pid in zip(subkeys, ids)])
+
+
 ATTACKS = {f.__name__: f for f in (lying_reducer, round_breaker, sybil_majority, far_ahead, forged_donor,
-                                   shadowing, stream_hog, record_flood)}
+                                   shadowing, stream_hog, record_flood, key_fill)}
 
 
 def main() -> int:

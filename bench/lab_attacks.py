@@ -1,12 +1,13 @@
 """Attacks on a peer's resources from a host of the attacker's own (issue 28), in a netns lab (tests/netns.py).
 
-    .venv/bin/python bench/lab_attacks.py                    # clean, stream_hog, record_flood: ~5 min, as root
+    .venv/bin/python bench/lab_attacks.py                    # every attack below: ~8 min, as root
     .venv/bin/python bench/lab_attacks.py --attacks stream_hog
 
 Host 0 runs the bootstrap node, hosts 1..``--honest`` the honest peers, the last host one more peer: honest in
 ``clean``, none in ``absent`` (what an attacker whose own rounds fail costs: its data), bench/hostile_peer.py
 otherwise (``stream_hog``: 34 more identities on its host holding streams;
-``record_flood``: 40 records of 1 MiB at every beat). Each peer listens on its own host's address, so the
+``record_flood``: 40 records of 1 MiB at every beat; ``key_fill``: 90 valid sybil records of ~45 KB, past what a
+key holds). Each peer listens on its own host's address, so the
 per-host stream budget (``swarm.max_streams_per_host``) sees the attacker's identities as one host, as it would
 on the internet; on loopback every peer counts alone. The settings of bench/swarm_attacks.py (tiny preset,
 seq 32 x batch 4, H = 20, 2 fragments), ``--steps`` steps (400).
@@ -40,7 +41,7 @@ from netns import NetnsLab, netns_available, start_lab_swarm  # noqa: E402
 from swarm_attacks import ce_columns, final_ce, run_attacks  # noqa: E402
 from test_swarm import FAST, wait_exit  # noqa: E402
 
-ATTACKS = ["clean", "absent", "stream_hog", "record_flood"]
+ATTACKS = ["clean", "absent", "stream_hog", "record_flood", "key_fill"]
 PAGE = os.sysconf("SC_PAGE_SIZE")
 TICK = os.sysconf("SC_CLK_TCK")
 
