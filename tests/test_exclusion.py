@@ -96,10 +96,12 @@ def test_forged_records_of_peers_that_never_took_part_do_not_move_a_running_peer
     assert plan_catch_up(everyone, me, [5], ["aa"], joining=False)[0].digest == "ff"  # what the forgery achieves
     assert launch_verdict(everyone, me, fragment=0, round_=6, expected_round=5, min_group_size=2) is not None
     assert swarm.vouched_peers() == {}  # a joiner whose daemon is connected to none of them: no anchor yet
+    assert swarm.roster.meetable(everyone) == {}  # ... nor anyone a round waits for (Swarm.invited)
     swarm.hosts.learn([(honest[0], ["/ip4/10.0.0.1/tcp/1"]), (honest[1], ["/ip4/10.0.0.2/tcp/1"])]
                       + [(pid, ["/ip4/10.0.0.9/tcp/1"]) for pid in sybils[:2]])  # two sybils with a daemon each
     joiner = swarm.vouched_peers()
     assert set(joiner) == {*honest, sybils[0]}  # one per host; the sybils without a daemon not at all
+    assert set(swarm.roster.meetable(everyone)) == {*honest, sybils[0]}
     assert plan_catch_up(joiner, me, [5], ["aa"], joining=True) == []
     assert launch_verdict(everyone, me, vouched=joiner, fragment=0, round_=6, expected_round=5,
                           min_group_size=2) is None

@@ -74,3 +74,5 @@ def test_before_any_group_only_connected_peers_anchor_one_per_host_and_ours():
     assert set(roster.vouched_peers()) == {ME, A, B, D, E}
     roster.met({C})
     assert set(roster.vouched_peers()) == {C}
+    # whom a round may wait for: partners, and the anchored others (F, whose id no daemon answers for, never)
+    assert set(roster.meetable(roster.live_peers())) == {ME, A, B, C, D, E}

@@ -328,10 +328,10 @@ class Swarm:
         return self.roster.speeds.vouched(peer, now)
 
     def invited(self, here: tuple[int, int]) -> frozenset[str]:
-        """Whom round ``here`` waits for now (:meth:`Attendance.expected`; the round hands its last answer back in
-        its lesson)."""
-        return self.attendance.expected(self.live_peers(), self.peer_id, self.ours.applied_rounds(),
-                                        self.roster.partnered, here=here)
+        """Whom round ``here`` waits for now (:meth:`Attendance.expected`, of :meth:`Roster.meetable`: a record no
+        daemon answers for is not waited for); the round hands its last answer back in its lesson."""
+        return self.attendance.expected(self.roster.meetable(self.live_peers()), self.peer_id,
+                                        self.ours.applied_rounds(), self.roster.partnered, here=here)
 
     def quorum_count(self, invited: frozenset[str]) -> int:
         """The count a round declares (agreement.quorum_count), of the peers it waits for (:meth:`invited`)."""

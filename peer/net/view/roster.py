@@ -116,6 +116,12 @@ class Roster:
             out[pid] = live[pid]
         return out
 
+    def meetable(self, live: dict[str, ProgressRecord]) -> dict[str, ProgressRecord]:
+        """Of ``live``: the records of peers a round may wait for, our partners and the :meth:`anchored` others
+        (ninety made-up ids invited to a new swarm's first round put its quorum out of reach)."""
+        anchored = self.anchored(live)
+        return {pid: rec for pid, rec in live.items() if pid in anchored or self.partnered(pid)}
+
     def partnered(self, peer: str) -> bool:
         """Whether we were in a group with ``peer`` within ``KNOWN_PEER_TTL`` (else it is a stranger to us)."""
         seen = self._partners.get(peer)
