@@ -57,12 +57,19 @@ def assert_same_encode(name: str, x: torch.Tensor) -> None:
 
 
 def assert_same_decode(name: str, msg: codec_pb2.EncodedTensor) -> None:
+    """The kernels' and torch's decodes agree (values or error), into a new tensor and into a given one (filled
+    with NaN first: every element must be written); what decodes is finite (``Codec.decode_flat``'s contract)."""
     fast, ref = _outcome(lambda: FAST[name].decode_flat(msg)), _outcome(lambda: REF[name].decode_flat(msg))
     if isinstance(ref, tuple):
         assert fast == ref
         return
     assert fast.dtype == ref.dtype == torch.float32 and fast.shape == ref.shape
     assert torch.equal(fast.view(torch.int32), ref.view(torch.int32)), name
+    assert torch.isfinite(ref).all(), name
+    for codec in (FAST[name], REF[name]):
+        out = torch.full((msg.numel,), math.nan)
+        assert codec.decode_flat(msg, out=out) is out
+        assert torch.equal(out.view(torch.int32), ref.view(torch.int32)), name
 
 
 # ------------------------------------------------------------------------------------------ encode
@@ -151,6 +158,19 @@ def test_fp8_rounding_at_every_tie():
     x = torch.cat([x, torch.zeros(pad)]).reshape(-1, 63)
     x = torch.cat([torch.full((x.shape[0], 1), 448.0), x], 1).reshape(-1)
     assert_same_encode("fp8", x)
+
+
+def test_bf16_rounding_of_every_upper_half():
+    """Every finite float32 upper half (sign, exponent, 7 mantissa bits) with the lower halves that decide the
+    rounding: zero, just below, at and just above the tie, the largest; near FLT_MAX they round past the bf16 max
+    and saturate. The kernel rounds the magnitude in int32 lanes; torch rounds the value."""
+    upper = torch.arange(0, 1 << 16, dtype=torch.int64)
+    upper = upper[(upper & 0x7F80) != 0x7F80]  # exponent all ones: Inf and NaN, refused by both
+    lower = torch.tensor([0x0000, 0x7FFF, 0x8000, 0x8001, 0xFFFF], dtype=torch.int64)
+    bits = ((upper[:, None] << 16) | lower[None, :]).reshape(-1)
+    x = (bits - ((bits >> 31) << 32)).to(torch.int32).view(torch.float32)  # (as signed int32 bits)
+    assert torch.isfinite(x).all()
+    assert_same_encode("bf16", x)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])

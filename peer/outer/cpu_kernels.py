@@ -99,7 +99,16 @@ def e3m0_encode(xi, n, b0, b1, data, scales):
     """xi: the float32 input's bits (n elements); writes data[32 b:32 b + 32] and scales[b] for b in [b0, b1)."""
     if n > xi.shape[0] or b1 * 32 > data.shape[0] or b1 > scales.shape[0] or b1 > (n + 63) // 64 or b0 < 0:
         return 2
+    return _e3m0_encode_blocks(xi, n, b0, b1, data, scales)
+
+
+@_jit
+def _e3m0_encode_blocks(xi, n, b0, b1, data, scales):
+    """e3m0_encode's loop, sizes checked (in a function of its own: with the checks before it, the loop
+    compiles to code twice as slow). A block's codes go to a local int32 array first: the loop with a
+    narrowing store would not vectorize."""
     un = np.uint64(n)
+    codes = np.zeros(64, np.int32)
     for b in range(np.uint64(b0), np.uint64(b1)):
         base = b * U64
         m = min(U64, un - base)
@@ -109,16 +118,14 @@ def e3m0_encode(xi, n, b0, b1, data, scales):
         s = i2f(amax) / F32_64
         scales[b] = s
         th = _e3m0_thresholds(s)
-        if m == U64:
-            for i in range(U32):
-                lo = _e3m0_code(xi[base + U2 * i], th)
-                hi = _e3m0_code(xi[base + U2 * i + U1], th)
-                data[b * U32 + i] = np.uint8(lo | (hi << np.int32(4)))
+        if m == U64:  # a constant trip count: the loop vectorizes
+            for j in range(U64):
+                codes[j] = _e3m0_code(xi[base + j], th)
         else:  # the tail block: padding encodes as code 0
-            for i in range(U32):
-                lo = _e3m0_code(xi[base + U2 * i], th) if U2 * i < m else np.int32(0)
-                hi = _e3m0_code(xi[base + U2 * i + U1], th) if U2 * i + U1 < m else np.int32(0)
-                data[b * U32 + i] = np.uint8(lo | (hi << np.int32(4)))
+            for j in range(U64):
+                codes[j] = _e3m0_code(xi[base + j], th) if j < m else np.int32(0)
+        for i in range(U32):
+            data[b * U32 + i] = np.uint8(codes[U2 * i] | (codes[U2 * i + U1] << np.int32(4)))
     return 0
 
 
@@ -154,15 +161,15 @@ def e3m0_decode(data, scales, out, n, b0, b1):
 
 @_jit
 def _to_e4m3fn(f):
-    """float32 (|f| <= 448) -> e4m3fn byte, round to nearest even: c10's fp8e4m3fn_from_fp32_value in int32
-    (no NaN branch: |f| <= 448), both cases computed and one selected, so the loops vectorize."""
+    """float32 (|f| <= 448) -> e4m3fn byte (as an int32), round to nearest even: c10's fp8e4m3fn_from_fp32_value
+    in int32 (no NaN branch: |f| <= 448), both cases computed and one selected, so the loops vectorize."""
     v = f2i(f)
     u = np.int32(v & ABS)
     sub = np.int32(f2i(i2f(u) + F32_DENORM) - np.int32(141 << 23))  # the add rounds |f| to a multiple of 2^-9
     odd = np.int32((u >> np.int32(20)) & np.int32(1))
     normal = np.int32(np.int32(np.int32(u + np.int32(((7 - 127) << 23) + 0x7FFFF)) + odd) >> np.int32(20))
     r = sub if u < np.int32(121 << 23) else normal
-    return np.uint8(np.int32(r | np.int32((v >> np.int32(24)) & np.int32(0x80))))
+    return np.int32(r | np.int32((v >> np.int32(24)) & np.int32(0x80)))
 
 
 @_jit
@@ -171,7 +178,14 @@ def fp8_encode(xf, xi, n, b0, b1, data, scales):
     if n > xf.shape[0] or n > xi.shape[0] or b1 * 64 > data.shape[0] or b1 > scales.shape[0] \
             or b1 > (n + 63) // 64 or b0 < 0:
         return 2
+    return _fp8_encode_blocks(xf, xi, n, b0, b1, data, scales)
+
+
+@_jit
+def _fp8_encode_blocks(xf, xi, n, b0, b1, data, scales):
+    """fp8_encode's loop, sizes checked (apart, and codes staged in int32, as in :func:`_e3m0_encode_blocks`)."""
     un = np.uint64(n)
+    codes = np.zeros(64, np.int32)
     for b in range(np.uint64(b0), np.uint64(b1)):
         base = b * U64
         m = min(U64, un - base)
@@ -185,12 +199,14 @@ def fp8_encode(xf, xi, n, b0, b1, data, scales):
         d = s if s > 0 else F32_ONE
         if m == U64:  # a constant trip count: the loop vectorizes
             for j in range(U64):
-                data[base + j] = _to_e4m3fn(min(max(xf[base + j] / d, -F32_448), F32_448))
+                codes[j] = _to_e4m3fn(min(max(xf[base + j] / d, -F32_448), F32_448))
         else:
             for j in range(m):
-                data[base + j] = _to_e4m3fn(min(max(xf[base + j] / d, -F32_448), F32_448))
+                codes[j] = _to_e4m3fn(min(max(xf[base + j] / d, -F32_448), F32_448))
             for j in range(m, U64):
-                data[base + j] = 0
+                codes[j] = 0
+        for j in range(U64):
+            data[base + j] = np.uint8(codes[j])
     return 0
 
 
@@ -230,17 +246,20 @@ def fp8_decode(codes, scales, out, n, b0, b1):
 
 @_jit
 def bf16_encode(xi, i0, i1, out):
-    """float32 bits -> bfloat16 bits, round to nearest even; finite values that round to Inf saturate."""
+    """float32 bits -> bfloat16 bits, round to nearest even; finite values that round to Inf saturate. Rounds the
+    magnitude in int32 lanes (|x| + 0x7FFF + lsb does not overflow for a finite |x|; a NaN's result is dropped,
+    the flag raised) and puts the sign back after."""
     if i1 > xi.shape[0] or i1 > out.shape[0] or i0 < 0:
         return 2
     peak = np.int32(0)
     for i in range(np.uint64(i0), np.uint64(i1)):
         v = xi[i]
-        peak = max(peak, v & ABS)
-        u = np.int64(v) & 0xFFFFFFFF
-        r = (u + (((u >> 16) & 1) + 0x7FFF)) >> 16
-        r = (r & 0x8000) | 0x7F7F if (r & 0x7FFF) >= 0x7F80 else r
-        out[i] = np.uint16(r & 0xFFFF)
+        a = v & ABS
+        peak = max(peak, a)
+        r = np.int32(np.int32(a + np.int32(np.int32(np.int32(a >> np.int32(16)) & np.int32(1)) + np.int32(0x7FFF)))
+                     >> np.int32(16))
+        r = min(r, np.int32(0x7F7F))  # past the bf16 max: saturate
+        out[i] = np.uint16(r | np.int32(np.int32(v >> np.int32(16)) & np.int32(0x8000)))
     return np.int32(peak >= INF_BITS)
 
 
