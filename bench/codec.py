@@ -83,9 +83,7 @@ def main(argv=None) -> None:
             return decode(msg, device=device)
         codec, out, filled = get_codec(msg[0][1].codec), torch.empty(args.numel), 0
         for off, piece in msg:  # as the reducer and run_allreduce read a stream
-            values = decode_piece(codec, piece, off, filled, args.numel)
-            out[filled:filled + values.numel()] = values
-            filled += values.numel()
+            filled += decode_piece(codec, piece, off, filled, out)
         return out
 
     msgs = {name: enc(name) for name in names}

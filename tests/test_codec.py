@@ -12,8 +12,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from peer.outer.codec import (CODECS, CodecError, E3M0Codec, all_finite, codec_key, decode, encode, get_codec,
-                              make_codec, roundtrip)
+from peer.outer.codec import (CODECS, CodecError, E3M0Codec, all_finite, codec_key, decode, encode, encode_span,
+                              get_codec, make_codec, roundtrip)
 from peer.outer.e3m0 import e3m0_byte_table, e3m0_code_values, e3m0_reference_codes
 from peer.outer.state import ErrorFeedback
 from peer.proto import codec_pb2
@@ -448,6 +448,34 @@ def test_decode_is_deterministic(name):
     b = decode(codec_pb2.EncodedTensor.FromString(raw))
     assert torch.equal(a.view(torch.int32), b.view(torch.int32))
     assert encode(a, name).SerializeToString() == encode(b, name).SerializeToString()
+
+
+@pytest.mark.parametrize("name", ALL + SPARSE)
+def test_a_span_encodes_to_the_messages_of_its_pieces(name):
+    """encode_span (several threads on the CPU) gives each piece's own encoding, in order, the tail included; a
+    stochastic codec encodes its pieces one after the other, drawing as a loop over them would."""
+    torch.manual_seed(8)
+    x = torch.randn(9 * 4096 + 70) * 5
+    step = 2 * 4096
+    want = [get_codec(name).encode_flat(x[o:o + step]).SerializeToString() for o in range(0, x.numel(), step)]
+    assert [m.SerializeToString() for m in encode_span(get_codec(name), x, step)] == want
+    if name == "e3m0":
+        def stochastic():
+            return make_codec("e3m0", stochastic_rounding=True, generator=torch.Generator().manual_seed(3))
+        seq = stochastic()
+        want = [seq.encode_flat(x[o:o + step]).SerializeToString() for o in range(0, x.numel(), step)]
+        assert [m.SerializeToString() for m in encode_span(stochastic(), x, step)] == want
+
+
+@pytest.mark.parametrize("name", ALL + SPARSE)
+def test_decoding_into_a_buffer_checks_it_first(name):
+    msg = encode(torch.randn(300), name)
+    for bad in (torch.empty(299), torch.empty(300, dtype=torch.float64), torch.empty(600)[::2]):
+        with pytest.raises(ValueError, match="out must be"):
+            get_codec(name).decode_flat(msg, out=bad)
+    out = torch.empty(300)
+    assert get_codec(name).decode_flat(msg, out=out) is out
+    assert torch.equal(out, decode(msg))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

@@ -29,11 +29,11 @@ from peer.outer.e3m0 import E3M0Codec
 from peer.outer.topk import TOPK_KS, TopKCodec
 from peer.outer.wire import (_BF16_MAX, _FLT_MAX, _LITTLE, _Blocks, Codec, CodecError, _check_float, _check_scales,
                              _default_chunk, _host_buffer, _le_f32, _le_f32_bytes, _nonfinite_error, _read, _scratch,
-                             _to_bytes, all_finite)
+                             _to_bytes, all_finite, check_out, into)
 from peer.proto import codec_pb2
 
 __all__ = ["CODECS", "SPARSE_CODECS", "Codec", "CodecError", "CodecLike", "E3M0Codec", "all_finite", "codec_key",
-           "decode", "encode", "get_codec", "make_codec", "roundtrip"]
+           "decode", "encode", "encode_span", "get_codec", "make_codec", "roundtrip"]
 
 
 def _on_cpu(device: Optional[torch.device]) -> bool:
@@ -56,12 +56,14 @@ class Fp32Codec:
         return codec_pb2.EncodedTensor(codec=self.name, codec_version=self.version, numel=flat.numel(),
                                        data=_le_f32_bytes(data))
 
-    def decode_flat(self, msg: codec_pb2.EncodedTensor, device: Optional[torch.device] = None) -> torch.Tensor:
+    def decode_flat(self, msg: codec_pb2.EncodedTensor, device: Optional[torch.device] = None,
+                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
         data, _ = _read(msg, self, block_size=0, data_len=4 * msg.numel, n_scales=0)
-        out = _le_f32(data).clone()  # our own writable copy
-        if not all_finite(out):
+        dest = check_out(out, msg.numel)
+        values = into(_le_f32(data), dest) if dest is not None else _le_f32(data).clone()  # (our own copy)
+        if not all_finite(values):
             raise CodecError("fp32 piece has non-finite values")
-        return out.to(device) if device is not None else out
+        return values if dest is not None or device is None else values.to(device)
 
 
 # ------------------------------------------------------------------------------------------ bf16
@@ -100,9 +102,13 @@ class Bf16Codec:
         data = bits.numpy().astype("<i2", copy=False).tobytes()
         return codec_pb2.EncodedTensor(codec=self.name, codec_version=self.version, numel=n, data=data)
 
-    def decode_flat(self, msg: codec_pb2.EncodedTensor, device: Optional[torch.device] = None) -> torch.Tensor:
+    def decode_flat(self, msg: codec_pb2.EncodedTensor, device: Optional[torch.device] = None,
+                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
         data, _ = _read(msg, self, block_size=0, data_len=2 * msg.numel, n_scales=0)
-        fast = cpu_path.bf16_decode(data, msg.numel) if self.cpu_kernels and _on_cpu(device) else None
+        out = check_out(out, msg.numel)
+        if out is not None:
+            device = None
+        fast = cpu_path.bf16_decode(data, msg.numel, out) if self.cpu_kernels and _on_cpu(device) else None
         if fast is not None:
             return fast
         if _LITTLE:
@@ -113,7 +119,7 @@ class Bf16Codec:
             bits = bits.to(device)
         if bits.numel() and int((bits & 0x7FFF).amax()) >= 0x7F80:  # exponent all ones: Inf/NaN
             raise CodecError("bf16 piece has non-finite values")
-        return bits.view(torch.bfloat16).to(torch.float32)
+        return into(bits.view(torch.bfloat16).to(torch.float32), out)
 
 
 # ------------------------------------------------------------------------------------------- fp8
@@ -166,14 +172,16 @@ class Fp8Codec:
                                        block_size=self.block_size, data=_to_bytes(data),
                                        scales=_le_f32_bytes(scales))
 
-    def decode_flat(self, msg: codec_pb2.EncodedTensor, device: Optional[torch.device] = None) -> torch.Tensor:
+    def decode_flat(self, msg: codec_pb2.EncodedTensor, device: Optional[torch.device] = None,
+                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
         nb = -(-msg.numel // self.block_size)
         data, scale_bytes = _read(msg, self, block_size=self.block_size, data_len=nb * self.block_size, n_scales=nb)
-        dev = torch.device(device) if device is not None else torch.device("cpu")
+        dest = check_out(out, msg.numel)
+        dev = torch.device(device) if device is not None and dest is None else torch.device("cpu")
         codes = _host_buffer(data, torch.uint8).to(dev)
         scales = _le_f32(scale_bytes).to(dev)
         _check_scales(scales, _FLT_MAX / self.MAX, self.name)
-        fast = cpu_path.fp8_decode(data, scale_bytes, msg.numel) if self.cpu_kernels and _on_cpu(dev) else None
+        fast = cpu_path.fp8_decode(data, scale_bytes, msg.numel, dest) if self.cpu_kernels and _on_cpu(dev) else None
         if fast is not None:
             return fast
         table = self._tables.get(dev)
@@ -195,7 +203,7 @@ class Fp8Codec:
             o.view(-1, self.block_size).mul_(scales[b0:b1, None])
         if out.numel() and int(peaks.max()) == 0x7F:
             raise CodecError("fp8 piece has NaN codes (0x7F or 0xFF)")
-        return out[:msg.numel]
+        return into(out[:msg.numel], dest)
 
 
 # --------------------------------------------------------------------------------- registry & API
@@ -245,6 +253,23 @@ def encode(tensor: torch.Tensor, codec: CodecLike = "e3m0") -> codec_pb2.Encoded
     msg.shape.extend(tensor.shape)
     msg.scalar = tensor.dim() == 0
     return msg
+
+
+def encode_span(codec: Codec, flat: torch.Tensor, step: int) -> list[codec_pb2.EncodedTensor]:
+    """``flat`` cut in consecutive pieces of ``step`` elements (a multiple of the codec's block size), each
+    encoded: the same messages as ``codec.encode_flat`` of each slice. On the CPU the pieces are encoded on
+    several threads, unless the codec draws random numbers (stochastic rounding: the draws' order would change)."""
+    bounds = range(0, flat.numel(), step)
+    if flat.device.type != "cpu" or getattr(codec, "stochastic_rounding", False) or len(bounds) < 2:
+        return [codec.encode_flat(flat[off:off + step]) for off in bounds]
+    out: list[Optional[codec_pb2.EncodedTensor]] = [None] * len(bounds)
+
+    def one(i: int) -> None:
+        out[i] = codec.encode_flat(flat[bounds[i]:bounds[i] + step])
+    cpu_path.each(one, len(bounds))  # (every item runs, or an exception of one is raised here)
+    done = [m for m in out if m is not None]
+    assert len(done) == len(bounds), "a piece was not encoded"
+    return done
 
 
 def decode(msg: codec_pb2.EncodedTensor, *, max_numel: int = 1 << 31,

@@ -140,6 +140,16 @@ def parallel(fn: Callable[[int, int], int], n_blocks: int, block_elems: int) -> 
     return flag
 
 
+def each(fn: Callable[[int], None], count: int) -> None:
+    """Runs fn(i) for every i in [0, count) on up to torch.get_num_threads() threads, whole items per thread (the
+    pieces of a span: each small enough for one thread)."""
+    def run(i0: int, i1: int) -> int:
+        for i in range(i0, i1):
+            fn(i)
+        return 0
+    parallel(run, count, _MIN_PART)
+
+
 def _check_flag(flag: int, name: str) -> int:
     """A kernel's flag; 2 means its arrays did not fit the range (the sizes computed before rule it out)."""
     if flag & 2:
@@ -181,23 +191,33 @@ def _encode_blocks(flat: torch.Tensor, block_bytes: int, name: str, run) -> Opti
     return data.tobytes(), scales.tobytes()
 
 
-def _decode_blocks(data: bytes, scales: bytes, n: int, name: str, run) -> Optional[tuple[torch.Tensor, int]]:
-    """A block codec's decode into a new float32 tensor, and the kernels' flags ORed (sizes already checked):
-    ``run(K, d, s, out, n, b0, b1)`` decodes blocks [b0, b1)."""
+def _dest(n: int, out: Optional[torch.Tensor]) -> tuple[torch.Tensor, np.ndarray]:
+    """A decoder's destination: ``out`` (checked by the codec: contiguous float32 on the CPU, ``n`` elements) or a
+    new tensor, with its numpy view for the kernels."""
+    if out is None:
+        a = _empty(n, np.float32)
+        return torch.from_numpy(a), a
+    return out, out.numpy()
+
+
+def _decode_blocks(data: bytes, scales: bytes, n: int, name: str, run,
+                   out: Optional[torch.Tensor]) -> Optional[tuple[torch.Tensor, int]]:
+    """A block codec's decode into ``out`` (or a new float32 tensor), and the kernels' flags ORed (sizes already
+    checked): ``run(K, d, s, o, n, b0, b1)`` decodes blocks [b0, b1)."""
     K = kernels()
     if K is None:
         return None
-    d, s, out = np.frombuffer(data, np.uint8), np.frombuffer(scales, np.float32), _empty(n, np.float32)
-    flag = _check_flag(parallel(lambda b0, b1: run(K, d, s, out, n, b0, b1), s.size, 64), name)
-    return torch.from_numpy(out), flag
+    (t, o), d, s = _dest(n, out), np.frombuffer(data, np.uint8), np.frombuffer(scales, np.float32)
+    flag = _check_flag(parallel(lambda b0, b1: run(K, d, s, o, n, b0, b1), s.size, 64), name)
+    return t, flag
 
 
 def e3m0_encode(flat: torch.Tensor) -> Optional[tuple[bytes, bytes]]:
     return _encode_blocks(flat, 32, "e3m0", lambda K, x, xi, n, b0, b1, d, s: K.e3m0_encode(xi, n, b0, b1, d, s))
 
 
-def e3m0_decode(data: bytes, scales: bytes, n: int) -> Optional[torch.Tensor]:
-    got = _decode_blocks(data, scales, n, "e3m0", lambda K, d, s, out, n, b0, b1: K.e3m0_decode(d, s, out, n, b0, b1))
+def e3m0_decode(data: bytes, scales: bytes, n: int, out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    got = _decode_blocks(data, scales, n, "e3m0", lambda K, d, s, o, n, b0, b1: K.e3m0_decode(d, s, o, n, b0, b1), out)
     return None if got is None else got[0]
 
 
@@ -205,9 +225,9 @@ def fp8_encode(flat: torch.Tensor) -> Optional[tuple[bytes, bytes]]:
     return _encode_blocks(flat, 64, "fp8", lambda K, x, xi, n, b0, b1, d, s: K.fp8_encode(x, xi, n, b0, b1, d, s))
 
 
-def fp8_decode(data: bytes, scales: bytes, n: int) -> Optional[torch.Tensor]:
+def fp8_decode(data: bytes, scales: bytes, n: int, out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """Raises CodecError on a NaN code."""
-    got = _decode_blocks(data, scales, n, "fp8", lambda K, d, s, out, n, b0, b1: K.fp8_decode(d, s, out, n, b0, b1))
+    got = _decode_blocks(data, scales, n, "fp8", lambda K, d, s, o, n, b0, b1: K.fp8_decode(d, s, o, n, b0, b1), out)
     if got is not None and got[1]:
         raise CodecError("fp8 piece has NaN codes (0x7F or 0xFF)")
     return None if got is None else got[0]
@@ -225,15 +245,15 @@ def bf16_encode(flat: torch.Tensor) -> Optional[bytes]:
     return out.tobytes()
 
 
-def bf16_decode(data: bytes, n: int) -> Optional[torch.Tensor]:
+def bf16_decode(data: bytes, n: int, out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     K = kernels()
     if K is None:
         return None
-    bits, out = np.frombuffer(data, np.uint16), _empty(n, np.float32)
-    oi = out.view(np.int32)
+    (t, o), bits = _dest(n, out), np.frombuffer(data, np.uint16)
+    oi = o.view(np.int32)
     if _check_flag(parallel(lambda i0, i1: K.bf16_decode(bits, oi, i0, i1), n, 1), "bf16"):
         raise CodecError("bf16 piece has non-finite values")
-    return torch.from_numpy(out)
+    return t
 
 
 # ------------------------------------------------------------------------------------------ top-k
@@ -268,7 +288,8 @@ def topk_encode(flat: torch.Tensor, k: int, count: int,
     return entries.tobytes(), scales.tobytes()
 
 
-def topk_decode(data: bytes, scales: bytes, n: int, k: int, name: str) -> Optional[torch.Tensor]:
+def topk_decode(data: bytes, scales: bytes, n: int, k: int, name: str,
+                out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """Checks every block's indices (rising strictly, inside the block), then decodes."""
     K = kernels()
     if K is None:
@@ -279,6 +300,6 @@ def topk_decode(data: bytes, scales: bytes, n: int, k: int, name: str) -> Option
         raise CodecError(f"{name} piece has a block whose indices do not rise strictly")
     if bad:
         raise CodecError(f"{name} piece has an index past its block's end")
-    out = _empty(n, np.float32)
-    _check_flag(parallel(lambda b0, b1: K.topk_decode(e, s, out, n, k, b0, b1), s.size, 4096), name)
-    return torch.from_numpy(out)
+    t, o = _dest(n, out)
+    _check_flag(parallel(lambda b0, b1: K.topk_decode(e, s, o, n, k, b0, b1), s.size, 4096), name)
+    return t

@@ -15,7 +15,8 @@ import torch
 
 from peer.outer import cpu_path
 from peer.outer.wire import (_FLT_MAX, _INF_BITS, _LITTLE, _Blocks, _check_float, _check_scales, _default_chunk,
-                             _host_buffer, _le_f32, _le_f32_bytes, _nonfinite_error, _read, _scratch, _to_bytes)
+                             _host_buffer, _le_f32, _le_f32_bytes, _nonfinite_error, _read, _scratch, _to_bytes,
+                             check_out, into)
 from peer.proto import codec_pb2
 
 E3M0_LEVELS = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)  # magnitude of exponent field e, in scales
@@ -136,14 +137,16 @@ class E3M0Codec:
             table = self._tables[dev] = e3m0_byte_table().view(torch.int64).view(256).to(dev)
         return table
 
-    def decode_flat(self, msg: codec_pb2.EncodedTensor, device: Optional[torch.device] = None) -> torch.Tensor:
+    def decode_flat(self, msg: codec_pb2.EncodedTensor, device: Optional[torch.device] = None,
+                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
         nb = -(-msg.numel // 64)
         data_bytes, scale_bytes = _read(msg, self, block_size=64, data_len=32 * nb, n_scales=nb)
-        dev = torch.device(device) if device is not None else torch.device("cpu")
+        dest = check_out(out, msg.numel)
+        dev = torch.device(device) if device is not None and dest is None else torch.device("cpu")
         data = _host_buffer(data_bytes, torch.uint8).to(dev)
         scales = _le_f32(scale_bytes).to(dev)
         _check_scales(scales, _FLT_MAX / 64, self.name)  # so 64 * s (the largest magnitude) is finite
-        fast = cpu_path.e3m0_decode(data_bytes, scale_bytes, msg.numel) if self._kernels_for(dev) else None
+        fast = cpu_path.e3m0_decode(data_bytes, scale_bytes, msg.numel, dest) if self._kernels_for(dev) else None
         if fast is not None:
             return fast
         table = self._pair_table(dev)
@@ -160,7 +163,7 @@ class E3M0Codec:
             b0 = start // 64
             torch.mul(p.view(torch.float32).view(-1, 64), scales[b0:b0 + m // 32, None],
                       out=out[start:start + 2 * m].view(-1, 64))
-        return out[:msg.numel]
+        return into(out[:msg.numel], dest)
 
 
 class _Workspace:

@@ -21,7 +21,7 @@ import torch
 from peer.outer import cpu_path
 from peer.outer.e3m0 import e3m0_code_values, e3m0_reference_codes
 from peer.outer.wire import (_FLT_MAX, _check_float, _check_scales, _le_f32, _le_f32_bytes, _nonfinite_error, _read,
-                             CodecError, all_finite)
+                             CodecError, all_finite, check_out, into)
 from peer.proto import codec_pb2
 
 BLOCK = 4096  # elements per block: a 12-bit index
@@ -79,15 +79,19 @@ class TopKCodec:
         codes, scales = e3m0_reference_codes(blocks.gather(1, index))  # scale: the block's absmax / 64
         return (index.to(torch.int32) << 4) | codes.to(torch.int32), scales
 
-    def decode_flat(self, msg: codec_pb2.EncodedTensor, device: Optional[torch.device] = None) -> torch.Tensor:
+    def decode_flat(self, msg: codec_pb2.EncodedTensor, device: Optional[torch.device] = None,
+                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
         n, k = msg.numel, self.k
+        dest = check_out(out, n)
+        if dest is not None:
+            device = None
         n_blocks = -(-n // BLOCK)
         count = entries_for(n, k)
         data, scale_bytes = _read(msg, self, block_size=BLOCK, data_len=2 * count, n_scales=n_blocks)
         scales = _le_f32(scale_bytes).clone()
         _check_scales(scales, _FLT_MAX / 64, self.name)
         if self.cpu_kernels and (device is None or torch.device(device).type == "cpu"):
-            fast = cpu_path.topk_decode(data, scale_bytes, n, k, self.name)
+            fast = cpu_path.topk_decode(data, scale_bytes, n, k, self.name, dest)
             if fast is not None:
                 return fast
         entries = torch.from_numpy(np.frombuffer(data, dtype="<u2").astype(np.int64))
@@ -102,6 +106,8 @@ class TopKCodec:
             limit[block == n_blocks - 1] = n % BLOCK
         if count and not bool((index < limit).all()):
             raise CodecError(f"{self.name} piece has an index past its block's end")
-        out = torch.zeros(n, dtype=torch.float32)
-        out[block * BLOCK + index] = e3m0_code_values()[codes] * scales[block]
-        return out.to(device) if device is not None else out
+        values = torch.zeros(n, dtype=torch.float32)
+        values[block * BLOCK + index] = e3m0_code_values()[codes] * scales[block]
+        if dest is not None:
+            return into(values, dest)
+        return values.to(device) if device is not None else values

@@ -27,7 +27,13 @@ class Codec(Protocol):
 
     def encode_flat(self, flat: torch.Tensor) -> codec_pb2.EncodedTensor: ...
 
-    def decode_flat(self, msg: codec_pb2.EncodedTensor, device: Optional[torch.device] = None) -> torch.Tensor: ...
+    def decode_flat(self, msg: codec_pb2.EncodedTensor, device: Optional[torch.device] = None,
+                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The message's ``msg.numel`` values as fp32 on ``device`` (default CPU), every one finite: a message that
+        would decode to anything else raises :class:`CodecError`. With ``out`` (a contiguous fp32 CPU tensor of
+        ``msg.numel`` elements, :func:`check_out`) decoded into it and returned, ``device`` unused; on an error
+        ``out`` may hold part of the values."""
+        ...
 
 
 _FLT_MAX = float(torch.finfo(torch.float32).max)
@@ -122,6 +128,23 @@ def _read(msg: codec_pb2.EncodedTensor, codec: "Codec", *, block_size: int, data
         raise CodecError(f"{codec.name} piece has {len(scales)} scale bytes for {msg.numel} elements "
                          f"(expected {4 * n_scales})")
     return data, scales
+
+
+def check_out(out: Optional[torch.Tensor], numel: int) -> Optional[torch.Tensor]:
+    """``out`` if it can take a decoded message of ``numel`` elements (a caller's error otherwise: ValueError)."""
+    if out is not None and (out.device.type != "cpu" or out.dtype != torch.float32 or not out.is_contiguous()
+                            or out.numel() != numel):
+        raise ValueError(f"decode: out must be a contiguous float32 CPU tensor of {numel} elements, got "
+                         f"{out.dtype} {tuple(out.shape)} on {out.device}")
+    return out
+
+
+def into(values: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
+    """``values``, or ``out`` filled with them (a decoder's torch path with a destination given)."""
+    if out is None:
+        return values
+    out.copy_(values)
+    return out
 
 
 def _check_scales(scales: torch.Tensor, max_scale: float, name: str) -> None:

@@ -69,8 +69,11 @@ class AllReduceResult:
 
 async def _own_span(red: SpanReduction, values: torch.Tensor, weight: float) -> list[pb.ReduceResponse]:
     """Contributes our own part to our own span through the same encode/decode as remote parts."""
-    part = torch.cat([red.plan.parts.decode_flat(piece) for _, piece in
-                      encode_pieces(red.plan.parts, values, red.chunk_elems)]) if red.length else values
+    part = values
+    if red.length:
+        part = torch.empty(red.length, dtype=torch.float32)
+        for off, piece in encode_pieces(red.plan.parts, values, red.chunk_elems):
+            red.plan.parts.decode_flat(piece, out=part[off:off + piece.numel])
     red.add(red.plan.my_index, weight, part)
     return await asyncio.shield(red.result)
 
@@ -177,9 +180,7 @@ def _span_from_responses(plan: GroupPlan, j: int, responses: list[pb.ReduceRespo
     filled = 0
     try:
         for msg in responses:
-            values = decode_piece(plan.codec, msg.piece, msg.offset, filled, end - start)
-            out[filled:filled + values.numel()] = values
-            filled += values.numel()
+            filled += decode_piece(plan.codec, msg.piece, msg.offset, filled, out)
     except CodecError as e:
         return SpanResult(None, why=f"bad average: {e}", offence=True)
     if filled != end - start:  # (the stream ended early: the network's)

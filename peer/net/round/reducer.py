@@ -119,9 +119,7 @@ class AllReduceServicer(ServicerBase):
             part = torch.empty(red.length, dtype=torch.float32)
             filled, msg, read = 0, header, 0
             while True:
-                values = decode_piece(plan.parts, msg.piece, msg.offset, filled, red.length)
-                part[filled:filled + values.numel()] = values
-                filled += values.numel()
+                filled += decode_piece(plan.parts, msg.piece, msg.offset, filled, part)
                 red.received(msg.ByteSize())
                 arrived += msg.ByteSize()
                 await self.bandwidth.download.take(msg.ByteSize())

@@ -19,7 +19,7 @@ import torch
 from peer.net.trust.exclusion import Offence, PeerVerdict
 from peer.net.round.group import GroupPlan
 from peer.outer.aggregate import aggregate
-from peer.outer.codec import Codec, CodecError, all_finite
+from peer.outer.codec import Codec, CodecError, encode_span
 from peer.proto import allreduce_pb2 as pb
 from peer.proto import codec_pb2
 from peer.util import short_id, time_left
@@ -59,19 +59,19 @@ class LiftError(Exception):
 def encode_pieces(codec: Codec, values: torch.Tensor, chunk_elems: int) -> Pieces:
     """Cuts a flat vector into (offset, EncodedTensor) pieces of at most ``chunk_elems`` elements."""
     step = max(codec.block_size, chunk_elems - chunk_elems % codec.block_size)
-    return [(off, codec.encode_flat(values[off:off + step])) for off in range(0, values.numel(), step)]
+    return list(zip(range(0, values.numel(), step), encode_span(codec, values, step)))
 
 
-def decode_piece(codec: Codec, piece, offset: int, filled: int, length: int) -> torch.Tensor:
-    """Decodes one streamed piece after checking it continues the span exactly where ``filled`` ends."""
+def decode_piece(codec: Codec, piece, offset: int, filled: int, out: torch.Tensor) -> int:
+    """Decodes one streamed piece into ``out`` (the span's fp32 buffer, filled up to ``filled``) after checking
+    that it continues the span exactly there; returns the elements it added."""
+    length = out.numel()
     if offset != filled or piece.numel == 0 or filled + piece.numel > length:
         raise CodecError(f"piece [{offset}, {offset + piece.numel}) does not continue [0, {filled}) of {length}")
     if piece.codec != codec.name or piece.codec_version != codec.version:
         raise CodecError(f"piece uses codec {piece.codec} v{piece.codec_version}, group uses {codec.name}")
-    values = codec.decode_flat(piece)
-    if values.numel() != piece.numel or not all_finite(values):
-        raise CodecError("piece decodes to the wrong size or to non-finite values")
-    return values
+    codec.decode_flat(piece, out=out[filled:filled + piece.numel])  # (finite values, or CodecError)
+    return piece.numel
 
 
 class SpanReduction:
