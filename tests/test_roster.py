@@ -39,12 +39,13 @@ def test_live_peers_leave_out_the_excluded_the_unadmitted_and_the_paused_and_kno
 
 def test_arrivals_are_the_peers_that_came_into_view_partners_first_and_bounded():
     """Roster.merge returns whom the heartbeat greets: peers live now and not at the previous read (a joiner, or a
-    peer whose record expired while its link was down and is back), our partners first, at most MAX_ARRIVALS."""
+    peer whose record expired while its link was down and is back), our partners first, at most MAX_ARRIVALS (the
+    rest in a random order: see the next test)."""
     from peer.net.view.roster import MAX_ARRIVALS
 
     now = [0.0]
     roster = Roster(ttl=10.0, exclusions=Exclusions(threshold=1), admitted=lambda pid: True, clock=lambda: now[0])
-    assert roster.merge(entries(rec(ME), rec(A), rec(B)), dht_now=100.0, me=ME) == [A, B]
+    assert sorted(roster.merge(entries(rec(ME), rec(A), rec(B)), dht_now=100.0, me=ME)) == [A, B]
     roster.met({B})
     assert roster.merge(entries(rec(ME), rec(A), rec(B)), dht_now=101.0, me=ME) == []  # still in view: no one
     now[0] = 30.0  # both records expired (their links were down): out of view
@@ -58,6 +59,30 @@ def test_arrivals_are_the_peers_that_came_into_view_partners_first_and_bounded()
     got = roster.merge(entries(*[ProgressRecord(**{**rec(p).model_dump(), "time": 3.0}) for p in (B, *sybils)]),
                        dht_now=161.0, me=ME)
     assert len(got) == MAX_ARRIVALS and got[0] == B
+
+
+def test_arrivals_left_over_by_a_crowd_of_identities_come_at_the_next_reads():
+    """A host that mints identities puts far more than MAX_ARRIVALS records in view at once, wherever they sort:
+    each read hands out MAX_ARRIVALS more of those still live, each once, so an honest joiner among them is greeted
+    within a few beats (in a random order: on average half-way)."""
+    from peer.net.view.roster import MAX_ARRIVALS
+
+    sybils = [f"S{i:045d}".replace("0", "z") for i in range(5 * MAX_ARRIVALS)]  # (base58: no 0)
+    honest = "H" * 46
+    firsts = []
+    for trial in range(20):
+        roster = Roster(ttl=10.0, exclusions=Exclusions(threshold=1), admitted=lambda pid: True)
+        view = [rec(p) for p in (ME, *sybils, honest)]  # the joiner's record last
+        handed: list[str] = []
+        for beat in range(6):
+            got = roster.merge(entries(*view), dht_now=100.0 + beat, me=ME)
+            assert len(got) == (MAX_ARRIVALS if beat < 5 else 1) and not set(got) & set(handed)
+            handed += got
+        assert sorted(handed) == sorted([*sybils, honest]), trial
+        assert roster.merge(entries(*view), dht_now=107.0, me=ME) == []  # everyone greeted: no one left
+        firsts.append(handed.index(honest) // MAX_ARRIVALS)
+    assert min(firsts) < 5  # not always last, as the records' order would have it (fails ~1 time in 10^14)
+
 
 
 def test_before_any_group_only_connected_peers_anchor_one_per_host_and_ours():

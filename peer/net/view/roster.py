@@ -16,6 +16,7 @@ dict.
 
 from __future__ import annotations
 
+import random
 import time
 from typing import Callable, Optional
 
@@ -29,6 +30,8 @@ from peer.net.trust.records import ProgressRecord
 MAX_KNOWN_PEERS, KNOWN_PEER_TTL = 64, 3600.0
 MAX_PARTNERS = 1024  # peers we were in a group with, remembered for KNOWN_PEER_TTL (see vouched_peers)
 # Arrivals returned by one merge. Each costs a ping: a host minting identities buys no more than this per beat.
+# Those left over are returned by the next merges (if still live), in a random order behind our partners: an
+# honest joiner among a crowd of identities is greeted within a few beats, wherever the crowd's records sort.
 MAX_ARRIVALS = 8
 
 
@@ -44,7 +47,8 @@ class Roster:
         self.exclusions, self.admitted = exclusions, admitted
         self._known: dict[str, float] = {}  # peer id -> when we last saw it live (pinged when we are alone)
         self._partners: dict[str, float] = {}  # peer id -> when we last were in a group with it
-        self._in_view: frozenset[str] = frozenset()  # the other live peers at the last merge
+        self._handed: frozenset[str] = frozenset()  # live others already handed out as arrivals
+        self._shuffle = random.Random().shuffle
         self._clock = clock
         self.hosts = hosts  # whom our daemon holds connections with, and their hosts (None: every record anchors)
         self._me = ""  # our own id (the merges say it)
@@ -54,7 +58,8 @@ class Roster:
         """Adds one read of the records (``dht.get(progress_key, latest=True)``; see :meth:`LiveView.merge`).
 
         Returns the arrivals: other peers live now and not at the previous merge (a joiner, or a peer back
-        after its link was down), at most MAX_ARRIVALS, our partners first. The caller dials them: a peer
+        after its link was down), at most MAX_ARRIVALS, our partners first, the rest in a random order; those
+        left over come at the next merges while they stay live. The caller dials them: a peer
         whose link was down has its own dials to us refused by libp2p's dial backoff for a while after its
         link returns, while ours to it, stopped since its record expired, are not."""
         now, self._me = self._clock(), me
@@ -65,9 +70,11 @@ class Roster:
         known = {**self._known, **{pid: now for pid in others}}
         self._known = dict(sorted((kv for kv in known.items() if kv[1] + KNOWN_PEER_TTL >= now),
                                   key=lambda kv: kv[1])[-MAX_KNOWN_PEERS:])
-        arrived = sorted((pid for pid in others if pid not in self._in_view), key=lambda p: not self.partnered(p))
-        self._in_view = frozenset(others)
-        return arrived[:MAX_ARRIVALS]
+        arrived = [pid for pid in others if pid not in self._handed]
+        self._shuffle(arrived)
+        arrived = sorted(arrived, key=lambda p: not self.partnered(p))[:MAX_ARRIVALS]
+        self._handed = frozenset(p for p in others if p in self._handed).union(arrived)
+        return arrived
 
     def live_peers(self) -> dict[str, ProgressRecord]:
         """Progress records of the peers of this run heard from within ``progress_ttl``, without the peers we
