@@ -13,10 +13,3 @@ and ``proto/`` (``tests/test_layers.py`` checks it; each folder's modules: docs/
 - ``monitor/`` the operator's view of a run's swarm (a DHT client).  Imports: net.
 - ``cli/``     ``swarm-peer`` and ``make demo``.  Imports: run, control, monitor (``prepare_data`` also local).
 """
-
-import os
-
-# Large host buffers (decoded spans, round vectors, state) in transparent huge pages: torch's CPU allocator
-# advises them for allocations of 2 MiB and more when this is set before its first one. A buffer's first touch
-# then faults 2 MiB at a time, not 4 KiB, which cost more than the writes themselves (docs/benchmarks.md).
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
