@@ -8,8 +8,8 @@ For each codec prints encode and decode throughput in GB/s of fp32 data (numel *
 ``tensor.clone()`` (a fresh output, like decode's) and, for reference, ``out.copy_(tensor)`` into a
 preallocated buffer. Encode and decode include everything the peer pays: validation, the host bytes of the
 messages. By default the whole vector is one message (``peer.codec.encode`` / ``decode``); ``--chunk-bytes N``
-cuts it as the all-reduce cuts a span (``encode_pieces``; per piece ``decode_piece``, finiteness check included,
-into one output of the span's size, as the reducer reads a stream).
+cuts it as the all-reduce cuts a span (``encode_pieces``; per piece ``decode_piece`` into one output of the
+span's size, allocated as the all-reduce allocates it, as the reducer reads a stream).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from peer.config.network import SwarmConfig  # noqa: E402
 from peer.net.round.reduction import decode_piece, encode_pieces  # noqa: E402
+from peer.outer import host_memory  # noqa: E402
 from peer.outer.codec import decode, encode, get_codec  # noqa: E402
 
 
@@ -81,7 +82,7 @@ def main(argv=None) -> None:
     def dec(msg: Any) -> torch.Tensor:
         if not args.chunk_bytes:
             return decode(msg, device=device)
-        codec, out, filled = get_codec(msg[0][1].codec), torch.empty(args.numel), 0
+        codec, out, filled = get_codec(msg[0][1].codec), host_memory.empty(args.numel, touch=False), 0
         for off, piece in msg:  # as the reducer and run_allreduce read a stream
             filled += decode_piece(codec, piece, off, filled, out)
         return out

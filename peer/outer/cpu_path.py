@@ -24,6 +24,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from peer.outer.host_memory import empty_array
 from peer.outer.wire import CodecError, _nonfinite_error
 
 log = logging.getLogger(__name__)
@@ -157,14 +158,6 @@ def _check_flag(flag: int, name: str) -> int:
     return flag
 
 
-def _empty(n: int, dtype) -> np.ndarray:
-    """A new array, first touched here, one write per 4 KiB page: threads that fault in fresh (huge) pages of
-    one mapping at the same time contend in the kernel, several times slower than one thread doing it."""
-    a = np.empty(n, dtype)
-    a.view(np.uint8)[::4096] = 0
-    return a
-
-
 def _f32_host(flat: torch.Tensor, exact_only: bool = False) -> Optional[np.ndarray]:
     """The input as a contiguous float32 numpy array (shared when possible), or None if not on the CPU.
     exact_only: only dtypes that convert to float32 exactly (bf16 rounds once, from the input's own value)."""
@@ -185,7 +178,7 @@ def _encode_blocks(flat: torch.Tensor, block_bytes: int, name: str, run) -> Opti
         return None
     n, xi = x.size, x.view(np.int32)
     nb = -(-n // 64)
-    data, scales = _empty(nb * block_bytes, np.uint8), _empty(nb, np.float32)
+    data, scales = empty_array(nb * block_bytes, np.uint8), empty_array(nb, np.float32)
     if _check_flag(parallel(lambda b0, b1: run(K, x, xi, n, b0, b1, data, scales), nb, 64), name):
         raise _nonfinite_error()
     return data.tobytes(), scales.tobytes()
@@ -195,7 +188,7 @@ def _dest(n: int, out: Optional[torch.Tensor]) -> tuple[torch.Tensor, np.ndarray
     """A decoder's destination: ``out`` (checked by the codec: contiguous float32 on the CPU, ``n`` elements) or a
     new tensor, with its numpy view for the kernels."""
     if out is None:
-        a = _empty(n, np.float32)
+        a = empty_array(n, np.float32)
         return torch.from_numpy(a), a
     return out, out.numpy()
 
@@ -239,7 +232,7 @@ def bf16_encode(flat: torch.Tensor) -> Optional[bytes]:
     if K is None or x is None:
         return None
     n, xi = x.size, x.view(np.int32)
-    out = _empty(n, np.uint16)
+    out = empty_array(n, np.uint16)
     if _check_flag(parallel(lambda i0, i1: K.bf16_encode(xi, i0, i1, out), n, 1), "bf16"):
         raise _nonfinite_error()
     return out.tobytes()
@@ -270,7 +263,7 @@ def topk_encode(flat: torch.Tensor, k: int, count: int,
         return None
     n = x.size
     nb = -(-n // 4096)
-    entries, scales, amb = _empty(count, np.uint16), _empty(nb, np.float32), np.zeros(nb, np.uint8)
+    entries, scales, amb = empty_array(count, np.uint16), empty_array(nb, np.float32), np.zeros(nb, np.uint8)
     xi = x.view(np.int32)
     if _check_flag(parallel(lambda b0, b1: K.topk_encode(xi, n, k, b0, b1, entries, scales, amb), nb, 4096),
                    f"topk{k}"):

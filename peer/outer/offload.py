@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from peer.outer import cpu_fused
+from peer.outer import cpu_fused, host_memory
 from peer.outer.fragments import Fragment
 
 
@@ -72,7 +72,7 @@ class HostBuffers:
             if used is not None:  # a copy to the device enqueued before it was given back may still read it
                 used.synchronize()
         else:
-            whole = torch.empty(self.numel, pin_memory=self.pinned)
+            whole = torch.empty(self.numel, pin_memory=True) if self.pinned else host_memory.empty(self.numel)
             self.allocated += 1
         self._ours[whole.data_ptr()] = whole
         return whole[:numel]

@@ -23,6 +23,7 @@ import blake3
 import numpy as np
 import torch
 
+from peer.outer import host_memory
 from peer.outer.cpu_fused import nesterov_into
 from peer.outer.rounds import Span
 from peer.outer.wire import all_finite
@@ -225,7 +226,7 @@ def advanced(G: torch.Tensor, v: torch.Tensor, spans: Sequence[Span],
     pass (:meth:`NesterovSGD.step_into` over the arrived spans, a copy elsewhere); and the bool mask of the
     elements an aggregate arrived for."""
     n = G.numel()
-    new_G, new_v = torch.empty_like(G), torch.empty_like(v)
+    new_G, new_v = host_memory.empty_like(G), host_memory.empty_like(v)
     applied = torch.zeros(n, dtype=torch.bool)
     arrived = sorted(((s, s.average) for s in spans if s.average is not None), key=lambda a: a[0].start)
     done = 0

@@ -36,6 +36,7 @@ from peer.net.round.group import GroupPlan
 from peer.net.round.reducer import UNKNOWN_GROUP, AllReduceServicer
 from peer.net.round.reduction import Lift, Pieces, SpanReduction, Traffic, decode_piece, encode_pieces
 from peer.net.trust.span_checks import disagreeing, implausible
+from peer.outer import host_memory
 from peer.outer.codec import CodecError
 from peer.outer.rounds import Span
 from peer.proto import allreduce_pb2 as pb
@@ -71,7 +72,7 @@ async def _own_span(red: SpanReduction, values: torch.Tensor, weight: float) -> 
     """Contributes our own part to our own span through the same encode/decode as remote parts."""
     part = values
     if red.length:
-        part = torch.empty(red.length, dtype=torch.float32)
+        part = host_memory.empty(red.length)
         for off, piece in encode_pieces(red.plan.parts, values, red.chunk_elems):
             red.plan.parts.decode_flat(piece, out=part[off:off + piece.numel])
     red.add(red.plan.my_index, weight, part)
@@ -176,7 +177,7 @@ def _span_from_responses(plan: GroupPlan, j: int, responses: list[pb.ReduceRespo
     if (not contributors or len(set(contributors)) != len(contributors)
             or any(c >= len(plan.peer_ids) for c in contributors) or not (math.isfinite(total) and total > 0)):
         return SpanResult(None, why="invalid contributor list or total weight", offence=True)
-    out = torch.empty(end - start, dtype=torch.float32)
+    out = host_memory.empty(end - start, touch=False)  # (filled in order as the pieces arrive)
     filled = 0
     try:
         for msg in responses:

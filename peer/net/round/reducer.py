@@ -17,7 +17,6 @@ import logging
 import time
 from typing import AsyncIterator, Awaitable, Container, Optional
 
-import torch
 from hivemind.p2p import P2PContext, ServicerBase
 
 from peer.net.flow.bandwidth import Bandwidth
@@ -26,6 +25,7 @@ from peer.net.flow.streams import StreamGuard, first_message
 from peer.net.round.group import valid_weight
 from peer.net.round.reduction import SpanReduction, decode_piece
 from peer.net.trust.exclusion import Offence
+from peer.outer import host_memory
 from peer.outer.codec import CodecError
 from peer.proto import allreduce_pb2 as pb
 from peer.util import next_by, short_id, time_left
@@ -116,7 +116,7 @@ class AllReduceServicer(ServicerBase):
             red.stream_opened(sender)
             # we grant credit on the part if we declared a download cap (peer/net/flow/credit.py)
             grants = window(plan.infos[plan.my_index].download_bytes_per_second, 1) > 0
-            part = torch.empty(red.length, dtype=torch.float32)
+            part = host_memory.empty(red.length, touch=False)  # (filled in order as the pieces arrive)
             filled, msg, read = 0, header, 0
             while True:
                 filled += decode_piece(plan.parts, msg.piece, msg.offset, filled, part)

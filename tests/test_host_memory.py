@@ -1,0 +1,68 @@
+"""Fresh host vectors (peer/outer/host_memory.py): ordinary tensors, with huge pages where the kernel offers them."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from peer.outer import host_memory
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def thp_mode() -> str:
+    """The kernel's transparent huge page mode (the bracketed word), or "" where there is none."""
+    try:
+        text = THP.read_text()
+    except OSError:
+        return ""
+    return text[text.index("[") + 1:text.index("]")] if "[" in text else ""
+
+
+def huge_kib_at(address: int) -> int:
+    """``AnonHugePages`` of the mapping of this process that holds ``address``, in KiB."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    inside = False
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
+
+
+@pytest.mark.parametrize("touch", [True, False])
+@pytest.mark.parametrize("n", [0, 1, 1000, 3 << 20])
+def test_empty_is_an_ordinary_writable_tensor(n, touch):
+    t = host_memory.empty(n, touch=touch)
+    assert t.shape == (n,) and t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+    t.fill_(1.5)
+    assert bool((t == 1.5).all())
+    a = host_memory.empty_array(n, np.uint16)
+    assert a.shape == (n,) and a.dtype == np.uint16 and a.flags.writeable
+    like = host_memory.empty_like(torch.zeros(n, dtype=torch.float64))
+    assert like.shape == (n,) and like.dtype == torch.float64
+
+
+def test_small_ranges_are_not_advised():
+    t = torch.empty(1000)
+    assert not host_memory.advise_huge(t.data_ptr(), 4000)
+    assert not host_memory.advise_huge(t.data_ptr(), 0)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or thp_mode() not in ("madvise", "always"),
+                    reason="no transparent huge pages on this kernel")
+def test_a_large_vector_gets_huge_pages_where_the_kernel_offers_them():
+    # (ordinary allocations stay in 4 KiB pages under the madvise mode: the advice is what makes the difference)
+    t = host_memory.empty(16 << 20)  # 64 MiB, touched here
+    assert huge_kib_at(t.data_ptr() + t.numel() * 2) >= 2048
+    if thp_mode() == "madvise":
+        plain = torch.empty(16 << 20)
+        plain.view(torch.uint8)[::4096] = 0
+        assert huge_kib_at(plain.data_ptr() + plain.numel() * 2) == 0
