@@ -47,6 +47,7 @@ class Fp32Codec:
     """No compression: little-endian IEEE-754 binary32, 4 bytes per element."""
 
     name, version, block_size = "fp32", 1, 1
+    draws_random = False
 
     def encode_flat(self, flat: torch.Tensor) -> codec_pb2.EncodedTensor:
         flat = _check_float(flat)
@@ -73,6 +74,7 @@ class Bf16Codec:
     """bfloat16 bits, little-endian, 2 bytes per element (round to nearest even, saturating)."""
 
     name, version, block_size = "bf16", 1, 1
+    draws_random = False
 
     def __init__(self, chunk_elems: Optional[int] = None, cpu_kernels: bool = True):
         self.chunk_elems = chunk_elems
@@ -136,6 +138,7 @@ class Fp8Codec:
     """float8 e4m3fn codes with one float32 scale ``absmax / 448`` per block of 64 elements."""
 
     name, version, block_size = "fp8", 1, 64
+    draws_random = False
     MAX = 448.0
 
     def __init__(self, chunk_elems: Optional[int] = None, cpu_kernels: bool = True):
@@ -260,7 +263,7 @@ def encode_span(codec: Codec, flat: torch.Tensor, step: int) -> list[codec_pb2.E
     encoded: the same messages as ``codec.encode_flat`` of each slice. On the CPU the pieces are encoded on
     several threads, unless the codec draws random numbers (stochastic rounding: the draws' order would change)."""
     bounds = range(0, flat.numel(), step)
-    if flat.device.type != "cpu" or getattr(codec, "stochastic_rounding", False) or len(bounds) < 2:
+    if flat.device.type != "cpu" or codec.draws_random or len(bounds) < 2:
         return [codec.encode_flat(flat[off:off + step]) for off in bounds]
     out: list[Optional[codec_pb2.EncodedTensor]] = [None] * len(bounds)
 

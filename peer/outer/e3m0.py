@@ -75,6 +75,7 @@ class E3M0Codec:
     def __init__(self, stochastic_rounding: bool = False, generator: Optional[torch.Generator] = None,
                  chunk_elems: Optional[int] = None, cpu_kernels: bool = True):
         self.stochastic_rounding = bool(stochastic_rounding)
+        self.draws_random = self.stochastic_rounding
         self.cpu_kernels = cpu_kernels  # False: the torch path on the CPU too (the reference the tests compare)
         self.generator = generator
         self.chunk_elems = chunk_elems

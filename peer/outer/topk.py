@@ -39,6 +39,7 @@ class TopKCodec:
     """``k`` entries of largest magnitude per block of :data:`BLOCK`; see the module docstring."""
 
     version, block_size = 1, BLOCK
+    draws_random = False
 
     def __init__(self, k: int, cpu_kernels: bool = True):
         if k not in TOPK_KS:

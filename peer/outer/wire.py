@@ -24,6 +24,7 @@ class Codec(Protocol):
     name: str
     version: int
     block_size: int  # pieces of a stream must start at multiples of this many elements
+    draws_random: bool  # encode_flat draws random numbers (stochastic rounding): a span's pieces are encoded in order
 
     def encode_flat(self, flat: torch.Tensor) -> codec_pb2.EncodedTensor: ...
 

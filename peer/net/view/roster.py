@@ -94,14 +94,11 @@ class Roster:
         any of them is live; otherwise (a peer that has met no one yet: a joiner, or every peer of a new swarm)
         those of the peers our daemon holds a connection with, one per host (:meth:`anchored`), and ours.
 
-        A record is self-declared: one peer can publish records under many made-up ids (sybils), each claiming
-        a "majority" state or a round far ahead. Only peers that took part in our rounds count, so such claims
-        cannot be manufactured without joining rounds (and being clipped and excluded there). Before any round,
-        a record of an id no daemon answers for counts for nothing, and the ids of one host count once: ninety
-        records of made-up ids claiming round 2^40 held every honest peer of a new open swarm `behind`, each
-        round, downloading from donors that did not exist. (Whom a round waits for is
-        :mod:`peer.net.view.attendance`'s call: a newcomer has met no one, and a group that never waited for it
-        would rarely let it in.)"""
+        A record is self-declared: one host can publish records under many made-up ids (sybils), each claiming a
+        "majority" state or a round far ahead. Invariant: such claims move nothing unless their ids took part in
+        our rounds (where their parts are clipped and they can be excluded) or, before any round, a daemon answers
+        for them, one id per host. (Whom a round waits for is :mod:`peer.net.view.attendance`'s call: a newcomer
+        has met no one, and a group that never waited for it would rarely let it in.)"""
         live = self.live_peers()
         vouched = {pid: live[pid] for pid in partners(live, self.partnered)}
         return vouched or self.anchored(live)
