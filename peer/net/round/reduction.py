@@ -77,7 +77,9 @@ def decode_piece(codec: Codec, piece, offset: int, filled: int, out: torch.Tenso
 class SpanReduction:
     """Reducer-side state of one group: collects members' parts of our span, combines them once. Changed only
     through its methods (the servicer's streams call :meth:`stream_opened`, :meth:`received`, :meth:`add`,
-    :meth:`give_up_on` and :meth:`stream_closed`), on the event loop that serves them."""
+    :meth:`give_up_on` and :meth:`stream_closed`), on the event loop that serves them. The combination and its
+    encoding run on a worker thread (a fragment's span takes the CPU for a second at 1B scale, which must not stall
+    the loop's streams and heartbeats): the parts are closed first, so nothing it reads changes meanwhile."""
 
     def __init__(self, plan: GroupPlan, part_timeout: float, chunk_elems: int,
                  excluded: Container[object] = frozenset(), lift: Optional[Lift] = None):
@@ -93,6 +95,7 @@ class SpanReduction:
         start, end = plan.spans[plan.my_index]
         self.length = end - start
         self.parts: dict[int, tuple[float, torch.Tensor]] = {}  # member index -> (declared weight, part)
+        self.closed = False  # the parts are in or their deadline passed: no more are added
         self.gone: set[int] = set()  # members whose stream ended without their whole part: not waited for
         self.total_weight = 0.0
         self.flagged: list[tuple[str, str]] = []  # (peer id, why) of parts clipped or capped by the rule
@@ -137,7 +140,7 @@ class SpanReduction:
 
     def add(self, index: int, weight: float, part: torch.Tensor) -> bool:
         """Adds a member's complete, decoded part; False if it came too late or twice."""
-        if self.result.done() or index in self.parts:
+        if self.closed or index in self.parts:
             return False
         self.parts[index] = (weight, part)
         self._check_all_in()
@@ -159,11 +162,13 @@ class SpanReduction:
     def contributors(self) -> list[int]:
         return sorted(self.parts)
 
-    def _combine(self) -> torch.Tensor:
-        """The parts combined by the plan's rule, in member order (deterministic); reports what it clipped."""
+    async def _combine(self) -> torch.Tensor:
+        """The parts combined by the plan's rule, in member order (deterministic), on a worker thread; reports
+        what it clipped. Must be called once the parts are closed."""
         order = self.contributors
-        out = aggregate([self.parts[i][1] for i in order], [self.parts[i][0] for i in order], self.plan.rule,
-                        [self.plan.caps[i] for i in order] if self.plan.caps else None)
+        out = await asyncio.get_running_loop().run_in_executor(
+            None, aggregate, [self.parts[i][1] for i in order], [self.parts[i][0] for i in order], self.plan.rule,
+            [self.plan.caps[i] for i in order] if self.plan.caps else None)
         self.total_weight = out.total_weight
         for k, i in enumerate(order):
             why = out.limited(k, self.parts[i][0])
@@ -183,11 +188,13 @@ class SpanReduction:
             missing = sorted(set(range(len(self.plan.peer_ids))) - set(self.parts))
             log.warning("%s: reducer averages without members %s (no part within part_timeout)",
                         self.plan.label, [short_id(self.plan.peer_ids[i]) for i in missing])
+        self.closed = True
         if not self.parts:
             return [pb.ReduceResponse(status=Status.FAILED, error="no parts arrived")]
-        average = self._combine()
+        average = await self._combine()
         if self.lift is None:
-            pieces = encode_pieces(self.plan.codec, average, self.chunk_elems)
+            pieces = await asyncio.get_running_loop().run_in_executor(
+                None, encode_pieces, self.plan.codec, average, self.chunk_elems)
         else:  # two levels: our group's combination is our part of the slots' level-2 rounds
             try:
                 lifted = await self.lift(average, self.total_weight)
