@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from peer.outer.aggregate import (MAX_WEIGHT, VOUCH_SLACK, AggregationRule, Aggregator, aggregate, capped_weights,
                                   center_of, centered_clip, coordinate_median, lower_median, rescale,
                                   sender_median, vouched_caps)
+from peer.outer import aggregate as aggregate_module
 from peer.outer.codec import get_codec
 
 CLIPPED, MEAN = AggregationRule(), AggregationRule(kind=Aggregator.MEAN)
@@ -298,3 +299,15 @@ def test_of_two_parts_neither_is_an_offence_however_far_apart_but_both_are_cappe
     assert not two.offending(0) and not two.offending(1)
     three = aggregate([short, short.clone(), long_], [1.0, 1.0, 1e6], CLIPPED)
     assert three.offending(2) and not three.offending(0)
+
+
+def test_the_medians_by_blocks_of_columns_are_those_of_the_whole_parts():
+    """A span longer than a block of columns (the reducer's spans are millions long): the per-coordinate medians
+    computed a block at a time are bit for bit those of one sort over every column."""
+    g = torch.Generator().manual_seed(5)
+    d = 3 * aggregate_module.COLUMNS + 17
+    dense = torch.randn(5, d, generator=g)
+    sparse = dense * (torch.rand(5, d, generator=g) < 0.3)
+    for parts in (dense, dense[:4], sparse, sparse[:4]):
+        assert torch.equal(coordinate_median(parts), aggregate_module._coordinate_median(parts))
+        assert torch.equal(sender_median(parts), aggregate_module._sender_median(parts))

@@ -12,7 +12,8 @@ clipped the result is exactly the token-weighted mean, for peers of any speed.
 Bound (tests/test_aggregate.py): replacing one contributor's part by anything moves the result by at most
 :func:`influence_bound`. Two contributors cannot be told apart: then only the caps apply. Why the caps are what
 they are, and what they still allow: docs/architecture.md, "Hostile peers". Pure torch, deterministic for a given
-order of parts (member order); memory: ``n x span`` fp32, plus a sort of ``(n + 1) x span`` for the median.
+order of parts (member order); memory: the parts' stacked copy (``n x span`` fp32, rescaled and clipped where it
+is) and a few vectors of the span; the medians' sorts take a block of columns at a time.
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from peer.config import OuterConfig
 
 
+COLUMNS = 1 << 15  # columns per block of the per-coordinate medians (by_columns)
 HEAVY_CLIP = 0.5  # a part of which the rule kept less than this fraction of its deviation or length is reported
 # ... and less than this fraction counts as an offence (peer/net/trust/exclusion.py): a part 10 radii from the center,
 # or 10 caps longer than the group's median part. Lower than HEAVY_CLIP because honest parts differ too (a
@@ -131,8 +133,25 @@ def vouched_caps(rates: Sequence[Optional[float]], rule: AggregationRule) -> lis
     return [None if r is None or r <= 0 else min(rule.max_weight_cap, VOUCH_SLACK * r / base) for r in rates]
 
 
+def by_columns(fn: Callable[[torch.Tensor], torch.Tensor], parts: torch.Tensor) -> torch.Tensor:
+    """``fn(parts)`` for a per-coordinate ``fn`` ((n, c) -> (c,): each column's value depends on that column
+    alone), computed on blocks of :data:`COLUMNS` columns: the same values, with the scratch of its sorts ``n x
+    COLUMNS`` instead of ``n x d`` (a sort's values and int64 indices are three times the parts)."""
+    d = parts.shape[1]
+    if d <= COLUMNS:
+        return fn(parts)
+    out = torch.empty(d, dtype=parts.dtype, device=parts.device)
+    for c0 in range(0, d, COLUMNS):
+        out[c0:c0 + COLUMNS] = fn(parts[:, c0:c0 + COLUMNS])
+    return out
+
+
 def coordinate_median(parts: torch.Tensor) -> torch.Tensor:
     """Coordinate-wise median of ``parts`` (n, d): the middle value, or the mean of the two middle ones."""
+    return by_columns(_coordinate_median, parts)
+
+
+def _coordinate_median(parts: torch.Tensor) -> torch.Tensor:
     n = parts.shape[0]
     ordered = parts.sort(dim=0).values
     return (ordered[(n - 1) // 2] + ordered[n // 2]) / 2
@@ -144,6 +163,10 @@ def sender_median(parts: torch.Tensor) -> torch.Tensor:
     them; zero where fewer than two send it. With one arbitrary part among ``n >= 3`` it lies within the other
     parts' range in every coordinate (a lone sender may be the attacker; a zero is in that range wherever one
     of them does not send the coordinate; the median of three lies between any two of them)."""
+    return by_columns(_sender_median, parts)
+
+
+def _sender_median(parts: torch.Tensor) -> torch.Tensor:
     sends = parts != 0
     count = sends.sum(dim=0)
     even = count % 2 == 0
@@ -153,41 +176,66 @@ def sender_median(parts: torch.Tensor) -> torch.Tensor:
     return torch.where(count >= 2, middle, 0.0)
 
 
+def nonzero_counts(parts: torch.Tensor) -> torch.Tensor:
+    """Each part's (row's) number of nonzero entries, counted a block of :data:`COLUMNS` columns at a time
+    (``count_nonzero`` over the whole of it makes an int64 copy of the parts)."""
+    counts = torch.zeros(parts.shape[0], dtype=torch.int64, device=parts.device)
+    for c0 in range(0, parts.shape[1], COLUMNS):
+        counts += torch.count_nonzero(parts[:, c0:c0 + COLUMNS], dim=1)
+    return counts
+
+
 def center_of(directions: torch.Tensor) -> torch.Tensor:
     """Step 3's center: :func:`coordinate_median`, or :func:`sender_median` where at least half the parts have
     fewer than half their entries nonzero (a lower median of the parts' densities: of ``n >= 3``, one part cannot
     move it past all the others', so dense parts keep their center whatever one attacker sends)."""
-    density = (directions != 0).sum(dim=1).to(torch.float64)
+    density = nonzero_counts(directions).to(torch.float64)
     sparse = 2 * float(lower_median(density)) < directions.shape[1]
     return sender_median(directions) if sparse else coordinate_median(directions)
 
 
 def centered_clip(parts: torch.Tensor, weights: torch.Tensor, center: torch.Tensor, radius: float,
-                  iterations: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  iterations: int, *, consume: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``iterations`` CenteredClip steps from ``center`` with a fixed ``radius``; returns the result and, per
-    part, the fraction of its deviation the last step kept (1 = not clipped)."""
+    part, the fraction of its deviation the last step kept (1 = not clipped). ``consume``: ``parts`` may be
+    overwritten by the last step's deviations (the same values, without an ``n x d`` temporary)."""
     v = center.clone()
     w = weights.to(torch.float32)
     total = float(weights.sum())
     kept = torch.ones(parts.shape[0], dtype=torch.float32)
-    for _ in range(iterations):
-        dev = parts - v
+    for step in range(iterations):
+        dev = parts.sub_(v) if consume and step == iterations - 1 else parts - v
         dist = torch.linalg.vector_norm(dev, dim=1)
         kept = torch.where(dist > radius, radius / dist.clamp_min(torch.finfo(torch.float32).tiny), 1.0)
         v = v + ((w * kept) @ dev) / total
     return v, kept
 
 
-def rescale(parts: torch.Tensor, caps: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Step 2: ``parts`` (n, d) rescaled to the lower median length ``M`` (zero parts stay zero), their length
-    ratios ``|d_i| / M`` capped at ``caps``, and the fraction of each length its cap kept. ``M`` must be > 0.
-    Norms in fp64: a finite part of 1e38s has a finite norm there."""
-    norms = torch.stack([torch.linalg.vector_norm(p, dtype=torch.float64) for p in parts])
+def lengths_f64(parts: torch.Tensor) -> torch.Tensor:
+    """Each part's (row's) Euclidean length in fp64, where a finite part of 1e38s has a finite length: the root of
+    the sum of its blocks' squared fp64 lengths, blocks of :data:`COLUMNS` columns (an fp64 copy of a block at a
+    time, not of the whole part)."""
+    d = parts.shape[1]
+    squares = torch.zeros(parts.shape[0], dtype=torch.float64, device=parts.device)
+    for c0 in range(0, d, COLUMNS):
+        squares += torch.linalg.vector_norm(parts[:, c0:c0 + COLUMNS], dim=1, dtype=torch.float64).square()
+    return squares.sqrt()
+
+
+def rescale(parts: torch.Tensor, caps: Sequence[float], *,
+            in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Step 2: ``parts`` (n, d) rescaled to the lower median length ``M`` (zero parts stay zero; in ``parts``
+    itself where ``in_place``, the same values), their length ratios ``|d_i| / M`` capped at ``caps``, and the
+    fraction of each length its cap kept. ``M`` must be > 0. Norms in fp64: a finite part of 1e38s has a finite
+    norm there."""
+    norms = lengths_f64(parts)
     m = float(lower_median(norms))
     ratio = norms / m
     capped = torch.minimum(ratio, torch.tensor(caps, dtype=torch.float64))
     to_median = torch.where(norms > 0, m / norms.clamp_min(1e-300), 0.0)
-    return parts * to_median.to(torch.float32)[:, None], capped, torch.where(ratio > 0, capped / ratio, 1.0)
+    factors = to_median.to(torch.float32)[:, None]
+    scaled = parts.mul_(factors) if in_place else parts * factors
+    return scaled, capped, torch.where(ratio > 0, capped / ratio, 1.0)
 
 
 def influence_bound(rule: AggregationRule, radius: float, strength: float, total_weight: float) -> float:
@@ -212,17 +260,19 @@ def aggregate(parts: Sequence[torch.Tensor], weights: Sequence[float], rule: Agg
         return Aggregate(value, list(weights), [1.0] * n, lengths=[1.0] * n, strengths=list(weights))
     earned = list(caps) if caps is not None else [None] * n
     used = capped_weights(weights, [max(rule.weight_cap, c or 0.0) for c in earned])
-    norms = torch.stack([torch.linalg.vector_norm(p, dtype=torch.float64) for p in stacked])
+    norms = lengths_f64(stacked)
     if float(lower_median(norms)) == 0.0:  # at least half the parts are zero: so is the answer
         return Aggregate(torch.zeros_like(stacked[0]), used, [1.0] * n, 0.0, [1.0] * n, [0.0] * n)
-    directions, ratios, lengths = rescale(stacked, [max(rule.length_cap, c or 0.0) for c in earned])
+    # (the stacked copy is ours: rescaled where it is)
+    directions, ratios, lengths = rescale(stacked, [max(rule.length_cap, c or 0.0) for c in earned], in_place=True)
     strength = torch.tensor(used, dtype=torch.float64) * ratios
     center = center_of(directions)
-    dist = torch.linalg.vector_norm(directions - center, dim=1).sort().values
+    # (row by row: the values of one norm over dim 1, without an n x d temporary)
+    dist = torch.stack([torch.linalg.vector_norm(row - center) for row in directions]).sort().values
     radius = rule.clip_factor * float(dist[dist.numel() // 2])
     if radius == 0.0:  # at least half the directions sit on the center: it is the answer
         value, kept = center, torch.ones(n)
     else:
-        value, kept = centered_clip(directions, strength, center, radius, rule.iterations)
+        value, kept = centered_clip(directions, strength, center, radius, rule.iterations, consume=True)
     value = value * float(strength.sum() / sum(used))
     return Aggregate(value, used, kept.tolist(), radius, lengths.tolist(), strength.tolist())
