@@ -23,18 +23,17 @@ def thp_mode() -> str:
     return text[text.index("[") + 1:text.index("]")] if "[" in text else ""
 
 
-def huge_kib_at(address: int) -> int:
-    """``AnonHugePages`` of the mapping of this process that holds ``address``, in KiB."""
-    lines = Path("/proc/self/smaps").read_text().splitlines()
+def vm_flags_at(address: int) -> list[str]:
+    """The ``VmFlags`` of the mapping of this process that holds ``address`` ("hg": huge pages advised)."""
     inside = False
-    for line in lines:
+    for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and all(c in "0123456789abcdef-" for c in head):
             lo, hi = (int(x, 16) for x in head.split("-"))
             inside = lo <= address < hi
-        elif inside and line.startswith("AnonHugePages:"):
-            return int(line.split()[1])
-    return 0
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    return []
 
 
 @pytest.mark.parametrize("touch", [True, False])
@@ -58,11 +57,10 @@ def test_small_ranges_are_not_advised():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or thp_mode() not in ("madvise", "always"),
                     reason="no transparent huge pages on this kernel")
-def test_a_large_vector_gets_huge_pages_where_the_kernel_offers_them():
-    # (ordinary allocations stay in 4 KiB pages under the madvise mode: the advice is what makes the difference)
-    t = host_memory.empty(16 << 20)  # 64 MiB, touched here
-    assert huge_kib_at(t.data_ptr() + t.numel() * 2) >= 2048
-    if thp_mode() == "madvise":
-        plain = torch.empty(16 << 20)
-        plain.view(torch.uint8)[::4096] = 0
-        assert huge_kib_at(plain.data_ptr() + plain.numel() * 2) == 0
+def test_a_large_vector_is_advised_huge_pages_and_an_ordinary_one_is_not():
+    # (whether the kernel then finds free huge pages at the first touch depends on the machine's state: the
+    # advice is what this module controls)
+    t = host_memory.empty(16 << 20, touch=False)  # 64 MiB
+    assert "hg" in vm_flags_at(t.data_ptr() + t.numel() * 2)
+    plain = torch.empty(16 << 20)
+    assert "hg" not in vm_flags_at(plain.data_ptr() + plain.numel() * 2)

@@ -12,8 +12,7 @@ clipped the result is exactly the token-weighted mean, for peers of any speed.
 Bound (tests/test_aggregate.py): replacing one contributor's part by anything moves the result by at most
 :func:`influence_bound`. Two contributors cannot be told apart: then only the caps apply. Why the caps are what
 they are, and what they still allow: docs/architecture.md, "Hostile peers". Pure torch, deterministic for a given
-order of parts (member order); memory: the parts' stacked copy (``n x span`` fp32, rescaled and clipped where it
-is) and a few vectors of the span; the medians' sorts take a block of columns at a time.
+order of parts (member order); memory: one stacked copy of the parts and a few vectors of the span.
 """
 
 from __future__ import annotations
