@@ -6,6 +6,7 @@ silently partial result; malformed metadata rejects the group.
 """
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -152,6 +153,35 @@ def test_members_with_spans_that_follow_their_links_get_identical_weighted_avera
     assert all(results[i].complete for i in range(3))
     torch.testing.assert_close(got[0], expected, rtol=1e-5, atol=1e-6)
     assert torch.equal(got[0], got[1]) and torch.equal(got[1], got[2])
+
+
+def test_every_codec_pass_and_the_rule_run_off_the_event_loop(monkeypatch):
+    """A round's encodes (our parts, our own part's round trip, the reducer's result), its decodes of the
+    averages, the checks on them and the rule run on worker threads: over a fragment they take the CPU for
+    seconds at scale, while the loop must keep reading streams and answering RPCs."""
+    from peer.net.round import allreduce, reduction
+    threads: dict[str, set[int]] = {}
+
+    def recorded(name, fn):
+        def call(*args, **kwargs):
+            threads.setdefault(name, set()).add(threading.get_ident())
+            return fn(*args, **kwargs)
+        return call
+
+    for module, name in ((allreduce, "encode_pieces"), (allreduce, "_through_codec"), (allreduce, "_check_spans"),
+                         (allreduce, "_span_from_responses"), (reduction, "encode_pieces"), (reduction, "aggregate")):
+        monkeypatch.setattr(module, name, recorded(f"{module.__name__}.{name}", getattr(module, name)))
+
+    async def loop_thread():
+        return threading.get_ident()
+
+    torch.manual_seed(4)
+    deltas = [torch.randn(NUMEL) for _ in range(3)]
+    results, _ = run_async(_run(3, [0, 1, 2], [1.0, 1.0, 1.0], deltas))
+    assert all(results[i].complete for i in range(3))
+    assert len(threads) == 6, sorted(threads)  # every one of them ran
+    loop = run_async(loop_thread())
+    assert all(loop not in ran for ran in threads.values()), {k: loop in v for k, v in threads.items()}
 
 
 def test_all_members_get_identical_weighted_average():

@@ -69,14 +69,21 @@ class AllReduceResult:
 
 
 async def _own_span(red: SpanReduction, values: torch.Tensor, weight: float) -> list[pb.ReduceResponse]:
-    """Contributes our own part to our own span through the same encode/decode as remote parts."""
+    """Contributes our own part to our own span through the same encode/decode as remote parts (on a worker
+    thread, as every codec pass over a part or an average of a round: the loop keeps serving streams)."""
     part = values
     if red.length:
-        part = host_memory.empty(red.length)
-        for off, piece in encode_pieces(red.plan.parts, values, red.chunk_elems):
-            red.plan.parts.decode_flat(piece, out=part[off:off + piece.numel])
+        part = await asyncio.get_running_loop().run_in_executor(None, _through_codec, red, values)
     red.add(red.plan.my_index, weight, part)
     return await asyncio.shield(red.result)
+
+
+def _through_codec(red: SpanReduction, values: torch.Tensor) -> torch.Tensor:
+    """``values`` as a remote member's part of ``red``'s span arrives: encoded in pieces, then decoded."""
+    part = host_memory.empty(red.length)
+    for off, piece in encode_pieces(red.plan.parts, values, red.chunk_elems):
+        red.plan.parts.decode_flat(piece, out=part[off:off + piece.numel])
+    return part
 
 
 async def _remote_span(p2p: P2P, plan: GroupPlan, j: int, values: torch.Tensor, weight: float,
@@ -88,7 +95,7 @@ async def _remote_span(p2p: P2P, plan: GroupPlan, j: int, values: torch.Tensor, 
     ``(bytes, seconds)`` to ``timings`` when the reducer said how much of our part it read in how long (at most
     what we sent, in at most the time we saw pass before its answer), also when the part came too late; and
     ``(first, last, bytes)`` of the average's messages to ``arrivals``."""
-    pieces = encode_pieces(plan.parts, values, chunk_elems)
+    pieces = await asyncio.get_running_loop().run_in_executor(None, encode_pieces, plan.parts, values, chunk_elems)
     opened = time.monotonic()
     span_length = plan.spans[j][1] - plan.spans[j][0]
     # credit (peer/net/flow/credit.py): the reducer's on our part if it declared a download cap, ours on its average
@@ -271,11 +278,13 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
         results: dict[int, SpanResult] = {}
         for j, task in tasks:
             try:
-                results[j] = _span_from_responses(plan, j, await task)
+                responses = await task
+                results[j] = await asyncio.get_running_loop().run_in_executor(None, _span_from_responses, plan, j,
+                                                                              responses)
             except Exception as e:  # a dead reducer, or one that broke the stream: this span is missing
                 results[j] = SpanResult(None, why=f"{type(e).__name__}: {e}",
                                         timed_out=isinstance(e, (asyncio.TimeoutError, TimeoutError)))
-        _check_spans(plan, results, delta)
+        await asyncio.get_running_loop().run_in_executor(None, _check_spans, plan, results, delta)
         spans, contributors, pieces, total_weight, verdicts = [], [], [], 0.0, []
         for j, (start, end) in enumerate(plan.spans):
             if end == start:
