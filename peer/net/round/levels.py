@@ -123,7 +123,9 @@ class SlotLift:
         if group is None:  # no other group's holder came: the slot holds our group's result (as a group of one)
             log.warning("%s slot %d: no other group met us in level 2; the slot holds this group's average",
                         self.plan.label, slot)
-            return Lifted(encode_pieces(self.plan.codec, part, self.chunk_elems), weight)
+            ours = await asyncio.get_running_loop().run_in_executor(None, encode_pieces, self.plan.codec, part,
+                                                                    self.chunk_elems)
+            return Lifted(ours, weight)
         try:
             plan = GroupPlan.from_group(group, self.plan.peer_ids[self.plan.my_index], self.plan.codec, part.numel(),
                                         f"{self.plan.label} slot {slot}", self.plan.rule)
