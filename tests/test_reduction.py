@@ -49,8 +49,11 @@ def test_the_parts_are_combined_off_the_loop_which_keeps_serving_and_a_late_part
         parts = [torch.randn(end - start, generator=torch.Generator().manual_seed(i)) for i in range(3)]
         assert red.add(0, 1.0, parts[0]) and red.add(1, 2.0, parts[1])
         red.give_up_on(2)  # all in: the reduction combines the two parts now
-        while not combined_on:  # (bounded by the test's timeout; each turn yields to the reduction)
+        for _ in range(3000):  # (at most 30 s; each turn yields to the reduction)
+            if combined_on:
+                break
             await asyncio.sleep(0.01)
+        assert combined_on, "the parts were not combined within 30 s of being all in"
         asyncio.get_running_loop().call_soon(served_meanwhile.set)
         assert not red.add(2, 1.0, parts[2]), "a part after the parts were closed must be refused"
         responses = await asyncio.wait_for(red.result, timeout=60)
