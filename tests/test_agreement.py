@@ -5,7 +5,7 @@ from hivemind.averaging.group_info import GroupInfo
 from hypothesis import given
 from hypothesis import strategies as st
 
-from peer.net.policy.agreement import agree, quorum_count, quorum_size
+from peer.net.policy.agreement import agree, quorum_count, quorum_size, slot_verdict
 from peer.net.policy.consensus import plan_owed
 from peer.net.round.group import PROTOCOL_VERSION, GroupPlan
 from peer.net.trust.records import ProgressRecord
@@ -57,6 +57,48 @@ def test_two_groups_of_one_round_never_both_apply_and_every_applier_has_the_grou
     for g, v in zip(groups, verdicts):
         assert {g[i] for i in v.appliers} == {v.base}
         assert len(v.appliers) == max(g.count(b) for b in set(g))
+
+
+def level2(groups, expected, cap=4):
+    """A slot's level-2 infos: one per level-1 group (base, size), each declaring ``expected``."""
+    return [pb.MemberInfo(protocol_version=PROTOCOL_VERSION, weight=1.0, numel=10, base=b, expected=expected,
+                          members=size) for b, size in groups]
+
+
+def test_a_slots_level_2_group_counts_each_holder_for_its_groups_peers():
+    assert slot_verdict(level2([(A, 4), (A, 4)], expected=8), cap=4).quorum  # 8 of 8
+    assert not slot_verdict(level2([(A, 4)], expected=8), cap=4).quorum  # a group alone: 4 of 8
+    assert slot_verdict(level2([(A, 3)], expected=5), cap=4).quorum  # 3 of 5: the majority alone
+    assert not slot_verdict(level2([(A, 200)], expected=8), cap=4).quorum  # a holder counts for a full group at most
+    assert not slot_verdict(level2([(A, 0), (A, 0)], expected=8), cap=4).quorum  # and for its own peer at least
+    # the base most peers hold wins, not the base most holders declared
+    v = slot_verdict(level2([(A, 1), (B, 4), (A, 1)], expected=6), cap=4)
+    assert (v.base, v.appliers, v.quorum) == (B, (1,), True)
+
+
+@given(n=st.integers(5, 40), cap=st.integers(2, 8), data=st.data())
+def test_per_slot_majorities_leave_every_applying_group_with_the_same_bytes(n, cap, data):
+    """n peers in level-1 groups of at most ``cap`` meet per slot in level-2 groups formed any way (groups that
+    came together, late ones apart): at most one level-2 group per slot applies, and the level-1 groups that apply
+    every slot they hold were in the same level-2 group of every slot."""
+    sizes = []
+    while sum(sizes) < n:
+        sizes.append(min(n - sum(sizes), data.draw(st.integers(1, cap))))
+    slots, applying = cap, set(range(len(sizes)))
+    met: list[dict[int, int]] = []  # per slot: level-1 group -> its level-2 group there
+    for _ in range(slots):
+        where = {g: data.draw(st.integers(0, 2)) for g in range(len(sizes))}
+        met.append(where)
+        quorate = 0
+        for l2 in set(where.values()):
+            members = [g for g in range(len(sizes)) if where[g] == l2]
+            v = slot_verdict(level2([(A, sizes[g]) for g in members], expected=n), cap)
+            quorate += v.quorum
+            if not v.quorum:
+                applying -= set(members)
+        assert quorate <= 1
+    for where in met:
+        assert len({where[g] for g in applying}) <= 1
 
 
 def test_partners_that_stay_live_keep_counting_so_the_smaller_side_of_a_split_never_holds_a_majority():

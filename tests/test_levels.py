@@ -70,10 +70,12 @@ def test_group_plan_goes_two_level_when_a_member_declares_slots_and_refuses_mixe
         GroupPlan.from_group(_group(b"g", ids, infos), "b", get_codec("fp32"), NUMEL, "t")
 
 
-async def _two_groups(deltas, weights, *, slots=3, alone=None, broken=None):
-    """Members 0-2 form group A, 3-5 group B (3 slots: reducer k of each group holds slot k). Each reducer's
-    level 2 is formed directly: the holders of slot k in A and B. Member ``alone`` finds no level-2 group (its
-    partner, after a wait, none either); member ``broken``'s level-2 all-reduce loses its partner's span."""
+async def _two_groups(deltas, weights, *, slots=3, alone=None, broken=None, sizes=(3, 3), expected=6,
+                      bases=((BASE, 0), (BASE, 0))):
+    """Members 0-2 form group A, 3-5 group B (``sizes``; 3 slots: reducer k of each group holds slot k). Each
+    reducer's level 2 is formed directly: the holders of slot k in A and B. Member ``alone`` finds no level-2 group
+    (its partner, after a wait, none either); member ``broken``'s level-2 all-reduce loses its partner's span.
+    Every member declares ``expected`` peers; group g's members declare base and base round ``bases[g]``."""
     p2ps = await p2p_mesh(6)
     try:
         ids = [p.peer_id for p in p2ps]
@@ -83,7 +85,7 @@ async def _two_groups(deltas, weights, *, slots=3, alone=None, broken=None):
                                   guard=StreamGuard(per_peer=16, total=64))
             await s.add_p2p_handlers(p)
             servicers.append(s)
-        groups = {g: [3 * g + k for k in range(3)] for g in (0, 1)}
+        groups = {0: list(range(sizes[0])), 1: list(range(sizes[0], 6))}
         rendezvous: dict[int, dict[int, bytes]] = {k: {} for k in range(slots)}
         met = {k: asyncio.Event() for k in range(slots)}
 
@@ -112,9 +114,10 @@ async def _two_groups(deltas, weights, *, slots=3, alone=None, broken=None):
             return SlotLift(plan, form=form, run=run, deadline=time.monotonic() + 15.0, chunk_elems=1024, groups=two)
 
         async def member(i):
-            g = i // 3
-            infos = [pb.MemberInfo(protocol_version=PROTOCOL_VERSION, base=BASE, weight=weights[m], numel=NUMEL,
-                                   slots=slots) for m in groups[g]]
+            g = int(i >= sizes[0])
+            infos = [pb.MemberInfo(protocol_version=PROTOCOL_VERSION, base=bases[g][0], base_round=bases[g][1],
+                                   weight=weights[m], numel=NUMEL, slots=slots, expected=expected)
+                     for m in groups[g]]
             group = _group(b"level1-%d" % g, [ids[m] for m in groups[g]], infos)
             plan = GroupPlan.from_group(group, ids[i], get_codec("fp32"), NUMEL, f"member {i}", MEAN)
             lift = lift_for(i, plan)
@@ -140,20 +143,46 @@ def test_two_groups_whose_reducers_meet_per_slot_hold_the_same_bytes_the_mean_of
     assert all(r.total_weight == pytest.approx(sum(weights)) for r in results)  # the weight of all six
 
 
-def test_a_holder_that_meets_no_other_group_gives_its_group_its_own_average_for_the_slot():
+def test_a_slot_that_no_two_groups_met_in_is_missing_in_both_groups_not_applied_apart():
+    """Two groups of 3 of 6 expected peers whose slot-1 holders never meet: neither group holds a majority of the
+    round alone, so slot 1 is missing in both (each applying its own average would leave two digests)."""
     torch.manual_seed(2)
     deltas = [torch.randn(NUMEL) for _ in range(6)]
     results = run_async(_two_groups(deltas, [1.0] * 6, alone=1))
-    assert all(r.complete for r in results)
-    bounds = slot_bounds(NUMEL, 3, get_codec("fp32").block_size)
-    for k, (start, end) in enumerate(bounds):
-        a, b = results[0].spans[k].average, results[3].spans[k].average
-        assert all(torch.equal(results[i].spans[k].average, a) for i in (1, 2))  # one group: the same bytes
-        if k == 1:  # slot 1: each group's own average (close to its own mean, not the other group's)
-            own = sum(deltas[i][start:end] for i in range(3)) / 3
-            assert float((a - own).norm() / own.norm()) < 0.3 and not torch.equal(a, b)
-        else:  # the slots both groups met in: the same bytes
-            assert torch.equal(a, b)
+    for r in results:
+        assert [s.average is None for s in r.spans] == [False, True, False]
+    assert all(torch.equal(results[0].spans[k].average, results[3].spans[k].average) for k in (0, 2))
+
+
+def test_a_group_that_holds_the_majority_alone_keeps_its_slot_and_the_smaller_group_applies_none():
+    """Groups of 4 and 2 of 6 expected (4 slots: A's member k holds slot k, B's members 4 and 5 slots 0-1 and 2-3);
+    A's slot-1 holder meets no one: A (4 of 6) holds slot 1's average alone, B (2 of 6) loses member 4's span."""
+    torch.manual_seed(4)
+    deltas = [torch.randn(NUMEL) for _ in range(6)]
+    results = run_async(_two_groups(deltas, [1.0] * 6, slots=4, alone=1, sizes=(4, 2)))
+    bounds = slot_bounds(NUMEL, 4, get_codec("fp32").block_size)
+    assert all(r.complete for r in results[:4]) and not any(r.complete for r in results[4:])
+    a = [torch.cat([s.average for s in r.spans]) for r in results[:4]]
+    assert all(torch.equal(a[0], g) for g in a[1:])  # one group: the same bytes
+    start, end = bounds[1]
+    own = sum(deltas[i][start:end] for i in range(4)) / 4  # slot 1: group A's own mean
+    assert float((a[0][start:end] - own).norm() / own.norm()) < 0.05
+    for r in results[4:]:  # B: member 4's span (slots 0-1) missing, member 5's (slots 2-3) the joint average
+        assert [s.average is None for s in r.spans] == [True, False]
+        assert torch.equal(r.spans[1].average, a[0][bounds[2][0]:bounds[3][1]])
+
+
+def test_a_group_whose_base_is_not_level_2s_contributes_but_applies_no_slot():
+    """Group B declares an older base than A's, with as many peers: level 2 takes A's (the later round); B's
+    parts count in every slot (A's average is the mean of all six) but none of B's slots is applied."""
+    torch.manual_seed(5)
+    deltas = [torch.randn(NUMEL) for _ in range(6)]
+    results = run_async(_two_groups(deltas, [1.0] * 6, bases=((BASE, 7), ("1" * 32, 6))))
+    mean = sum(deltas) / 6
+    assert all(r.complete for r in results[:3])
+    got = torch.cat([s.average for s in results[0].spans])
+    assert float((got - mean).norm() / mean.norm()) < 0.05
+    assert all(s.average is None for r in results[3:] for s in r.spans)
 
 
 def test_a_slot_whose_level_2_loses_a_span_is_missing_in_every_group_and_the_rest_applies():

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class MemberInfo(_message.Message):
-    __slots__ = ("protocol_version", "weight", "inner_step", "client_mode", "numel", "download_bytes_per_second", "slots", "upload_bytes_per_second", "base", "base_round", "expected")
+    __slots__ = ("protocol_version", "weight", "inner_step", "client_mode", "numel", "download_bytes_per_second", "slots", "upload_bytes_per_second", "base", "base_round", "expected", "members")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     INNER_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class MemberInfo(_message.Message):
     BASE_FIELD_NUMBER: _ClassVar[int]
     BASE_ROUND_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     weight: float
     inner_step: int
@@ -32,7 +33,8 @@ class MemberInfo(_message.Message):
     base: str
     base_round: int
     expected: int
-    def __init__(self, protocol_version: _Optional[int] = ..., weight: _Optional[float] = ..., inner_step: _Optional[int] = ..., client_mode: _Optional[bool] = ..., numel: _Optional[int] = ..., download_bytes_per_second: _Optional[float] = ..., slots: _Optional[int] = ..., upload_bytes_per_second: _Optional[float] = ..., base: _Optional[str] = ..., base_round: _Optional[int] = ..., expected: _Optional[int] = ...) -> None: ...
+    members: int
+    def __init__(self, protocol_version: _Optional[int] = ..., weight: _Optional[float] = ..., inner_step: _Optional[int] = ..., client_mode: _Optional[bool] = ..., numel: _Optional[int] = ..., download_bytes_per_second: _Optional[float] = ..., slots: _Optional[int] = ..., upload_bytes_per_second: _Optional[float] = ..., base: _Optional[str] = ..., base_round: _Optional[int] = ..., expected: _Optional[int] = ..., members: _Optional[int] = ...) -> None: ...
 
 class ReduceRequest(_message.Message):
     __slots__ = ("group_id", "span_index", "weight", "offset", "piece", "acknowledged")

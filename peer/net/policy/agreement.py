@@ -9,8 +9,10 @@ of the round applies. :func:`agree` decides (1) and (3) from the members' ``Memb
 - the group's base is the one most members declared (ties: the later round, then the smaller digest); a member
   with another base contributes but applies nothing, and downloads the result (``off_base``);
 - a one-level group applies only with more than half of the upper median of its members' declared ``expected``
-  counts (:func:`quorum_count`), so at most one group of a round applies (``minority`` otherwise). Two-level
-  rounds are bounded groups joined at level 2: no quorum there.
+  counts (:func:`quorum_count`), so at most one group of a round applies (``minority`` otherwise). A two-level
+  round's level-1 groups are judged per slot at level 2 instead (:func:`slot_verdict`): each member there counts
+  for its level-1 group's peers, so at most one level-2 group of a slot applies, and a level-1 group applies only
+  if every slot it holds does.
 
 Proof sketch and the split swarm: docs/architecture.md, "One digest for every applied round".
 """
@@ -41,18 +43,33 @@ def valid_base(info: pb.MemberInfo) -> bool:
     return 0 < len(info.base) <= DIGEST_CHARS and all(c in "0123456789abcdef" for c in info.base)
 
 
-def agree(infos: Sequence[pb.MemberInfo], *, two_level: bool) -> GroupVerdict:
-    """The group's verdict from its members' infos (checked by :meth:`peer.net.round.group.GroupPlan.from_group`)."""
+def agree(infos: Sequence[pb.MemberInfo], *, two_level: bool, sizes: Sequence[int] = ()) -> GroupVerdict:
+    """The group's verdict from its members' infos (checked by :meth:`peer.net.round.group.GroupPlan.from_group`).
+    ``two_level``: the group is level 1 of a two-level round (its quorum is judged per slot, :func:`slot_verdict`);
+    ``sizes``: per member, how many peers it counts for (default 1 each)."""
+    sizes = sizes or [1] * len(infos)
     holders: dict[str, list[int]] = {}
     for i, info in enumerate(infos):
         holders.setdefault(info.base, []).append(i)
     # the round of a base: the smallest any holder declared (a member cannot lift a base by claiming a later one)
     rounds = {base: min(infos[i].base_round for i in held) for base, held in holders.items()}
-    base = min(holders, key=lambda b: (-len(holders[b]), -rounds[b], b))
+    held_by = {base: sum(sizes[i] for i in held) for base, held in holders.items()}
+    base = min(holders, key=lambda b: (-held_by[b], -rounds[b], b))
     declared = sorted(max(1, info.expected) for info in infos)
     expected = declared[len(declared) // 2]
-    quorum = two_level or 2 * len(infos) > expected
+    quorum = two_level or 2 * sum(sizes) > expected
     return GroupVerdict(base, rounds[base], tuple(holders[base]), quorum, expected)
+
+
+def slot_verdict(infos: Sequence[pb.MemberInfo], cap: int) -> GroupVerdict:
+    """The verdict of one slot's level-2 group (its members: the slot's holders in the level-1 groups that met,
+    each declaring its group's base, ``expected`` and size ``members``). Each member counts for its group's peers,
+    at most ``cap`` (a full group); the quorum is more than half of the upper median of the declared counts, as in
+    one level: two level-2 groups of a slot are disjoint in peers, so at most one applies. A level-1 group that
+    met no other applies alone only if it holds that majority itself. Members whose base is not the level-2
+    group's reduce and send their parts but apply nothing. A hostile holder can claim a full group for a smaller
+    one: two level-2 groups may then both apply, and the smaller side is off base at its next round."""
+    return agree(infos, two_level=False, sizes=[min(max(1, info.members), cap) for info in infos])
 
 
 def quorum_count(expected: Collection[str], live: Iterable[str], partnered: Callable[[str], bool], me: str) -> int:

@@ -12,6 +12,10 @@ deadlines, failures and hostile input: docs/architecture.md, "Beyond one group")
 3. *Down*: the level-1 reducer forwards those bytes unchanged, so every peer of every group in a slot's level-2
    round decodes the same bytes. A slot whose level-2 round fails fails the holder's whole level-1 span
    (:class:`~peer.net.round.reduction.LiftError`: missing, not applied).
+
+Invariant: a slot's level-2 group applies only with a majority of the round's peers
+(:func:`~peer.net.policy.agreement.slot_verdict`), so of the level-1 groups of a round, those that apply hold, per
+slot, the one majority's result: one digest. A group that met no other group applies alone only with a majority.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from peer.net.round.reducer import AllReduceServicer
 from peer.net.round.group import MAX_GROUP_SIZE, GroupError, GroupPlan, slot_bounds
 from peer.net.flow.bandwidth import Bandwidth
 from peer.net.flow.streams import StreamGuard
+from peer.net.policy.agreement import slot_verdict
 from peer.net.round.matchmaking import form_group
 from peer.net.round.reduction import Lifted, LiftError, Pieces, encode_pieces
 from peer.net.trust.exclusion import PeerVerdict
@@ -113,31 +118,53 @@ class SlotLift:
         lifted.total_weight = min(totals, default=total_weight)
         return lifted
 
+    def _declaration(self, part: torch.Tensor, weight: float) -> pb.MemberInfo:
+        """What we declare in a slot's level 2: our level-1 group's base, expected count and size."""
+        mine, verdict = self.plan.infos[self.plan.my_index], self.plan.verdict
+        return pb.MemberInfo(protocol_version=mine.protocol_version, weight=weight, numel=part.numel(),
+                             download_bytes_per_second=self.download,
+                             base=verdict.base if verdict else mine.base,
+                             base_round=verdict.base_round if verdict else mine.base_round,
+                             expected=verdict.expected if verdict else mine.expected,
+                             members=len(self.plan.peer_ids))
+
     async def _slot(self, slot: int, part: torch.Tensor, weight: float, groups: int) -> Lifted:
-        """One slot's level 2: its group, the all-reduce, and the pieces that tile it (LiftError otherwise)."""
-        mine = self.plan.infos[self.plan.my_index]  # (level 2 applies nothing itself: its base is level 1's)
-        info = pb.MemberInfo(protocol_version=mine.protocol_version, weight=weight, numel=part.numel(),
-                             download_bytes_per_second=self.download, base=mine.base, base_round=mine.base_round)
+        """One slot's level 2: its group, the all-reduce, and the pieces that tile it (LiftError otherwise, and
+        where the level-2 group's verdict says our group does not apply the slot)."""
+        info = self._declaration(part, weight)
         group = await self.form(slot, info.SerializeToString(), time_left(self.deadline) * self.matchmaking_share,
                                 groups)
-        if group is None:  # no other group's holder came: the slot holds our group's result (as a group of one)
-            log.warning("%s slot %d: no other group met us in level 2; the slot holds this group's average",
-                        self.plan.label, slot)
+        label = f"{self.plan.label} slot {slot}"
+        if group is None:  # no other group's holder came: the slot holds our group's result, if we are a majority
+            alone = slot_verdict([info], self.plan.slots)
+            if not alone.quorum:
+                raise LiftError(f"slot {slot}: no other group met us in level 2, and our {info.members} peers are "
+                                f"not more than half of the {alone.expected} expected: nothing applied")
+            log.warning("%s: no other group met us in level 2; our %d of %d peers hold the slot's average", label,
+                        info.members, alone.expected)
             ours = await asyncio.get_running_loop().run_in_executor(None, encode_pieces, self.plan.codec, part,
                                                                     self.chunk_elems)
             return Lifted(ours, weight)
         try:
             plan = GroupPlan.from_group(group, self.plan.peer_ids[self.plan.my_index], self.plan.codec, part.numel(),
-                                        f"{self.plan.label} slot {slot}", self.plan.rule)
+                                        label, self.plan.rule)
             if plan.slots:
                 raise GroupError("a member declared slots in a level-2 group (two levels, not three)")
         except GroupError as e:
             raise LiftError(f"slot {slot}: level-2 group rejected: {e}") from None
+        verdict = slot_verdict(plan.infos, self.plan.slots)  # (every member of the slot concludes the same)
+        if not verdict.quorum:
+            peers = sum(min(max(1, i.members), self.plan.slots) for i in plan.infos)
+            raise LiftError(f"slot {slot}: a level-2 group of {len(plan.infos)} groups ({peers} peers) does not hold "
+                            f"more than half of the {verdict.expected} expected: another may apply this round")
         plan.part_codec = get_codec(PART_CODEC)
         result = await self.run(plan, part, weight, time_left(self.deadline))
         if not result.complete or any(p is None for p in result.pieces):
             missing = [f"[{s.start}, {s.end})" for s in result.spans if s.average is None]
             raise LiftError(f"slot {slot}: level-2 spans {missing} missing")
+        if plan.my_index not in verdict.appliers:  # (our part counted; our group's base is not level 2's)
+            raise LiftError(f"slot {slot}: our group's base {info.base[:12]} differs from level 2's "
+                            f"{verdict.base[:12]} (round {verdict.base_round}): nothing applied")
         pieces: Pieces = []
         for span, span_pieces in zip(result.spans, result.pieces):
             pieces.extend((span.start + offset, piece) for offset, piece in span_pieces or [])
