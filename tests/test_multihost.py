@@ -5,7 +5,7 @@ A bootstrap node in host 0 (10.77.0.1) and four peers in hosts 1-4 (10.77.0.2-5)
 the next:
 
 1. the four peers train and complete rounds together (group of 4), one digest per round;
-2. host 4's link is pulled (``lab.cut``) for ``CUT_SECONDS``. The three others keep training as a group of 3,
+2. host 4's link is pulled (``lab.cut``) for at least ``CUT_SECONDS``. The three others keep training as a group of 3,
    one digest among them (their leader waits ``--matchmaking-time`` for the cut peer until it has been silent
    for ``--progress-ttl``). The cut peer keeps training alone (none of its rounds is applied);
 3. after ``lab.restore`` the cut peer is back within ``RECONNECT_S`` and then agrees with the others within
@@ -50,6 +50,7 @@ CUT_SECONDS = 60.0
 # it pings the peers it knew every PERIOD (swarm.py) instead of waiting for libp2p to redial (measured 28-45 s
 # before it did). Measured: seen again 2 s after the restore; the bound leaves room for a loaded machine.
 RECONNECT_S = 30.0
+SETTLED_ROUNDS = 6  # rounds the three others complete together once the cut peer's record expired
 REJOIN_ROUNDS = 2  # the cut peer holds the others' digest by their 2nd round of a fragment after reconnecting
 NAMES = ["p1", "p2", "p3", "p4"]  # peer i runs in lab host i (host 0: the bootstrap node)
 CUT = "p4"
@@ -183,16 +184,19 @@ def test_cut_link_the_cut_peer_rejoins_then_the_bootstrap_node_leaves(lab, procs
     watch.until(lambda: len(common_ok(tmp_path, OTHERS, since=cut_wall, group=3)) >= 3, CUT_SECONDS - 5,
                 "three rounds completed ok by the three others in a group of 3 while host 4 is cut", cut_wall)
     t_three = time.monotonic() - t_cut
-    watch.until(lambda: time.monotonic() - t_cut >= CUT_SECONDS, CUT_SECONDS + 5, f"the {CUT_SECONDS:g} s cut to end")
-    lab.restore(NAMES.index(CUT) + 1)
-    restore_wall = time.time()
-    at_restore = {f: max_round(tmp_path, OTHERS, f) for f in (0, 1)}
     # rounds launched once the cut peer's record had expired (TTL) and the round in flight at the cut (if any)
-    # was over (matchmaking timeout): the others, as a group of 3, hold one state
+    # was over (matchmaking timeout): the others, as a group of 3, hold one state. The cut lasts CUT_SECONDS and
+    # until they completed SETTLED_ROUNDS such rounds (a round count, not a speed: a loaded machine takes longer)
     settled = cut_wall + TTL + 15
+    watch.until(lambda: time.monotonic() - t_cut >= CUT_SECONDS
+                and len(common_ok(tmp_path, OTHERS, since=settled)) >= SETTLED_ROUNDS, CUT_SECONDS + 60,
+                f"the {CUT_SECONDS:g} s cut to end, with {SETTLED_ROUNDS} rounds of the others", cut_wall)
+    lab.restore(NAMES.index(CUT) + 1)
+    restore_wall, t_restore = time.time(), time.monotonic()
+    at_restore = {f: max_round(tmp_path, OTHERS, f) for f in (0, 1)}
     during = [k for k in common_ok(tmp_path, OTHERS, since=settled)
               if rounds_of(tmp_path, OTHERS[0])[k]["time"] < restore_wall]
-    assert len(during) >= 6, f"the others completed only {during} during the cut\n{timeline(tmp_path, cut_wall)}"
+    assert len(during) >= SETTLED_ROUNDS, f"the others completed only {during}\n{timeline(tmp_path, cut_wall)}"
     for key in during:
         got = [rounds_of(tmp_path, n)[key]["digest"] for n in OTHERS]
         assert len(set(got)) == 1, f"{key}: digests of the others differ: {got}\n{timeline(tmp_path, cut_wall)}"
@@ -238,7 +242,7 @@ def test_cut_link_the_cut_peer_rejoins_then_the_bootstrap_node_leaves(lab, procs
     watch.until(lambda: majority_kept_its_state() and all(agreed(f) for f in (0, 1)), RECONNECT_S + 45,
                 f"{CUT} to hold the others' digest of both fragments after the restore", restore_wall - 10)
     rejoin = {f: agreed(f) for f in (0, 1)}
-    t_rejoin = time.monotonic() - t_cut - CUT_SECONDS
+    t_rejoin = time.monotonic() - t_restore
     # reconnected: the first moment after the restore that the cut peer looks for a group with anyone, or
     # the others look for a group of 4
     seen = [t for t, target in group_searches(peers[CUT], restore_wall) if t >= int(restore_wall) and target >= 2]
