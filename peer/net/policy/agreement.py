@@ -9,10 +9,8 @@ of the round applies. :func:`agree` decides (1) and (3) from the members' ``Memb
 - the group's base is the one most members declared (ties: the later round, then the smaller digest); a member
   with another base contributes but applies nothing, and downloads the result (``off_base``);
 - a one-level group applies only with more than half of the upper median of its members' declared ``expected``
-  counts (:func:`quorum_count`), so at most one group of a round applies (``minority`` otherwise). A two-level
-  round's level-1 groups are judged per slot at level 2 instead (:func:`slot_verdict`): each member there counts
-  for its level-1 group's peers, so at most one level-2 group of a slot applies, and a level-1 group applies only
-  if every slot it holds does.
+  counts (:func:`quorum_count`), so at most one group of a round applies (``minority`` otherwise); in two
+  levels, per slot at level 2, each member counting for its group's peers (:func:`slot_verdict`).
 
 Proof sketch and the split swarm: docs/architecture.md, "One digest for every applied round".
 """

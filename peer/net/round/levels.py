@@ -10,12 +10,9 @@ deadlines, failures and hostile input: docs/architecture.md, "Beyond one group")
    groups' holders of that slot and runs the one-level all-reduce on it (:class:`SlotLift`). Those parts are
    partial values sent in fp8; each level-2 reducer encodes its result **once** with the run's codec.
 3. *Down*: the level-1 reducer forwards those bytes unchanged, so every peer of every group in a slot's level-2
-   round decodes the same bytes. A slot whose level-2 round fails fails the holder's whole level-1 span
-   (:class:`~peer.net.round.reduction.LiftError`: missing, not applied).
-
-Invariant: a slot's level-2 group applies only with a majority of the round's peers
-(:func:`~peer.net.policy.agreement.slot_verdict`), so of the level-1 groups of a round, those that apply hold, per
-slot, the one majority's result: one digest. A group that met no other group applies alone only with a majority.
+   round decodes the same bytes. A slot whose level-2 round fails, or lacks a majority of the round's peers
+   (:func:`~peer.net.policy.agreement.slot_verdict`; a group alone included), fails the holder's whole level-1
+   span (:class:`~peer.net.round.reduction.LiftError`: missing, not applied): the groups that apply hold one digest.
 """
 
 from __future__ import annotations
