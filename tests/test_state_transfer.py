@@ -91,21 +91,23 @@ def test_a_donor_that_names_another_round_is_refused_whatever_its_digest(monkeyp
 @pytest.mark.parametrize("cuts", [1, 1000])
 def test_a_stream_cut_short_is_asked_again_once(monkeypatch, cuts):
     """An answer that ends before its part without a word from the donor (the transport closed the stream) is
-    asked for again from the same donor, once: the only donor's state still arrives; a donor whose streams keep
-    ending early is given up."""
-    serve, cut = StateServicer._serve, [0]
+    asked for again from the same donor, once, for the rest of the part: the only donor's state still arrives
+    and no element is sent twice; a donor whose streams keep ending early is given up."""
+    serve, cut, served = StateServicer._serve, [0], [0]
 
     async def short(self, request, pacer):
         async for i, msg in _enumerate(serve(self, request, pacer)):
             if i == 1 and cut[0] < cuts:
                 cut[0] += 1
                 return  # a clean end of the stream, one chunk into the part
+            served[0] += len(msg.g) // 4
             yield msg
 
     monkeypatch.setattr(StateServicer, "_serve", short)
     if cuts == 1:
         good, got = run_async(_scenario(1000, ["good"]))
         assert torch.equal(got.G, good.G) and torch.equal(got.v, good.v) and cut[0] == 1
+        assert served[0] == 1000  # the cut part was asked for from where it stopped
     else:
         with pytest.raises(DownloadError, match="StopAsyncIteration"):
             run_async(_scenario(1000, ["good"]))

@@ -199,28 +199,32 @@ class _Assembly:
 
 
 async def _fetch(p2p: P2P, donor: PeerID, fragment: int, round_: int, part: tuple[int, int], got: _Assembly,
-                 deadline: float, max_chunk_elems: int, pacer: Pacer, declared: float) -> None:
-    """Downloads ``part`` of the state from ``donor`` into ``got`` and verifies its blocks."""
+                 deadline: float, max_chunk_elems: int, pacer: Pacer, declared: float, filled: list[int]) -> None:
+    """Downloads ``part`` of the state from ``donor`` into ``got`` and verifies its blocks. ``filled``: one
+    element, where the part's elements before ``filled[0]`` are already in ``got`` (from this donor: a stream of
+    its cut short); asks for the rest and moves ``filled[0]`` as chunks come. Raises StopAsyncIteration when the
+    stream ends early."""
     start, end = part
     stub = StateServicer.get_stub(p2p, donor)
-    request = pb.StateRequest(fragment=fragment, round=round_, max_bytes_per_second=declared, offset=start,
-                              count=end - start)
+    request = pb.StateRequest(fragment=fragment, round=round_, max_bytes_per_second=declared, offset=filled[0],
+                              count=end - filled[0])
     stream = await asyncio.wait_for(stub.rpc_download(request), timeout=time_left(deadline))
-    filled = start
+    first = True
     try:
-        while filled < end:
+        while filled[0] < end:
             msg = await next_by(stream, deadline)
             if msg.error:
                 raise DownloadError(f"donor says: {msg.error}")
-            if filled == start:
+            if first:  # (every answer's first chunk carries the header)
                 got.check_header(msg)
-            n = len(msg.g) // 4
-            if (msg.fragment != fragment or msg.offset != filled or n == 0 or n > max_chunk_elems
-                    or len(msg.g) != 4 * n or len(msg.v) != 4 * n or filled + n > end):
+                first = False
+            at, n = filled[0], len(msg.g) // 4
+            if (msg.fragment != fragment or msg.offset != at or n == 0 or n > max_chunk_elems
+                    or len(msg.g) != 4 * n or len(msg.v) != 4 * n or at + n > end):
                 raise DonorLied(f"malformed chunk at offset {msg.offset} ({len(msg.g)} bytes)")
-            got.G[filled:filled + n] = torch.from_numpy(np.frombuffer(msg.g, dtype="<f4").astype(np.float32))
-            got.v[filled:filled + n] = torch.from_numpy(np.frombuffer(msg.v, dtype="<f4").astype(np.float32))
-            filled += n
+            got.G[at:at + n] = torch.from_numpy(np.frombuffer(msg.g, dtype="<f4").astype(np.float32))
+            got.v[at:at + n] = torch.from_numpy(np.frombuffer(msg.v, dtype="<f4").astype(np.float32))
+            filled[0] = at + n
             got.received += msg.ByteSize()
             await pacer.take(msg.ByteSize())
     finally:
@@ -269,20 +273,26 @@ async def download(p2p: P2P, donors: Sequence[PeerID], fragment: int, *, round_:
                 await changed.wait()
                 continue
             part = got.parts.pop(0)
+            filled = [part[0]]  # the part's elements before filled[0] are in, from this donor
             try:
-                await _fetch(p2p, donor, fragment, round_, part, got, deadline, max_chunk_elems, pacer,
-                             share(pacer.rate(), width))
+                while True:
+                    try:
+                        await _fetch(p2p, donor, fragment, round_, part, got, deadline, max_chunk_elems, pacer,
+                                     share(pacer.rate(), width), filled)
+                        break
+                    except StopAsyncIteration:
+                        if cut_short or time.monotonic() >= deadline:
+                            raise
+                        # the stream ended without a word from the donor (the transport closed it): ask it once
+                        # more, for the rest of the part only (what came is kept: the same donor's, verified whole)
+                        cut_short = True
+                        log.info("state download of fragment %d from %s: a stream ended early at element %d of "
+                                 "[%d, %d); asking again for the rest", fragment, short_id(donor), filled[0], *part)
                 got.done += 1
                 changed.set()
-            except Exception as e:  # a dead, slow, busy or lying donor: its part goes to the next one
+            except Exception as e:  # a dead, slow, busy or lying donor: its part goes to the next one, whole
                 got.parts.insert(0, part)
                 changed.set()
-                if isinstance(e, StopAsyncIteration) and not cut_short and time.monotonic() < deadline:
-                    # the stream ended without a word from the donor (the transport closed it): ask it once more
-                    cut_short = True
-                    log.info("state download of fragment %d from %s: a stream ended early; asking again", fragment,
-                             short_id(donor))
-                    continue
                 log.warning("state download of fragment %d from %s failed: %s: %s", fragment, short_id(donor),
                             type(e).__name__, e)
                 errors.append(f"{short_id(donor)}: {type(e).__name__}")
