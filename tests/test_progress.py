@@ -160,3 +160,37 @@ def test_a_record_speaks_only_for_its_signers_peer_id_on_peers_and_bootstrap_nod
     assert passes(signed("another run_progress", rec(mine, 1.0)), node_validators())
     assert not passes(signed("another run_progress", rec(other, 1.0)), node_validators())
     assert passes(signed("some other key", [1, 2, 3]), node_validators())
+
+
+@pytest.mark.timeout(120)
+def test_a_swarm_that_shuts_down_withdraws_its_record_and_the_others_drop_it_at_once(tmp_path):
+    """Two real swarms on loopback (progress records every 0.5 s, a TTL of 60 s): once each sees the other, one
+    shuts down; the other drops it within a few heartbeats, not a TTL later (its rounds stop waiting for it)."""
+    from helpers import wait_for
+    from peer.config import SwarmConfig
+    from peer.net.swarm import Swarm
+
+    def config(**kw) -> SwarmConfig:
+        return SwarmConfig(host_maddrs=["/ip4/127.0.0.1/tcp/0"], progress_period=0.5, progress_ttl=60.0,
+                           reachability_check=False, **kw)
+
+    ids = {n: str(tmp_path / f"{n}.id") for n in "ab" if ensure_identity(tmp_path / f"{n}.id")}
+    first = Swarm(config(new_swarm=True), run_key="t", codec="fp32", identity_path=ids["a"])
+    first.start()
+    second = None
+    try:
+        second = Swarm(config(initial_peers=first.visible_maddrs()), run_key="t", codec="fp32",
+                       identity_path=ids["b"])
+        second.start()
+        for s in (first, second):
+            s.ours.update_progress(10, 1, 1.0)
+        wait_for(lambda: second.peer_id in first.live_peers() and first.peer_id in second.live_peers(), 30,
+                 "each swarm to see the other")
+        gone, t0 = second.peer_id, time.monotonic()
+        second.shutdown()
+        wait_for(lambda: gone not in first.live_peers(), 15, "the first swarm to drop the one that left")
+        assert time.monotonic() - t0 < 15 < first.cfg.progress_ttl
+    finally:
+        if second is not None:
+            second.shutdown()
+        first.shutdown()

@@ -172,17 +172,18 @@ class Swarm:
         self.hosts.list_soon(self.p2p, self.cfg.request_timeout)
 
     def shutdown(self) -> None:
-        """Withdraws our progress record, stops the event loop thread and the DHT. Idempotent."""
-        if self._dht is not None and self._thread.is_alive():
-            try:
-                self._call(self.dht.store(progress_key(self.run_key), None, get_dht_time() + self.cfg.progress_ttl,
-                                          subkey=self._subkey, return_future=True), self.cfg.request_timeout)
-            except Exception as e:  # leaving is best effort: the record expires on its own
-                log.debug("could not withdraw progress record: %s", e)
+        """Stops the event loop thread (the heartbeat first: it would publish our record again), withdraws our
+        progress record, so that the others stop waiting for us at once, and stops the DHT. Idempotent."""
         if self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._cancel_all_and_stop)
             self._thread.join(timeout=10)
         if self._dht is not None:
+            try:  # (a record the heartbeat had in flight expires before the withdrawal: the withdrawal wins)
+                self._dht.store(progress_key(self.run_key), None, get_dht_time() + self.cfg.progress_ttl,
+                                subkey=self._subkey, return_future=True).result(self.cfg.request_timeout)
+            except Exception as e:  # leaving is best effort: the record expires on its own
+                log.warning("could not withdraw our progress record (the others see us for up to %g s more): "
+                            "%s: %s", self.cfg.progress_ttl, type(e).__name__, e)
             self._dht.shutdown()
             self._dht = None
 
