@@ -15,6 +15,7 @@ from peer.net.round.reducer import AllReduceServicer
 from peer.net.round.group import PROTOCOL_VERSION, GroupError, GroupPlan, slot_bounds, slot_spans
 from peer.net.round.levels import SlotLift, plan_levels, roster_sizes
 from peer.net.flow.streams import StreamGuard
+from peer.net.trust.exclusion import Offence
 from peer.outer.aggregate import AggregationRule, Aggregator
 from peer.outer.codec import get_codec
 from peer.outer.rounds import Span
@@ -194,6 +195,36 @@ def test_a_slot_whose_level_2_loses_a_span_is_missing_in_every_group_and_the_res
     for r in results:
         assert [s.average is None for s in r.spans] == [False, False, True]
     assert all(torch.equal(results[0].spans[k].average, results[3].spans[k].average) for k in (0, 1))
+
+
+def test_a_level_2_member_whose_info_the_plan_leaves_out_is_named_as_an_offender():
+    """A slot's level-2 group of our holder, another group's holder and a member whose info does not parse: the
+    plan leaves it out, the slot goes on with the two, and the lift hands its offence to ``learn``."""
+    learned, ran = [], []
+    mine = pb.MemberInfo(protocol_version=PROTOCOL_VERSION, base=BASE, weight=1.0, numel=NUMEL, slots=4,
+                         expected=8)
+    level1 = GroupPlan.from_group(_group(b"g", ["a", "b", "c", "d"], [mine] * 4), "a", get_codec("fp32"), NUMEL,
+                                  "t", MEAN)
+    start, end = slot_bounds(NUMEL, 4, get_codec("fp32").block_size)[0]
+    part = torch.ones(end - start)
+
+    async def form(slot, gather, seconds, groups):
+        other = pb.MemberInfo.FromString(gather)
+        return GroupInfo(b"l2", ("a", "x", "junk"), (gather, other.SerializeToString(), b"\xff not a member info"))
+
+    async def run(plan, values, weight, seconds):
+        ran.append([str(p) for p in plan.peer_ids])
+        return AllReduceResult([Span(0, values.numel(), values.clone())], [[0, 1]], total_weight=2 * weight,
+                               pieces=[[(0, b"")]])
+
+    async def groups():
+        return 2
+
+    lift = SlotLift(level1, form=form, run=run, deadline=time.monotonic() + 10, chunk_elems=1024, groups=groups,
+                    learn=learned.extend)
+    assert run_async(lift._slot(0, part, 1.0, 2)).total_weight == 2.0
+    assert ran == [["a", "x"]]
+    assert [(v.peer, v.offence) for v in learned] == [("junk", Offence.BAD_INFO)]
 
 
 def test_roster_reads_take_only_plausible_group_sizes():

@@ -40,7 +40,7 @@ from peer.net.flow.streams import StreamGuard
 from peer.net.policy.agreement import slot_verdict
 from peer.net.round.matchmaking import form_group
 from peer.net.round.reduction import Lifted, LiftError, Pieces, encode_pieces
-from peer.net.trust.exclusion import PeerVerdict
+from peer.net.trust.exclusion import Offence, PeerVerdict
 from peer.outer.codec import get_codec
 from peer.proto import allreduce_pb2 as pb
 from peer.util import time_left
@@ -85,7 +85,7 @@ class SlotLift:
 
     def __init__(self, plan: GroupPlan, *, form: FormSlot, run: RunSlot, deadline: float, chunk_elems: int,
                  groups: Callable[[], Awaitable[int]], download_bytes_per_second: float = 0.0,
-                 matchmaking_share: float = 0.5):
+                 matchmaking_share: float = 0.5, learn: Callable[[Sequence[PeerVerdict]], object] = lambda _: None):
         if not plan.slots:
             raise ValueError("a one-level plan has nothing to lift")
         self.plan = plan
@@ -94,6 +94,7 @@ class SlotLift:
         self.chunk_elems = chunk_elems  # (pieces we encode ourselves, when no other group came)
         self.download = download_bytes_per_second
         self.matchmaking_share = matchmaking_share
+        self.learn = learn  # takes the offences of the level-2 members whose info the slot's plan left out
 
     async def __call__(self, combined: torch.Tensor, total_weight: float) -> Lifted:
         plan = self.plan
@@ -149,6 +150,8 @@ class SlotLift:
                 raise GroupError("a member declared slots in a level-2 group (two levels, not three)")
         except GroupError as e:
             raise LiftError(f"slot {slot}: level-2 group rejected: {e}") from None
+        if plan.dropped:  # (every member drops the same ones; each names them as offenders)
+            self.learn([PeerVerdict(who, f"{label}: {why}", Offence.BAD_INFO) for who, why in plan.dropped])
         verdict = slot_verdict(plan.infos, self.plan.slots)  # (every member of the slot concludes the same)
         if not verdict.quorum:
             peers = sum(min(max(1, i.members), self.plan.slots) for i in plan.infos)
@@ -189,8 +192,8 @@ class GroupCensus:
     assembled before a late group's holder came would leave that group out, so :meth:`groups` reads the roster
     until its groups hold every live peer or ``cutoff`` s passed, and then counts at least ``expected`` (groups
     still forming are waited for by level 2's matchmaking, short of its target). A hostile entry can only make a
-    holder wait the cutoff, or form before every group came (that group then diverges until the drift check
-    repairs it).
+    holder wait the cutoff, or form before every group came (that group then applies nothing this round unless
+    it alone holds a majority: :func:`~peer.net.policy.agreement.slot_verdict`).
     Must be used in the event loop of the swarm's networking thread."""
 
     def __init__(self, dht: DHT, prefix: str, *, group_id: bytes, size: int, live: int, cutoff: float,
@@ -234,9 +237,10 @@ def swarm_lift(plan: GroupPlan, *, p2p: P2P, dht: DHT, servicer: AllReduceServic
     """The :class:`SlotLift` of a swarm's round: level-2 groups by matchmaking under ``{prefix}_s{slot}`` (target:
     the groups of the :class:`GroupCensus`, read for at most 40% of the time to ``deadline``; short of it, whoever
     came within three quarters of the time left, at least ``cfg.matchmaking_time``; alone, the slot holds our
-    group's average), the all-reduce on the swarm's servicer with the round's timeouts, within ``deadline``.
-    ``live``: the live peers the round was launched with; ``bandwidth``: the owner's caps; ``learn``: takes the
-    level-2 all-reduces' verdicts on their reducers. Must run in the event loop that owns ``p2p``."""
+    group's average if our group is a majority), the all-reduce on the swarm's servicer with the round's timeouts,
+    within ``deadline``. ``live``: the live peers the round was launched with; ``bandwidth``: the owner's caps;
+    ``learn``: takes the level-2 all-reduces' verdicts on their reducers. Must run in the event loop that owns
+    ``p2p``."""
     expected = math.ceil(live / plan.slots)  # (the groups plan_levels aims at)
     # Groups whose members came late form late: wait for the roster up to 40% of the round's time (at least
     # matchmaking_time); the slots' all-reduces need only a few seconds of what is left.
@@ -260,4 +264,4 @@ def swarm_lift(plan: GroupPlan, *, p2p: P2P, dht: DHT, servicer: AllReduceServic
         return result
 
     return SlotLift(plan, form=form, run=run, deadline=deadline, chunk_elems=max(1, cfg.chunk_bytes // 4),
-                    groups=census.groups, download_bytes_per_second=bandwidth.download.rate())
+                    groups=census.groups, download_bytes_per_second=bandwidth.download.rate(), learn=learn)
