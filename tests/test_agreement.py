@@ -73,7 +73,7 @@ def test_a_slots_level_2_group_counts_each_holder_for_its_groups_peers():
     assert not slot_verdict(level2([(A, 0), (A, 0)], expected=8), cap=4).quorum  # and for its own peer at least
     # the base most peers hold wins, not the base most holders declared
     v = slot_verdict(level2([(A, 1), (B, 4), (A, 1)], expected=6), cap=4)
-    assert (v.base, v.appliers, v.quorum) == (B, (1,), True)
+    assert (v.base, v.appliers, v.quorum, v.counted) == (B, (1,), True, 6)
 
 
 @given(n=st.integers(5, 40), cap=st.integers(2, 8), data=st.data())

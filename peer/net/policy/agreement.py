@@ -34,6 +34,7 @@ class GroupVerdict:
     appliers: tuple[int, ...]  # member indices (group order) whose base is the group's
     quorum: bool  # the group may apply its average
     expected: int  # the quorum's denominator (the upper median of the declared counts)
+    counted: int  # the quorum's numerator: the peers the members count for (one each in one level)
 
 
 def valid_base(info: pb.MemberInfo) -> bool:
@@ -56,7 +57,7 @@ def agree(infos: Sequence[pb.MemberInfo], *, two_level: bool, sizes: Sequence[in
     declared = sorted(max(1, info.expected) for info in infos)
     expected = declared[len(declared) // 2]
     quorum = two_level or 2 * sum(sizes) > expected
-    return GroupVerdict(base, rounds[base], tuple(holders[base]), quorum, expected)
+    return GroupVerdict(base, rounds[base], tuple(holders[base]), quorum, expected, sum(sizes))
 
 
 def slot_verdict(infos: Sequence[pb.MemberInfo], cap: int) -> GroupVerdict:

@@ -136,10 +136,10 @@ class SlotLift:
         if group is None:  # no other group's holder came: the slot holds our group's result, if we are a majority
             alone = slot_verdict([info], self.plan.slots)
             if not alone.quorum:
-                raise LiftError(f"slot {slot}: no other group met us in level 2, and our {info.members} peers are "
+                raise LiftError(f"slot {slot}: no other group met us in level 2, and our {alone.counted} peers are "
                                 f"not more than half of the {alone.expected} expected: nothing applied")
             log.warning("%s: no other group met us in level 2; our %d of %d peers hold the slot's average", label,
-                        info.members, alone.expected)
+                        alone.counted, alone.expected)
             ours = await asyncio.get_running_loop().run_in_executor(None, encode_pieces, self.plan.codec, part,
                                                                     self.chunk_elems)
             return Lifted(ours, weight)
@@ -154,9 +154,8 @@ class SlotLift:
             self.learn([PeerVerdict(who, f"{label}: {why}", Offence.BAD_INFO) for who, why in plan.dropped])
         verdict = slot_verdict(plan.infos, self.plan.slots)  # (every member of the slot concludes the same)
         if not verdict.quorum:
-            peers = sum(min(max(1, i.members), self.plan.slots) for i in plan.infos)
-            raise LiftError(f"slot {slot}: a level-2 group of {len(plan.infos)} groups ({peers} peers) does not hold "
-                            f"more than half of the {verdict.expected} expected: another may apply this round")
+            raise LiftError(f"slot {slot}: a level-2 group of {len(plan.infos)} groups ({verdict.counted} peers) does "
+                            f"not hold more than half of the {verdict.expected} expected: another may apply this round")
         plan.part_codec = get_codec(PART_CODEC)
         result = await self.run(plan, part, weight, time_left(self.deadline))
         if not result.complete or any(p is None for p in result.pieces):
