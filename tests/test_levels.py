@@ -17,11 +17,19 @@ from peer.net.round.levels import SlotLift, plan_levels, roster_sizes
 from peer.net.flow.streams import StreamGuard
 from peer.net.trust.exclusion import Offence
 from peer.outer.aggregate import AggregationRule, Aggregator
-from peer.outer.codec import get_codec
+from peer.outer.codec import get_codec, warm_up
 from peer.outer.rounds import Span
 from peer.proto import allreduce_pb2 as pb
 
 NUMEL = 3000
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _kernels_ready():
+    """The codecs' CPU kernels compiled before the timed tests below (3 s part deadlines), as a peer has them
+    before its first round (a fresh checkout compiles fp8's for seconds)."""
+    for name in ("fp32", "fp8"):
+        warm_up(get_codec(name))
 BASE = "0" * 32  # a declared base digest (peer/net/policy/agreement.py): every member the same
 MEAN = AggregationRule(kind=Aggregator.MEAN)
 

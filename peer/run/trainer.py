@@ -41,6 +41,7 @@ from peer.outer.offload import device_of
 from peer.run.local_build import build_local, outer_state_reserve
 from peer.run.run_dir import RunDirLock
 from peer.outer.schedule import ClockSchedule, StepsSchedule
+from peer.net.round.levels import PART_CODEC
 from peer.net.transport import SwarmTransport
 from peer.net.trust.records import MAX_FRAGMENTS
 from peer.outer.aggregate import AggregationRule
@@ -237,9 +238,12 @@ class Trainer:
         step_time = self.figures.throughput.step_time
         auto_tau = self.figures.auto_tau = AutoTau(cfg.outer.tau_max, cfg.outer.sync_every, step_time) \
             if cfg.outer.tau == "auto" else None
-        self.owner.note_traffic(max(f.numel for f in fragments), self.swarm.codec)
+        # the codecs' CPU kernels compile (or load from numba's cache) now, not in a round: the run's codec and,
+        # where rounds may run in two levels, level 2's part codec (cold: seconds, past a part's deadline)
+        codecs = [self.swarm.codec] + ([get_codec(PART_CODEC)] if cfg.swarm.group_cap else [])
         log.info("codec %s ready in %.1f s (its CPU kernels compiled or loaded before the first round)",
-                 self.swarm.codec.name, warm_up(self.swarm.codec))
+                 "+".join(c.name for c in codecs), sum(warm_up(c) for c in codecs))
+        self.owner.note_traffic(max(f.numel for f in fragments), self.swarm.codec)
         settings = OuterSettings.from_config(cfg.outer)
         schedule = self._schedule(len(fragments))
         if isinstance(schedule, StepsSchedule):
