@@ -57,6 +57,7 @@ from peer.outer.fragments import partition  # noqa: E402
 from peer.outer.schedule import rolling_copies  # noqa: E402
 from peer.outer.rounds import RoundOutcome, RoundStatus, Span  # noqa: E402
 from peer.util import host_peak_bytes  # noqa: E402
+from step_clock import StepClock, allocator_counts, counts_between, profile_table, summary  # noqa: E402
 
 # Dense bf16 peak (FLOP/s) by device name, for MFU; unknown devices print tokens/s only.
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12, "3090": 71e12}
@@ -175,6 +176,7 @@ def one_preset(args) -> dict:
     # the training thread's time in each launch and apply that had work (seconds), while `timed` is set
     blocked: dict[str, list[float]] = {"launch": [], "apply": []}
     timed = [False]
+    label = [""]  # what the peer's last step did besides training (the step clock's label)
 
     def peer(batch):
         inner.step(batch)
@@ -191,6 +193,7 @@ def one_preset(args) -> dict:
         if profiler is not None:
             profiler.disable()
         t2 = time.perf_counter()
+        label[0] = " ".join(name for name, busy in (("launch", launching), ("apply", applying)) if busy)
         if timed[0]:
             for name, busy, seconds in (("launch", launching, t1 - t0), ("apply", applying, t2 - t1)):
                 if busy:
@@ -213,16 +216,31 @@ def one_preset(args) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times: dict[str, list[float]] = {"plain": [], "peer": []}
+    clock = StepClock(device)
+    per_step: dict[str, list] = {"plain": [], "peer": []}  # each step's length on the device, its lead
+    allocator: dict[str, dict[str, int]] = {"plain": {}, "peer": {}}  # synchronizing allocator calls in the blocks
     steps = 0
     for _ in range(args.blocks):
         for name, fn in (("plain", plain), ("peer", peer)):
             sync(device)
+            before = allocator_counts(device)
+            clock.start()
             t0 = time.perf_counter()
             for i in range(args.steps):
                 fn(batches[i % len(batches)])
+                clock.mark(label[0] if name == "peer" else "")
             sync(device)
             times[name].append((time.perf_counter() - t0) / args.steps)
+            per_step[name] += clock.steps()
+            for k, v in counts_between(before, allocator_counts(device)).items():
+                allocator[name][k] = allocator[name].get(k, 0) + v
         steps += args.steps
+    timeline = summary(per_step["plain"], per_step["peer"])
+    profiles = ""
+    if args.profile_steps:  # after the timing: the profiler's own cost stays out of it
+        for name, fn in (("plain", plain), ("peer", peer)):
+            profiles += f"\n{args.one} {name}, {args.profile_steps} steps profiled:\n" + profile_table(
+                lambda i, fn=fn: fn(batches[i % len(batches)]), args.profile_steps, device)
     inner.check_finite()
     engine.close()
     if profiler is not None:
@@ -231,20 +249,21 @@ def one_preset(args) -> dict:
     rounds = sum(len(st.applied_rounds) for st in engine.states)
     residency = engine.device_state
     copies = rolling_copies(args.tau, args.sync_every, len(fragments))  # (what a rolling residency holds at most)
-    per_step = {k: sum(v) / len(v) for k, v in times.items()}
+    mean_step = {k: sum(v) / len(v) for k, v in times.items()}
     tokens = args.batch * args.seq_len
     fpt = flops_per_token(model, shape.n_layers, shape.d_model, args.seq_len)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     peak = next((v for k, v in PEAK_BF16.items() if k in name), None) if device.type == "cuda" else None
-    tflops = {k: fpt * tokens / t / 1e12 for k, t in per_step.items()}
+    tflops = {k: fpt * tokens / t / 1e12 for k, t in mean_step.items()}
     outer_copies = sum(1 for t in ("G", "v", "E", "u") if getattr(engine.states[0], t) is not None)
     return {
         "preset": args.one, "params": n, "compile": args.compile,
         "batch": args.batch, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
         "device": name, "steps_per_loop": steps, "rounds_applied": rounds,
-        "plain_s_per_step": per_step["plain"], "peer_s_per_step": per_step["peer"],
-        "overhead": per_step["peer"] / per_step["plain"], "blocks": times,
-        "tokens_per_s": {k: tokens / t for k, t in per_step.items()}, "tflops": tflops,
+        "plain_s_per_step": mean_step["plain"], "peer_s_per_step": mean_step["peer"],
+        "overhead": mean_step["peer"] / mean_step["plain"], "blocks": times,
+        "tokens_per_s": {k: tokens / t for k, t in mean_step.items()}, "tflops": tflops,
+        "timeline": timeline, "allocator_calls": allocator, "profiles": profiles,
         "mfu": {k: v * 1e12 / peak for k, v in tflops.items()} if peak else None,
         "peak_vram_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "host_peak_rss_bytes": host_peak_bytes(),
@@ -300,6 +319,26 @@ def model_against_measured(args, result: dict) -> str:
     return f"memory model, peak {'VRAM' if cuda else 'tensor bytes'}: " + "; ".join(parts)
 
 
+def lead_ms(lead) -> str:
+    return "-" if lead is None else f"{1e3 * lead:.0f}"
+
+
+def timeline_lines(r: dict) -> str:
+    """The step clock's summary (bench/step_clock.py): where the peer's time over the plain loop's went."""
+    t = r["timeline"]
+    lines = [f"per step on the device: plain median {1e3 * t['plain_median_s']:.1f} ms, peer median "
+             f"{1e3 * t['peer_median_s']:.1f} ms; the peer's time over the plain median, by step: "
+             + ", ".join(f"{k} {v:+.3f} s" for k, v in t["excess_s_by_kind"].items()),
+             "device lead (s, min / median): " + "; ".join(f"{k} {v['min']:.4f} / {v['median']:.4f}"
+                                                          for k, v in t["lead_s"].items())
+             + f"; peer steps where the device caught up with the host: {t['peer_steps_device_caught_up']}",
+             f"synchronizing allocator calls in the timed blocks: {r['allocator_calls']}",
+             "slowest peer steps (ms; the device's lead, ms; what): " + ", ".join(
+                 f"{1e3 * s['seconds']:.1f} ({lead_ms(s['lead'])}{'; ' + s['label'] if s['label'] else ''})"
+                 for s in t["slowest"])]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -320,6 +359,8 @@ def main(argv=None) -> int:
     ap.add_argument("--skip", default="", help="comma list of sections to skip: codec, tests, memory")
     ap.add_argument("--out", default="runs/bench_gpu.json")
     ap.add_argument("--profile-applies", default="", help="write a cProfile of the timed applies to this file")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="after the timing, torch.profiler over this many steps of each loop (printed)")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # internal: one preset in this process
     ap.add_argument("--loop", default="both", choices=["both", "plain", "peer"], help=argparse.SUPPRESS)  # (--one)
     args = ap.parse_args(argv)
@@ -378,6 +419,7 @@ def main(argv=None) -> int:
             print(f"{r['preset']}: outer state on the device {r['outer_on_device']}; of the applies, waiting for the "
                   f"transport {r['waited_s']['transport']:.3f} s, for the worker {r['waited_s']['worker']:.3f} s")
             print(f"{r['preset']}: {model_against_measured(args, r)}")
+            print(f"{r['preset']}: {timeline_lines(r)}{r['profiles']}")
     skip = set(filter(None, args.skip.split(",")))
     extra = {}
     if "codec" not in skip:

@@ -1,17 +1,21 @@
 #!/bin/bash
-# A lent GPU's 15 minutes, spent in order of value (docs/benchmarks.md, "On the H200, 2026-11-27 midday"). Run it
-# through the device tool from the checkout, with the kit of ../shared/gpu/ copied to .gpu-kit/ and its wheels
-# (plus torchao's) in .whl/:  OUT=$OUT bash bench/gpu_session.sh   (carry: [".gpu-kit", ".whl"]; about 9 minutes).
-# Each section writes $OUT/<n>-<name>.txt as soon as it is done, so a call cut short still reports what ran;
-# SECTIONS (default: all) picks some, e.g. SECTIONS="tests bench".
+# A lent GPU's 15 minutes, spent in order of value. Run it through the device tool from the checkout, with the kit
+# of ../shared/gpu/ copied to .gpu-kit/ and its wheels (plus torchao's) in .whl/:
+#   SECTIONS="tests bench1b bench100m swarm" OUT=$OUT bash bench/gpu_session.sh   (carry: [".gpu-kit", ".whl"])
+# Each section writes $OUT/<name>.txt as soon as it is done (a call cut short still reports what ran), one file per
+# section because the device tool brings back at most 8; the JSON of the benches stays on the machine.
+#   tests     pytest -k cuda                              bench1b   bench/gpu.py 1B, step clock and profile, memory
+#   bench100m bench/gpu.py 100M, eager and --compile      compile   bench/gpu.py 1B --compile
+#   rolling   1B with the rolling residency               fit       1B on a 24 GiB card (micro-batch, checkpointing,
+#   codec     bench/codec.py on the device                          adamw8bit), each loop's memory alone
+#   stall     bench/checkpoint_stall.py --device cuda     swarm     two peers on the GPU (.gpu-kit/swarm.toml)
 set -u
 OUT=${OUT:-runs/gpu-session}; mkdir -p "$OUT"
-SECTIONS=${SECTIONS:-"tests codec bench rolling fit swarm"}
+SECTIONS=${SECTIONS:-"tests bench1b bench100m swarm"}
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)
 say() { echo "[+$(( $(date +%s) - T0 ))s] $*"; }
-want() { [[ " $SECTIONS " == *" $1 "* ]]; }
-{ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc
+{ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; git log --oneline -1
   python3 -c 'import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name(0))'
 } > "$OUT/0-env.txt" 2>&1
 if [ -d .whl ]; then
@@ -20,20 +24,28 @@ if [ -d .whl ]; then
   [ -d .whl/pure ] && cp -r .whl/pure/* /tmp/site/ && chmod +x /tmp/site/hivemind/hivemind_cli/p2pd
   export PYTHONPATH=/tmp/site:$PWD
 fi
+python3 -c 'import numba, torchao, peer.outer.engine; print("numba", numba.__version__, "torchao", torchao.__version__)' \
+  >> "$OUT/0-env.txt" 2>&1
 GPU=(python3 bench/gpu.py --device cuda --steps 30 --blocks 2 --skip tests,codec)
-if want tests; then say tests | tee "$OUT/1-tests.txt"
-  timeout 90 python3 -m pytest -q -rs -p no:cacheprovider tests -k cuda >> "$OUT/1-tests.txt" 2>&1; fi
-if want codec; then say codec | tee "$OUT/2-codec.txt"
-  timeout 60 python3 bench/codec.py --device cuda --codecs e3m0,fp8,bf16,topk32 >> "$OUT/2-codec.txt" 2>&1; fi
-if want bench; then say "bench 1B, every copy on the device" | tee "$OUT/3-bench.txt"
-  timeout 200 "${GPU[@]}" --presets 1B --state-on-device on --out "$OUT/3-bench.json" >> "$OUT/3-bench.txt" 2>&1; fi
-if want rolling; then say "bench 1B, the rolling residency" | tee "$OUT/4-rolling.txt"
-  timeout 200 "${GPU[@]}" --presets 1B --state-on-device rolling --out "$OUT/4-rolling.json" >> "$OUT/4-rolling.txt" 2>&1; fi
-if want fit; then say "1B on a 24 GiB card: each loop alone (memory children)" | tee "$OUT/5-fit.txt"
-  timeout 150 python3 bench/gpu.py --device cuda --presets 1B --steps 5 --blocks 1 --sync-every 10 --tau 2 --skip tests,codec \
-    --micro-batch 2 --activation-checkpointing --optimizer adamw8bit --state-on-device rolling \
-    --out "$OUT/5-fit.json" >> "$OUT/5-fit.txt" 2>&1; fi
-if want swarm && [ -f .gpu-kit/swarm.toml ]; then say "two peers on the GPU" | tee "$OUT/6-swarm.txt"
-  timeout 140 python3 -m peer.cli.demo --config .gpu-kit/swarm.toml --peers 2 --max-steps 120 \
-    --run-root /tmp/gpu-swarm --timeout 130 >> "$OUT/6-swarm.txt" 2>&1; fi
+section() {  # name, timeout (s), command...
+  local name=$1 limit=$2; shift 2
+  [[ " $SECTIONS " == *" $name "* ]] || return 0
+  say "$name: $*" | tee -a "$OUT/0-env.txt" > "$OUT/$name.txt"
+  timeout "$limit" "$@" >> "$OUT/$name.txt" 2>&1; echo "rc=$?" >> "$OUT/$name.txt"
+}
+# the swarm and the CUDA tests side by side (neither is timed); the benches after them, alone on the device
+section swarm 140 python3 -m peer.cli.demo --config .gpu-kit/swarm.toml --peers 2 --max-steps 120 \
+  --run-root /tmp/gpu-swarm --timeout 130 &
+section tests 100 python3 -m pytest -q -rs -p no:cacheprovider --continue-on-collection-errors tests -k cuda
+wait
+section bench1b 240 "${GPU[@]}" --presets 1B --profile-steps 12 --out /tmp/bench1b.json
+section bench100m 200 bash -c "${GPU[*]} --presets 100M --skip tests,codec,memory --out /tmp/b100.json;
+  ${GPU[*]} --presets 100M --skip tests,codec,memory --compile --out /tmp/b100c.json"
+section compile 240 "${GPU[@]}" --presets 1B --compile --skip tests,codec,memory --out /tmp/compile.json
+section rolling 200 "${GPU[@]}" --presets 1B --state-on-device rolling --skip tests,codec,memory --out /tmp/rolling.json
+section fit 150 python3 bench/gpu.py --device cuda --presets 1B --steps 5 --blocks 1 --sync-every 10 --tau 2 \
+  --skip tests,codec --micro-batch 2 --activation-checkpointing --optimizer adamw8bit --state-on-device rolling \
+  --out /tmp/fit.json
+section codec 60 python3 bench/codec.py --device cuda --codecs e3m0,fp8,bf16,topk32
+section stall 120 python3 bench/checkpoint_stall.py --device cuda --preset 100M --batch 8 --seq-len 1024 --dir /tmp
 say done | tee -a "$OUT/0-env.txt"
