@@ -179,17 +179,20 @@ def one_preset(args) -> dict:
     label = [""]  # what the peer's last step did besides training (the step clock's label)
 
     def peer(batch):
-        inner.step(batch)
+        with torch.profiler.record_function("inner.step"):  # (ranges for --profile-steps' tables)
+            inner.step(batch)
         peer_step[0] += 1
         step = peer_step[0]
         launching = any(engine.schedule.due(step, p) is not None for p in range(len(fragments)))
         t0 = time.perf_counter()
-        engine.launch_due(step)
+        with torch.profiler.record_function("launch_due"):
+            engine.launch_due(step)
         t1 = time.perf_counter()
         applying = any(q and q[0].launch_step + q[0].tau <= step for q in engine.pending)
         if profiler is not None and timed[0] and applying:
             profiler.enable()
-        engine.apply_due(step)
+        with torch.profiler.record_function("apply_due"):
+            engine.apply_due(step)
         if profiler is not None:
             profiler.disable()
         t2 = time.perf_counter()

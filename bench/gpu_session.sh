@@ -5,6 +5,7 @@
 # Each section writes $OUT/<name>.txt as soon as it is done (a call cut short still reports what ran), one file per
 # section because the device tool brings back at most 8; the JSON of the benches stays on the machine.
 #   tests     pytest -k cuda                              bench1b   bench/gpu.py 1B, step clock and profile, memory
+#   profile   bench/gpu.py 100M with a profile of 12 steps            (MEMORY=0: without its memory children)
 #   bench100m bench/gpu.py 100M, eager and --compile      compile   bench/gpu.py 1B --compile
 #   rolling   1B with the rolling residency               fit       1B on a 24 GiB card (micro-batch, checkpointing,
 #   codec     bench/codec.py on the device                          adamw8bit), each loop's memory alone
@@ -38,7 +39,9 @@ section swarm 140 python3 -m peer.cli.demo --config .gpu-kit/swarm.toml --peers 
   --run-root /tmp/gpu-swarm --timeout 130 &
 section tests 100 python3 -m pytest -q -rs -p no:cacheprovider --continue-on-collection-errors tests -k cuda
 wait
-section bench1b 240 "${GPU[@]}" --presets 1B --profile-steps 12 --out /tmp/bench1b.json
+skip1b=tests,codec; [ "${MEMORY:-1}" = 0 ] && skip1b=tests,codec,memory  # (1B's memory children: about 80 s)
+section profile 120 "${GPU[@]}" --presets 100M --skip tests,codec,memory --profile-steps 12 --out /tmp/profile.json
+section bench1b 240 "${GPU[@]}" --presets 1B --skip $skip1b --profile-steps 6 --out /tmp/bench1b.json
 section bench100m 200 bash -c "${GPU[*]} --presets 100M --skip tests,codec,memory --out /tmp/b100.json;
   ${GPU[*]} --presets 100M --skip tests,codec,memory --compile --out /tmp/b100c.json"
 section compile 240 "${GPU[@]}" --presets 1B --compile --skip tests,codec,memory --out /tmp/compile.json

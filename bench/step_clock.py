@@ -93,7 +93,7 @@ def summary(plain: list[Step], peer: list[Step], *, slow: float = 1.1, show: int
 
 
 def profile_table(fn, n_steps: int, device: torch.device, rows: int = 25) -> str:
-    """torch.profiler over ``n_steps`` calls of ``fn(i)``: the top rows by self device time and by host total."""
+    """torch.profiler over ``n_steps`` calls of ``fn(i)``: the top rows by self device time and by self host time."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -103,7 +103,7 @@ def profile_table(fn, n_steps: int, device: torch.device, rows: int = 25) -> str
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     averages = prof.key_averages()
-    tables = [averages.table(sort_by="cpu_time_total", row_limit=rows)]
+    tables = [averages.table(sort_by="self_cpu_time_total", row_limit=rows)]
     if device.type == "cuda":
         tables.insert(0, averages.table(sort_by="self_cuda_time_total", row_limit=rows))
     return "\n".join(tables)
