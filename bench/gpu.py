@@ -241,9 +241,14 @@ def one_preset(args) -> dict:
     timeline = summary(per_step["plain"], per_step["peer"])
     profiles = ""
     if args.profile_steps:  # after the timing: the profiler's own cost stays out of it
+        for i in range(args.sync_every):  # the peer's window starts at a launch, so that it holds a whole round
+            if any(engine.schedule.due(peer_step[0] + 1, p) is not None for p in range(len(fragments))):
+                break
+            peer(batches[i % len(batches)])
         for name, fn in (("plain", plain), ("peer", peer)):
+            trace = f"{args.trace_dir}/{args.one}-{name}-trace.json.gz" if args.trace_dir else ""
             profiles += f"\n{args.one} {name}, {args.profile_steps} steps profiled:\n" + profile_table(
-                lambda i, fn=fn: fn(batches[i % len(batches)]), args.profile_steps, device)
+                lambda i, fn=fn: fn(batches[i % len(batches)]), args.profile_steps, device, trace=trace)
     inner.check_finite()
     engine.close()
     if profiler is not None:
@@ -363,7 +368,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="runs/bench_gpu.json")
     ap.add_argument("--profile-applies", default="", help="write a cProfile of the timed applies to this file")
     ap.add_argument("--profile-steps", type=int, default=0,
-                    help="after the timing, torch.profiler over this many steps of each loop (printed)")
+                    help="after the timing, torch.profiler over this many steps of each loop (printed); the "
+                    "peer's from a launch on")
+    ap.add_argument("--trace-dir", default="", help="with --profile-steps, each loop's timeline there (gzipped)")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # internal: one preset in this process
     ap.add_argument("--loop", default="both", choices=["both", "plain", "peer"], help=argparse.SUPPRESS)  # (--one)
     args = ap.parse_args(argv)

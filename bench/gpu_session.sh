@@ -1,10 +1,13 @@
 #!/bin/bash
 # A lent GPU's 15 minutes, spent in order of value. Run it through the device tool from the checkout, with the kit
 # of ../shared/gpu/ copied to .gpu-kit/ and its wheels (plus torchao's) in .whl/:
-#   SECTIONS="tests bench1b bench100m swarm" OUT=$OUT bash bench/gpu_session.sh   (carry: [".gpu-kit", ".whl"])
+#   SECTIONS="tests swarm bench1b compile" OUT=$OUT bash bench/gpu_session.sh   (carry: [".gpu-kit", ".whl"])
+# Seconds on an H100 (2026-11-28): install 22, tests 40 (the swarm beside them), bench1b 140 without its memory
+# children (MEMORY=0; with them and a profile it ran past 240), profile 60, bench100m 105, codec 12; a start ~35.
 # Each section writes $OUT/<name>.txt as soon as it is done (a call cut short still reports what ran), one file per
 # section because the device tool brings back at most 8; the JSON of the benches stays on the machine.
-#   tests     pytest -k cuda                              bench1b   bench/gpu.py 1B, step clock and profile, memory
+#   tests     pytest -k cuda                              bench1b   bench/gpu.py 1B, step clock, memory, a profile
+#                                                                   of 8 steps from a launch, its trace in traces/
 #   profile   bench/gpu.py 100M with a profile of 12 steps            (MEMORY=0: without its memory children)
 #   bench100m bench/gpu.py 100M, eager and --compile      compile   bench/gpu.py 1B --compile
 #   rolling   1B with the rolling residency               fit       1B on a 24 GiB card (micro-batch, checkpointing,
@@ -12,7 +15,7 @@
 #   stall     bench/checkpoint_stall.py --device cuda     swarm     two peers on the GPU (.gpu-kit/swarm.toml)
 set -u
 OUT=${OUT:-runs/gpu-session}; mkdir -p "$OUT"
-SECTIONS=${SECTIONS:-"tests bench1b bench100m swarm"}
+SECTIONS=${SECTIONS:-"tests swarm bench1b compile"}
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)
 say() { echo "[+$(( $(date +%s) - T0 ))s] $*"; }
@@ -41,7 +44,8 @@ section tests 100 python3 -m pytest -q -rs -p no:cacheprovider --continue-on-col
 wait
 skip1b=tests,codec; [ "${MEMORY:-1}" = 0 ] && skip1b=tests,codec,memory  # (1B's memory children: about 80 s)
 section profile 120 "${GPU[@]}" --presets 100M --skip tests,codec,memory --profile-steps 12 --out /tmp/profile.json
-section bench1b 240 "${GPU[@]}" --presets 1B --skip $skip1b --profile-steps 6 --out /tmp/bench1b.json
+section bench1b 240 "${GPU[@]}" --presets 1B --skip $skip1b --profile-steps 8 --trace-dir "$OUT/traces" \
+  --out /tmp/bench1b.json
 section bench100m 200 bash -c "${GPU[*]} --presets 100M --skip tests,codec,memory --out /tmp/b100.json;
   ${GPU[*]} --presets 100M --skip tests,codec,memory --compile --out /tmp/b100c.json"
 section compile 240 "${GPU[@]}" --presets 1B --compile --skip tests,codec,memory --out /tmp/compile.json

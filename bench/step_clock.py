@@ -11,6 +11,9 @@ first step of a block, ``mark(label)`` after each step, ``steps()`` once the blo
 from __future__ import annotations
 
 import dataclasses
+import gzip
+import os
+import shutil
 import statistics
 import time
 from typing import Any, Optional
@@ -92,8 +95,9 @@ def summary(plain: list[Step], peer: list[Step], *, slow: float = 1.1, show: int
     }
 
 
-def profile_table(fn, n_steps: int, device: torch.device, rows: int = 25) -> str:
-    """torch.profiler over ``n_steps`` calls of ``fn(i)``: the top rows by self device time and by self host time."""
+def profile_table(fn, n_steps: int, device: torch.device, rows: int = 25, trace: str = "") -> str:
+    """torch.profiler over ``n_steps`` calls of ``fn(i)``: the top rows by self device time and by self host time;
+    with ``trace``, the timeline too, gzipped there (for chrome://tracing or Perfetto)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -102,6 +106,13 @@ def profile_table(fn, n_steps: int, device: torch.device, rows: int = 25) -> str
             fn(i)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+    if trace:
+        raw = trace.removesuffix(".gz")
+        os.makedirs(os.path.dirname(os.path.abspath(raw)), exist_ok=True)
+        prof.export_chrome_trace(raw)
+        with open(raw, "rb") as f, gzip.open(trace if trace.endswith(".gz") else raw + ".gz", "wb") as g:
+            shutil.copyfileobj(f, g)
+        os.remove(raw)
     averages = prof.key_averages()
     tables = [averages.table(sort_by="self_cpu_time_total", row_limit=rows)]
     if device.type == "cuda":
