@@ -38,8 +38,8 @@ section() {  # name, timeout (s), command...
   timeout "$limit" "$@" >> "$OUT/$name.txt" 2>&1; echo "rc=$?" >> "$OUT/$name.txt"
 }
 # the swarm and the CUDA tests side by side (neither is timed); the benches after them, alone on the device
-section swarm 140 python3 -m peer.cli.demo --config .gpu-kit/swarm.toml --peers 2 --max-steps 120 \
-  --run-root /tmp/gpu-swarm --timeout 130 &
+section swarm 200 python3 -m peer.cli.demo --config .gpu-kit/swarm.toml --peers 2 --max-steps 120 \
+  --run-root /tmp/gpu-swarm --timeout 190 &  # (inner.compile = auto: the peers compile first)
 section tests 100 python3 -m pytest -q -rs -p no:cacheprovider --continue-on-collection-errors tests -k cuda
 wait
 skip1b=tests,codec; [ "${MEMORY:-1}" = 0 ] && skip1b=tests,codec,memory  # (1B's memory children: about 80 s)

@@ -127,3 +127,17 @@ def test_progress_ttl_must_outlast_a_stalled_dht():
     cfg = build_config(None, {**NEW, ("swarm", "progress_period"): 1.0, ("swarm", "progress_ttl"): 8.0,
                               ("swarm", "dht_timeout"): 3.0}, environ={})
     assert cfg.swarm.dht_timeout == 3.0
+
+
+def test_inner_compile_is_auto_on_or_off_and_reads_an_old_switch(tmp_path):
+    """inner.compile: auto by default; a TOML true / false (it was a switch) reads as on / off; a flag or env
+    value outside auto, on, off gets the one-line error naming the key."""
+    assert build_config(None, NEW, environ={}).inner.compile == "auto"
+    toml = tmp_path / "c.toml"
+    for text, expected in (("true", "on"), ("false", "off"), ('"off"', "off")):
+        toml.write_text(f"[inner]\ncompile = {text}\n")
+        assert build_config(str(toml), NEW, environ={}).inner.compile == expected
+    assert build_config(None, NEW, environ={"SWARM_INNER_COMPILE": "on"}).inner.compile == "on"
+    with pytest.raises(ConfigError) as err:
+        build_config(None, NEW, environ={"SWARM_INNER_COMPILE": "yes"})
+    assert "inner.compile: must be auto, on, off" in str(err.value) and "\n" not in str(err.value)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import math
 
 import pytest
 import torch
 
 from peer.local.markov import MarkovSource
-from peer.local.inner import InnerLoop, lr_at, split_decay_params
+from peer.local.inner import InnerLoop, compile_wanted, lr_at, split_decay_params
 from peer.local.model import build_model
 
 CPU = torch.device("cpu")
@@ -312,3 +313,15 @@ def test_the_8bit_optimizer_learns_resumes_exactly_through_a_checkpoint_and_refu
         assert torch.equal(v.nan_to_num(), before[k].nan_to_num()), k
     with pytest.raises(ValueError, match="defer_checks"):
         _loop(_tiny(), optimizer="adamw8bit", defer_checks=True)
+
+
+def test_compile_wanted_follows_the_choice_and_auto_wants_cuda_with_triton(monkeypatch):
+    """inner.compile: on and off are followed on any device; auto compiles on CUDA only, and only where Triton (the
+    GPU kernels' compiler) is installed, so a card without it trains eagerly instead of failing at its first step."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert compile_wanted("on", cpu) and not compile_wanted("off", cuda)
+    assert not compile_wanted("auto", cpu)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert not compile_wanted("auto", cuda)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "triton" else None)
+    assert compile_wanted("auto", cuda)

@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 CODEC_NAMES = ("e3m0", "fp8", "bf16", "fp32", "topk32", "topk64", "topk128")
 # peer/local/inner.py's OPTIMIZERS (a test keeps them equal)
 INNER_OPTIMIZERS = ("adamw", "adamw8bit")
+COMPILE_CHOICES = ("auto", "on", "off")  # inner.compile (peer/local/inner.py: compile_wanted)
 
 
 class ConfigError(ValueError):

@@ -88,6 +88,8 @@ def _coerce_toml(section: str, key: str, typ: Any, value: Any, source: str) -> A
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
             return value
         raise ConfigError(f"{where} in {source}: expected a list of strings (got {value!r})")
+    if typ is str and isinstance(value, bool):  # (a switch written as true / false: inner.compile was a bool)
+        return "on" if value else "off"
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
         raise ConfigError(f"{where} in {source}: expected {typ.__name__} (got {value!r})")
     return value

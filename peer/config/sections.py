@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from peer.config.fields import (CODEC_NAMES, INNER_OPTIMIZERS, MAX_MBPS, MIN_MBPS, ConfigError, check,
+from peer.config.fields import (CODEC_NAMES, COMPILE_CHOICES, INNER_OPTIMIZERS, MAX_MBPS, MIN_MBPS, ConfigError, check,
                                 parse_active_hours, setting, valid_mbps)
 
 
@@ -86,9 +86,10 @@ class InnerConfig:
     z_loss: float = setting(1e-4, help="z-loss coefficient (Chinchilla / Streaming DiLoCo).")
     device: str = setting("auto", local=True, help="auto (cuda if available), cpu, cuda, cuda:N.")
     threads: int = setting(0, local=True, help="torch intra-op CPU threads (0 keeps torch's default).")
-    compile: bool = setting(False, local=True, help="Run the model's forward and backward through torch.compile "
-            "(faster steps on a GPU after a compile at start that can take minutes; on the CPU it needs a C++ "
-            "compiler). The weights, checkpoints and fragments are the uncompiled model's.")
+    compile: str = setting("auto", local=True, help="Run the model's forward and backward through torch.compile: "
+            "auto (on a CUDA device where Triton is installed), on, or off. Faster steps on a GPU after a compile "
+            "at start that can take minutes; on the CPU it needs a C++ compiler. The weights, checkpoints and "
+            "fragments are the uncompiled model's.")
     optimizer: str = setting("adamw", local=True, help="adamw, or adamw8bit: torchao's AdamW with 8-bit moments, "
             "6 bytes per parameter less on the device (what fits the 1B preset in 24 GiB: swarm-peer doctor); each "
             "step then waits for the device to check the loss, and the first compiles the optimizer's step.")
@@ -107,6 +108,7 @@ class InnerConfig:
         ok = self.device in ("auto", "cpu", "cuda") or (self.device.startswith("cuda:") and self.device[5:].isdigit())
         check(ok, "inner.device", "auto, cpu, cuda or cuda:N", self.device)
         check(self.threads >= 0, "inner.threads", ">= 0", self.threads)
+        check(self.compile in COMPILE_CHOICES, "inner.compile", ", ".join(COMPILE_CHOICES), self.compile)
 
 
 @dataclass(kw_only=True)

@@ -11,7 +11,7 @@ from torch import nn
 from peer.config import PeerConfig
 from peer.control.limits import vram_fraction
 from peer.local import memory
-from peer.local.inner import InnerLoop
+from peer.local.inner import InnerLoop, compile_wanted
 from peer.local.model import build_model, count_parameters
 from peer.outer.schedule import rolling_copies
 
@@ -38,14 +38,16 @@ def build_local(cfg: PeerConfig, source) -> tuple[nn.Module, list[nn.Module], In
                                 activation_checkpointing=cfg.model.activation_checkpointing)
     cap_vram(cfg.limits.vram_gb, device)
     model.to(device)
+    compiled = compile_wanted(cfg.inner.compile, device)
     inner = InnerLoop(model, lr=cfg.inner.lr, weight_decay=cfg.inner.weight_decay,
                       betas=(cfg.inner.beta1, cfg.inner.beta2), warmup_steps=cfg.inner.warmup_steps,
                       total_steps=cfg.inner.total_steps, min_lr_ratio=cfg.inner.min_lr_ratio,
                       grad_clip=cfg.inner.grad_clip, z_loss=cfg.inner.z_loss, device=device,
-                      micro_batch=cfg.data.micro_batch, compile=cfg.inner.compile, optimizer=cfg.inner.optimizer)
+                      micro_batch=cfg.data.micro_batch, compile=compiled, optimizer=cfg.inner.optimizer)
     log.info("model %s: %s parameters on %s%s; data %s shard %d",
              cfg.model.hf_config or cfg.model.factory or cfg.model.preset, f"{count_parameters(model):,}", device,
-             " (torch.compile: the first steps compile)" if cfg.inner.compile else "", cfg.data.source,
+             f" (torch.compile, inner.compile = {cfg.inner.compile}: the first steps compile)" if compiled else "",
+             cfg.data.source,
              source.shard_index)
     return model, blocks, inner
 
