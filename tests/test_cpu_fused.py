@@ -162,6 +162,7 @@ def test_advanced_gives_a_copy_advanced_in_place(spans):
     assert torch.equal(new_G.view(torch.int32), ref_G.view(torch.int32))
     assert torch.equal(new_v.view(torch.int32), ref_v.view(torch.int32))
     assert torch.equal(applied, ref_applied)
+    assert applied.untyped_storage().nbytes() == (1 if ref_applied.all() else 100)  # (whole: no mask allocated)
     assert torch.equal(G, G0) and torch.equal(v, v0)  # (the state itself is never written)
 
 
