@@ -1,4 +1,5 @@
-"""Fresh host vectors (peer/outer/host_memory.py): ordinary tensors, with huge pages where the kernel offers them."""
+"""Fresh host vectors (peer/outer/host_memory.py): ordinary tensors, with huge pages where the kernel offers them;
+pinned vectors at their size (peer/outer/offload.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from peer.outer import host_memory
+from peer.outer.offload import allocator_setting, exact_pinned_sizes, pinned_empty
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -64,3 +66,32 @@ def test_a_large_vector_is_advised_huge_pages_and_an_ordinary_one_is_not():
     assert "hg" in vm_flags_at(t.data_ptr() + t.numel() * 2)
     plain = torch.empty(16 << 20)
     assert "hg" not in vm_flags_at(plain.data_ptr() + plain.numel() * 2)
+
+
+def test_the_exact_pinned_setting_keeps_the_process_own_allocator_settings():
+    """torch resets the allocator settings a new setting string leaves out, so ours goes after the process's own
+    (both environment names), and not at all where the process names the key itself."""
+    extra = "pinned_max_round_threshold_mb:64"
+    assert allocator_setting({}, extra) == extra
+    assert allocator_setting({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, extra) == \
+        "expandable_segments:True," + extra
+    both = {"PYTORCH_ALLOC_CONF": "a:1", "PYTORCH_CUDA_ALLOC_CONF": "b:2"}
+    assert allocator_setting(both, extra) == "a:1,b:2," + extra
+    own = "pinned_max_round_threshold_mb:8"
+    assert allocator_setting({"PYTORCH_CUDA_ALLOC_CONF": own}, extra) == own
+    assert exact_pinned_sizes()  # (this torch knows the setting)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (bench/gpu.py runs it on one)")
+def test_cuda_a_pinned_vector_takes_its_size_not_the_next_power_of_two():
+    """A pinned vector of 100M + 1 floats (400 MB) holds about its size of pinned memory, where torch's rounding
+    would take 512 MiB."""
+    def counters() -> dict:
+        return {k: v for k, v in torch.cuda.host_memory_stats().items() if "bytes" in k and "current" in k}
+
+    before = counters()
+    vector = pinned_empty(100_000_001)  # (an odd size: no block cached by an earlier test fits it exactly)
+    assert vector.is_pinned() and vector.numel() == 100_000_001
+    grown = [v - before.get(k, 0) for k, v in counters().items()]
+    size = vector.numel() * 4
+    assert max(grown) >= size and all(g < 1.1 * size for g in grown), (size, grown)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 import torch
 
 from peer.outer import host_memory
-from peer.outer.offload import OuterWorker, side_stream
+from peer.outer.offload import OuterWorker, pinned_empty, side_stream
 from peer.outer.rounds import Handle, RoundOutcome, Span
 from peer.outer.state import advanced, check_average
 
@@ -68,8 +68,8 @@ class DeviceState:
         # the worker's pinned staging, allocated once (pinning memory per round costs more than the round's
         # arithmetic and holds up the training thread's CUDA calls meanwhile) and used in turn by an aggregate's
         # parts on their way in, then G and v on their way out: one vector, as torch's pinned allocator rounds
-        # each to a power of two (a 1B model's 636 MB fragment takes 1 GiB)
-        self._staging = torch.empty(numel, pin_memory=True) if self._stream is not None else None
+        # each to a power of two unless told not to (offload.exact_pinned_sizes)
+        self._staging = pinned_empty(numel) if self._stream is not None else None
 
     @classmethod
     def choose(cls, device: torch.device, numels: Sequence[int], wanted: "bool | str | None", *, eligible: bool,

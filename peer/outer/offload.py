@@ -17,12 +17,62 @@ transfer below is a plain copy (or none), bit for bit the synchronous engine's. 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
+import logging
+import os
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
 
 from peer.outer import cpu_fused, host_memory
 from peer.outer.fragments import Fragment
+
+log = logging.getLogger(__name__)
+
+
+# Pinned blocks above this size are allocated at their size: torch's pinned allocator rounds every block up to a
+# power of two to reuse it for others, and a 1B fragment's 636 MB vector took 1 GiB (4.0 GiB held for 2.5 GiB).
+PINNED_ROUND_MB = 64
+
+
+def allocator_setting(environ: dict[str, str], extra: str) -> str:
+    """The allocator settings to give torch for ``extra`` (``key:value``): the process's own from
+    ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF`` first, since torch resets what a new setting leaves out;
+    none of ours where the process already names that key."""
+    own = ",".join(v for v in (environ.get("PYTORCH_ALLOC_CONF"), environ.get("PYTORCH_CUDA_ALLOC_CONF")) if v)
+    key = extra.split(":", 1)[0]
+    if key in own:
+        return own
+    return f"{own},{extra}" if own else extra
+
+
+@functools.cache
+def exact_pinned_sizes() -> bool:
+    """Asks torch's pinned allocator once not to round blocks above :data:`PINNED_ROUND_MB` (the setting
+    ``pinned_max_round_threshold_mb``); False where this torch refuses it (then blocks are rounded as before)."""
+    setting = allocator_setting(dict(os.environ), f"pinned_max_round_threshold_mb:{PINNED_ROUND_MB}")
+    setters = (getattr(torch._C, "_accelerator_setAllocatorSettings", None),
+               getattr(torch.cuda.memory, "_set_allocator_settings", None))
+    for apply in setters:
+        if apply is None:
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # (torch 2.13 renamed the second)
+                apply(setting)
+            return True
+        except (RuntimeError, ValueError) as e:
+            log.info("pinned host blocks stay rounded to powers of two: torch refused %r (%s)", setting, e)
+            return False
+    return False
+
+
+def pinned_empty(numel: int) -> torch.Tensor:
+    """A pinned fp32 host vector of ``numel`` elements, allocated at its size where torch allows
+    (:func:`exact_pinned_sizes`). CUDA only."""
+    exact_pinned_sizes()
+    return torch.empty(numel, dtype=torch.float32, pin_memory=True)
 
 
 class OuterWorker:
@@ -72,7 +122,7 @@ class HostBuffers:
             if used is not None:  # a copy to the device enqueued before it was given back may still read it
                 used.synchronize()
         else:
-            whole = torch.empty(self.numel, pin_memory=True) if self.pinned else host_memory.empty(self.numel)
+            whole = pinned_empty(self.numel) if self.pinned else host_memory.empty(self.numel)
             self.allocated += 1
         self._ours[whole.data_ptr()] = whole
         return whole[:numel]
@@ -159,7 +209,7 @@ def snapshot(frag: Fragment, out: Optional[torch.Tensor] = None) -> Snapshot:
     gathered = torch.cuda.Event()
     gathered.record()
     side = side_stream(device)
-    host = out if out is not None else torch.empty(on_device.numel(), dtype=torch.float32, pin_memory=True)
+    host = out if out is not None else pinned_empty(on_device.numel())
     with torch.cuda.stream(side):
         side.wait_event(gathered)
         host.copy_(on_device, non_blocking=True)
