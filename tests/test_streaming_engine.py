@@ -603,6 +603,28 @@ def test_the_device_path_is_refused_where_its_terms_live_on_the_host():
                         state_on_device=True)
 
 
+def test_waiting_for_an_event_asks_it_less_and_less_often(monkeypatch):
+    """wait_for's pauses between two questions to an event double from 0.5 ms up to 4 ms (each wake-up takes the
+    GIL from a training thread that may be bound by its host); it returns as soon as the event says done."""
+    from peer.outer import device_state
+
+    pauses: list[float] = []
+    monkeypatch.setattr(device_state.time, "sleep", pauses.append)
+
+    class Event:
+        asked = 0
+
+        def query(self):
+            self.asked += 1
+            return self.asked > 7
+
+    event = Event()
+    device_state.wait_for(event)
+    assert event.asked == 8 and pauses == [0.0005, 0.001, 0.002, 0.004, 0.004, 0.004, 0.004]
+    device_state.wait_for(None)
+    assert len(pauses) == 7
+
+
 def test_a_deferred_launch_cancelled_before_it_runs_cancels_the_transports_handle():
     import concurrent.futures
 

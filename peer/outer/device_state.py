@@ -228,15 +228,20 @@ class DeviceState:
         return event
 
 
-POLL_S = 0.0005  # how often wait_for asks an event whether it is done
+POLL_S = 0.0005  # wait_for's first pause between two questions to an event; each pause doubles, up to
+POLL_MAX_S = 0.004  # this: every wake-up takes the GIL, and a thread that wakes every 0.5 ms cost a host-bound
+# training thread 9% of its op rate while it waited (docs/benchmarks.md, 2026-11-28); a copy done late by at most
+# 4 ms delays a round's hand-off by that much
 
 
 def wait_for(event: Optional[Any]) -> None:
     """Waits (polling) until the CUDA ``event`` is done (None: at once). Polled rather than synchronized: a
     synchronize can hold a core spinning, and counts as a sync in CUDA's sync debug mode (a test checks there is
     none on the training thread, while this runs on others)."""
+    pause = POLL_S
     while event is not None and not event.query():
-        time.sleep(POLL_S)
+        time.sleep(pause)
+        pause = min(2 * pause, POLL_MAX_S)
 
 
 def to_host(delta: torch.Tensor, out: torch.Tensor) -> Optional[Any]:
