@@ -33,3 +33,22 @@ def test_doctor_names_an_unreachable_initial_peer_and_unreadable_data(tmp_path):
     data = check(report, "data")
     assert code == 1 and data["verdict"] == "fail" and "missing.txt" in data["found"] and data["fix"], report
     assert check(report, "model")["verdict"] == "ok" and "bootstrap" not in {c["name"] for c in report["checks"]}
+
+
+def test_the_doctor_says_whether_the_steps_will_be_compiled(monkeypatch):
+    """On a CUDA card, ``inner.compile = auto`` compiles where Triton is installed; without it the doctor warns and
+    says how to get compiled steps (or to keep eager ones on purpose)."""
+    import importlib.util
+
+    import torch
+
+    from peer.run.doctor import CheckVerdict, compiled_steps
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "triton" else None)
+    assert compiled_steps("auto", cuda) == (CheckVerdict.OK, "steps compiled (inner.compile = auto)", "")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    verdict, steps, hint = compiled_steps("auto", cuda)
+    assert verdict == CheckVerdict.WARN and "no Triton" in steps and "install triton" in hint
+    assert compiled_steps("off", cuda) == (CheckVerdict.OK, "steps eager (inner.compile = off)", "")
+    assert compiled_steps("on", cuda)[:2] == (CheckVerdict.OK, "steps compiled (inner.compile = on)")

@@ -23,6 +23,7 @@ import torch
 from peer.config import PeerConfig
 from peer.errors import SetupError
 from peer.local import memory
+from peer.local.inner import compile_wanted
 from peer.run import preflight
 from peer.run.local_build import memory_setting
 from peer.run.run_dir import RunDirLock
@@ -94,8 +95,20 @@ def _device(cfg: PeerConfig) -> Check:
                      f"inner.threads {cfg.inner.threads or 'default'}", hint)
     index = _cuda_index(cfg)
     free, total = torch.cuda.mem_get_info(index)
-    return Check("device", CheckVerdict.OK, f"{torch.cuda.get_device_name(index)}: {free / 2**30:.1f} GiB free of "
-                 f"{total / 2**30:.1f} GiB")
+    verdict, steps, hint = compiled_steps(cfg.inner.compile, torch.device("cuda", index))
+    return Check("device", verdict, f"{torch.cuda.get_device_name(index)}: {free / 2**30:.1f} GiB free of "
+                 f"{total / 2**30:.1f} GiB; {steps}", hint)
+
+
+def compiled_steps(choice: str, device: torch.device) -> tuple["CheckVerdict", str, str]:
+    """What ``inner.compile`` gives on ``device``: the verdict, what the steps will be, and a hint where ``auto``
+    finds no Triton on a CUDA card (its steps then run eagerly, about half as fast on an H100 at 100M)."""
+    if compile_wanted(choice, device):
+        return CheckVerdict.OK, f"steps compiled (inner.compile = {choice})", ""
+    if choice == "auto" and device.type == "cuda":
+        return CheckVerdict.WARN, "steps eager: no Triton for torch.compile", \
+            "install triton (a CUDA build of torch for Linux ships it), or set inner.compile = off to keep eager steps"
+    return CheckVerdict.OK, f"steps eager (inner.compile = {choice})", ""
 
 
 def _model(cfg: PeerConfig) -> tuple[Check, Optional[int]]:
