@@ -46,9 +46,12 @@ def test_the_doctor_says_whether_the_steps_will_be_compiled(monkeypatch):
 
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "triton" else None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert compiled_steps("auto", cuda) == (CheckVerdict.OK, "steps compiled (inner.compile = auto)", "")
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     verdict, steps, hint = compiled_steps("auto", cuda)
     assert verdict == CheckVerdict.WARN and "no Triton" in steps and "install triton" in hint
     assert compiled_steps("off", cuda) == (CheckVerdict.OK, "steps eager (inner.compile = off)", "")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (6, 1))
+    assert compiled_steps("auto", cuda) == (CheckVerdict.OK, "steps eager (Triton does not support this card)", "")
     assert compiled_steps("on", cuda)[:2] == (CheckVerdict.OK, "steps compiled (inner.compile = on)")

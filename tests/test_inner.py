@@ -317,11 +317,15 @@ def test_the_8bit_optimizer_learns_resumes_exactly_through_a_checkpoint_and_refu
 
 def test_compile_wanted_follows_the_choice_and_auto_wants_cuda_with_triton(monkeypatch):
     """inner.compile: on and off are followed on any device; auto compiles on CUDA only, and only where Triton (the
-    GPU kernels' compiler) is installed, so a card without it trains eagerly instead of failing at its first step."""
+    GPU kernels' compiler) is installed and supports the card, so a card without it trains eagerly instead of
+    failing at its first step."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert compile_wanted("on", cpu) and not compile_wanted("off", cuda)
     assert not compile_wanted("auto", cpu)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     assert not compile_wanted("auto", cuda)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "triton" else None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert compile_wanted("auto", cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (6, 1))  # (a GTX 1080)
+    assert not compile_wanted("auto", cuda) and compile_wanted("on", cuda)

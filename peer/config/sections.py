@@ -87,9 +87,9 @@ class InnerConfig:
     device: str = setting("auto", local=True, help="auto (cuda if available), cpu, cuda, cuda:N.")
     threads: int = setting(0, local=True, help="torch intra-op CPU threads (0 keeps torch's default).")
     compile: str = setting("auto", local=True, help="Run the model's forward and backward through torch.compile: "
-            "auto (on a CUDA device where Triton is installed), on, or off. Faster steps on a GPU after a compile "
-            "at start that can take minutes; on the CPU it needs a C++ compiler. The weights, checkpoints and "
-            "fragments are the uncompiled model's.")
+            "auto (on a CUDA card of compute capability 7.0 or newer, with Triton installed), on, or off. Faster "
+            "steps on a GPU after a compile at start that can take minutes; on the CPU it needs a C++ compiler. The "
+            "weights, checkpoints and fragments are the uncompiled model's.")
     optimizer: str = setting("adamw", local=True, help="adamw, or adamw8bit: torchao's AdamW with 8-bit moments, "
             "6 bytes per parameter less on the device (what fits the 1B preset in 24 GiB: swarm-peer doctor); each "
             "step then waits for the device to check the loss, and the first compiles the optimizer's step.")

@@ -135,13 +135,18 @@ def mean_ce(model: nn.Module, batch: Tensor, *, params: Optional[dict[str, Tenso
     return float(total) / batch.shape[0]
 
 
+TRITON_MIN_CAPABILITY = (7, 0)  # Triton builds no kernels for older cards (Pascal and before)
+
+
 def compile_wanted(choice: str, device: torch.device) -> bool:
-    """``inner.compile``: ``on``, ``off``, or ``auto``: on a CUDA device where Triton (inductor's GPU kernels) is
-    installed. On an H100, compiling made the 100M preset's steps 1.9x faster and the peer's overhead over a plain
-    loop 4% instead of 17% (docs/benchmarks.md, 2026-11-28); on the CPU it needs a C++ compiler and gains little."""
+    """``inner.compile``: ``on``, ``off``, or ``auto``: on a CUDA device that Triton (inductor's GPU kernels) is
+    installed for and supports. On an H100, compiling made the 100M preset's steps 1.9x faster and the peer's
+    overhead over a plain loop 4% instead of 17% (docs/benchmarks.md, 2026-11-28); on the CPU it needs a C++
+    compiler and gains little."""
     if choice != "auto":
         return choice == "on"
-    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+    return device.type == "cuda" and importlib.util.find_spec("triton") is not None and \
+        torch.cuda.get_device_capability(device) >= TRITON_MIN_CAPABILITY
 
 
 class InnerLoop:

@@ -23,7 +23,7 @@ import torch
 from peer.config import PeerConfig
 from peer.errors import SetupError
 from peer.local import memory
-from peer.local.inner import compile_wanted
+from peer.local.inner import TRITON_MIN_CAPABILITY, compile_wanted
 from peer.run import preflight
 from peer.run.local_build import memory_setting
 from peer.run.run_dir import RunDirLock
@@ -106,6 +106,8 @@ def compiled_steps(choice: str, device: torch.device) -> tuple["CheckVerdict", s
     if compile_wanted(choice, device):
         return CheckVerdict.OK, f"steps compiled (inner.compile = {choice})", ""
     if choice == "auto" and device.type == "cuda":
+        if torch.cuda.get_device_capability(device) < TRITON_MIN_CAPABILITY:
+            return CheckVerdict.OK, "steps eager (Triton does not support this card)", ""
         return CheckVerdict.WARN, "steps eager: no Triton for torch.compile", \
             "install triton (a CUDA build of torch for Linux ships it), or set inner.compile = off to keep eager steps"
     return CheckVerdict.OK, f"steps eager (inner.compile = {choice})", ""
