@@ -77,3 +77,19 @@ def host_peak_bytes() -> int:
     except OSError:
         pass
     return 0
+
+
+def thread_cpu_seconds() -> dict[str, float]:
+    """CPU seconds of each live thread of this process so far, by its Python name (pools' numbered workers summed
+    under their prefix); empty where the platform has no per-thread clocks. Threads that ended are not in it."""
+    out: dict[str, float] = {}
+    if not hasattr(time, "pthread_getcpuclockid"):
+        return out
+    for thread in threading.enumerate():
+        try:
+            seconds = time.clock_gettime(time.pthread_getcpuclockid(thread.ident or 0))
+        except (OSError, OverflowError):  # (it ended meanwhile)
+            continue
+        name = thread.name.rsplit("_", 1)[0] if thread.name.rsplit("_", 1)[-1].isdigit() else thread.name
+        out[name] = round(out.get(name, 0.0) + seconds, 3)
+    return out

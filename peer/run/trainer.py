@@ -50,7 +50,7 @@ from peer.outer.settings import AutoTau, OuterSettings
 from peer.run.status import StatusLine
 from peer.net.swarm import Swarm
 from peer.net.flow.bandwidth import Bandwidth
-from peer.util import short_id
+from peer.util import short_id, thread_cpu_seconds
 
 log = logging.getLogger(__name__)
 
@@ -318,8 +318,10 @@ class Trainer:
             log.error("%s: no peer of the run works with it any more; ask the operator for a new pass "
                       "(swarm.pass_path). Progress is kept in the checkpoint", ended)
         log.info("stopping after step %d (%s); %d rounds applied", step, reason, self.ledger.done)
+        cpu = thread_cpu_seconds()  # (whose CPU, and so whose GIL, the training thread shared)
+        log.info("CPU seconds by thread: %s", ", ".join(f"{name} {s:.1f}" for name, s in sorted(cpu.items())))
         self.events.emit("stop", step=step, reason=reason, rounds=self.ledger.done,
-                         tokens=self.figures.throughput.tokens)
+                         tokens=self.figures.throughput.tokens, thread_cpu_s=cpu)
         return EXIT_PASS_ENDED if ended else 0
 
     # ---- the owner's controls ------------------------------------------------------------------
