@@ -3,6 +3,7 @@
 import concurrent.futures
 import gc
 import threading
+import time
 import weakref
 
 import pytest
@@ -601,6 +602,30 @@ def test_the_device_path_is_refused_where_its_terms_live_on_the_host():
     with pytest.raises(ValueError, match="no error feedback"):
         StreamingEngine([Fragment(0, ["w"], [p])], OuterSettings(H=4, tau=4), ScriptedTransport(mixed_rounds),
                         state_on_device=True)
+
+
+@pytest.mark.parametrize("network_seconds", [0.0, 30.0])
+def test_an_applied_round_says_how_long_it_took_to_be_ready(network_seconds):
+    """``RoundOutcome.ready_seconds`` (what ``tau = auto`` must hide): from the launch until the aggregate was
+    applied to copies of the state, the worker's preparation included; never less than the round's own
+    ``seconds``, and within the wall time the run took."""
+    def whole(f, r, d):
+        return RoundOutcome(f, r, "ok", spans=[Span(0, d.numel(), d.clone())], total_weight=20.0,
+                            seconds=network_seconds)
+
+    seen = []
+    p = torch.nn.Parameter(torch.zeros(8))
+    eng = StreamingEngine([Fragment(0, ["w"], [p])], OuterSettings(H=4, tau=2, eager=True, wait_timeout=5.0),
+                          FutureTransport(whole), group_size_hint=lambda: 2,
+                          on_outcome=lambda frag, st, outcome, step: seen.append(outcome.ready_seconds))
+    t0 = time.monotonic()
+    try:
+        step_one_param(eng, p, range(1, 14))
+    finally:
+        eng.close()
+    elapsed = time.monotonic() - t0
+    assert len(seen) >= 2
+    assert all(0 < s <= max(elapsed, network_seconds) and s >= network_seconds for s in seen), (seen, elapsed)
 
 
 def test_waiting_for_an_event_asks_it_less_and_less_often(monkeypatch):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+import time
 from typing import Callable, Optional
 
 import torch
@@ -281,6 +282,8 @@ class StreamingEngine:
             self._kept_home(p, pend, outcome, step)
             return
         outcome.launch_step = pend.launch_step
+        ready = prepared.ready_at if prepared is not None else time.monotonic()  # (else prepared here, now)
+        outcome.ready_seconds = max(outcome.seconds, ready - pend.launched_at)
         if self.one_outer_step:
             self._apply_one_outer_step(p, pend, queue[0], outcome)
         else:

@@ -46,6 +46,7 @@ class Pending:
     base: "concurrent.futures.Future[tuple[int, str]]" = field(default_factory=concurrent.futures.Future)
     answered: bool = False  # the outcome came from the transport (which no longer reads ``delta``)
     retired: bool = False  # taken out of the queue to be applied: no aggregate is handed to the worker any more
+    launched_at: float = field(default_factory=time.monotonic)  # (RoundOutcome.ready_seconds counts from here)
 
 
 @dataclass
@@ -62,6 +63,7 @@ class Prepared:
     blocks: list[bytes]  # block_digests(G, v): the new state's digest, taken off the training thread
     whole: bool  # every element arrived
     staged: Optional[Staged] = None  # the device path: the new G, v on the device
+    ready_at: float = field(default_factory=time.monotonic)  # when it was prepared (made last: after the digests)
 
 
 class Handover:

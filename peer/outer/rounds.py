@@ -70,6 +70,9 @@ class RoundOutcome:
     seconds: float = 0.0
     error: str = ""
     launch_step: int = 0  # set by the engine: the inner step the round was launched after
+    # set by the engine at the apply: seconds from the launch to the aggregate applied to copies of the state (the
+    # round, then the worker's preparation: what the overlap must hide; ``seconds`` is the round's part)
+    ready_seconds: float = 0.0
     deadline: float = 0.0  # seconds its group gave the all-reduce (measured deadlines follow the links); 0: none
     flagged: list[tuple[str, str]] = field(default_factory=list)  # (peer id, why): contributions our span limited
     matchmaking_seconds: float = 0.0  # from the search's start to its group (or to giving up)

@@ -59,9 +59,10 @@ class AutoTau:
 
     ``tau = ceil(round_seconds / step_seconds) + 1``: the step time is the trainer's moving average (``step_time``,
     which it alone updates); the round time is the slowest of our last ``window`` averaged rounds
-    (:meth:`observe_round`): a round that outlasts the overlap stalls training, and covering the average round
-    leaves about half of them stalling. ``tau_max`` until both have been measured (overlap as much as allowed
-    while nothing is known).
+    (:meth:`observe_round`), from the launch until the aggregate was applied to copies of the state off the training
+    thread (``RoundOutcome.ready_seconds``: on a fast GPU the worker's part can outlast the network's): a round that
+    outlasts the overlap stalls training, and covering the average round leaves about half of them stalling.
+    ``tau_max`` until both have been measured (overlap as much as allowed while nothing is known).
     """
 
     def __init__(self, tau_max: int, H: int, step_time: Ema, window: int = 8):

@@ -55,7 +55,7 @@ class RoundReports:
         digest = self.sync.publish(frag, st, step)
         self.owner.count_round(str(outcome.status))
         if self.auto_tau is not None and RoundStatus(outcome.status).averaged:
-            self.auto_tau.observe_round(outcome.seconds)
+            self.auto_tau.observe_round(outcome.ready_seconds or outcome.seconds)  # (the worker's part too)
         self.ledger.record(self.label, frag.index, frag.numel, outcome, step, digest)
         self.pace.round(outcome.status)
         self._tell_pace(step)
