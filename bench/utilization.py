@@ -66,6 +66,7 @@ class PeerResult:
     bytes_sent: list[int] = field(default_factory=list)
     fragment_bytes: dict[int, list[int]] = field(default_factory=dict)
     round_seconds: list[float] = field(default_factory=list)
+    loop: dict[str, float] = field(default_factory=dict)  # the training loop's seconds by part (loop_seconds)
     fallback: bool = False
 
     @property
@@ -101,6 +102,7 @@ def peer_result(name: str, proc: Proc, run_dir: Path) -> PeerResult:
     if steps:
         last = steps[-1]
         res.steps, res.elapsed = last["step"], last["elapsed"]
+        res.loop = last.get("loop_seconds", {})
         if "compute_seconds" in last and "blocked_seconds" in last:
             res.compute, res.blocked = last["compute_seconds"], last["blocked_seconds"]
         else:  # an older trainer: step time from the 10-step windows without a launch or an apply in them
@@ -118,6 +120,21 @@ def peer_result(name: str, proc: Proc, run_dir: Path) -> PeerResult:
                 res.fragment_bytes.setdefault(e["fragment"], []).append(e["bytes_sent"])
                 res.round_seconds.append(e["seconds"])
     return res
+
+
+def print_loop_parts(rows) -> None:
+    """Where the training loop's wall time went, per method: each part's seconds per peer (mean over the peers) and
+    its share of the training time; ``step`` is the inner steps (what utilization calls compute), ``apply`` includes
+    the waits for aggregates (``blocked``)."""
+    parts = sorted({k for *_, results in rows for r in results for k in r.loop})
+    if not parts:
+        return
+    print("\n| method | " + " | ".join(parts) + " |  (seconds per peer, share of the training time)")
+    print("|---|" + "---:|" * len(parts))
+    for method, *_, results in rows:
+        elapsed = statistics.mean(r.elapsed for r in results)
+        cells = [statistics.mean(r.loop.get(k, 0.0) for r in results) for k in parts]
+        print(f"| {method.name} | " + " | ".join(f"{c:.2f} s ({c / max(elapsed, 1e-9):.1%})" for c in cells) + " |")
 
 
 def run_method(method: Method, args, out_dir: Path) -> tuple[list[PeerResult], float, str]:
@@ -235,6 +252,7 @@ def main(argv=None) -> int:
               f"{min(wutil):.1%} | {rounds.get('ok', 0)} / {sum(rounds.values())} | {fmt_mb(per_round)} | "
               f"{statistics.median(rsec) if rsec else 0:.2f} s | {fmt_mb(per_H)} | {sps:.2f} | "
               f"{statistics.mean(r.elapsed for r in results):.1f} s | {wall:.0f} s |")
+    print_loop_parts(rows)
     if fallback:
         print("\nnote: compute_seconds/blocked_seconds were missing from step events: compute was estimated as "
               "steps x the mean step time of 10-step windows without a round launch or apply, blocked as the "

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import Proc, wait_for
+from helpers import Proc, events, wait_for
 from peer.run import checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -145,6 +145,12 @@ def test_peer_resumes_after_clean_stop_and_after_kill_9(procs, tmp_path):
     wait_for(lambda: first.returncode is not None, 180, "first run to finish")
     assert first.returncode == 0, first.tail()
     assert any("checkpoint at step 30" in line for line in first.lines())
+    # where the loop's time went: the parts add up to the training time, the inner steps to its compute seconds
+    last = events(tmp_path, "run", "step")[-1]
+    parts = last["loop_seconds"]
+    assert {"step", "launch", "apply", "checkpoint", "rest"} <= set(parts), parts
+    assert parts["step"] == pytest.approx(last["compute_seconds"], abs=0.01 + 0.01 * last["compute_seconds"])
+    assert sum(parts.values()) <= last["elapsed"] + 0.01, (parts, last["elapsed"])
     # The run dir alone describes the run: the checkpoint holds the resolved config. Eager is off, so it holds
     # six fp32 copies of the model (weights, AdamW's two moments, G, v, S), not eight.
     path, state = checkpoint.load_latest(tmp_path / "run" / "checkpoints")

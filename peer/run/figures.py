@@ -72,7 +72,7 @@ class Figures:
         self.events.emit("step", step=step, loss=stats.loss, ce=stats.ce, lr=stats.lr, tokens=t.tokens,
                          tokens_per_second=t.tokens_per_second, elapsed=t.elapsed, floor=self.floor,
                          compute_seconds=t.compute_seconds, blocked_seconds=engine.waits.blocked_seconds,
-                         tau=self.tau())
+                         tau=self.tau(), loop_seconds={k: round(v, 4) for k, v in t.parts.seconds.items()})
 
     def snapshot(self) -> dict:
         """The live figures for the control API's status (read from another thread: plain values)."""

@@ -1,7 +1,8 @@
 """The training loop's throughput bookkeeping (pure: no I/O): tokens trained, tokens/s over the last log window,
-seconds in inner steps and since the start, and the moving average of the step time (realignment and ``tau = auto``
-read it). The ``step`` event and the status line report these figures; compute
-utilization is ``compute_seconds / (compute_seconds + blocked_seconds)`` (the engine counts the blocked seconds).
+seconds in inner steps and since the start, the moving average of the step time (realignment and ``tau = auto``
+read it), and where the loop's wall time went (:class:`LoopParts`). The ``step`` event and the status line report
+these figures; compute utilization is ``compute_seconds / (compute_seconds + blocked_seconds)`` (the engine counts
+the blocked seconds).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class Throughput:
         self.tokens_per_second = 0.0  # over the last window (0 until the first lap)
         self.elapsed = 0.0  # seconds from the start to the last lap
         self._window_tokens, self._window_start = 0, self.started
+        self.parts = LoopParts(self._clock)  # the loop's seconds by part, from now
 
     def observe(self, tokens: int, seconds: float) -> None:
         """One inner step that trained ``tokens`` in ``seconds``."""
@@ -44,3 +46,20 @@ class Throughput:
         self.tokens_per_second = self._window_tokens / max(now - self._window_start, 1e-9)
         self.elapsed = now - self.started
         self._window_tokens, self._window_start = 0, now
+
+
+class LoopParts:
+    """Where the training loop's wall time goes, by part (``step``, ``launch``, ``apply``, ...): the seconds from one
+    :meth:`mark` to the next are the named part's, so the parts add up to the loop's time since the count was made
+    (at the loop's start: what the ``step`` event's ``elapsed`` counts). Written by the training thread only."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self.seconds: dict[str, float] = {}
+        self._last = clock()
+
+    def mark(self, part: str) -> None:
+        """The time since the last mark (or the count's start) was spent in ``part``."""
+        now = self._clock()
+        self.seconds[part] = self.seconds.get(part, 0.0) + now - self._last
+        self._last = now

@@ -189,18 +189,22 @@ class Trainer:
         controls.enter(PeerState.TRAINING)
         figures.last_step_at = time.monotonic()
         figures.throughput.restart()
+        loop = figures.throughput.parts  # (where the loop's time goes: the step event's loop_seconds)
         while not self.stop.event.is_set() and (cfg.run.max_steps == 0 or step < cfg.run.max_steps):
             if self.swarm.pass_ended or controls.finish_requested:
                 break
             if (why := controls.pause_reason()) is not None:
                 step = self._pause(step, why, parts)
+                loop.mark("pause")
                 continue
             self.owner.apply_limits()
             step = self._realign(engine, step)
+            loop.mark("controls")
             t_step = time.monotonic()
             stats = inner.step(source.next_batch(cfg.data.batch_size, cfg.model.seq_len))
             figures.last_step_at = time.monotonic()
             step_seconds = figures.last_step_at - t_step
+            loop.mark("step")
             step = figures.step = step + 1
             if step % cfg.run.log_every == 0 or status.due():  # the loss waits for the device: not every step
                 figures.loss = stats.ce  # (raises FloatingPointError if a step since the last read was not finite)
@@ -210,16 +214,23 @@ class Trainer:
                 figures.log_step(step, stats, engine)
             self.swarm.ours.update_progress(step, engine.states[0].round, figures.throughput.tokens_per_second,
                                        figures.loss)
+            loop.mark("figures")
             engine.launch_due(step)
+            loop.mark("launch")
             engine.apply_due(step)
+            loop.mark("apply")
             self.evaluation.maybe(engine.states, self.sync.digest)
+            loop.mark("evaluation")
             if self.sync.due():
                 step = self._catch_up(engine, step, joining=False)
+            loop.mark("catch_up")
             self.checkpoints.save_if_due(step, rounds_done=self.ledger.done,
                                          applied=bool(engine.states[0].applied_rounds), **parts)
+            loop.mark("checkpoint")
             if status.due():
                 figures.show()
             self.owner.rest(step_seconds, figures.show)
+            loop.mark("rest")
         return self._finish(step, parts)
 
     def _build(self, label: str, source) -> dict[str, Any]:
