@@ -50,7 +50,7 @@ from peer.local import memory  # noqa: E402
 from peer.local.markov import MarkovSource  # noqa: E402
 from peer.local.inner import InnerLoop, lr_at, split_decay_params  # noqa: E402
 from peer.local.model import PRESETS, build_model, count_parameters, lm_loss  # noqa: E402
-from peer.outer.codec import roundtrip  # noqa: E402
+from peer.outer.codec import get_codec, roundtrip  # noqa: E402
 from peer.outer.engine import StreamingEngine  # noqa: E402
 from peer.outer.settings import OuterSettings  # noqa: E402
 from peer.outer.fragments import partition  # noqa: E402
@@ -167,7 +167,8 @@ def one_preset(args) -> dict:
     # as the trainer does: each applied state's digest is taken once, at its outcome, and read at the next launch
     digests: dict[int, str] = {}
     on_device = {"auto": None, "on": True, "rolling": "rolling", "off": False}[args.state_on_device]
-    engine = StreamingEngine(fragments, settings, EchoTransport("e3m0"), state_on_device=on_device,
+    engine = StreamingEngine(fragments, settings, EchoTransport(args.codec), state_on_device=on_device,
+                             error_feedback_codec=get_codec(args.codec) if args.codec.startswith("topk") else None,
                              on_outcome=lambda frag, st, outcome, step: digests.__setitem__(frag.index, st.digest()),
                              digest_of=lambda p: digests[p])
     digests.update({p: st.digest() for p, st in enumerate(engine.states)})  # (the trainer's start publishes them)
@@ -359,6 +360,8 @@ def main(argv=None) -> int:
     ap.add_argument("--blocks", type=int, default=3)
     ap.add_argument("--sync-every", type=int, default=50, help="H")
     ap.add_argument("--tau", type=int, default=5)
+    ap.add_argument("--codec", default="e3m0", help="the wire codec of the peer's rounds (a topk codec adds error "
+                    "feedback, as the config requires)")
     ap.add_argument("--activation-checkpointing", action="store_true")
     ap.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw8bit"], help="inner.optimizer")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model in both loops (inner.compile)")
@@ -382,7 +385,8 @@ def main(argv=None) -> int:
         return 2
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     print(f"bench/gpu.py {stamp} device {args.device}: batch {args.batch} x seq {args.seq_len}, vocab {args.vocab}, "
-          f"H {args.sync_every}, tau {args.tau}, eager, e3m0, {args.blocks} blocks x {args.steps} steps per loop; "
+          f"H {args.sync_every}, tau {args.tau}, eager, {args.codec}, {args.blocks} blocks x {args.steps} steps "
+          f"per loop; "
           f"micro-batch {args.micro_batch or 'none'}, activation checkpointing {args.activation_checkpointing}, "
           f"{args.optimizer}, compile {args.compile}, outer state on the device {args.state_on_device}")
     results = []

@@ -13,6 +13,7 @@
 #   rolling   1B with the rolling residency               fit       1B on a 24 GiB card (micro-batch, checkpointing,
 #   codec     bench/codec.py on the device                          adamw8bit), each loop's memory alone
 #   stall     bench/checkpoint_stall.py --device cuda     swarm     two peers on the GPU (.gpu-kit/swarm.toml)
+#   sparse    bench/gpu.py 1B with topk32 and error feedback (the device path adds the residual there)
 set -u
 OUT=${OUT:-runs/gpu-session}; mkdir -p "$OUT"
 SECTIONS=${SECTIONS:-"tests swarm bench1b compile"}
@@ -53,6 +54,7 @@ section rolling 200 "${GPU[@]}" --presets 1B --state-on-device rolling --skip te
 section fit 150 python3 bench/gpu.py --device cuda --presets 1B --steps 5 --blocks 1 --sync-every 10 --tau 2 \
   --skip tests,codec --micro-batch 2 --activation-checkpointing --optimizer adamw8bit --state-on-device rolling \
   --out /tmp/fit.json
+section sparse 200 "${GPU[@]}" --presets 1B --codec topk32 --skip tests,codec,memory --out /tmp/sparse.json
 section codec 60 python3 bench/codec.py --device cuda --codecs e3m0,fp8,bf16,topk32
 section stall 120 python3 bench/checkpoint_stall.py --device cuda --preset 100M --batch 8 --seq-len 1024 --dir /tmp
 say done | tee -a "$OUT/0-env.txt"

@@ -102,6 +102,16 @@ def test_wait_timeout_must_cover_a_round():
         build_config(None, {**NEW, ("outer", "wait_timeout"): 10.0}, environ={})
 
 
+def test_the_outer_state_on_the_device_takes_error_feedback_but_not_tau_equal_to_h():
+    sparse = {**NEW, ("outer", "codec"): "topk32", ("outer", "error_feedback"): True}
+    for where in ("on", "rolling"):
+        cfg = build_config(None, {**sparse, ("outer", "state_on_device"): where}, environ={})
+        assert (cfg.outer.state_on_device, cfg.outer.error_feedback) == (where, True)
+    with pytest.raises(ConfigError, match=r"outer.state_on_device: must be auto or off with outer.tau = "):
+        build_config(None, {**NEW, ("outer", "state_on_device"): "on", ("outer", "tau"): 50,
+                            ("outer", "sync_every"): 50}, environ={})
+
+
 def test_the_per_host_stream_budget_lies_between_the_per_peer_one_and_the_total():
     for bad in (8, 1024):
         with pytest.raises(ConfigError, match=r"max_streams_per_host: must be between swarm.max_streams_per_peer and "):

@@ -9,13 +9,14 @@ import weakref
 import pytest
 import torch
 
+from peer.outer.codec import get_codec
 from peer.outer.fragments import Fragment
 from peer.outer.rounds import RoundOutcome, Span
 from peer.outer.schedule import rolling_copies
 from peer.outer.engine import StreamingEngine
 from peer.outer.offload import HostBuffers
 from peer.outer import state as state_module
-from peer.outer.state import FragmentState, digest_of
+from peer.outer.state import ErrorFeedback, FragmentState, digest_of
 from peer.outer.settings import AutoTau, OuterSettings, clamp_tau
 from peer.util import Ema
 
@@ -370,14 +371,16 @@ def launch_and_apply(eng: StreamingEngine, step: int, *, no_sync: bool) -> None:
 
 
 def run_mixed(settings, device="cpu", state_on_device=False, no_sync=False, steps=26, kinds=5,
-              transport=ScriptedTransport):
-    """Trains one 8-element parameter on ``device`` through :func:`mixed_rounds`; returns what a peer keeps.
-    ``no_sync``: every launch and apply after the first runs in CUDA's sync debug mode "error"."""
+              transport=ScriptedTransport, error_feedback=None):
+    """Trains one 8-element parameter on ``device`` through :func:`mixed_rounds`; returns what a peer keeps (with
+    ``error_feedback``, a codec's name, the residual last). ``no_sync``: every launch and apply after the first runs
+    in CUDA's sync debug mode "error"."""
     p = torch.nn.Parameter(torch.zeros(8, device=device))
     statuses = []
     script = lambda f, r, d: mixed_rounds(f, r, d, kinds)  # noqa: E731
     eng = StreamingEngine([Fragment(0, ["w"], [p])], settings, transport(script),
                           group_size_hint=lambda: 2, state_on_device=state_on_device,
+                          error_feedback_codec=None if error_feedback is None else get_codec(error_feedback),
                           on_outcome=lambda frag, st, outcome, step: statuses.append((outcome.round, outcome.status)))
     for step in range(1, steps + 1):
         with torch.no_grad():
@@ -387,8 +390,11 @@ def run_mixed(settings, device="cpu", state_on_device=False, no_sync=False, step
     eng.drain(steps)
     eng.close()
     st = eng.states[0]
-    return (p.detach().cpu(), st.G.clone(), st.v.clone(), st.tokens_since_sync, st.round, list(st.applied_rounds),
+    kept = (p.detach().cpu(), st.G.clone(), st.v.clone(), st.tokens_since_sync, st.round, list(st.applied_rounds),
             sorted(statuses))
+    if eng.feedback is None:
+        return kept
+    return (*kept, eng.feedback.terms[0].residual.cpu())
 
 
 @pytest.mark.parametrize("merge, alpha, eager", [("alpha", 0.0, True), ("alpha", 0.25, True), ("replay", 0.25, True),
@@ -597,9 +603,39 @@ def test_an_aggregate_goes_to_the_worker_when_it_arrives_not_at_the_next_step(st
         eng.close()
 
 
+@pytest.mark.parametrize("codec", ["e3m0", "topk32"])
+def test_the_device_path_with_error_feedback_gives_the_host_path_bit_for_bit(codec, monkeypatch):
+    """Error feedback on the device path, on the CPU, against the host path: the residual is added to Delta on the
+    device from the worker's copy (the host residual is not copied at a launch: counted), updated from Delta's host
+    copy, put back where a round delivered nothing and, for a round the transport kept home, everywhere. The
+    weights, the shared state, the tokens, the statuses and the residual agree bit for bit (the weights within
+    rounding where rounds were kept home, as without error feedback)."""
+    settings = OuterSettings(H=4, tau=2, eager=True, lr=0.7, momentum=0.9, wait_timeout=0.05)
+    fallback = []
+    real = ErrorFeedback.compensate
+
+    def counted(self, delta, out=None):
+        fallback.append(self.residual is not None)
+        return real(self, delta, out=out)
+
+    host = run_mixed(settings, kinds=4, error_feedback=codec)
+    monkeypatch.setattr(ErrorFeedback, "compensate", counted)
+    device = run_mixed(settings, state_on_device=True, kinds=4, error_feedback=codec)
+    for a, b in zip(host, device, strict=True):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+    assert float(host[-1].abs().sum()) > 0 and {s for _, s in host[-2]} == {"ok", "partial", "missed"}
+    assert fallback and not any(fallback)  # (only launches without a residual yet took the host's)
+    host = run_mixed(settings, error_feedback=codec)
+    device = run_mixed(settings, state_on_device=True, error_feedback=codec)
+    torch.testing.assert_close(host[0], device[0], rtol=1e-6, atol=0)
+    for a, b in zip(host[1:], device[1:], strict=True):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+    assert "alone" in {s for _, s in host[-2]}
+
+
 def test_the_device_path_is_refused_where_its_terms_live_on_the_host():
     p = torch.nn.Parameter(torch.zeros(8))
-    with pytest.raises(ValueError, match="no error feedback"):
+    with pytest.raises(ValueError, match="tau < H"):
         StreamingEngine([Fragment(0, ["w"], [p])], OuterSettings(H=4, tau=4), ScriptedTransport(mixed_rounds),
                         state_on_device=True)
 
@@ -733,6 +769,19 @@ def test_cuda_device_path_gives_the_cpu_host_path_bit_for_bit_through_every_endi
     cpu = run_mixed(settings, state_on_device=True)
     cuda = run_mixed(settings, device="cuda", state_on_device=True, no_sync=True)
     for a, b in zip(cpu, cuda):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (bench/gpu.py runs it on one)")
+@pytest.mark.parametrize("codec", ["e3m0", "topk32"])
+def test_cuda_device_path_with_error_feedback_gives_the_cpu_bits_without_waiting(codec):
+    """:func:`run_mixed` with error feedback through the device path on the CPU and on CUDA: the same bits, the
+    residual included, and no launch or apply after the first makes a synchronizing call (the residual reaches the
+    device through the worker's copy, not a copy at the launch)."""
+    settings = OuterSettings(H=4, tau=2, eager=True, lr=0.7, momentum=0.9, wait_timeout=0.05)
+    cpu = run_mixed(settings, state_on_device=True, error_feedback=codec)
+    cuda = run_mixed(settings, device="cuda", state_on_device=True, no_sync=True, error_feedback=codec)
+    for a, b in zip(cpu, cuda, strict=True):
         assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
 
 

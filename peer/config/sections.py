@@ -150,7 +150,7 @@ class OuterConfig:
             "device, so launches and applies only enqueue work there: on (every fragment's: 8 bytes per parameter "
             "of device memory), rolling (only the fragments in flight and the next to launch), off, or auto (on "
             "with CUDA where the device has twice that room beside the training, else rolling where it has twice "
-            "that room, else off; needs tau < sync_every and no error feedback).")
+            "that room, else off; needs tau < sync_every).")
     aggregator: str = setting("clipped", help="How a reducer combines its span's parts: clipped (weights capped, "
             "CenteredClip around the coordinate-wise median: one peer's effect is bounded; for swarms of strangers) "
             "or mean (the plain token-weighted mean: every peer trusted). See peer/outer/aggregate.py.")
@@ -185,9 +185,9 @@ class OuterConfig:
         check(self.wait_timeout > 0, "outer.wait_timeout", "> 0 seconds", self.wait_timeout)
         check(self.state_on_device in ("auto", "on", "rolling", "off"), "outer.state_on_device",
               "auto, on, rolling or off", self.state_on_device)
-        check(self.state_on_device in ("auto", "off") or (not self.error_feedback and self.tau != self.sync_every),
-              "outer.state_on_device", "auto or off with outer.error_feedback or outer.tau = outer.sync_every "
-              "(their terms live on the host)", self.state_on_device)
+        check(self.state_on_device in ("auto", "off") or self.tau != self.sync_every,
+              "outer.state_on_device", "auto or off with outer.tau = outer.sync_every (its terms live on the host)",
+              self.state_on_device)
         check(0 <= self.alpha <= 1, "outer.alpha", "in [0, 1]", self.alpha)
         check(self.aggregator in ("clipped", "mean"), "outer.aggregator", "clipped or mean", self.aggregator)
         check(self.clip_factor >= 1, "outer.clip_factor", ">= 1", self.clip_factor)

@@ -3,10 +3,10 @@
 The host's fp32 ``G, v`` stay the authority (digests, checkpoints, the state served to downloaders).
 :class:`DeviceState` keeps a copy of every fragment's ``G, v`` on the device, or of those in flight and the next:
 
-- launch: ``Delta = G - theta``, the eager jump and its write into the parameters run on the device; ``Delta`` goes
-  to a pinned host buffer on a side stream, and :class:`DeferredLaunch` hands it to the transport from its own
-  thread once the copy is done (a round the transport keeps home is reported at ``launch + tau``, its eager jump
-  undone: the weights then differ from the host path's, which never jumps for it, in rounding only);
+- launch: ``Delta = G - theta`` (+ the error-feedback residual the worker copied there: :meth:`mirror`), the eager
+  jump and its write into the parameters run on the device; ``Delta`` goes to a pinned host buffer on a side
+  stream, and :class:`DeferredLaunch` hands it to the transport from its own thread once the copy is done (a round
+  kept home is reported at ``launch + tau``, its jump undone: the weights then differ in rounding only);
 - apply: as soon as the aggregate is in, the worker runs the Nesterov step on the device copy (on a stream of its
   own) and brings the new ``G, v`` to the host (:meth:`DeviceState.advance`); at ``launch + tau`` the training
   stream waits for that work (an event, not the host) and copies ``G`` into the parameters.
@@ -73,21 +73,22 @@ class DeviceState:
 
     @classmethod
     def choose(cls, device: torch.device, numels: Sequence[int], wanted: "bool | str | None", *, eligible: bool,
-               worker: OuterWorker, copies: int, reserve: int = 0) -> Optional["DeviceState"]:
+               worker: OuterWorker, copies: int, reserve: int = 0, residual: bool = False) -> Optional["DeviceState"]:
         """The device copies of fragments of ``numels`` elements: ``wanted`` True keeps every fragment's, "rolling"
         those in flight (at most ``copies``: :func:`peer.outer.schedule.rolling_copies`), False none; None (auto):
         on CUDA, every fragment's where the device has twice the room they take free beyond ``reserve`` (bytes the
         training will still allocate), else the rolling residency where it has twice that room, else none.
+        ``residual``: an error-feedback residual is copied there too, one fragment's at a time (:meth:`mirror`).
         ``eligible``: the engine's mode allows the device path (ValueError where it is wanted and not)."""
         if wanted is False or (wanted is None and not eligible):
             return None
         if not eligible:
-            raise ValueError("the outer state on the device needs 0 <= tau < H and no error feedback")
+            raise ValueError("the outer state on the device needs 0 <= tau < H")
         largest = max(numels, default=0)
         if wanted is None:
             if device.type != "cuda":
                 return None
-            free = torch.cuda.mem_get_info(device)[0] - reserve
+            free = torch.cuda.mem_get_info(device)[0] - reserve - (4 * largest if residual else 0)
             if free < 2 * cls.bytes_needed(largest * copies):
                 return None
             wanted = True if free >= 2 * cls.bytes_needed(sum(numels)) else "rolling"
@@ -172,6 +173,14 @@ class DeviceState:
         on_device = staged.to(self.device, non_blocking=True)
         wait_for(self._record())  # (the staging is free again)
         return on_device
+
+    def mirror(self, host: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """(On the worker.) A copy on the device of the host vector ``host`` (an error-feedback residual, for the
+        next launch), through the staging, and the event after the copy (on the CPU: ``host`` itself, None)."""
+        if self._stream is None:
+            return host.to(self.device), None
+        with self._on_stream():
+            return self._through_staging(host), self._record()
 
     def upload(self, G: torch.Tensor, v: torch.Tensor) -> Staged:
         """Copies of the host state ``G, v``, on their way (:meth:`install` orders the training stream after)."""

@@ -57,7 +57,7 @@ class StreamingEngine:
         passes the one it published after the last change). ``state_on_device``: launch and apply on the parameters'
         device from a copy of ``G, v`` there (peer/outer/device_state.py), of every fragment (True) or of those in
         flight ("rolling"); None: on CUDA where the device has room beyond ``device_reserve`` bytes, in the
-        streaming modes without error feedback (the others keep the host path)."""
+        streaming modes (tau = H keeps the host path)."""
         self.fragments = fragments
         self.cfg = settings
         self.transport = transport
@@ -80,9 +80,11 @@ class StreamingEngine:
         # the launches' fragment-sized host vectors, reused (see _retire): a snapshot and Delta per round in flight
         device = device_of(fragments[0]) if fragments else torch.device("cpu")
         self.device_state = DeviceState.choose(device, [f.numel for f in fragments], state_on_device,
-                                               eligible=not self.one_outer_step and self.feedback is None,
-                                               worker=self.worker, reserve=device_reserve,
+                                               eligible=not self.one_outer_step, worker=self.worker,
+                                               reserve=device_reserve, residual=self.feedback is not None,
                                                copies=rolling_copies(self._longest_tau(), settings.H, len(fragments)))
+        if self.feedback is not None and self.device_state is not None:  # (its residuals are added there)
+            self.feedback.mirror = self.device_state.mirror
         self._upcoming = 0  # the fragment to launch next (both schedules launch them in turn)
         # the device path pools only Delta's host copy, which the device writes (waited for) and never reads
         self.buffers = HostBuffers(max((f.numel for f in fragments), default=0), pinned=device.type == "cuda",
@@ -95,6 +97,8 @@ class StreamingEngine:
                     self.device_state.current(p, st.G, st.v)
             if fragments:
                 self.device_state.prefetch(0, self.states[0].G, self.states[0].v)
+                if self.feedback is not None:
+                    self.feedback.prefetch(0)
         # our share of each round, and the eager jump it scales (peer/outer/eager.py)
         self.eager = Eager(fragments, self.opt, self.buffers, alpha=settings.alpha, replay=settings.merge == "replay",
                            group_size_hint=group_size_hint)
@@ -192,26 +196,33 @@ class StreamingEngine:
         copy = self.device_state.current(p, st.G, st.v)
         theta = gather(frag)
         delta = torch.sub(copy.G, theta)
+        residual_before = None if self.feedback is None else self.feedback.compensate(p, delta)
         weight = float(max(st.tokens_since_sync, 1))
         st.tokens_since_sync = 0
         base: concurrent.futures.Future[tuple[int, str]] = concurrent.futures.Future()
         base.set_result((st.last_applied, self.digest_of(p)))  # (no round of p is in flight: see launch_due)
         host = self.buffers.take(frag.numel)
         expected = self.expected_round(p)
-        handle = DeferredLaunch(self._launcher, to_host(delta, host), lambda: self.transport.launch(
+        copied = to_host(delta, host)
+        handle = DeferredLaunch(self._launcher, copied, lambda: self.transport.launch(
             fragment=p, round_=r, delta=host, weight=weight, step=step, expected_round=expected, base=base))
+        if self.feedback is not None:  # (a round kept home puts the residual back: _kept_home)
+            self.feedback.sent(p, host, copied)
         tau = self.cfg.tau if self.tau_fn is None else self.tau_fn()
         jump = None
         if self.cfg.eager and 0 < tau < self.cfg.H:
             jump, jumped = self.eager.jump(p, theta, delta, copy.G, copy.v)
             theta = theta if jumped is None else jumped  # (never None: theta is given)
         theta_at_launch = theta if self.cfg.merge == "replay" else None
-        pend = Pending(r, step, host, weight, handle, tau, theta_at_launch, jump, base=base)
+        pend = Pending(r, step, host, weight, handle, tau, theta_at_launch, jump, residual_before=residual_before,
+                       base=base)
         self.pending[p].append(pend)
         self.handover.on_arrival(pend, st.G, st.v, copy)
         self._upcoming = (p + 1) % len(self.fragments)
         upcoming = self.states[self._upcoming]
         self.device_state.prefetch(self._upcoming, upcoming.G, upcoming.v)  # (rolling: on its way from now)
+        if self.feedback is not None:
+            self.feedback.prefetch(self._upcoming)
 
     def _not_launched(self, p: int, r: int, weight: float, handle: Handle, step: int) -> bool:
         """Reports at once a round the transport decided not to launch (alone, or the swarm is past it): nothing
@@ -231,6 +242,7 @@ class StreamingEngine:
         reported as :meth:`_not_launched` reports the host path's at once. ``pend`` is out of the queue."""
         pend.base.cancel()
         self._forget(p, pend.weight, pend.jump)
+        self._restore_residual(p, pend, None)  # (the residual update of what was never sent is undone)
         self._retire(p, pend)
         self._report_home(p, pend.round, pend.launch_step, outcome, step)
         self._settle(p)
