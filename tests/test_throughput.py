@@ -21,7 +21,7 @@ def test_parts_add_up_to_the_loop_time_and_each_mark_charges_only_its_part():
     parts = LoopParts(clock)
     for step_s, launch_s, rest_s in [(0.5, 0.25, 0.0), (0.5, 0.0, 0.125), (0.25, 0.0, 0.0)]:
         clock.now += step_s
-        parts.mark("step")
+        assert parts.mark("step") == step_s and parts.last == clock.now
         clock.now += launch_s
         parts.mark("launch")
         clock.now += rest_s

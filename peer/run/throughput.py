@@ -56,10 +56,12 @@ class LoopParts:
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self._clock = clock
         self.seconds: dict[str, float] = {}
-        self._last = clock()
+        self.last = clock()  # (the clock at the last mark)
 
-    def mark(self, part: str) -> None:
-        """The time since the last mark (or the count's start) was spent in ``part``."""
+    def mark(self, part: str) -> float:
+        """The time since the last mark (or the count's start) was spent in ``part``; returns it."""
         now = self._clock()
-        self.seconds[part] = self.seconds.get(part, 0.0) + now - self._last
-        self._last = now
+        spent = now - self.last
+        self.seconds[part] = self.seconds.get(part, 0.0) + spent
+        self.last = now
+        return spent

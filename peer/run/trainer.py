@@ -200,11 +200,9 @@ class Trainer:
             self.owner.apply_limits()
             step = self._realign(engine, step)
             loop.mark("controls")
-            t_step = time.monotonic()
             stats = inner.step(source.next_batch(cfg.data.batch_size, cfg.model.seq_len))
-            figures.last_step_at = time.monotonic()
-            step_seconds = figures.last_step_at - t_step
-            loop.mark("step")
+            step_seconds = loop.mark("step")
+            figures.last_step_at = loop.last
             step = figures.step = step + 1
             if step % cfg.run.log_every == 0 or status.due():  # the loss waits for the device: not every step
                 figures.loss = stats.ce  # (raises FloatingPointError if a step since the last read was not finite)
