@@ -14,6 +14,7 @@ from peer.outer.fragments import Fragment
 from peer.outer.rounds import RoundOutcome, Span
 from peer.outer.schedule import rolling_copies
 from peer.outer.engine import StreamingEngine
+from peer.outer.device_state import DeferredLaunch
 from peer.outer.offload import HostBuffers
 from peer.outer import state as state_module
 from peer.outer.state import ErrorFeedback, FragmentState, digest_of
@@ -359,11 +360,17 @@ def mixed_rounds(f, r, d, kinds=5):
 
 
 def launch_and_apply(eng: StreamingEngine, step: int, *, no_sync: bool) -> None:
-    """One step boundary's launches and applies; ``no_sync``: in CUDA's sync debug mode "error"."""
+    """One step boundary's launches and applies; ``no_sync``: in CUDA's sync debug mode "error". The device path's
+    launch threads hand their rounds to the transport before the applies: a launch thread that a loaded machine
+    holds back past ``wait_timeout`` makes its round ``missed`` (as it should), which would make the paths'
+    comparison a matter of timing."""
     if no_sync:
         torch.cuda.set_sync_debug_mode("error")
     try:
         eng.launch_due(step)
+        # (no name bound to a round here: the test's frame must not keep what the worker frees)
+        assert all(pend.handle.launched(timeout=60.0) for queue in eng.pending for pend in queue
+                   if isinstance(pend.handle, DeferredLaunch))
         eng.apply_due(step)
     finally:
         if no_sync:

@@ -319,6 +319,10 @@ class DeferredLaunch:
                 fn(launch)
         add(forward)
 
+    def launched(self, timeout: Optional[float] = None) -> bool:
+        """Whether the transport was handed the round (or the launch ended otherwise) within ``timeout``."""
+        return concurrent.futures.wait([self._launched], timeout).not_done == set()
+
     def done(self) -> bool:
         handle = self._handle  # (set before the launch's callbacks run, which may ask)
         if handle is not None:
