@@ -35,6 +35,9 @@ class Swarm:
 
     live_peers = vouched_peers
 
+    def partner_votes(self, records):  # (every applier is a partner of its own host here)
+        return dict(records)
+
     @property
     def ours(self):  # (what our record says: Swarm.ours, answered here too)
         return self
@@ -147,3 +150,28 @@ def test_the_drift_check_keeps_the_state_our_group_applied_against_records_of_ot
     sync.note_applied(0, 12, ["me", "g1", "g2"])
     sync.catch_up(52, joining=False)  # our co-appliers say our state is off: theirs is downloaded
     assert swarm.downloads == [(0, 12, "theirs12", ["g1", "g2"])] and 0 not in sync._confirmed
+
+
+def test_a_joiner_acts_on_the_vouched_records_not_on_every_live_one():
+    """A joiner (or a peer back from a pause) downloads the state the vouched records hold (Swarm.vouched_peers:
+    partners, or the peers its daemon answers for, one per host), never that of live ids no daemon answers for,
+    however many claim a later round."""
+    sybils = {p: record(p, 40, "forged40") for p in ("s1", "s2", "s3")}
+    honest = {p: record(p, 14, "good14") for p in ("x", "y")}
+    swarm, engine = Swarm(honest, {}), Engine()
+    swarm.live_peers = lambda: {**honest, **sybils}  # type: ignore[method-assign]
+    sync = sync_for(swarm, engine)
+    sync.catch_up(10, joining=True)
+    assert swarm.downloads == [(0, 14, "good14", ["x", "y"])] and engine.adopted == [(0, 14)]
+
+
+def test_an_owed_download_counts_the_appliers_records_through_the_partner_vote():
+    """After an off-base round, the appliers' records say what to download; they are counted as
+    Swarm.partner_votes counts them (one per host), so sybil appliers of one host are one voice."""
+    swarm, engine = Swarm({**{p: record(p, 13, "forged13") for p in ("s1", "s2", "s3")},
+                           **{p: record(p, 13, "good13") for p in ("x", "y")}}, {}), Engine()
+    swarm.partner_votes = lambda records: {p: r for p, r in records.items() if p in ("s1", "x", "y")}  # type: ignore
+    sync = sync_for(swarm, engine)
+    sync.owe(0, 13, ["s1", "s2", "s3", "x", "y"])
+    sync.catch_up(20, joining=False)
+    assert swarm.downloads == [(0, 13, "good13", ["x", "y"])]

@@ -72,7 +72,7 @@ def test_forged_records_of_peers_that_never_took_part_do_not_move_a_running_peer
     far ahead. A running peer acts only on the records of peers it was in a group with (Swarm.vouched_peers),
     so it neither skips its round as late nor downloads the forged state. A peer that met no one yet (a joiner)
     acts on the records of peers its daemon is connected to, one per host: ids no daemon answers for count for
-    nothing, and the sybils of one host once."""
+    nothing, and the sybils of one host once. Sybils that sat in our groups count once per host as well."""
     from hivemind.utils import ValueWithExpiration
 
     from peer.config import SwarmConfig
@@ -109,6 +109,18 @@ def test_forged_records_of_peers_that_never_took_part_do_not_move_a_running_peer
     vouched = swarm.vouched_peers()
     assert set(vouched) == set(honest)
     assert plan_catch_up(vouched, me, [5], ["aa"], joining=False) == []
+    assert launch_verdict(everyone, me, vouched=vouched, fragment=0, round_=6, expected_round=5,
+                          min_group_size=2) is None
+    # the sybils behave in one of our groups (partners now, a majority of ids), then claim round 50: one host, one
+    # vote against the two honest hosts', so we neither skip our round as late nor download their state
+    swarm.hosts.learn([(honest[0], ["/ip4/10.0.0.1/tcp/1"]), (honest[1], ["/ip4/10.0.0.2/tcp/1"])]
+                      + [(pid, [f"/ip4/10.0.0.9/tcp/{i}"]) for i, pid in enumerate(sybils)])
+    swarm.roster.met(set(sybils))
+    assert set(swarm.live_peers()) == set(honest + sybils) and len(sybils) > len(honest)
+    vouched = swarm.vouched_peers()
+    assert set(vouched) == {*honest, sybils[0]}
+    assert plan_catch_up(vouched, me, [5], ["aa"], joining=False) == []
+    assert plan_catch_up(vouched, me, [5], ["aa"], joining=True) == []
     assert launch_verdict(everyone, me, vouched=vouched, fragment=0, round_=6, expected_round=5,
                           min_group_size=2) is None
     swarm._loop.close()  # (never started)

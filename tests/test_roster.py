@@ -101,3 +101,26 @@ def test_before_any_group_only_connected_peers_anchor_one_per_host_and_ours():
     assert set(roster.vouched_peers()) == {C}
     # whom a round may wait for: partners, and the anchored others (F, whose id no daemon answers for, never)
     assert set(roster.meetable(roster.live_peers())) == {ME, A, B, C, D, E}
+
+
+def test_partners_vote_once_per_host_and_keep_the_host_they_were_met_from():
+    """Sybil ids that sat in our groups are partners; their records still count once per host (the smallest id),
+    loopback and relayed partners one by one. A partner that closed its connection keeps the host it was met
+    from; partners never resolved share one vote."""
+    S1, S2, S3, E = "S" * 46, "T" * 46, "U" * 46, "E" * 46
+    hosts = HostBook()
+    roster = Roster(ttl=30.0, exclusions=Exclusions(threshold=1), admitted=lambda pid: True, hosts=hosts)
+    roster.merge(entries(*(rec(p) for p in (ME, A, B, C, D, E, S1, S2, S3))), dht_now=100.0, me=ME)
+    attacker = "/ip4/203.0.113.66/tcp/"
+    hosts.learn([(A, ["/ip4/198.51.100.1/tcp/1"]), (B, ["/ip4/127.0.0.1/tcp/2"]), (C, ["/ip4/127.0.0.1/tcp/3"]),
+                 (S1, [attacker + "1"]), (S2, [attacker + "2"]), (S3, [attacker + "3"])])
+    roster.met({A, B, C, S1, S2, S3})
+    assert set(roster.vouched_peers()) == {A, B, C, S1}  # three sybil partners: one vote
+    hosts.learn([(A, ["/ip4/198.51.100.1/tcp/1"]), (B, ["/ip4/127.0.0.1/tcp/2"]), (C, ["/ip4/127.0.0.1/tcp/3"])])
+    assert set(roster.vouched_peers()) == {A, B, C, S1}  # connections closed: the hosts they were met from
+    roster.met({D, E})  # (never listed by the daemon: one vote for both)
+    assert set(roster.vouched_peers()) == {A, B, C, S1, D}
+    hosts.learn([(D, ["/ip4/198.51.100.4/tcp/1"]), (E, ["/ip4/198.51.100.5/tcp/1"])])
+    roster.merge(None, dht_now=101.0, me=ME)  # the heartbeat's next read remembers what the listing resolved
+    hosts.learn([])
+    assert set(roster.vouched_peers()) == {A, B, C, S1, D, E}

@@ -251,6 +251,10 @@ class Swarm:
         """The live records the consensus rules may act on: :meth:`Roster.vouched_peers`."""
         return self.roster.vouched_peers()
 
+    def partner_votes(self, records: dict[str, ProgressRecord]) -> dict[str, ProgressRecord]:
+        """Of ``records``: our partners', one per host (:meth:`Roster.partner_votes`)."""
+        return self.roster.partner_votes(records)
+
     def live_count(self) -> int:
         """Live peers of this run, ourselves always included."""
         return live_count(self.live_peers(), self.peer_id)

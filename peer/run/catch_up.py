@@ -116,8 +116,9 @@ class StateSync:
             if self.engine.states[p].last_applied >= round_:
                 del self.owed[p]  # (adopted since, or applied a later round from the group's base)
                 continue
-            plan = plan_owed(records, p, round_, appliers, f"off base at round {round_}: the group applied it to "
-                                                              f"another state")
+            votes = self.swarm.partner_votes({pid: rec for pid, rec in records.items() if pid in appliers})
+            plan = plan_owed(votes, p, round_, appliers, f"off base at round {round_}: the group applied it to "
+                                                         f"another state")
             if plan.wait and time.monotonic() > until:
                 log.info("fragment %d: no record of the %d peer(s) that applied round %d shows it after %.0f s; the "
                          "drift check takes over", p, len(appliers), round_, self.owed_timeout)
@@ -146,7 +147,7 @@ class StateSync:
         Must be called after the step's launches and applies, so the adopted round is never re-launched."""
         engine, late = self.engine, self.late
         self.late, self._checked_at = False, time.monotonic()
-        records = self.swarm.live_peers() if joining else self.swarm.vouched_peers()
+        records = self.swarm.vouched_peers()  # (a joiner's too: sybil ids no daemon answers for move nothing)
         expected = [engine.expected_round(p) for p in range(len(engine.states))]
         plans = plan_catch_up(records, self.swarm.peer_id, [st.last_applied for st in engine.states],
                               [self.digest(p) for p in range(len(engine.states))],

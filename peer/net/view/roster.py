@@ -5,8 +5,9 @@
   owners paused. Every rule acts on these: group targets, donors, votes.
 - **Vouched speeds**: what their records claim over time (:class:`~peer.net.trust.progress.SpeedLedger`, the robust
   rule's caps).
-- **Partners**: the peers we were in a group with; their records are the ones the consensus rules trust
-  (:meth:`Roster.vouched_peers`), and whom a round waits for tells them from strangers (peer/net/view/attendance.py).
+- **Partners**: the peers we were in a group with, and the host each was met from; their records, one per host, are
+  the ones the consensus rules trust (:meth:`Roster.vouched_peers`), and whom a round waits for tells them from
+  strangers (peer/net/view/attendance.py).
 - **Known**: the peers we saw lately, pinged when we find ourselves alone.
 - **Arrivals**: the peers that came into view at the last read (:meth:`Roster.merge`), greeted by the heartbeat.
 
@@ -47,6 +48,7 @@ class Roster:
         self.exclusions, self.admitted = exclusions, admitted
         self._known: dict[str, float] = {}  # peer id -> when we last saw it live (pinged when we are alone)
         self._partners: dict[str, float] = {}  # peer id -> when we last were in a group with it
+        self._partner_hosts: dict[str, Optional[str]] = {}  # partner id -> its host when last resolved
         self._handed: frozenset[str] = frozenset()  # live others already handed out as arrivals
         self._shuffle = random.Random().shuffle
         self._clock = clock
@@ -74,6 +76,7 @@ class Roster:
         self._shuffle(arrived)
         arrived = sorted(arrived, key=lambda p: not self.partnered(p))[:MAX_ARRIVALS]
         self._handed = frozenset(p for p in others if p in self._handed).union(arrived)
+        self._note_hosts(self._partners)
         return arrived
 
     def live_peers(self) -> dict[str, ProgressRecord]:
@@ -90,18 +93,29 @@ class Roster:
 
     def vouched_peers(self) -> dict[str, ProgressRecord]:
         """The live records the consensus rules may act on (the swarm's state to adopt, whether a round is late,
-        where the swarm's step is): those of the peers we were in a group with within ``KNOWN_PEER_TTL``, when
-        any of them is live; otherwise (a peer that has met no one yet: a joiner, or every peer of a new swarm)
-        those of the peers our daemon holds a connection with, one per host (:meth:`anchored`), and ours.
+        where the swarm's step is): those of the peers we were in a group with within ``KNOWN_PEER_TTL``, one
+        per host (:meth:`partner_votes`), when any of them is live; otherwise (a peer that has met no one yet: a
+        joiner, or every peer of a new swarm) those of the peers our daemon holds a connection with, one per host
+        (:meth:`anchored`), and ours.
 
         A record is self-declared: one host can publish records under many made-up ids (sybils), each claiming a
         "majority" state or a round far ahead. Invariant: such claims move nothing unless their ids took part in
         our rounds (where their parts are clipped and they can be excluded) or, before any round, a daemon answers
-        for them, one id per host. (Whom a round waits for is :mod:`peer.net.view.attendance`'s call: a newcomer
-        has met no one, and a group that never waited for it would rarely let it in.)"""
+        for them; either way one host is one vote, however many of its ids sat in our groups. (Whom a round waits
+        for is :mod:`peer.net.view.attendance`'s call: a newcomer has met no one, and a group that never waited
+        for it would rarely let it in.)"""
         live = self.live_peers()
-        vouched = {pid: live[pid] for pid in partners(live, self.partnered)}
-        return vouched or self.anchored(live)
+        return self.partner_votes(live) or self.anchored(live)
+
+    def partner_votes(self, live: dict[str, ProgressRecord]) -> dict[str, ProgressRecord]:
+        """Of ``live``: our partners' records, at most one per host (the smallest id; loopback and relayed
+        partners one by one). A partner's host is the daemon's listing's, or the last one it showed while we met
+        (a partner that closed its connections keeps its host); partners never resolved share one vote."""
+        def host(pid: str) -> Optional[str]:
+            now = self.hosts.host(pid) if self.hosts is not None else None
+            return self._partner_hosts.get(pid, UNRESOLVED) if now == UNRESOLVED else now
+
+        return self._one_per_host({pid: live[pid] for pid in partners(live, self.partnered)}, host, unresolved=True)
 
     def anchored(self, live: dict[str, ProgressRecord]) -> dict[str, ProgressRecord]:
         """Of ``live``: ours, and those of peers our daemon holds a connection with (``hosts``' last listing), at
@@ -109,15 +123,22 @@ class Roster:
         ``hosts``."""
         if self.hosts is None:
             return live
+        return self._one_per_host(live, self.hosts.host, unresolved=False)
+
+    def _one_per_host(self, records: dict[str, ProgressRecord], host: Callable[[str], Optional[str]], *,
+                      unresolved: bool) -> dict[str, ProgressRecord]:
+        """Of ``records``: ours, and the smallest id of each host (``host(pid)``; None, a loopback or relayed
+        peer: each its own); peers whose host is :data:`UNRESOLVED` share one host if ``unresolved``, else none
+        counts."""
         out, hosts_seen = {}, set()
-        for pid in sorted(live):
-            host = self.hosts.host(pid)
+        for pid in sorted(records):
+            where = host(pid)
             if pid != self._me:
-                if host == UNRESOLVED or host in hosts_seen:
+                if (where == UNRESOLVED and not unresolved) or where in hosts_seen:
                     continue
-                if host is not None:
-                    hosts_seen.add(host)
-            out[pid] = live[pid]
+                if where is not None:
+                    hosts_seen.add(where)
+            out[pid] = records[pid]
         return out
 
     def meetable(self, live: dict[str, ProgressRecord]) -> dict[str, ProgressRecord]:
@@ -132,10 +153,19 @@ class Roster:
         return seen is not None and seen + KNOWN_PEER_TTL >= self._clock()
 
     def met(self, peers: set[str]) -> None:
-        """Remembers the members of a group we assembled with (at most MAX_PARTNERS, the latest)."""
+        """Remembers the members of a group we assembled with (at most MAX_PARTNERS, the latest), and their
+        hosts."""
         now = self._clock()
         self._partners = dict(sorted({**self._partners, **{p: now for p in peers}}.items(),
                                      key=lambda kv: kv[1])[-MAX_PARTNERS:])
+        self._note_hosts(peers)
+
+    def _note_hosts(self, peers) -> None:
+        """Remembers the host of each of ``peers`` the daemon's listing resolves now (partners only)."""
+        if self.hosts is None:
+            return
+        hosts = {p: h for p in peers if p in self._partners and (h := self.hosts.host(p)) != UNRESOLVED}
+        self._partner_hosts = {p: h for p, h in {**self._partner_hosts, **hosts}.items() if p in self._partners}
 
     def known(self) -> list[str]:
         """The peers we saw live within ``KNOWN_PEER_TTL`` (at most MAX_KNOWN_PEERS, the latest)."""
