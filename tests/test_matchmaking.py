@@ -162,6 +162,49 @@ def test_a_leader_assembles_once_every_expected_peer_joined_and_takes_others_tha
 
 
 @pytest.mark.timeout(120)
+def test_a_leader_assembles_when_a_peer_it_expected_is_no_longer_expected(dhts):
+    """A peer the leader expected pauses (or leaves) after the others joined: no join request comes to ask
+    ``expected()`` again, so the leader asks it at its polls and assembles with those who came, instead of waiting
+    out ``min_matchmaking_time`` (it did: 10 s of stalled rounds for the others whenever a peer paused)."""
+    wait = 30.0  # min_matchmaking_time
+
+    async def main():
+        p2ps = [await dht.replicate_p2p() for dht in dhts[:2]]
+        ids = [str(p.peer_id) for p in p2ps]
+        prefix, asked, paused = round_prefix("paused", 0, 1), [], []
+        absent = "Qm" + "x" * 44  # a peer expected at first (live, then paused)
+
+        def expected():
+            asked.append(1)
+            return frozenset(ids if paused else [*ids, absent])
+
+        def join(i: int, **kwargs):
+            return asyncio.ensure_future(form_group(
+                p2ps[i], dhts[i], prefix=prefix, gather=info(i), target_group_size=3, min_group_size=2,
+                min_matchmaking_time=wait, request_timeout=2.0, client_mode=False, timeout=2 * wait, guard=GUARD,
+                poll=0.2, **kwargs))
+
+        t0 = time.monotonic()
+        leader = join(0, expected=expected)
+        keys, deadline = GroupKeyManager(dhts[1], prefix, "", 3), time.monotonic() + 20
+        while not await keys.get_averagers(keys.current_key, only_active=True):
+            assert time.monotonic() < deadline, "the leader's declaration never reached the DHT"
+            await asyncio.sleep(0.1)
+        followed = join(1)
+        while not asked:  # the leader accepted peer 1 while it still expected the absent peer
+            assert time.monotonic() < deadline + 20, "the leader never accepted a follower"
+            await asyncio.sleep(0.05)
+        assert not leader.done()
+        paused.append(1)  # the absent peer's record now says it paused
+        groups = await asyncio.gather(leader, followed)
+        return groups, time.monotonic() - t0
+
+    groups, took = run_async(main())
+    assert all(g is not None and sorted(g.gathered) == sorted(map(info, range(2))) for g in groups), groups
+    assert took < wait / 2, took
+
+
+@pytest.mark.timeout(120)
 def test_a_join_request_that_waited_for_the_leaders_lock_until_its_follower_gave_up_is_refused(tmp_path):
     """Two peers that ask each other at once each hold their lock while waiting for the other's answer: both
     requests time out, and the first leader to take its lock back used to accept the other's request, whose

@@ -24,11 +24,15 @@ PRIVATE = {  # module: the private names the functions below use
 }
 IN_SUBCLASSES = {  # module: what our subclasses override of a hivemind class or read and write of its state
     # peer/net/round/matchmaking.py's _Matchmaking overrides how a leader vets a join request (to refuse stale,
-    # absurd or unplannable ones; it sets ``target_group_size`` to assemble once the expected peers joined) and
-    # how a follower asks a leader (a stream the leader closed is a failed request, not the end of the search).
+    # absurd or unplannable ones; it sets ``target_group_size`` to assemble once the expected peers joined), how
+    # a follower asks a leader (a stream the leader closed is a failed request, not the end of the search), and
+    # assembles between join requests once the expected peers are in (as hivemind's own join handler does: under
+    # ``lock_request_join_group``, while leading, before ``assembled_group`` is set).
     "hivemind.averaging.matchmaking": ["Matchmaking._check_reasons_to_reject", "Matchmaking._request_join_group",
                                        "Matchmaking.target_group_size", "Matchmaking.current_followers",
-                                       "Matchmaking.request_timeout", "Matchmaking.peer_id"],
+                                       "Matchmaking.request_timeout", "Matchmaking.peer_id",
+                                       "Matchmaking.client_mode", "Matchmaking.current_leader",
+                                       "Matchmaking.lock_request_join_group", "Matchmaking.assembled_group"],
     # peer/net/plumbing/dht_storage.py's BoundedStorage counts the bytes of the records it keeps: it reads the
     # stored entries, once the expired ones are dropped (:func:`drop_expired`).
     "hivemind.dht.storage": ["DHTLocalStorage.data"],

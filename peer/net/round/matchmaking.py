@@ -39,7 +39,8 @@ class _Matchmaking(Matchmaking):
       closed first) is a failed request, as hivemind treats a daemon error, instead of an error that ends the
       whole search (the round then failed at once).
     - ``expected`` (peer ids, see :mod:`peer.net.view.attendance`): as a leader, the group assembles as soon as all
-      of them joined, not only once ``target_group_size`` did (which stays the cap on the group's size). So a
+      of them joined (asked at each join request and each poll: :meth:`assemble_if_expected`), not only once
+      ``target_group_size`` did (which stays the cap on the group's size). So a
       live peer that does not come (crashed, hanging, a made-up id) costs a round nothing once it is no longer
       expected, while a peer that comes anyway before then is still taken. hivemind assembles a group right
       after it accepts a follower that brings it to ``target_group_size``: for the follower that completes the
@@ -95,6 +96,21 @@ class _Matchmaking(Matchmaking):
             if wanted <= here:
                 self.target_group_size = len(self.current_followers) + 2  # with this follower: assemble now
         return refusal
+
+    async def assemble_if_expected(self) -> None:
+        """As a leader, assembles the group now if everyone :attr:`expected` says (asked again: a peer expected at
+        the last join request may have paused or left since) has joined, as the join request that completes that
+        set would have. Nothing while we follow a leader, before anyone joined, or once assembled."""
+        if self.client_mode or self.current_leader is not None or not self.current_followers \
+                or not self.is_looking_for_group or self.assembled_group.done():
+            return
+        async with self.lock_request_join_group:
+            wanted = self.expected()
+            here = {str(self.peer_id), *(str(p) for p in self.current_followers)}
+            if (wanted is not None and wanted <= here and self.current_leader is None and self.current_followers
+                    and self.is_looking_for_group and not self.assembled_group.done()):
+                log.debug("assembling: every expected peer joined (%d of them)", len(here))
+                await self.leader_assemble_group()
 
     def _sane_expiration(self, expiration: float) -> bool:
         """A follower declares when its search ends: not before now and not after the longest search of this
@@ -228,7 +244,8 @@ async def form_group(p2p: P2P, dht: DHT, *, prefix: str, gather: bytes, target_g
     ``excluded`` is true are neither followed as leaders nor accepted as followers. ``guard``: this peer's
     bound on streams per remote peer (see :mod:`peer.net.flow.streams`). ``expected()``, asked at each join request
     (peer ids, ours included, or None; see :func:`peer.net.view.attendance.early_assembly`): as a leader, assemble as
-    soon as all of them joined, within the cap of ``target_group_size``.
+    soon as all of them joined, within the cap of ``target_group_size``; asked again every ``poll`` s (a peer that
+    paused or left is no longer expected: its wait ends then, not at ``min_matchmaking_time``).
     Must run in the event loop that owns ``p2p``.
     """
     schema_hash = hashlib.sha256(prefix.encode()).digest()
@@ -260,6 +277,8 @@ async def form_group(p2p: P2P, dht: DHT, *, prefix: str, gather: bytes, target_g
                 return search.result()
             if not finished and (stop := give_up()):
                 raise stop
+            if not finished:
+                await mm.assemble_if_expected()
             if patience > 0 and keep_waiting():
                 last_laggard = get_dht_time()
             if not finished:
