@@ -77,11 +77,12 @@ def test_group_plan_leaves_out_members_whose_info_is_bad_and_names_them():
 
 
 async def _run(n_members, alive, weights, deltas, part_timeout=1.0, allreduce_timeout=4.0, rule=None, caps=None,
-               numel=NUMEL, chunk_bytes=4096, uploads=None, links=None, span_sizing="equal", elsewhere=()):
+               numel=NUMEL, chunk_bytes=4096, uploads=None, links=None, span_sizing="equal", elsewhere=(), gone=()):
     """One round of ``n_members`` on loopback; ``caps``: each member's download cap in bytes/s (0: none), declared
     in its MemberInfo and enforced by its download pacer; ``uploads``: each one's upload cap (its pacer only);
     ``links``: the uplinks they declare (MemberInfo.upload_bytes_per_second), ``span_sizing`` the run's;
-    ``elsewhere``: members not in ``alive`` that serve (a live peer) but never learned of this group."""
+    ``elsewhere``: members not in ``alive`` that serve (a live peer) but never learned of this group; ``gone``:
+    members whose daemon is shut down before the round (killed as the group assembled)."""
     caps = caps or [0.0] * n_members
     uploads = uploads or [0.0] * n_members
     p2ps = await p2p_mesh(n_members)
@@ -98,6 +99,8 @@ async def _run(n_members, alive, weights, deltas, part_timeout=1.0, allreduce_ti
             servicers.append(s)
         plans = [GroupPlan.from_group(group, ids[i], get_codec("fp32"), numel, f"member {i}", rule,
                                       span_sizing=span_sizing) for i in range(n_members)]
+        for i in gone:
+            await p2ps[i].shutdown()
 
         async def member(i):
             t0 = time.monotonic()
@@ -321,6 +324,23 @@ def test_a_member_that_never_learned_of_the_group_is_not_waited_for():
     expected_live = (deltas[0] + deltas[1]) / 2
     for res in results.values():
         assert res.spans[2].average is None and res.seconds < 10.0, res.seconds  # (part_timeout: 20 s)
+        for j in (0, 1):
+            torch.testing.assert_close(res.spans[j].average, expected_live[res.spans[j].start:res.spans[j].end])
+            assert res.contributors[j] == [0, 1]
+    for j in (0, 1):
+        assert torch.equal(results[0].spans[j].average, results[1].spans[j].average)
+
+
+def test_a_member_whose_daemon_is_gone_is_not_waited_for():
+    """A member killed as its group assembled: nobody can dial it (its daemon is gone), so its part will not come,
+    and the others' spans end then, not at part_timeout (20 s here), with the same averages on both."""
+    torch.manual_seed(3)
+    deltas = [torch.randn(NUMEL) for _ in range(3)]
+    results, _ = run_async(_run(3, [0, 1], [1.0, 1.0, 1.0], deltas, part_timeout=20.0, allreduce_timeout=30.0,
+                                gone=(2,)))
+    expected_live = (deltas[0] + deltas[1]) / 2
+    for res in results.values():
+        assert res.spans[2].average is None and res.seconds < 10.0, res.seconds
         for j in (0, 1):
             torch.testing.assert_close(res.spans[j].average, expected_live[res.spans[j].start:res.spans[j].end])
             assert res.contributors[j] == [0, 1]

@@ -28,11 +28,13 @@ from typing import AsyncIterator, Optional
 
 import torch
 from hivemind.p2p import P2P
+from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
 
 from peer.net.flow.bandwidth import Bandwidth
 from peer.net.flow.credit import CreditError, SendWindow, window
 from peer.net.trust.exclusion import Offence, PeerVerdict
 from peer.net.round.group import GroupPlan
+from peer.net.round.link_watch import LinkWatch
 from peer.net.round.reducer import UNKNOWN_GROUP, AllReduceServicer
 from peer.net.round.reduction import Lift, Pieces, SpanReduction, Traffic, decode_piece, encode_pieces
 from peer.net.trust.span_checks import disagreeing, implausible
@@ -89,12 +91,13 @@ def _through_codec(red: SpanReduction, values: torch.Tensor) -> torch.Tensor:
 async def _remote_span(p2p: P2P, plan: GroupPlan, j: int, values: torch.Tensor, weight: float,
                        chunk_elems: int, deadline: float, connect_timeout: float,
                        traffic: Traffic, bandwidth: Bandwidth, timings: list[tuple[int, float]],
-                       arrivals: list[tuple[float, float, int]]) -> list[pb.ReduceResponse]:
+                       arrivals: list[tuple[float, float, int]], lost: asyncio.Event) -> list[pb.ReduceResponse]:
     """Streams our part of span j to reducer j and returns its response messages. The part is paced by our upload
     cap and by reducer j's credit; we grant credit on its average if we declared a download cap. Appends
     ``(bytes, seconds)`` to ``timings`` when the reducer said how much of our part it read in how long (at most
     what we sent, in at most the time we saw pass before its answer), also when the part came too late; and
-    ``(first, last, bytes)`` of the average's messages to ``arrivals``."""
+    ``(first, last, bytes)`` of the average's messages to ``arrivals``. Raises :class:`ConnectionLost` once
+    ``lost`` is set (our daemon dropped its connection to reducer j: :mod:`peer.net.round.link_watch`)."""
     pieces = await asyncio.get_running_loop().run_in_executor(None, encode_pieces, plan.parts, values, chunk_elems)
     opened = time.monotonic()
     span_length = plan.spans[j][1] - plan.spans[j][0]
@@ -119,13 +122,18 @@ async def _remote_span(p2p: P2P, plan: GroupPlan, j: int, values: torch.Tensor, 
 
     stub = AllReduceServicer.get_stub(p2p, plan.peer_ids[j])
     # Opening the stream dials the reducer: a dead one is detected here, within connect_timeout.
-    stream = await asyncio.wait_for(stub.rpc_reduce(requests()),
-                                    timeout=min(connect_timeout, time_left(deadline)))
+    try:
+        stream = await asyncio.wait_for(stub.rpc_reduce(requests()),
+                                        timeout=min(connect_timeout, time_left(deadline)))
+    except ControlFailure as e:
+        if "dial" in str(e):
+            raise Undialable(str(e)) from e
+        raise
     responses: list[pb.ReduceResponse] = []
     received = 0
     try:
         while received < span_length:
-            msg = await next_by(stream, deadline)
+            msg = await _next_unless(stream, deadline, lost)
             traffic.received += msg.ByteSize()
             if msg.acknowledged:  # the reducer's credit for our part
                 if msg.HasField("piece") or msg.status != Status.OK:
@@ -151,9 +159,35 @@ async def _remote_span(p2p: P2P, plan: GroupPlan, j: int, values: torch.Tensor, 
         return responses
     finally:
         acks.put_nowait(None)  # lets our request stream end, then the reducer closes: read up to that EOF
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(_drain(stream), timeout=min(5.0, time_left(deadline)))
+        if not lost.is_set():
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(_drain(stream), timeout=min(5.0, time_left(deadline)))
         await stream.aclose()
+
+
+class Undialable(ConnectionError):
+    """Our daemon could not dial a member at all (it died before the round, or its host went away)."""
+
+
+class ConnectionLost(TimeoutError):
+    """Our daemon dropped its connection to a reducer before its average came: as good as its deadline passing."""
+
+
+async def _next_unless(stream, deadline: float, lost: asyncio.Event):
+    """:func:`next_by`, or :class:`ConnectionLost` as soon as ``lost`` is set."""
+    if lost.is_set():
+        raise ConnectionLost("the connection to the reducer closed")
+    nxt, gone = asyncio.ensure_future(next_by(stream, deadline)), asyncio.ensure_future(lost.wait())
+    try:
+        await asyncio.wait({nxt, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not nxt.done():
+            nxt.cancel()
+            await asyncio.gather(nxt, return_exceptions=True)
+    if nxt.cancelled():
+        raise ConnectionLost("the connection to the reducer closed")
+    return nxt.result()
 
 
 async def _drain(stream) -> None:
@@ -213,14 +247,31 @@ def _verdict(plan: GroupPlan, j: int, got: SpanResult, results: dict[int, SpanRe
 def _not_in_group(red: SpanReduction, j: int, answer: asyncio.Future) -> None:
     """Stops our span waiting for member ``j``'s part when its reducer said it does not know our group: it never
     learned of it (a leader listed a follower that had left, see :meth:`peer.net.round.matchmaking._Matchmaking.join`),
-    so its part will not come, and waiting for it would cost the whole group ``part_timeout``."""
-    if answer.cancelled() or answer.exception() is not None:
+    so its part will not come, and waiting for it would cost the whole group ``part_timeout``. Likewise when our
+    daemon could not dial it at all (:class:`Undialable`: a member killed as the group assembled)."""
+    if answer.cancelled():
+        return
+    if isinstance(answer.exception(), Undialable):
+        if j not in red.parts:
+            log.info("%s: member %s cannot be dialed: its part is not waited for", red.plan.label,
+                     short_id(red.plan.peer_ids[j]))
+        red.give_up_on(j)
+        return
+    if answer.exception() is not None:
         return
     responses = answer.result()
     if responses and responses[0].status == Status.REJECTED and responses[0].error == UNKNOWN_GROUP:
         log.info("%s: member %s does not know this group (it never learned of it): its part is not waited for",
                  red.plan.label, short_id(red.plan.peer_ids[j]))
         red.give_up_on(j)
+
+
+def _lost_member(red: SpanReduction, i: int) -> None:
+    """Our daemon dropped its connection to member ``i``: its part will not come (or no longer completely)."""
+    if i not in red.parts and not red.closed:
+        log.info("%s: the connection to member %s closed: its part is not waited for", red.plan.label,
+                 short_id(red.plan.peer_ids[i]))
+    red.give_up_on(i)
 
 
 def _check_spans(plan: GroupPlan, results: dict[int, SpanResult], delta: torch.Tensor) -> None:
@@ -256,6 +307,10 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
     bandwidth = bandwidth or Bandwidth()
     red = SpanReduction(plan, part_timeout, chunk_elems, servicer.excluded, lift)
     servicer.register(red)
+    index = {str(peer): i for i, peer in enumerate(plan.peer_ids)}
+    watch = LinkWatch(p2p, [peer for peer, i in index.items() if i != plan.my_index])
+    watch.on_lost(lambda peer: _lost_member(red, index[peer]))
+    watch.start()
     traffic = Traffic()
     timings: list[tuple[int, float]] = []  # (our part's bytes, the seconds its reducer read it in)
     arrivals: list[tuple[float, float, int]] = []  # (first, last, bytes) of each remote span's average
@@ -272,7 +327,7 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
             else:
                 task = asyncio.ensure_future(_remote_span(p2p, plan, j, values, weight, chunk_elems, deadline,
                                                           connect_timeout, traffic, bandwidth, timings,
-                                                          arrivals))
+                                                          arrivals, watch.lost(str(plan.peer_ids[j]))))
                 task.add_done_callback(functools.partial(_not_in_group, red, j))
                 tasks.append((j, task))
         results: dict[int, SpanResult] = {}
@@ -313,5 +368,6 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
         return AllReduceResult(spans, contributors, traffic, total_weight, list(red.flagged), pieces, uplink,
                                downlink, verdicts + red.verdicts)
     finally:
+        await watch.stop()
         asyncio.get_running_loop().call_later(time_left(deadline), servicer.unregister,
                                               plan.group_id)
