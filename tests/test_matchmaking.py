@@ -26,6 +26,15 @@ def dhts(tmp_path):
         yield nodes
 
 
+async def leader_declared(dht, prefix: str) -> float:
+    """Waits (at most 20 s) until a leader's declaration for ``prefix`` reached the DHT; returns that deadline."""
+    keys, deadline = GroupKeyManager(dht, prefix, "", 3), time.monotonic() + 20
+    while not await keys.get_averagers(keys.current_key, only_active=True):
+        assert time.monotonic() < deadline, "the leader's declaration never reached the DHT"
+        await asyncio.sleep(0.1)
+    return deadline
+
+
 @pytest.mark.timeout(120)
 def test_followers_whose_view_is_smaller_join_the_leaders_larger_group(dhts):
     """Peers' counts of live peers differ for a while (a peer back from an outage is seen by some before
@@ -43,10 +52,7 @@ def test_followers_whose_view_is_smaller_join_the_leaders_larger_group(dhts):
 
         leader = join(0, 3)
         # the followers start once the leader's declaration is visible, so it is the leader they find
-        keys, deadline = GroupKeyManager(dhts[1], prefix, "", 3), time.monotonic() + 20
-        while not await keys.get_averagers(keys.current_key, only_active=True):
-            assert time.monotonic() < deadline, "the leader's declaration never reached the DHT"
-            await asyncio.sleep(0.1)
+        await leader_declared(dhts[1], prefix)
         return await asyncio.gather(leader, join(1, 2), join(2, 2))  # (the replicas end with their DHTs)
 
     groups = run_async(main())
@@ -135,10 +141,7 @@ def test_a_leader_assembles_once_every_expected_peer_joined_and_takes_others_tha
 
         t0 = time.monotonic()
         leader = join(0, expected=expected)
-        keys, deadline = GroupKeyManager(dhts[1], prefix, "", 3), time.monotonic() + 20
-        while not await keys.get_averagers(keys.current_key, only_active=True):
-            assert time.monotonic() < deadline, "the leader's declaration never reached the DHT"
-            await asyncio.sleep(0.1)
+        deadline = await leader_declared(dhts[1], prefix)
         followers = []
         for i in order:  # one after the other: each is accepted before the next asks
             followers.append(join(i))
@@ -186,10 +189,7 @@ def test_a_leader_assembles_when_a_peer_it_expected_is_no_longer_expected(dhts):
 
         t0 = time.monotonic()
         leader = join(0, expected=expected)
-        keys, deadline = GroupKeyManager(dhts[1], prefix, "", 3), time.monotonic() + 20
-        while not await keys.get_averagers(keys.current_key, only_active=True):
-            assert time.monotonic() < deadline, "the leader's declaration never reached the DHT"
-            await asyncio.sleep(0.1)
+        deadline = await leader_declared(dhts[1], prefix)
         followed = join(1)
         while not asked:  # the leader accepted peer 1 while it still expected the absent peer
             assert time.monotonic() < deadline + 20, "the leader never accepted a follower"
