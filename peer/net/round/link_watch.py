@@ -1,8 +1,8 @@
 """Whether our daemon still holds a connection to each member of one all-reduce (a data structure with the task that
 lists the daemon's connections; :func:`peer.net.round.allreduce.run_allreduce` owns one per round).
 
-A member killed mid-round (kill -9, a pulled cable) leaves the libp2p streams our handlers read open: the daemon
-drops the connection within seconds but does not end those streams, so a reducer waited ``part_timeout`` for a
+A member killed mid-round (kill -9) leaves the libp2p streams our handlers read open: the daemon drops the
+connection within seconds but does not end those streams, so a reducer waited ``part_timeout`` for a
 dead member's part and a member waited the round's whole deadline for a dead reducer's average (30 s where the
 connection was gone after 2). Invariant: a member counts as *lost* only once the daemon listed a connection to it
 during the round and then, ``misses`` listings in a row, did not; a failed listing counts as nothing. Losing a
