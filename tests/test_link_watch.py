@@ -99,8 +99,9 @@ def test_a_wait_on_a_member_killed_with_sigkill_ends_within_seconds(tmp_path):
                         await asyncio.sleep(0.1)
                     os.killpg(victim.pid, signal.SIGKILL)
                     t0 = time.monotonic()
+                    gone = asyncio.ensure_future(watch.lost(victim_id).wait())
                     with pytest.raises(ConnectionLost):
-                        await _next_unless(stream, time.monotonic() + 45, watch.lost(victim_id))
+                        await _next_unless(stream, time.monotonic() + 45, gone)
                     return time.monotonic() - t0
                 finally:
                     await watch.stop()

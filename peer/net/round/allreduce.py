@@ -131,9 +131,10 @@ async def _remote_span(p2p: P2P, plan: GroupPlan, j: int, values: torch.Tensor, 
         raise
     responses: list[pb.ReduceResponse] = []
     received = 0
+    gone = asyncio.ensure_future(lost.wait())  # (one waiter for the whole span, not one per message)
     try:
         while received < span_length:
-            msg = await _next_unless(stream, deadline, lost)
+            msg = await _next_unless(stream, deadline, gone)
             traffic.received += msg.ByteSize()
             if msg.acknowledged:  # the reducer's credit for our part
                 if msg.HasField("piece") or msg.status != Status.OK:
@@ -158,6 +159,7 @@ async def _remote_span(p2p: P2P, plan: GroupPlan, j: int, values: torch.Tensor, 
     except StopAsyncIteration:
         return responses
     finally:
+        gone.cancel()
         acks.put_nowait(None)  # lets our request stream end, then the reducer closes: read up to that EOF
         if not lost.is_set():
             with contextlib.suppress(Exception):
@@ -173,15 +175,15 @@ class ConnectionLost(TimeoutError):
     """Our daemon dropped its connection to a reducer before its average came: as good as its deadline passing."""
 
 
-async def _next_unless(stream, deadline: float, lost: asyncio.Event):
-    """:func:`next_by`, or :class:`ConnectionLost` as soon as ``lost`` is set."""
-    if lost.is_set():
+async def _next_unless(stream, deadline: float, gone: asyncio.Future):
+    """:func:`next_by`, or :class:`ConnectionLost` as soon as ``gone`` (the wait for the connection's loss) is
+    done. ``gone`` is the caller's, left running for its next message."""
+    if gone.done():
         raise ConnectionLost("the connection to the reducer closed")
-    nxt, gone = asyncio.ensure_future(next_by(stream, deadline)), asyncio.ensure_future(lost.wait())
+    nxt = asyncio.ensure_future(next_by(stream, deadline))
     try:
         await asyncio.wait({nxt, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        gone.cancel()
         if not nxt.done():
             nxt.cancel()
             await asyncio.gather(nxt, return_exceptions=True)
