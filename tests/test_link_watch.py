@@ -39,6 +39,42 @@ def test_a_member_is_lost_once_listed_then_missing_from_two_listings_in_a_row():
     run_async(main())
 
 
+class _ListsThenStops:
+    """A daemon whose listing answers at once, and asks the watch to stop just as that answer comes in: in
+    Python 3.11 ``asyncio.wait_for`` returns an inner result that is done when its cancellation arrives and so
+    swallows the cancellation (fixed in 3.12)."""
+
+    def __init__(self):
+        self.watch: LinkWatch | None = None
+        self.stopping: asyncio.Task | None = None
+        self.calls = 0
+
+    async def list_peers(self):
+        self.calls += 1
+        if self.stopping is None and self.watch is not None:
+            self.stopping = asyncio.ensure_future(self.watch.stop())  # (runs before wait_for sees our answer)
+        return []
+
+
+def test_a_watch_stops_even_when_its_cancellation_arrives_with_a_listing():
+    """The round's ``finally`` awaits :meth:`LinkWatch.stop`: a stop lost to that race would hold the round (and
+    the training that waits for it) until ``outer.wait_timeout``."""
+    async def main():
+        daemon = _ListsThenStops()
+        watch = daemon.watch = LinkWatch(daemon, [A], period=0.01)  # type: ignore[arg-type]
+        watch.start()
+        await asyncio.wait_for(asyncio.shield(_stopped(daemon)), timeout=5)
+        calls = daemon.calls
+        await asyncio.sleep(0.1)
+        assert daemon.calls == calls  # nothing lists any more
+
+    async def _stopped(daemon):
+        while daemon.stopping is None:
+            await asyncio.sleep(0.005)
+        await daemon.stopping
+    run_async(main())
+
+
 VICTIM = textwrap.dedent("""
     import asyncio, sys
     from hivemind.proto.dht_pb2 import PingRequest, PingResponse

@@ -38,6 +38,7 @@ class LinkWatch:
         self._missed = {peer: 0 for peer in self._events}
         self._callbacks: list[Callable[[str], None]] = []
         self._task: asyncio.Task | None = None
+        self._stopping = False
 
     def lost(self, peer: str) -> asyncio.Event:
         return self._events.get(peer) or asyncio.Event()  # (a peer not watched is never lost)
@@ -50,19 +51,24 @@ class LinkWatch:
             self._task = asyncio.ensure_future(self._run())
 
     async def stop(self) -> None:
+        """Ends the listings; returns within a listing period. (The flag, not only the cancellation: Python 3.11's
+        ``asyncio.wait_for`` drops a cancellation that arrives as its inner call completes.)"""
+        self._stopping = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
     async def _run(self) -> None:
-        while any(not event.is_set() for event in self._events.values()):
+        while not self._stopping and any(not event.is_set() for event in self._events.values()):
             try:
-                infos = await asyncio.wait_for(self.p2p.list_peers(), self.timeout)
+                async with asyncio.timeout(self.timeout):
+                    infos = await self.p2p.list_peers()
             except Exception as e:  # (a slow daemon: nobody is judged on a listing we do not have)
                 log.debug("could not list the daemon's connections: %s: %s", type(e).__name__, e)
             else:
-                self.learn({str(info.peer_id) for info in infos})
+                if not self._stopping:
+                    self.learn({str(info.peer_id) for info in infos})
             await asyncio.sleep(self.period)
 
     def learn(self, connected: set[str]) -> None:
