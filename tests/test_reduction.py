@@ -68,3 +68,19 @@ def test_the_parts_are_combined_off_the_loop_which_keeps_serving_and_a_late_part
         filled += decode_piece(CODEC, msg.piece, msg.offset, filled, out)
     want = CODEC.decode_flat(CODEC.encode_flat(aggregate(parts[:2], [1.0, 2.0], red.plan.rule).value))
     assert torch.equal(out, want)  # the same bits as the rule and the codec give on the loop's thread
+
+
+def test_a_client_mode_members_empty_span_closes_at_once_and_warns_of_nothing(caplog):
+    """A member in client mode reduces no span (its span is empty): no part comes to it, so its reduction must not
+    wait ``part_timeout`` and then log every member of the group as missing, round after round."""
+    infos = [pb.MemberInfo(protocol_version=PROTOCOL_VERSION, base=BASE, weight=1.0, numel=NUMEL,
+                           client_mode=(i == 0)).SerializeToString() for i in range(3)]
+    plan = GroupPlan.from_group(GroupInfo(b"R" * 20, tuple(PEERS), tuple(infos)), PEERS[0], CODEC, NUMEL, "test")
+    assert plan.spans[0][0] == plan.spans[0][1], plan.spans
+
+    async def main():
+        red = SpanReduction(plan, 30.0, 1024)
+        return red, await asyncio.wait_for(red.result, timeout=5)
+    red, responses = run_async(main())
+    assert red.closed and [r.status for r in responses] == [pb.ReduceResponse.Status.FAILED]
+    assert not [r for r in caplog.records if "without members" in r.getMessage()]

@@ -182,6 +182,9 @@ class SpanReduction:
         return out.value
 
     async def _finalize(self) -> list[pb.ReduceResponse]:
+        if not self.length:  # (a client-mode member's span: no member sends a part to it, none is waited for)
+            self.closed = True
+            return [pb.ReduceResponse(status=Status.FAILED, error="this member reduces no span")]
         try:
             await asyncio.wait_for(self.all_in.wait(), timeout=time_left(self.deadline))
         except asyncio.TimeoutError:
