@@ -7,6 +7,8 @@ error cases need no swarm. The README walkthrough (tests/test_walkthrough.py) co
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import re
@@ -41,13 +43,25 @@ def swarm_peer(*args: str) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
+def swarm_peer_here(*args: str) -> subprocess.CompletedProcess:
+    """``swarm-peer ARGS`` through the same ``main`` in this process: the command's own code, without the two
+    seconds of imports a new interpreter costs (the suite runs many; one export per test stays a real process)."""
+    from peer.cli.swarm_peer import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return subprocess.CompletedProcess(["swarm-peer", *args], code, out.getvalue(), err.getvalue())
+
+
 def assert_exports_agree_and_load_plainly(run_root: Path, names: list[str]) -> None:
     """Called by tests/test_swarm.py once its peers trained together (a swarm of its own would cost a minute):
     each peer's export of the shared model is the same, byte for byte, and loads without swarmloco; ``local``
     weights differ from it; ``sample`` prints a seeded continuation."""
     outs = {name: run_root / f"export-{name}" for name in names}
-    for name, out in outs.items():
-        done = swarm_peer("export", "--run-dir", str(run_root / name), "--out", str(out))
+    for name, out in outs.items():  # the first through a new process, as a user runs it
+        done = (swarm_peer if name == names[0] else swarm_peer_here)("export", "--run-dir", str(run_root / name),
+                                                                     "--out", str(out))
         assert done.returncode == 0, done.stderr
         assert "model.safetensors" in done.stdout and "modeling.py" in done.stdout
     # The peers applied the same rounds: the same shared weights, byte for byte, and the same provenance.
@@ -70,17 +84,17 @@ def assert_exports_agree_and_load_plainly(run_root: Path, names: list[str]) -> N
     local = run_model(load_run(run_root / names[0]), "local")
     assert any(not torch.equal(a, b) for a, b in zip(model.state_dict().values(), local.state_dict().values()))
 
-    sample = swarm_peer("sample", "--run-dir", str(run_root / names[0]), "--prompt", "ab", "--tokens", "24")
+    sample = swarm_peer_here("sample", "--run-dir", str(run_root / names[0]), "--prompt", "ab", "--tokens", "24")
     assert sample.returncode == 0, sample.stderr
     assert sample.stdout.startswith("ab") and len(sample.stdout.rstrip("\n")) > 2, sample.stdout
-    again = swarm_peer("sample", "--run-dir", str(run_root / names[0]), "--prompt", "ab", "--tokens", "24")
+    again = swarm_peer_here("sample", "--run-dir", str(run_root / names[0]), "--prompt", "ab", "--tokens", "24")
     assert again.stdout == sample.stdout  # seeded: the same text twice
 
     # ... and measured: the same held-out loss from every peer's checkpoint (the same shared weights), lower than the
     # untrained model's, a number as the peers' own evaluations report it
     held = {}
     for name in names:
-        done = swarm_peer("eval", "--run-dir", str(run_root / name), "--sequences", "32")
+        done = swarm_peer_here("eval", "--run-dir", str(run_root / name), "--sequences", "32")
         assert done.returncode == 0, done.stderr
         held[name] = float(re.match(r"held-out loss (\S+) nats, perplexity ", done.stdout).group(1))
     assert len(set(held.values())) == 1, held
@@ -95,7 +109,7 @@ def test_export_and_sample_name_what_to_fix(tmp_path):
                  ["sample", "--run-dir", str(empty), "--prompt", "x"],
                  ["eval", "--run-dir", str(empty)],
                  ["export", "--run-dir", str(tmp_path / "missing"), "--out", str(tmp_path / "out")]):
-        done = swarm_peer(*args)
+        done = (swarm_peer if args[0] == "sample" else swarm_peer_here)(*args)
         assert done.returncode == 2, done
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("swarm-peer: error: --run-dir"), done.stderr
