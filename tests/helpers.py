@@ -18,7 +18,9 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping, Sequence, TypeVar
 
-POLL_INTERVAL = 0.05
+# Polls: every 50 ms for the first seconds of a wait, then every 250 ms (a swarm test waits minutes, re-reading
+# every peer's events and logs each time: on two cores that reading competes with the peers it waits for).
+POLL_INTERVAL, LONG_POLL_INTERVAL, LONG_WAIT_S = 0.05, 0.25, 2.0
 TAIL_LINES = 40
 
 T = TypeVar("T")
@@ -28,16 +30,22 @@ class ProcessExited(TimeoutError):
     """The awaited log line cannot come any more: the process has exited (a kind of TimeoutError)."""
 
 
+def poll_pause(started: float) -> None:
+    """The pause between two polls of a wait that began at ``started`` (monotonic)."""
+    time.sleep(POLL_INTERVAL if time.monotonic() - started < LONG_WAIT_S else LONG_POLL_INTERVAL)
+
+
 def wait_for(predicate: Callable[[], T], timeout: float, what: str) -> T:
     """Poll ``predicate`` until it returns something truthy (which is returned) or ``timeout`` s pass."""
-    deadline = time.monotonic() + timeout
+    started = time.monotonic()
+    deadline = started + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() >= deadline:
             raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(POLL_INTERVAL)
+        poll_pause(started)
 
 
 def _stat_fields(pid: int) -> list[str] | None:
@@ -135,7 +143,8 @@ class Proc:
         without printing the line) with the last lines of the log in the message.
         """
         regex = re.compile(pattern)
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
         while True:
             exited = self.returncode is not None  # read before the log: no line can be missed
             for line in self._complete_lines()[start:]:
@@ -152,7 +161,7 @@ class Proc:
                     f"no line matching {pattern!r} within {timeout:g} s from {self.args[:3]}; "
                     f"last lines of {self.log_path}:\n{self.tail()}"
                 )
-            time.sleep(POLL_INTERVAL)
+            poll_pause(started)
 
     def session_pids(self) -> list[int]:
         """Pids still alive in this process's session (itself, p2pd daemons, other descendants)."""
