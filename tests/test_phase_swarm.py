@@ -10,11 +10,13 @@ enough of them:
 3. SIGSTOP, then SIGCONT;
 4. a new peer joins: it downloads the swarm's state of both fragments, then averages with the others.
 
-Two steps peers go through the first three (the case that never met again before issue 11); two clock peers
-through the SIGKILL and the pause (a SIGINT restart is the SIGKILL one from a newer checkpoint); three steps peers
-through the SIGKILL, which with three peers also resumes from a checkpoint of averaged rounds, then a fourth
-joins. Every kind, on both schedules and with 2 and 3 peers: ``bench/phase.py`` (docs/benchmarks.md, "Drop and
-rejoin").
+Two steps peers go through the first three (the case that never met again before issue 11); three clock peers
+of different speeds (batch sizes 2, 4 and 12) through the SIGKILL and the pause (a SIGINT restart is the SIGKILL
+one from a newer checkpoint); three steps peers through the SIGKILL, which with three peers also resumes from a
+checkpoint of averaged rounds, then a fourth joins. Before the clock peers are disturbed they apply rounds all
+three together, weighted by tokens, and the fastest makes more steps between them than the slowest: on the clock
+schedule nobody waits for a slow peer. Every kind, on both schedules and with 2 and 3 peers: ``bench/phase.py``
+(docs/benchmarks.md, "Drop and rejoin").
 
 A peer is away longer than the others wait for a round (``matchmaking_timeout``) and than ``progress_ttl`` (the
 others stop seeing it). After each disturbance, the disturbed peer is *back* at its first step event after the
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import assert_one_digest_per_applied_round, events, wait_for
+from helpers import applied_digests, assert_one_digest_per_applied_round, events, wait_for
 from lab_swarm import LoopbackSwarm, disturb_and_rejoin
 
 pytestmark = [pytest.mark.swarm]
@@ -48,14 +50,21 @@ CLOCK = ["--outer-schedule", "clock", "--outer-round-seconds", "6", "--matchmaki
          "--request-timeout", "1.5", "--matchmaking-timeout", "5", "--checkpoint-rounds", "2"]
 
 
+# The clock peers' speeds: tokens per step (a step of the slowest computes six times the fastest's)
+CLOCK_BATCH = {"p0": "2", "p1": "4", "p2": "12"}
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("schedule, n, away_s, kinds", [
     ("steps", 2, 14.0, ("sigint", "sigkill", "pause")), ("steps", 3, 14.0, ("sigkill", "join")),
     # The clock schedule's peers wait matchmaking_timeout = 5 s for a round.
-    ("clock", 2, 12.0, ("sigkill", "pause"))])
+    ("clock", 3, 12.0, ("sigkill", "pause"))])
 def test_peers_average_together_again_after_a_restart_and_a_pause(procs, tmp_path, schedule, n, away_s, kinds):
-    swarm = LoopbackSwarm(procs, tmp_path, n, STEPS if schedule == "steps" else CLOCK)
+    per_peer = {name: ["--data-batch-size", b] for name, b in CLOCK_BATCH.items()} if schedule == "clock" else None
+    swarm = LoopbackSwarm(procs, tmp_path, n, STEPS if schedule == "steps" else CLOCK, per_peer)
     wait_for(lambda: swarm.together(), 240, "a round all peers averaged together")
+    if schedule == "clock":
+        assert_nobody_waits_for_the_slowest(swarm)
     # One disturbance per peer (with two peers, the first is disturbed twice); the checkpoint of the SIGKILLed
     # peer is up to --checkpoint-rounds old, so it resumes behind the others and downloads their state.
     victims = {"sigint": swarm.names[-1], "sigkill": swarm.names[0], "pause": swarm.names[min(1, n - 1)],
@@ -87,3 +96,22 @@ def test_peers_average_together_again_after_a_restart_and_a_pause(procs, tmp_pat
     swarm.stop_all()
     # every round that more than one peer applied, before, during and after each disturbance: one digest
     assert_one_digest_per_applied_round(tmp_path, swarm.names, shared=2)
+
+
+def assert_nobody_waits_for_the_slowest(swarm: LoopbackSwarm) -> None:
+    """Clock peers of different speeds apply rounds together (at least three, each with every peer's digest), and
+    between the first and the last of them the fastest made more steps than the slowest. (Not the peers' last
+    logged steps: they start at different times, and a first round that finds no group blocks one for seconds.)"""
+    def shared() -> set:
+        for name in swarm.names:  # fail fast, with its log, if a peer died
+            assert swarm.peer[name].returncode is None, f"{name} exited:\n{swarm.peer[name].tail()}"
+        applied = applied_digests(swarm.tmp, swarm.names)
+        return {k for k, v in applied.items() if len(v) == len(swarm.names)}
+    rounds = wait_for(lambda: len(shared()) >= 3 and shared(), 120, "three rounds all three clock peers applied")
+    advance = {}
+    for name in swarm.names:
+        at = [e["step"] for e in events(swarm.tmp, name, "round") if e.get("applied")
+              and (e["fragment"], e["round"]) in rounds]
+        advance[name] = max(at) - min(at)
+    by_speed = sorted(CLOCK_BATCH, key=lambda name: int(CLOCK_BATCH[name]))  # fastest first
+    assert advance[by_speed[0]] > advance[by_speed[-1]], advance
