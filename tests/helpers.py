@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import os
 import re
 import signal
@@ -28,6 +29,15 @@ T = TypeVar("T")
 
 class ProcessExited(TimeoutError):
     """The awaited log line cannot come any more: the process has exited (a kind of TimeoutError)."""
+
+
+def in_process(main: Callable[[list[str]], int], *args: str) -> subprocess.CompletedProcess:
+    """A command line's ``main(args)`` run in this process, its output captured: the command's own code without
+    the seconds of imports a new interpreter costs (``swarm-peer export``, ``swarm-bootstrap authority ...``)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
 
 
 def poll_pause(started: float) -> None:

@@ -5,8 +5,6 @@ with identical digests."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import io
 import re
 import subprocess
 import sys
@@ -16,7 +14,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 from hivemind.utils.crypto import RSAPrivateKey
 
-from helpers import Proc, events, run_async, wait_for
+from helpers import Proc, events, in_process, run_async, wait_for
 from peer.net.trust.auth import (Admission, PassChecker, RunAccess, decode_pass, encode_pass, identity_key,
                                  issue_pass, owner_key, parse_pass_request, pass_request, peer_id_of, record_admitted)
 from peer.net.trust.revocations import RevocationValidator, revocation_key, sign_revocations, verify_revocations
@@ -134,10 +132,7 @@ def cli(program: str, *args: str) -> subprocess.CompletedProcess:
     from bootstrap.cli import main as bootstrap_main
     from peer.cli.swarm_peer import main as peer_main
 
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = {"bootstrap": bootstrap_main, "peer": peer_main}[program](list(args))
-    return subprocess.CompletedProcess([program, *args], code, out.getvalue(), err.getvalue())
+    return in_process({"bootstrap": bootstrap_main, "peer": peer_main}[program], *args)
 
 
 def test_authority_commands_print_what_to_paste_and_refuse_bad_input(tmp_path):

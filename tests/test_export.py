@@ -7,8 +7,6 @@ error cases need no swarm. The README walkthrough (tests/test_walkthrough.py) co
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import math
 import re
@@ -17,7 +15,7 @@ import sys
 from pathlib import Path
 
 import torch
-from helpers import events
+from helpers import events, in_process
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,14 +42,11 @@ def swarm_peer(*args: str) -> subprocess.CompletedProcess:
 
 
 def swarm_peer_here(*args: str) -> subprocess.CompletedProcess:
-    """``swarm-peer ARGS`` through the same ``main`` in this process: the command's own code, without the two
-    seconds of imports a new interpreter costs (the suite runs many; one export per test stays a real process)."""
+    """``swarm-peer ARGS`` through its ``main`` in this process (the suite runs many; one export per test stays a
+    real process)."""
     from peer.cli.swarm_peer import main
 
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(args))
-    return subprocess.CompletedProcess(["swarm-peer", *args], code, out.getvalue(), err.getvalue())
+    return in_process(main, *args)
 
 
 def assert_exports_agree_and_load_plainly(run_root: Path, names: list[str]) -> None:
