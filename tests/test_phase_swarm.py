@@ -102,12 +102,13 @@ def assert_nobody_waits_for_the_slowest(swarm: LoopbackSwarm) -> None:
     """Clock peers of different speeds apply rounds together (at least four, each with every peer's digest), and
     between the first and the last of them the fastest made more steps than the slowest. (Not the peers' last
     logged steps: they start at different times, and a first round that finds no group blocks one for seconds.)"""
-    def shared() -> set:
+    def four_shared() -> set | None:
         for name in swarm.names:  # fail fast, with its log, if a peer died
             assert swarm.peer[name].returncode is None, f"{name} exited:\n{swarm.peer[name].tail()}"
         applied = applied_digests(swarm.tmp, swarm.names)
-        return {k for k, v in applied.items() if len(v) == len(swarm.names)}
-    rounds = wait_for(lambda: len(shared()) >= 4 and shared(), 120, "four rounds all three clock peers applied")
+        shared = {k for k, v in applied.items() if len(v) == len(swarm.names)}
+        return shared if len(shared) >= 4 else None
+    rounds = wait_for(four_shared, 120, "four rounds all three clock peers applied")
     advance = {}
     for name in swarm.names:
         at = [e["step"] for e in events(swarm.tmp, name, "round") if e.get("applied")
