@@ -3,18 +3,21 @@ kernels compiled once before xdist starts its workers."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
+import helpers
 import pytest
-
 from helpers import Proc, wait_for
 
 
 def pytest_configure(config) -> None:
-    """Under xdist, the controller compiles numba's codec kernels into their cache before the workers start: in a
-    fresh checkout each worker, and each peer process started before the cache is written, would otherwise compile
-    them itself (9 s cold against under 3 s from the cache)."""
+    """Peers and bootstrap nodes are forked from a zygote that has imported them (``tests/forks.py``; set
+    ``TESTS_EXEC_PEERS=1`` to start each as a new interpreter). Under xdist, the controller compiles numba's codec
+    kernels into their cache before the workers start: in a fresh checkout each worker, and each zygote started
+    before the cache is written, would otherwise compile them itself (9 s cold against under 3 s from the cache)."""
+    helpers.FORK = os.environ.get("TESTS_EXEC_PEERS") != "1"
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         from peer.outer import cpu_path
 

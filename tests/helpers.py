@@ -8,6 +8,7 @@ and ``session_pids`` tells whether anything is left. Waits are deadline-bounded 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import io
 import os
@@ -18,6 +19,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Callable, Mapping, Sequence, TypeVar
+
+import forks
 
 # Polls: every 50 ms for the first seconds of a wait, then every 250 ms (a swarm test waits minutes, re-reading
 # every peer's events and logs each time: on two cores that reading competes with the peers it waits for).
@@ -79,10 +82,29 @@ def pids_in_session(sid: int) -> list[int]:
     return sorted(out)
 
 
+# Whether ``Proc.start`` forks ``python -m peer|bootstrap`` commands from the tests' zygote (``tests/forks.py``)
+# instead of starting a new interpreter: set by conftest for the tests (``TESTS_EXEC_PEERS=1`` turns it off);
+# off for the benches, whose peers start as a user's do.
+FORK = False
+_ZYGOTE: forks.Zygote | None = None
+_ZYGOTE_LOCK = threading.Lock()
+
+
+def _zygote(env: Mapping[str, str]) -> forks.Zygote | None:
+    """This process's zygote (started on first use, with ``env``), or None where it cannot fork a command with
+    ``env`` (such a command is run through subprocess)."""
+    global _ZYGOTE
+    with _ZYGOTE_LOCK:
+        if _ZYGOTE is None:
+            _ZYGOTE = forks.Zygote(env)
+            atexit.register(_ZYGOTE.close)
+        return _ZYGOTE if _ZYGOTE.serves(env) else None
+
+
 class Proc:
     """A process started in a new session with stdout+stderr going to ``log_path``."""
 
-    def __init__(self, popen: subprocess.Popen, log_path: Path, args: Sequence[str]):
+    def __init__(self, popen: subprocess.Popen | forks.Forked, log_path: Path, args: Sequence[str]):
         self.popen = popen
         self.log_path = Path(log_path)
         self.args = list(args)
@@ -97,7 +119,8 @@ class Proc:
         cwd=None,
     ) -> "Proc":
         """Start ``args``. ``env`` is layered over ``os.environ`` (a value of None removes a variable);
-        ``PYTHONUNBUFFERED=1`` is always set so Python children write their log lines immediately."""
+        ``PYTHONUNBUFFERED=1`` is always set so Python children write their log lines immediately. Where ``FORK``
+        is on, ``[ip netns exec NAME] python -m peer|bootstrap ...`` is forked from the zygote."""
         full_env = dict(os.environ)
         for key, value in (env or {}).items():
             if value is None:
@@ -107,6 +130,11 @@ class Proc:
         full_env["PYTHONUNBUFFERED"] = "1"
         log_path = Path(log_path)
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        fork = forks.forkable(args) if FORK else None
+        if fork is not None and (zygote := _zygote(full_env)) is not None:
+            netns, module, argv = fork
+            child = zygote.spawn(module, argv, env=full_env, log=log_path, cwd=str(cwd or os.getcwd()), netns=netns)
+            return cls(child, log_path, args)
         with open(log_path, "ab") as log:
             popen = subprocess.Popen(
                 [str(a) for a in args],
