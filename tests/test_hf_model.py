@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import Proc, events
+from helpers import Proc, assert_learned, events
 from peer.config import ConfigError
 from peer.config.load import build_config
 from peer.errors import SetupError
@@ -275,5 +275,6 @@ def test_two_peers_train_the_hf_llama_and_agree_on_every_round(procs, tmp_path):
         assert all(e["status"] == "ok" and e["group_size"] == 2 for e in got), got
         assert got[0]["digest"] == got[1]["digest"], (key, [e["digest"] for e in got])
     for n in names:
-        steps = events(tmp_path, n, "step")
-        assert steps[-1]["step"] == 60 and steps[-1]["loss"] < steps[0]["loss"] - 0.5, (n, steps)
+        assert events(tmp_path, n, "step")[-1]["step"] == 60
+        # 0.5 nats below the start, as a share of the gap to the synthetic corpus' floor (2.1 nats, from ~5.5)
+        assert_learned(tmp_path, n, closed=0.15)
