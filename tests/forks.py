@@ -135,7 +135,9 @@ class Zygote:
         self._errors = tempfile.NamedTemporaryFile(prefix="zygote-", suffix=".log", delete=False)
         self._proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=self._errors, env=self.env, start_new_session=True)
-        self._cond = threading.Condition()
+        self._cond = threading.Condition()  # over the replies (the reader thread is their one writer)
+        self._write = threading.Lock()  # one request at a time on the pipe (held apart from _cond: a blocked
+        # write must not keep the reader from taking replies)
         self._pids: dict[int, int] = {}  # request id -> pid
         self._codes: dict[int, int] = {}  # pid -> exit code
         self._next_id = 0
@@ -169,13 +171,14 @@ class Zygote:
               netns: Optional[str]) -> "Forked":
         """Forks ``python -m module argv`` (see the module's docstring); returns once the child exists. Must only
         be called where ``serves(env)``."""
-        with self._cond:
+        with self._write:
             request_id, self._next_id = self._next_id, self._next_id + 1
             assert self._proc.stdin is not None
             request = {"id": request_id, "module": module, "argv": list(argv), "env": dict(env), "log": str(log),
                        "cwd": cwd, "netns": netns}
             self._proc.stdin.write((json.dumps(request) + "\n").encode())
             self._proc.stdin.flush()
+        with self._cond:
             if not self._cond.wait_for(lambda: request_id in self._pids or self._ended, REPLY_S):
                 raise self._failure(f"did not fork within {REPLY_S:g} s")
             if request_id not in self._pids:
@@ -217,10 +220,6 @@ class Forked:
 
     def poll(self) -> Optional[int]:
         return self.zygote.code(self.pid, 0)
-
-    @property
-    def returncode(self) -> Optional[int]:
-        return self.poll()
 
     def wait(self, timeout: Optional[float] = None) -> int:
         code = self.zygote.code(self.pid, timeout)
