@@ -188,7 +188,7 @@ def test_make_source_kinds(tmp_path):
 @pytest.mark.parametrize(
     "kind, files, vocab, match",
     [
-        ("parquet", [], 256, "data.kind"),
+        ("parquet", [], 256, "data.source"),
         ("synthetic", ["x.txt"], 256, "data.paths"),
         ("text", [], 256, "data.paths"),
         ("bin", [], 256, "data.paths"),

@@ -26,12 +26,12 @@ NOBODY = "/ip4/127.0.0.1/tcp/9/p2p/QmYuhGrwBjndpXBQcyHYRUQGCTVGRmv9vy6fwfFZoQiEk
 FAST = ["--model-seq-len", "32", "--data-batch-size", "4", "--status-interval", "0", "--min-peers", "1"]
 
 
-def run(tmp_path: Path, *args: str, cwd: Path = REPO, env: dict | None = None,
-        timeout: float = 120) -> subprocess.CompletedProcess:
+def run(tmp_path: Path, *args: str, cwd: Path = REPO, env: dict | None = None, timeout: float = 120,
+        program: tuple[str, ...] = (str(SWARM_PEER),)) -> subprocess.CompletedProcess:
     """``swarm-peer run`` with the demo config, to completion; stderr and stdout captured apart."""
     import os
 
-    argv = [str(SWARM_PEER), "run", "--config", str(REPO / "configs/demo.toml"), "--run-dir", str(tmp_path / "run"),
+    argv = [*program, "run", "--config", str(REPO / "configs/demo.toml"), "--run-dir", str(tmp_path / "run"),
             *FAST, *args]
     return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
@@ -154,6 +154,28 @@ def test_unreadable_data_is_reported_before_joining(tmp_path, make, needle):
     line = one_error_line(run(tmp_path, "--initial-peers", NOBODY, "--join-timeout", "60", "--data-source", "text",
                               "--data-paths", str(path), timeout=60), 2)
     assert needle in line and str(path) in line
+
+
+# swarm-peer's main, then the heavy modules it had imported when it returned
+IMPORTS_AT_EXIT = ("import sys; from peer.cli.swarm_peer import main; rc = main(sys.argv[1:]); "
+                   "print(sorted(m for m in ('torch', 'hivemind', 'peer.run.trainer') if m in sys.modules)); "
+                   "sys.exit(rc)")
+
+
+@pytest.mark.parametrize("make, needle", [
+    (lambda d: d.mkdir(), "is a directory"),
+    (lambda d: None, "data file not found"),
+])
+def test_a_wrong_data_path_is_told_before_the_heavy_imports(tmp_path, make, needle):
+    """The file checks need no torch: ``swarm-peer run`` makes them before importing the trainer, so the line
+    comes at once however loaded the machine is (the imports take seconds of CPU)."""
+    path = tmp_path / "corpus.txt"
+    make(path)
+    proc = run(tmp_path, "--initial-peers", NOBODY, "--data-source", "text", "--data-paths", str(path),
+               program=(sys.executable, "-c", IMPORTS_AT_EXIT), timeout=60)
+    line = one_error_line(proc, 2)
+    assert needle in line and str(path) in line
+    assert proc.stdout.strip() == "[]", proc.stdout
 
 
 def test_a_misspelt_environment_variable_is_named_with_the_nearest_key(tmp_path):

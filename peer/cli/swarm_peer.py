@@ -120,6 +120,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"swarm-peer: error: {e}", file=sys.stderr)
         return EXIT_SETUP
     if ns.command == "run":
+        from peer.local.inputs import check_data_paths
+
+        try:  # before the heavy imports below (seconds of CPU): a wrong path is told at once
+            check_data_paths(cfg.data.source, cfg.data.paths)
+        except ValueError as e:
+            print(f"swarm-peer: error: data: {e}", file=sys.stderr)
+            return EXIT_SETUP
         from peer.errors import JoinError, SetupError
         from peer.run.trainer import Trainer  # heavy imports only when we really run
 

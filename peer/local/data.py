@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from peer.local.inputs import check_data_file, check_data_paths
 from peer.local.manifest import TOKEN_DTYPES, read_manifest
 from peer.local.markov import TAG_OFFSET, MarkovSource, check_cursor, check_shape, derive_seed
 
@@ -164,20 +165,6 @@ class _WindowSource:
         self._position = int(state["position"]) % self.num_tokens
 
 
-def _check_file(path: str) -> None:
-    if os.path.isdir(path):
-        raise ValueError(f"data file {path} is a directory; list the files in it in data.paths")
-    if not os.path.isfile(path):
-        raise ValueError(f"data file not found: {path}")
-    try:
-        with open(path, "rb") as f:
-            f.read(1)
-    except OSError as e:
-        raise ValueError(f"cannot read data file {path}: {e.strerror or e}") from None
-    if os.path.getsize(path) == 0:
-        raise ValueError(f"data file is empty: {path}")
-
-
 class TextFileSource(_WindowSource):
     """Local text files, byte-tokenized (vocab 256), read fully into memory."""
 
@@ -189,7 +176,7 @@ class TextFileSource(_WindowSource):
             raise ValueError("text source needs at least one path in data.paths")
         segments = []
         for path in paths:
-            _check_file(path)
+            check_data_file(path)
             with open(path, "rb") as f:  # raw bytes == byte_encode of the decoded text
                 segments.append((path, np.frombuffer(f.read(), dtype=np.uint8)))
         super().__init__(segments, BYTE_VOCAB, seed, shard_index, num_shards, holdout)
@@ -214,7 +201,7 @@ class BinShardSource(_WindowSource):
             raise ValueError(f"bin source stores uint16 ids: vocab_size must be in 1..65536, got {vocab_size}")
         segments: list[tuple[str, np.ndarray]] = []
         for path in paths:
-            _check_file(path)
+            check_data_file(path)
             if os.path.getsize(path) % 2:
                 raise ValueError(f"{path}: size is odd, not a uint16 token file")
             segments.append((path, np.memmap(path, dtype="<u2", mode="r")))
@@ -291,19 +278,13 @@ def make_source(
     vocab mismatch ("text" requires ``vocab_size == 256``); for "tokens" (one path: the
     prepared directory or its manifest), see ``TokenShardSource``.
     """
+    check_data_paths(kind, paths)  # (the rules of the paths themselves: peer/local/inputs.py)
     if kind == "synthetic":
-        if paths:
-            raise ValueError("data.kind = 'synthetic' takes no data.paths; remove them or use 'text'/'bin'")
         return MarkovSource(vocab_size, seed, shard_index)
     if kind == "text":
         if vocab_size != BYTE_VOCAB:
-            raise ValueError(f"data.kind = 'text' uses the byte tokenizer: set vocab_size = 256 (got {vocab_size})")
+            raise ValueError(f"data.source = 'text' uses the byte tokenizer: set vocab_size = 256 (got {vocab_size})")
         return TextFileSource(list(paths), seed, shard_index, num_shards, holdout=holdout)
     if kind == "bin":
         return BinShardSource(list(paths), vocab_size, seed, shard_index, num_shards, holdout=holdout)
-    if kind == "tokens":
-        if len(paths) != 1:
-            raise ValueError(f"data.source = 'tokens' takes one path in data.paths (the directory swarm-peer "
-                             f"prepare-data wrote, or its manifest.json), got {len(paths)}")
-        return TokenShardSource(paths[0], vocab_size, seed, shard_index, num_shards, holdout=holdout)
-    raise ValueError(f"unknown data.kind {kind!r}; choose 'synthetic', 'text', 'bin' or 'tokens'")
+    return TokenShardSource(paths[0], vocab_size, seed, shard_index, num_shards, holdout=holdout)
