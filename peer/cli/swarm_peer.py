@@ -120,17 +120,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"swarm-peer: error: {e}", file=sys.stderr)
         return EXIT_SETUP
     if ns.command == "run":
-        from peer.local.inputs import check_data_paths
-
-        try:  # before the heavy imports below (seconds of CPU): a wrong path is told at once
-            check_data_paths(cfg.data.source, cfg.data.paths)
-        except ValueError as e:
-            print(f"swarm-peer: error: data: {e}", file=sys.stderr)
-            return EXIT_SETUP
         from peer.errors import JoinError, SetupError
-        from peer.run.trainer import Trainer  # heavy imports only when we really run
+        from peer.run import preflight
 
         try:
+            preflight.check_data_files(cfg)  # before the trainer's imports (seconds of CPU): a wrong path at once
+            from peer.run.trainer import Trainer  # heavy imports only when we really run
+
             return Trainer(cfg).run()
         except (SetupError, ConfigError) as e:  # ConfigError: a file the run hash covers cannot be read
             print(f"swarm-peer: error: {e}", file=sys.stderr)

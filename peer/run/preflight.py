@@ -1,7 +1,9 @@
 """Checks made before a peer joins the swarm, so that whatever a user can fix is reported in one line before any
 other peer waits for this one: the identity and addresses, the device, the model's contract, the data, our pass.
 
-Each raises :class:`~peer.errors.SetupError` (one line, exit status 2).
+Each raises :class:`~peer.errors.SetupError` (one line, exit status 2). Light to import (torch, the model and the
+data sources are imported by the checks that use them): ``swarm-peer run`` calls :func:`check_data_files` before it
+imports the trainer, so a wrong path is told within a second.
 """
 
 from __future__ import annotations
@@ -9,12 +11,9 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any, Optional
 
-import torch
-
 from peer.config import PeerConfig
 from peer.errors import SetupError
-from peer.local.data import make_source
-from peer.local.model import build_model
+from peer.local.inputs import check_data_paths
 
 if TYPE_CHECKING:
     from peer.net.trust.auth import RunAccess
@@ -31,6 +30,8 @@ def check_device(name: str) -> None:
     """
     if not name.startswith("cuda"):
         return
+    import torch
+
     if not torch.backends.cuda.is_built():
         raise SetupError(f"inner.device = {name}: this torch {torch.__version__} has no CUDA support; install a "
                          f"CUDA build of torch (see README, Docker: TORCH_INDEX_URL) or use --inner-device cpu")
@@ -45,6 +46,8 @@ def check_device(name: str) -> None:
 
 
 def _describe(out: Any) -> str:
+    import torch
+
     if isinstance(out, torch.Tensor):
         return f"a tensor of shape {list(out.shape)}"
     return f"a {type(out).__name__}"
@@ -58,6 +61,10 @@ def check_model(cfg: PeerConfig) -> int:
     A factory whose model cannot run on the meta device (an op without a meta kernel) is only built here;
     its forward is then checked by the first training step.
     """
+    import torch
+
+    from peer.local.model import build_model
+
     where = (f"model.hf_config {cfg.model.hf_config!r}" if cfg.model.hf_config else
              f"model.factory {cfg.model.factory!r}" if cfg.model.factory else f"model.preset {cfg.model.preset!r}")
     try:
@@ -87,11 +94,22 @@ def check_model(cfg: PeerConfig) -> int:
     return params
 
 
+def check_data_files(cfg: PeerConfig) -> None:
+    """The files ``data.paths`` names suit ``data.source`` (readable files; a prepared directory's manifest): the
+    part of :func:`open_data` that needs no torch."""
+    try:
+        check_data_paths(cfg.data.source, cfg.data.paths)
+    except ValueError as e:
+        raise SetupError(f"data: {e}") from None
+
+
 def open_data(cfg: PeerConfig, shard: int):
     """This peer's data source, checked: files readable, at least one sequence long, ids within the vocabulary
     (in the first window; every window is checked again as it is read). Prepared data (``tokens``) is checked
     against its manifest too: its version, its vocabulary against ``data.vocab_size``, every shard's size and
     sha256 (a full read of the shards; see ``TokenShardSource``)."""
+    from peer.local.data import make_source
+
     try:
         source = make_source(cfg.data.source, paths=cfg.data.paths, vocab_size=cfg.data.vocab_size,
                              seed=cfg.data.seed, shard_index=shard, holdout=cfg.data.holdout)
