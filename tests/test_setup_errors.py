@@ -130,7 +130,7 @@ FACTORIES = textwrap.dedent('''
 def test_a_broken_model_factory_is_reported_before_joining(tmp_path, factory, needle):
     (tmp_path / "mymodels.py").write_text(FACTORIES)
     line = one_error_line(run(tmp_path, "--initial-peers", NOBODY, "--join-timeout", "60", "--model-factory",
-                              factory, cwd=tmp_path, timeout=60), 2)
+                              factory, cwd=tmp_path), 2)
     assert needle in line
 
 
@@ -152,7 +152,7 @@ def test_unreadable_data_is_reported_before_joining(tmp_path, make, needle):
     path = tmp_path / "corpus.txt"
     make(path)
     line = one_error_line(run(tmp_path, "--initial-peers", NOBODY, "--join-timeout", "60", "--data-source", "text",
-                              "--data-paths", str(path), timeout=60), 2)
+                              "--data-paths", str(path)), 2)
     assert needle in line and str(path) in line
 
 

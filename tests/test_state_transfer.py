@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import math
 import os
 import time
 
@@ -198,10 +199,11 @@ def test_never_finished_requests_are_bounded_per_peer_and_end_at_their_deadline(
             await servicer.add_p2p_handlers(victim)
             fds_before = _fds(victim)
             name = StateServicer._get_handle_name(None, "rpc_download")
-            held, peak = [], 0
+            held, peak, t0 = [], 0, time.monotonic()
             for _ in range(300):
                 held.append(await attacker.call_binary_stream_handler(victim.peer_id, name))
                 peak = max(peak, guard.open.get(str(attacker.peer_id), 0))
+            opening = time.monotonic() - t0
             got = await download(honest, [victim.peer_id], 0, round_=9, numel=1000, digest=digest_of(G, v),
                                  timeout_per_donor=10, max_chunk_elems=100)
             deadline = time.monotonic() + 20
@@ -212,14 +214,17 @@ def test_never_finished_requests_are_bounded_per_peer_and_end_at_their_deadline(
             deadline = time.monotonic() + 20
             while _fds(victim) > fds_before + 8 and time.monotonic() < deadline:  # the daemon closes them
                 await asyncio.sleep(0.1)
-            return got, peak, guard, _fds(victim) - fds_before
+            return got, peak, guard, _fds(victim) - fds_before, opening
         finally:
             for p in (victim, attacker, honest):
                 await p.shutdown()
 
-    got, peak, guard, extra_fds = run_async(main())
+    got, peak, guard, extra_fds, opening = run_async(main())
     assert torch.equal(got.G, got.G) and got.round == 9
-    assert peak <= 4 and guard.refused >= 296 - 4
+    # Each of the 4 slots holds a stream for request_timeout (1 s): while the 300 opened, a slot took at most one
+    # more than one per second they took (a stream ending as the loop ran), so most were refused.
+    admitted = 300 - guard.refused
+    assert peak <= 4 and admitted <= 4 * (2 + math.floor(opening / 1.0)), (admitted, opening)
     assert guard.open_total == 0
     assert extra_fds <= 8, extra_fds
 
