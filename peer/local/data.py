@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from peer.local.inputs import check_data_file, check_data_paths
+from peer.local.inputs import check_data_paths
 from peer.local.manifest import TOKEN_DTYPES, read_manifest
 from peer.local.markov import TAG_OFFSET, MarkovSource, check_cursor, check_shape, derive_seed
 
@@ -172,11 +172,9 @@ class TextFileSource(_WindowSource):
 
     def __init__(self, paths: list[str], seed: int, shard_index: int = 0, num_shards: int | None = None, *,
                  holdout: float = 0.0) -> None:
-        if not paths:
-            raise ValueError("text source needs at least one path in data.paths")
+        check_data_paths(self.kind, paths)
         segments = []
         for path in paths:
-            check_data_file(path)
             with open(path, "rb") as f:  # raw bytes == byte_encode of the decoded text
                 segments.append((path, np.frombuffer(f.read(), dtype=np.uint8)))
         super().__init__(segments, BYTE_VOCAB, seed, shard_index, num_shards, holdout)
@@ -195,13 +193,11 @@ class BinShardSource(_WindowSource):
         self, paths: list[str], vocab_size: int, seed: int, shard_index: int = 0, num_shards: int | None = None, *,
         holdout: float = 0.0,
     ) -> None:
-        if not paths:
-            raise ValueError("bin source needs at least one path in data.paths")
+        check_data_paths(self.kind, paths)
         if not 0 < vocab_size <= 65536:
             raise ValueError(f"bin source stores uint16 ids: vocab_size must be in 1..65536, got {vocab_size}")
         segments: list[tuple[str, np.ndarray]] = []
         for path in paths:
-            check_data_file(path)
             if os.path.getsize(path) % 2:
                 raise ValueError(f"{path}: size is odd, not a uint16 token file")
             segments.append((path, np.memmap(path, dtype="<u2", mode="r")))
@@ -278,7 +274,7 @@ def make_source(
     vocab mismatch ("text" requires ``vocab_size == 256``); for "tokens" (one path: the
     prepared directory or its manifest), see ``TokenShardSource``.
     """
-    check_data_paths(kind, paths)  # (the rules of the paths themselves: peer/local/inputs.py)
+    check_data_paths(kind, paths)  # every kind's (a text or bin source built alone checks its own too)
     if kind == "synthetic":
         return MarkovSource(vocab_size, seed, shard_index)
     if kind == "text":

@@ -13,7 +13,7 @@ from peer.local.manifest import read_manifest
 SOURCES = ("synthetic", "text", "bin", "tokens")
 
 
-def check_data_file(path: str) -> None:
+def _check_data_file(path: str) -> None:
     """``path`` is a readable, non-empty regular file (a text or bin source's input)."""
     if os.path.isdir(path):
         raise ValueError(f"data file {path} is a directory; list the files in it in data.paths")
@@ -46,4 +46,4 @@ def check_data_paths(kind: str, paths: list[str]) -> None:
         read_manifest(paths[0])
         return
     for path in paths:
-        check_data_file(path)
+        _check_data_file(path)
