@@ -22,6 +22,10 @@ ATTACK is one of:
 - ``record_flood``: stores ``FLOOD_RECORDS`` records of 1 MiB each under the run's progress key at every beat.
 - ``key_fill``: stores ``FILL_SYBILS`` valid progress records of sybils (each self-certifying, its lists at their
   bounds: ~45 KB) under the run's progress key at every beat, more than a key holds (3.75 MiB), from its one DHT node.
+- ``phantom_group``: leads every round it can (it declares its search ending after ``PHANTOM_SEARCH_S`` instead of
+  the run's matchmaking time, so honest followers ask it first), takes one honest follower, refuses the others, and
+  assembles a group of the two and ``PHANTOMS`` made-up ids: client-mode members (no span) whose infos declare the
+  honest base and a count of 1, so that the group's verdict says apply while the others meet and apply apart.
 
 Every forged thing is logged on this process's console ("HOSTILE: ..."), so a bench can count it. Not part
 of the product: it imports it and patches it in this process only.
@@ -44,6 +48,7 @@ SYBILS = 6
 HOG_IDENTITIES, HOG_STREAMS = 34, 16  # issue 28: 34 identities, each up to the per-peer stream budget
 FLOOD_RECORDS, FLOOD_BYTES = 40, 1 << 20
 FILL_SYBILS = 90  # x ~45 KB: past the 3.75 MiB a progress key holds
+PHANTOMS, PHANTOM_SEARCH_S = 4, 1.0
 
 
 def lying_reducer() -> None:
@@ -285,8 +290,58 @@ def key_fill() -> None:
                                                   for sub, pid in zip(subkeys, ids)])
 
 
+def phantom_group() -> None:
+    import os
+
+    from hivemind.averaging.group_info import GroupInfo
+    from hivemind.p2p import PeerID
+    from hivemind.proto import averaging_pb2
+
+    from peer.net.round import matchmaking, round_runner
+    from peer.proto import allreduce_pb2 as pb
+
+    form = round_runner.form_group
+
+    async def first(*args, **kwargs):
+        return await form(*args, **{**kwargs, "min_matchmaking_time": PHANTOM_SEARCH_S})
+
+    round_runner.form_group = first
+    check = matchmaking._Matchmaking._check_reasons_to_reject
+
+    def one_follower(self, request, context):
+        refusal = check(self, request, context)
+        if refusal is None and self.current_followers:
+            return averaging_pb2.MessageFromLeader(code=averaging_pb2.GROUP_IS_FULL)
+        if refusal is None:
+            self.target_group_size = 2  # (hivemind assembles once this follower is in)
+        return refusal
+
+    matchmaking._Matchmaking._check_reasons_to_reject = one_follower
+    assemble = matchmaking._Matchmaking.leader_assemble_group
+
+    async def with_phantoms(self):
+        mine = pb.MemberInfo.FromString(self.step_control.data_for_gather)
+        phantom = pb.MemberInfo()
+        phantom.CopyFrom(mine)
+        phantom.client_mode, phantom.expected = True, 1
+        mine.expected = 1
+        self.step_control.data_for_gather = mine.SerializeToString()
+        ids = [PeerID(b"\x00\x24\x08\x01\x12\x20" + os.urandom(32)) for _ in range(PHANTOMS)]
+        for pid in ids:
+            self.current_followers[pid] = averaging_pb2.JoinRequest(gather=phantom.SerializeToString())
+        try:
+            group: GroupInfo = await assemble(self)
+        finally:
+            for pid in ids:
+                self.current_followers.pop(pid, None)
+        log.warning("HOSTILE: assembled a group of %d with %d phantoms", len(group.peer_ids), PHANTOMS)
+        return group
+
+    matchmaking._Matchmaking.leader_assemble_group = with_phantoms
+
+
 ATTACKS = {f.__name__: f for f in (lying_reducer, round_breaker, sybil_majority, far_ahead, forged_donor,
-                                   shadowing, stream_hog, record_flood, key_fill)}
+                                   shadowing, stream_hog, record_flood, key_fill, phantom_group)}
 
 
 def main() -> int:

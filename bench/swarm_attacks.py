@@ -16,7 +16,8 @@ alone: an attacker that brings no honest data costs at least that), the honest p
 ok, how many honest peers excluded the attacker and at which of their rounds the first did, how many
 honest peers caught up from a forged state (a ``catch_up`` event whose digest no honest peer ever held),
 how many forged things the attacker did (its ``HOSTILE:`` lines), the honest peers' run time, their rounds'
-matchmaking time, and how many ``peer_absent`` events they logged (peer/net/view/attendance.py).
+matchmaking time, how many ``peer_absent`` events they logged (peer/net/view/attendance.py), and in how many
+rounds the honest peers that applied them hold more than one digest after them (the invariant).
 """
 
 from __future__ import annotations
@@ -34,12 +35,12 @@ from typing import Callable
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
-from helpers import Proc, events, wait_for  # noqa: E402
+from helpers import Proc, applied_digests, events, wait_for  # noqa: E402
 from test_swarm import FAST, start_bootstrap, wait_exit  # noqa: E402
 
 # "absent": the extra peer never starts: what an attacker excluded at once would cost (its data is lost)
 ATTACKS = ["clean", "absent", "lying_reducer", "round_breaker", "sybil_majority", "far_ahead", "forged_donor",
-           "shadowing"]
+           "shadowing", "phantom_group"]
 
 
 EXTRA: list[str] = []  # flags for every peer of every run (--aggregator)
@@ -118,6 +119,8 @@ def one_run(attack: str, honest: int, steps: int, out: Path) -> dict:
         "matchmaking_median": matchmaking[len(matchmaking) // 2] if matchmaking else 0.0,
         "matchmaking_p90": matchmaking[int(0.9 * (len(matchmaking) - 1))] if matchmaking else 0.0,
         "absences": sum(len(events(out, n, "peer_absent")) for n in names),
+        # the invariant: rounds whose honest appliers hold more than one digest after them
+        "split_rounds": sum(len(set(d.values())) > 1 for d in applied_digests(out, names).values()),
     }
 
 
@@ -169,14 +172,15 @@ def main() -> int:
     header, ce_cells = ce_columns(rows)
     print(f"\n| attack | {header} | honest rounds ok | attacker excluded by | first at round "
           "| catch-ups (from a forged state) | forged actions | honest run (s) | matchmaking median / p90 (s) "
-          "| absences noted |")
-    print("| --- " * (header.count("|") + 10) + "|")
+          "| absences noted | rounds split |")
+    print("| --- " * (header.count("|") + 11) + "|")
     for r in rows:
         print(f"| {r['attack']} | {ce_cells(r)} | "
               f"{r['ok_rounds']}/{r['rounds']} | {r['excluded_by']}/{args.honest} | "
               f"{r['first_exclusion_round'] if r['first_exclusion_round'] is not None else '-'} | "
               f"{r['catch_ups']} ({r['forged_catch_ups']}) | {r['hostile_lines']} | {r['wall_seconds']:.0f} | "
-              f"{r['matchmaking_median']:.1f} / {r['matchmaking_p90']:.1f} | {r['absences']} |")
+              f"{r['matchmaking_median']:.1f} / {r['matchmaking_p90']:.1f} | {r['absences']} | "
+              f"{r.get('split_rounds', '-')} |")
     return 0
 
 

@@ -5,7 +5,7 @@ from hivemind.averaging.group_info import GroupInfo
 from hypothesis import given
 from hypothesis import strategies as st
 
-from peer.net.policy.agreement import agree, quorum_count, quorum_size, slot_verdict
+from peer.net.policy.agreement import agree, our_count_holds, quorum_peers, quorum_size, slot_verdict
 from peer.net.policy.consensus import plan_owed
 from peer.net.round.group import PROTOCOL_VERSION, GroupPlan
 from peer.net.trust.records import ProgressRecord
@@ -101,27 +101,69 @@ def test_per_slot_majorities_leave_every_applying_group_with_the_same_bytes(n, c
         assert len({where[g] for g in applying}) <= 1
 
 
+def count(*args, **kwargs) -> int:
+    return len(quorum_peers(*args, **kwargs))
+
+
 def test_partners_that_stay_live_keep_counting_so_the_smaller_side_of_a_split_never_holds_a_majority():
     five = ["p1", "p2", "p3", "p4", "p5"]
     partnered = set(five).__contains__
     # split 3 | 2: each side's rounds stopped waiting for the other (absent), whose records still arrive
-    major = quorum_count(["p2", "p3"], five, partnered, "p1")
-    minor = quorum_count(["p5"], five, partnered, "p4")
+    major = count(["p2", "p3"], five, partnered, "p1")
+    minor = count(["p5"], five, partnered, "p4")
     assert (major, minor) == (5, 5)
     assert agree(infos([A] * 3, expected=[major] * 3), two_level=False).quorum
     assert not agree(infos([B] * 2, expected=[minor] * 2), two_level=False).quorum
     # the other side crashed: its records expired, the survivors go on
-    assert quorum_count(["p5"], ["p4", "p5"], partnered, "p4") == 2
+    assert count(["p5"], ["p4", "p5"], partnered, "p4") == 2
     # made-up ids that never were in a group count only while the round waits for them
     sybils = [f"s{i}" for i in range(20)]
-    assert quorum_count(["p2"], ["p2", *sybils], partnered, "p1") == 2
-    assert quorum_count(["p2", *sybils], ["p2", *sybils], partnered, "p1") == 22
+    assert count(["p2"], ["p2", *sybils], partnered, "p1") == 2
+    assert count(["p2", *sybils], ["p2", *sybils], partnered, "p1") == 22
+    # a real peer we never met (our daemon answers for it, one per host) keeps counting once no longer waited for:
+    # a peer a hostile leader kept from the others since its first round still counts them
+    assert count([], ["p2", "p3", *sybils], lambda p: False, "p1", anchored=["p2", "p3"]) == 3
     # a leader assembles only a group that could apply: more than half of its count
     assert [quorum_size(n, 2) for n in (1, 2, 3, 4, 5, 6)] == [2, 2, 2, 3, 3, 4]
     for n in range(2, 40):
         q = quorum_size(n, 1)
         assert agree(infos([A] * q, expected=[n] * q), two_level=False).quorum
         assert not agree(infos([A] * (q - 1), expected=[n] * (q - 1)), two_level=False).quorum, n
+
+
+@given(n=st.integers(2, 30), cut=st.integers(1, 29), sybils=st.lists(st.integers(0, 20), min_size=2, max_size=2),
+       declared=st.integers(0, 2 ** 32 - 1), theirs=st.sampled_from([A, B]))
+def test_made_up_members_and_what_they_declare_never_make_a_second_group_apply(n, cut, sybils, declared, theirs):
+    """n honest peers that count the same peers, on one base, split into two groups of a round; a hostile client
+    adds made-up ids (which no honest peer counts) to either group, each declaring any count and any base. The
+    group verdict can be won that way; with our own count as well, at most one group holds an honest applier."""
+    cut = min(cut, n - 1)
+    honest = [f"h{i}" for i in range(n)]
+    applying = 0
+    for g, (members, extra) in enumerate(zip([honest[:cut], honest[cut:]], sybils)):
+        ids = members + [f"s{g}.{i}" for i in range(extra)]
+        declared_infos = infos([A] * len(members) + [theirs] * extra, expected=[n] * len(members) + [declared] * extra)
+        verdict = agree(declared_infos, two_level=False)
+        ours = our_count_holds(ids, declared_infos, verdict.base, honest)
+        applying += verdict.quorum and ours and 0 in verdict.appliers  # (member 0: an honest one)
+    assert applying <= 1
+
+
+def test_a_group_of_made_up_ids_wins_the_verdict_but_not_our_own_count():
+    """A hostile leader's group: one honest peer (which counts 5) and four ids of its own declaring a count of 1."""
+    counted = {"h0", "h1", "h2", "h3", "h4"}
+    ids = ["h0", "s1", "s2", "s3", "s4"]
+    declared = infos([A] * 5, expected=[5, 1, 1, 1, 1])
+    verdict = agree(declared, two_level=False)
+    assert verdict.quorum and verdict.expected == 1  # the median is theirs
+    assert not our_count_holds(ids, declared, A, counted)
+    # three of five: a majority of ours, whatever the made-up ids among them
+    assert our_count_holds(["h0", "h1", "h2", "s1"], infos([A] * 4), A, counted)
+    assert not our_count_holds(["h0", "h1"], infos([A] * 2), A, counted)
+    # ... unless they chose the group's base: their four against our three
+    declared = infos([A, A, A, B, B, B, B])
+    base = agree(declared, two_level=False).base
+    assert base == B and not our_count_holds(["h0", "h1", "h2", "s1", "s2", "s3", "s4"], declared, base, counted)
 
 
 def test_group_plan_checks_the_declared_base_and_says_whether_we_apply():

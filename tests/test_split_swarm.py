@@ -3,7 +3,7 @@ bootstrap node in host 0), and the route between hosts 1-3 and hosts 4-5 broken 
 ``SPLIT_STEPS`` steps while both sides still reach the bootstrap node and the DHT, so each sees the other alive.
 
 The rule (peer/net/policy/agreement.py): a one-level group applies a round only if it holds more than half of the peers
-its members count (those its round waits for and every live partner, :func:`~peer.net.policy.agreement.quorum_count`).
+its members count (those its round waits for and every live partner, :func:`~peer.net.policy.agreement.quorum_peers`).
 So the three apply and the two do not, however long the split: a group of theirs is a ``minority``, or they find
 the swarm past their round. After ``lab.heal`` the two download the three's state, and each side waits for the
 other again: within ``REJOIN_ROUNDS`` rounds of each fragment all five complete a round together, and then every

@@ -24,7 +24,7 @@ from peer.net.round.reducer import AllReduceServicer
 from peer.net.trust.auth import Admission, RunAccess, encode_pass, identity_key
 from peer.net.flow.bandwidth import Bandwidth
 from peer.net.view.activity import RoundActivity
-from peer.net.policy.agreement import quorum_count
+from peer.net.policy.agreement import quorum_peers
 from peer.net.view.attendance import Absent, Attendance
 from peer.net.plumbing.dial_back import DialBackServicer, nat_verdict
 from peer.net.policy.consensus import live_count
@@ -338,10 +338,12 @@ class Swarm:
         return self.attendance.expected(self.roster.meetable(self.live_peers()), self.peer_id,
                                         self.ours.applied_rounds(), self.roster.partnered, here=here)
 
-    def quorum_count(self, invited: frozenset[str]) -> int:
-        """The count a round declares (agreement.quorum_count), of the peers it waits for (:meth:`invited`)."""
+    def quorum_peers(self, invited: frozenset[str]) -> frozenset[str]:
+        """The peers a round counts, whose number it declares (agreement.quorum_peers), of the peers it waits for
+        (:meth:`invited`) and the live peers our daemon answers for (:meth:`Roster.anchored`)."""
+        live = self.live_peers()
         counted = self.attendance.counted(invited, self.peer_id, self.roster.partnered)
-        return quorum_count(counted, self.live_peers(), self.roster.partnered, self.peer_id)
+        return quorum_peers(counted, live, self.roster.partnered, self.peer_id, anchored=self.roster.anchored(live))
 
     def learn(self, lesson: Lesson) -> list[Absent]:
         """Applies what a round taught (on swarm-net; the one place rounds change the swarm's state): who stayed

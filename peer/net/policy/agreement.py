@@ -3,14 +3,14 @@
 Invariant: every peer that applies round r of fragment f holds the same digest (of ``G, v``) after it. The update
 is deterministic and the average reaches every member as the same bytes, so it holds when (1) all appliers start
 from one base, (2) each applies the whole average (the engine applies only ``ok`` rounds), and (3) only one group
-of the round applies. :func:`agree` decides (1) and (3) from the members' ``MemberInfo`` alone (one
-:class:`GroupVerdict`):
+of the round applies. From the members' ``MemberInfo`` (:func:`agree`, one :class:`GroupVerdict`) and our own count:
 
 - the group's base is the one most members declared (ties: the later round, then the smaller digest); a member
   with another base contributes but applies nothing, and downloads the result (``off_base``);
-- a one-level group applies only with more than half of the upper median of its members' declared ``expected``
-  counts (:func:`quorum_count`), so at most one group of a round applies (``minority`` otherwise); in two
-  levels, per slot at level 2, each member counting for its group's peers (:func:`slot_verdict`).
+- a one-level group applies only with more than half of the upper median of its members' declared counts
+  (:func:`quorum_peers`), and for each member only if it also holds more than half of that member's own count
+  (:func:`our_count_holds`: what others declare cannot make a group a majority for it); so at most one group of a
+  round applies (``minority`` otherwise). In two levels, per slot at level 2 (:func:`slot_verdict`).
 
 Proof sketch and the split swarm: docs/architecture.md, "One digest for every applied round".
 """
@@ -71,13 +71,31 @@ def slot_verdict(infos: Sequence[pb.MemberInfo], cap: int) -> GroupVerdict:
     return agree(infos, two_level=False, sizes=[min(max(1, info.members), cap) for info in infos])
 
 
-def quorum_count(expected: Collection[str], live: Iterable[str], partnered: Callable[[str], bool], me: str) -> int:
-    """The count a member declares (``MemberInfo.expected``): the peers its round waits for, and every live peer
-    it was in a group with, waited for or not, and itself. A partner that stays live but stopped coming (the
-    other side of a partition, whose records still reach us) keeps counting, so the smaller side of a split never
-    holds a majority however long the split lasts; a partner that crashed stops counting when its record
-    expires, so survivors go on; strangers (made-up ids) count only while the round waits for them."""
-    return len(set(expected) | set(partners(live, partnered)) | {me})
+def quorum_peers(expected: Collection[str], live: Iterable[str], partnered: Callable[[str], bool], me: str, *,
+                 anchored: Collection[str] = ()) -> frozenset[str]:
+    """The peers a member counts, whose number it declares (``MemberInfo.expected``): the peers its round waits for,
+    every live peer it was in a group with, waited for or not, the live peers its daemon answers for (``anchored``:
+    one per host), and itself. A partner that stays live but stopped coming (the other side of a partition, whose
+    records still reach us) keeps counting, so the smaller side of a split never holds a majority however long the
+    split lasts; so does a real peer we never met, so that a peer kept away from the others from its first round (a
+    hostile leader's groups) does not come to count only itself and its captor. A partner that crashed stops counting
+    when its record expires, so survivors go on; made-up ids (records no daemon answers for) count only while the
+    round waits for them."""
+    return frozenset(expected) | frozenset(partners(live, partnered)) | frozenset(anchored) | {me}
+
+
+def our_count_holds(ids: Sequence[str], infos: Sequence[pb.MemberInfo], base: str, counted: Collection[str]) -> bool:
+    """Whether a group (members ``ids`` with their ``infos``, of base ``base`` by :func:`agree`) is ours to apply by
+    our own count ``counted`` (:func:`quorum_peers`, the set whose size we declared): its members include more than
+    half of ``counted``, and of those members most declared ``base`` (:func:`agree`'s rule). A member applies a
+    one-level round only if this holds as well as the group's verdict, which reads what every member declares and so
+    what a hostile one writes: made-up ids count one each there, their low counts pull the median down and their
+    bases outvote ours. With ``counted`` our own, two groups of a round each holding an applier of ours need a member
+    of ``counted`` in both (an id we count, sent by its owner to two groups): ids we do not count, however many,
+    never make a group ours nor choose its base (docs/architecture.md, "One digest for every applied round")."""
+    counted = frozenset(counted)
+    mine = [info for pid, info in zip(ids, infos) if pid in counted]
+    return 2 * len(mine) > len(counted) and agree(mine, two_level=False).base == base
 
 
 def partners(live: Iterable[str], partnered: Callable[[str], bool]) -> list[str]:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 import torch
 
 from peer.net.view.activity import RoundActivity, RoundStage
-from peer.net.policy.agreement import quorum_size
+from peer.net.policy.agreement import our_count_holds, quorum_size
 from peer.net.round.allreduce import run_allreduce
 from peer.net.view.attendance import early_assembly
 from peer.net.policy.consensus import laggards, nobody_coming, swarm_is_past
@@ -100,7 +100,7 @@ class SwarmView(Protocol):
     def declared_uplink(self) -> float: ...
     def vouched_speed(self, peer: str, now: float) -> Optional[float]: ...
     def invited(self, here: tuple[int, int]) -> frozenset[str]: ...
-    def quorum_count(self, invited: frozenset[str]) -> int: ...
+    def quorum_peers(self, invited: frozenset[str]) -> frozenset[str]: ...
     def learn(self, lesson: Lesson) -> list["Absent"]: ...
 
 
@@ -121,6 +121,7 @@ class RoundRunner:
         self.levels: Optional[Levels] = plan_levels(target_group_size, self.cfg.group_cap)  # None: one group
         self.activity = RoundActivity(fragment, round_, RoundStage.MATCHMAKING, self.t0 + self.cfg.matchmaking_timeout)
         self.invited: frozenset[str] = frozenset()  # whom the round last waited for (_expected), for its lesson
+        self.counted: frozenset[str] = frozenset()  # the peers our quorum counts, whose number we declared
 
     async def run(self, delta: torch.Tensor, weight: float,
                   base: "concurrent.futures.Future[tuple[int, str]]") -> RoundOutcome:
@@ -193,7 +194,8 @@ class RoundRunner:
                           ) -> Optional["GroupInfo"]:
         sw, levels = self.swarm, self.levels
         expected = self._expected()  # whom we invite as we start (a leader's invitation is renewed at each join)
-        count = sw.quorum_count(expected)
+        self.counted = sw.quorum_peers(expected)
+        count = len(self.counted)
         needed = self.cfg.min_group_size if levels else quorum_size(count, self.cfg.min_group_size)
         early: Callable[[], Optional[frozenset[str]]] = (
             (lambda: None) if levels else (lambda: early_assembly(self._expected(), sw.peer_id, needed)))
@@ -231,16 +233,22 @@ class RoundRunner:
                                     span_sizing=self.cfg.span_sizing)
         for who, why in plan.dropped:  # (every member drops the same ones: the round goes on without them)
             log.warning("%s: member %s left out of the group: %s", self.label, short_id(who), why)
-        # a dropped member neither came nor becomes a partner (partners count in every later quorum)
-        self._learn(out, Lesson(self.here, came=frozenset(str(pid) for pid in plan.peer_ids), judge=not self.levels,
+        ids = [str(pid) for pid in plan.peer_ids]
+        members, verdict = frozenset(ids), plan.verdict
+        # the verdict reads what members declare; we apply only a group that holds a majority of our own count too
+        ours = bool(self.levels) or verdict is None or our_count_holds(ids, plan.infos, verdict.base, self.counted)
+        # a dropped member neither came nor becomes a partner (partners count in every later quorum), nor does one we
+        # do not count in a group that is not ours (ids that could make the next one ours)
+        self._learn(out, Lesson(self.here, came=members if ours else members & self.counted, judge=not self.levels,
                                 invited=self.invited,
                                 verdicts=tuple(PeerVerdict(who, f"{self.label}: {why}", Offence.BAD_INFO)
                                                for who, why in plan.dropped)))
         out.group_size = len(plan.peer_ids)
-        verdict = plan.verdict
         if verdict is not None:
             out.group_base = verdict.base
-            out.appliers = [str(plan.peer_ids[i]) for i in verdict.appliers]
+            # (our donors if we are off base, and the peers whose records alone can say our state is off if we apply:
+            # in one level, only those we count)
+            out.appliers = [ids[i] for i in verdict.appliers if self.levels or ids[i] in self.counted]
             if not verdict.quorum:  # (every member concludes the same: none reduces, none applies)
                 out.status = RoundStatus.MINORITY
                 out.error = (f"a group of {out.group_size} does not hold more than half of the "
@@ -268,7 +276,14 @@ class RoundRunner:
         out.flagged = result.flagged
         out.bytes_sent, out.bytes_received = result.traffic.sent, result.traffic.received
         out.status = RoundStatus.OK if result.complete else RoundStatus.PARTIAL
-        if not plan.applies:
+        if not ours:  # (our part went to the group, which may be honest and see more: the progress is carried)
+            held, of = len(members & self.counted), len(self.counted)
+            why = (f"it holds {held} of the {of} peers we count" if 2 * held <= of else
+                   f"most of the {held} peers we count in it declared another base than its {out.group_base[:12]}")
+            out.status, out.spans = RoundStatus.MINORITY, []
+            out.error = f"not ours whatever its members declared: {why}; our part sent, nothing applied"
+            log.info("%s: %s", self.label, out.error)
+        elif not plan.applies:
             out.status = RoundStatus.OFF_BASE
             out.error = (f"our base {out.base[:12]} differs from the group's {out.group_base[:12]} (round "
                          f"{verdict.base_round if verdict else '?'}): our part counted, nothing applied")

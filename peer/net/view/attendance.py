@@ -103,7 +103,7 @@ class Attendance:
 
     def counted(self, expected: frozenset[str], me: str, met: Callable[[str], bool]) -> frozenset[str]:
         """Of the peers a round waits for (:meth:`expected`), those its quorum counts
-        (:func:`~peer.net.policy.agreement.quorum_count`): all but strangers while strangers are absent (invited at
+        (:func:`~peer.net.policy.agreement.quorum_peers`): all but strangers while strangers are absent (invited at
         probes only). Counted at a probe, ids that never come would make that round a minority."""
         return expected if not self.absent(STRANGERS) else frozenset(p for p in expected if p == me or met(p))
 

@@ -1,0 +1,115 @@
+"""One round's decision after its group assembled (peer/net/round/round_runner.py), with the swarm it reads faked
+and the all-reduce replaced by one that returns every span: whether we apply, and whom the round makes partners.
+
+The case is a hostile leader's: it takes one honest peer into a group of ids of its own, each declaring the
+honest base and a count of 1, so the group's verdict (the upper median of the declared counts) says apply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hivemind.averaging.group_info import GroupInfo
+
+from peer.config import SwarmConfig
+from peer.net.flow.links import DeadlinePolicy
+from peer.net.round import round_runner
+from peer.net.round.allreduce import AllReduceResult
+from peer.net.round.group import PROTOCOL_VERSION
+from peer.net.round.round_runner import RoundRunner
+from peer.outer.aggregate import AggregationRule
+from peer.outer.codec import get_codec
+from peer.outer.rounds import RoundOutcome, RoundStatus, Span
+from peer.proto import allreduce_pb2 as pb
+
+NUMEL, BASE = 64, "ab" * 16
+ME, HONEST = "h0", ["h0", "h1", "h2", "h3", "h4"]  # the peers our round counts, us included
+
+
+class FakeSwarm:
+    """What :class:`RoundRunner` reads of a swarm (``SwarmView``), and the lessons it hands back."""
+
+    def __init__(self):
+        self.cfg = SwarmConfig()
+        self.peer_id, self.client_mode, self.run_key = ME, False, "t"
+        self.codec, self.rule = get_codec("fp32"), AggregationRule()
+        self.policy = DeadlinePolicy.of(self.cfg)
+        self.p2p = SimpleNamespace(peer_id=ME)
+        self.dht = self.servicer = self.guard = self.bandwidth = None
+        self.lessons: list = []
+
+    def live_peers(self):
+        return {}
+
+    vouched_peers = live_peers
+
+    def refused(self, peer):
+        return False
+
+    def admitted(self, peer):
+        return True
+
+    def declared_uplink(self):
+        return 0.0
+
+    def vouched_speed(self, peer, now):
+        return None
+
+    def invited(self, here):
+        return frozenset(HONEST) - {ME}
+
+    def quorum_peers(self, invited):
+        return frozenset(HONEST)
+
+    def learn(self, lesson):
+        self.lessons.append(lesson)
+        return []
+
+
+def group(ids: list[str], counts: list[int], bases: list[str] | None = None) -> GroupInfo:
+    infos = [pb.MemberInfo(protocol_version=PROTOCOL_VERSION, weight=1.0, numel=NUMEL, base=b, expected=c)
+             for c, b in zip(counts, bases or [BASE] * len(ids))]
+    return GroupInfo(b"g" * 20, tuple(ids), tuple(i.SerializeToString() for i in infos))
+
+
+def decide(monkeypatch, ids: list[str], counts: list[int], bases: list[str] | None = None
+           ) -> tuple[RoundOutcome, FakeSwarm]:
+    async def every_span_arrives(p2p, servicer, plan, delta, weight, **kwargs):
+        return AllReduceResult(spans=[Span(a, b, torch.zeros(b - a)) for a, b in plan.spans],
+                               contributors=[list(range(len(plan.peer_ids)))] * len(plan.spans))
+
+    monkeypatch.setattr(round_runner, "run_allreduce", every_span_arrives)
+    swarm = FakeSwarm()
+    runner = RoundRunner(swarm, fragment=0, round_=3, inner_step=60, target_group_size=len(HONEST), sync_every=20)
+    runner.counted = swarm.quorum_peers(swarm.invited((0, 3)))  # (what the search declared)
+    out = RoundOutcome(0, 3, RoundStatus.FAILED, base=BASE)
+    asyncio.run(runner._reduce(group(ids, counts, bases), torch.ones(NUMEL), 1.0, out))
+    return out, swarm
+
+
+def test_a_group_of_made_up_ids_that_declare_a_count_of_one_is_not_applied(monkeypatch):
+    out, swarm = decide(monkeypatch, [ME, "s1", "s2", "s3", "s4"], [5, 1, 1, 1, 1])
+    assert out.status == RoundStatus.MINORITY and out.applied_spans() == [], out
+    assert "1 of the 5 peers we count" in out.error
+    came = [lesson.came for lesson in swarm.lessons if lesson.came is not None]
+    assert came == [frozenset({ME})], came  # the made-up ids did not become partners (they would count next time)
+
+
+@pytest.mark.parametrize("ids", [HONEST[:3], [*HONEST[:3], "s1", "s2"]])
+def test_a_group_holding_a_majority_of_our_count_is_applied_and_its_members_met(monkeypatch, ids):
+    out, swarm = decide(monkeypatch, ids, [5] * len(ids))
+    assert out.status == RoundStatus.OK and len(out.applied_spans()) == len(ids), out
+    assert [lesson.came for lesson in swarm.lessons if lesson.came is not None] == [frozenset(ids)]
+
+
+def test_made_up_ids_that_outvote_our_base_make_the_group_not_ours_and_are_no_donors(monkeypatch):
+    """Three of the five peers we count, on our base, and four made-up ids declaring another: the group's base is
+    theirs, so we would be off base and download what its appliers (theirs) hold. By our count it is not ours."""
+    other = "cd" * 16
+    ids = [*HONEST[:3], "s1", "s2", "s3", "s4"]
+    out, swarm = decide(monkeypatch, ids, [5] * 7, [BASE] * 3 + [other] * 4)
+    assert out.group_base == other and out.status == RoundStatus.MINORITY, out
+    assert "declared another base" in out.error and out.appliers == [], out
