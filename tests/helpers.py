@@ -285,7 +285,7 @@ async def _dial(a, b, addrs, failure) -> None:
 @contextlib.contextmanager
 def dht_nodes(n: int, tmp_path, *, validators: Callable[[int], Sequence] = lambda i: (),
               client: Callable[[int], bool] = lambda i: False):
-    """``n`` real DHT nodes (``peer.dht_node.create_dht``: DHT process + p2pd) on 127.0.0.1, each joining
+    """``n`` real DHT nodes (``peer.net.plumbing.dht.create_dht``: DHT process + p2pd) on 127.0.0.1, each joining
     through the first; node i gets ``validators(i)``, and is in client mode (stores nothing, reads over the network)
     where ``client(i)``. All are shut down on exit, also on failure."""
     from peer.net.plumbing import dht as dht_node

@@ -302,3 +302,59 @@ def test_the_leader_holds_a_join_stream_until_its_follower_closes_it():
     assert codes == [averaging_pb2.ACCEPTED, averaging_pb2.BEGIN_ALLREDUCE]
     assert held and closed_after < 5.0, (held, closed_after)  # held, then closed at request_timeout
     assert still_open == 0  # the follower's close ended the second stream at once
+
+
+@pytest.mark.timeout(120)
+def test_a_follower_declines_a_group_of_made_up_members_and_finds_the_honest_one(tmp_path, monkeypatch):
+    """A hostile leader (bench/hostile_peer.py phantom_group) ends its search first, so honest peers ask it first,
+    and assembles with the first follower and made-up client-mode ids that declare a count of 1. Each of the three
+    honest peers counts the four real ones: the one taken declines that group before sending anything (2 of 4), and
+    meets the other two (3 of 4)."""
+    from hivemind.p2p import PeerID
+
+    from peer.net.round import matchmaking
+    from peer.net.round.group import holds_our_count
+
+    prefix = round_prefix("phantoms", 0, 1)
+    made_up = pb.MemberInfo(protocol_version=PROTOCOL_VERSION, weight=1.0, numel=10, base="a" * 32, expected=1,
+                            client_mode=True)
+    assemble = matchmaking._Matchmaking.leader_assemble_group
+    hostile: list[str] = []
+
+    async def with_made_up_members(self):
+        fakes = [PeerID(bytes([0, 36, 8, 1, 18, 32]) + bytes([k + 1]) * 32) for k in range(4)] \
+            if str(self.peer_id) in hostile else []
+        for fake in fakes:
+            self.current_followers[fake] = matchmaking.averaging_pb2.JoinRequest(gather=made_up.SerializeToString())
+        try:
+            return await assemble(self)
+        finally:  # (no one will send them away: hivemind's search would wait for that)
+            for fake in fakes:
+                self.current_followers.pop(fake, None)
+
+    monkeypatch.setattr(matchmaking._Matchmaking, "leader_assemble_group", with_made_up_members)
+
+    async def main(dhts):
+        p2ps = [await dht.replicate_p2p() for dht in dhts]
+        ids = [str(p.peer_id) for p in p2ps]
+        hostile.append(ids[0])
+
+        def join(i: int, wait: float, target: int, **kwargs):
+            return asyncio.ensure_future(form_group(
+                p2ps[i], dhts[i], prefix=prefix, gather=info(i), target_group_size=target, min_group_size=2,
+                min_matchmaking_time=wait, request_timeout=2.0, client_mode=False, timeout=30.0, guard=GUARD,
+                **kwargs))
+
+        ours = lambda group: holds_our_count(group, 10, ids)  # noqa: E731  (each honest peer counts the four)
+        leader = join(0, 1.0, 2)  # (assembles as soon as one follower is in)
+        await leader_declared(dhts[3], prefix)
+        taken = join(3, 8.0, 3, acceptable=ours)
+        theirs = await leader
+        return ids, theirs, await asyncio.gather(taken, join(1, 4.0, 3, acceptable=ours),
+                                                 join(2, 6.0, 3, acceptable=ours))
+
+    with dht_nodes(4, tmp_path) as dhts:
+        ids, theirs, honest = run_async(main(dhts))
+    assert theirs is not None and len(theirs.peer_ids) == 6 and ids[3] in map(str, theirs.peer_ids), theirs
+    assert all(g is not None for g in honest) and len({g.group_id for g in honest}) == 1, honest
+    assert sorted(map(str, honest[0].peer_ids)) == sorted(ids[1:]), honest[0].peer_ids

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Collection, Optional, Sequence
 
 from google.protobuf.message import DecodeError
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.p2p import PeerID
 
-from peer.net.policy.agreement import GroupVerdict, agree, valid_base
+from peer.net.policy.agreement import GroupVerdict, agree, our_count_holds, valid_base
 from peer.outer.aggregate import MAX_WEIGHT, AggregationRule
 from peer.outer.codec import Codec
 from peer.proto import allreduce_pb2 as pb
@@ -55,6 +55,16 @@ def member_info(blob: bytes, numel: int) -> tuple[Optional[pb.MemberInfo], str]:
     if not valid_base(info):
         return None, "a malformed base digest"
     return info, ""
+
+
+def holds_our_count(group: GroupInfo, numel: int, counted: Collection[str]) -> bool:
+    """:func:`~peer.net.policy.agreement.our_count_holds` for an assembled group, over the members whose info
+    :meth:`GroupPlan.from_group` keeps (the others are left out of the plan), of base :func:`agree`'s."""
+    kept = [(str(pid), info) for pid, blob in zip(group.peer_ids, group.gathered)
+            if (info := member_info(blob, numel)[0]) is not None]
+    infos = [info for _, info in kept]
+    return bool(infos) and our_count_holds([pid for pid, _ in kept], infos, agree(infos, two_level=False).base,
+                                           counted)
 
 
 def member_spans(numel: int, client_mode: Sequence[bool], align: int, shares: Sequence[int] = ()

@@ -20,7 +20,7 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.dht import DHT
-from hivemind.p2p import P2P, P2PContext, ServicerBase
+from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.timed_storage import MAX_DHT_TIME_DISCREPANCY_SECONDS
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 class _Matchmaking(Matchmaking):
-    """hivemind's Matchmaking with three changes.
+    """hivemind's Matchmaking with four changes.
 
     - A join request whose stream the leader closed or reset (a leader that just died, or refused us and
       closed first) is a failed request, as hivemind treats a daemon error, instead of an error that ends the
@@ -48,9 +48,14 @@ class _Matchmaking(Matchmaking):
     - A join request that waited for our lock until its follower likely gave up is refused (see :meth:`join`),
       and so is one whose expiration is absurd (:meth:`_sane_expiration`) or whose member info the group plan
       would leave out (:func:`~peer.net.round.group.member_info`): it never gets into a group to fail it.
+    - As a follower, a group that ``acceptable`` refuses (not ours by our own count: a hostile leader's made-up
+      members, :func:`~peer.net.round.group.holds_our_count`) is declined before any part is sent, and the search
+      goes on (:meth:`follower_assemble_group`).
     """
 
     expected: Callable[[], Optional[frozenset]] = staticmethod(lambda: None)  # set per instance by form_group
+    acceptable: Callable[[GroupInfo], bool] = staticmethod(lambda group: True)  # set per instance by form_group
+    label: str = ""  # the round's prefix, for the log (set by form_group)
     cap: int = 0
     horizon: float = 0.0  # the longest a follower of this round searches (s), set by form_group
     numel: int = 0  # the fragment's size, from our own member info (set by form_group)
@@ -118,6 +123,21 @@ class _Matchmaking(Matchmaking):
         "never"; 1e300 would hold our group open as long.)"""
         now, skew = get_dht_time(), MAX_DHT_TIME_DISCREPANCY_SECONDS
         return math.isfinite(expiration) and now - skew <= expiration <= now + self.horizon + skew
+
+    async def follower_assemble_group(self, leader, msg: averaging_pb2.MessageFromLeader) -> Optional[GroupInfo]:
+        """hivemind's, for a group that :attr:`acceptable` takes; for another, None: the search goes on as if the
+        leader had disbanded it (it does not get our part)."""
+        try:
+            group = GroupInfo(msg.group_id, tuple(PeerID(p) for p in msg.ordered_peer_ids), tuple(msg.gathered))
+            take = len(group.peer_ids) != len(group.gathered) or self.acceptable(group)
+        except Exception as e:  # (malformed: hivemind's own checks and the group plan refuse it)
+            log.debug("group from %s unreadable: %s: %s", leader, type(e).__name__, e)
+            take = True
+        if not take:
+            log.info("%s: declined the group of %d that %s assembled: not ours by our own count", self.label,
+                     len(group.peer_ids), leader)
+            return None
+        return await super().follower_assemble_group(leader, msg)
 
     async def _request_join_group(self, leader):
         try:
@@ -230,8 +250,8 @@ async def form_group(p2p: P2P, dht: DHT, *, prefix: str, gather: bytes, target_g
                      client_mode: bool, timeout: float, give_up: Callable[[], Optional[GaveUp]] = lambda: None,
                      keep_waiting: Callable[[], bool] = lambda: False, patience: float = 0.0,
                      poll: float = 1.0, excluded: Callable[[str], bool] = lambda peer: False,
-                     guard: StreamGuard, expected: Callable[[], Optional[frozenset[str]]] = lambda: None
-                     ) -> Optional[GroupInfo]:
+                     guard: StreamGuard, expected: Callable[[], Optional[frozenset[str]]] = lambda: None,
+                     acceptable: Callable[[GroupInfo], bool] = lambda group: True) -> Optional[GroupInfo]:
     """Finds a group for the round named by ``prefix``; None if none formed in time.
 
     ``gather`` (this peer's serialized MemberInfo) reaches every member of the group. The group
@@ -245,7 +265,8 @@ async def form_group(p2p: P2P, dht: DHT, *, prefix: str, gather: bytes, target_g
     bound on streams per remote peer (see :mod:`peer.net.flow.streams`). ``expected()``, asked at each join request
     (peer ids, ours included, or None; see :func:`peer.net.view.attendance.early_assembly`): as a leader, assemble as
     soon as all of them joined, within the cap of ``target_group_size``; asked again every ``poll`` s (a peer that
-    paused or left is no longer expected: its wait ends then, not at ``min_matchmaking_time``).
+    paused or left is no longer expected: its wait ends then, not at ``min_matchmaking_time``). A group that a leader
+    assembled for us is joined only if ``acceptable(group)``; else the search goes on without it.
     Must run in the event loop that owns ``p2p``.
     """
     schema_hash = hashlib.sha256(prefix.encode()).digest()
@@ -253,7 +274,7 @@ async def form_group(p2p: P2P, dht: DHT, *, prefix: str, gather: bytes, target_g
                       target_group_size=max(target_group_size, min_group_size), min_group_size=min_group_size,
                       min_matchmaking_time=min_matchmaking_time, request_timeout=request_timeout,
                       client_mode=client_mode)
-    mm.expected, mm.cap = expected, mm.target_group_size
+    mm.expected, mm.acceptable, mm.cap, mm.label = expected, acceptable, mm.target_group_size, prefix
     mm.horizon, mm.numel = timeout + patience + min_matchmaking_time, pb.MemberInfo.FromString(gather).numel
     keys = _RoundKeys(dht, prefix, "", mm.target_group_size)
     keys.excluded = excluded

@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 import torch
 
 from peer.net.view.activity import RoundActivity, RoundStage
-from peer.net.policy.agreement import our_count_holds, quorum_size
+from peer.net.policy.agreement import quorum_size
 from peer.net.round.allreduce import run_allreduce
 from peer.net.view.attendance import early_assembly
 from peer.net.policy.consensus import laggards, nobody_coming, swarm_is_past
 from peer.net.trust.exclusion import Offence, PeerVerdict
-from peer.net.round.group import PROTOCOL_VERSION, GroupError, GroupPlan
+from peer.net.round.group import PROTOCOL_VERSION, GroupError, GroupPlan, holds_our_count
 from peer.net.round.levels import Levels, plan_levels, swarm_lift
 from peer.net.flow.links import plan_deadlines
 from peer.net.round.matchmaking import GaveUp, form_group, round_prefix
@@ -212,7 +212,12 @@ class RoundRunner:
             min_matchmaking_time=self.cfg.matchmaking_time, request_timeout=self.cfg.request_timeout,
             client_mode=sw.client_mode, timeout=self.cfg.matchmaking_timeout, poll=min(1.0, self.cfg.progress_period),
             give_up=self._give_up, keep_waiting=self._keep_waiting, patience=self.patience,
-            excluded=sw.refused, guard=sw.guard, expected=early)
+            excluded=sw.refused, guard=sw.guard, expected=early, acceptable=self._ours(delta.numel()))
+
+    def _ours(self, numel: int) -> Callable[["GroupInfo"], bool]:
+        """Whether an assembled group is ours to apply by our own count (one level; two-level groups are judged per
+        slot at level 2): asked of a group a leader assembled for us before we join it, and of every group after."""
+        return (lambda group: True) if self.levels else (lambda group: holds_our_count(group, numel, self.counted))
 
     # ---- the group -----------------------------------------------------------------------------------------
     def _learn(self, out: RoundOutcome, lesson: Lesson) -> None:
@@ -236,7 +241,7 @@ class RoundRunner:
         ids = [str(pid) for pid in plan.peer_ids]
         members, verdict = frozenset(ids), plan.verdict
         # the verdict reads what members declare; we apply only a group that holds a majority of our own count too
-        ours = bool(self.levels) or verdict is None or our_count_holds(ids, plan.infos, verdict.base, self.counted)
+        ours = self._ours(delta.numel())(group)
         # a dropped member neither came nor becomes a partner (partners count in every later quorum), nor does one we
         # do not count in a group that is not ours (ids that could make the next one ours)
         self._learn(out, Lesson(self.here, came=members if ours else members & self.counted, judge=not self.levels,
