@@ -129,11 +129,10 @@ class _Matchmaking(Matchmaking):
         leader had disbanded it (it does not get our part)."""
         try:
             group = GroupInfo(msg.group_id, tuple(PeerID(p) for p in msg.ordered_peer_ids), tuple(msg.gathered))
-            take = len(group.peer_ids) != len(group.gathered) or self.acceptable(group)
         except Exception as e:  # (malformed: hivemind's own checks and the group plan refuse it)
             log.debug("group from %s unreadable: %s: %s", leader, type(e).__name__, e)
-            take = True
-        if not take:
+            return await super().follower_assemble_group(leader, msg)
+        if len(group.peer_ids) == len(group.gathered) and not self.acceptable(group):
             log.info("%s: declined the group of %d that %s assembled: not ours by our own count", self.label,
                      len(group.peer_ids), leader)
             return None
