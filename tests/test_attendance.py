@@ -17,7 +17,7 @@ def play(att: Attendance, records: dict, came: set, met=lambda p: True, here=(0,
     """One round: whom it waits for, then what it learns when ``came`` (with us) formed the group."""
     att.observe(records, [5, 5])  # (the records as read)
     wanted = att.expected(records, ME, [5, 5], met, here)
-    became = att.record(invited=wanted, live=records, came=came | {ME}, me=ME, met=met)
+    became = att.record(invited=wanted, live=records, came=came | {ME}, me=ME, met=met, fragment=here[0])
     return wanted, became
 
 
@@ -75,6 +75,51 @@ def test_an_absent_partner_that_came_to_our_state_is_waited_for_until_it_misses_
         assert b not in att.expected(stuck, ME, [5, 5], lambda p: True, (0, 6))
 
 
+def alternate(att: Attendance, comes, rounds: int = 40, seeks: bool = False) -> dict[int, list[int]]:
+    """Rounds of fragments 0 and 1 in turn, with partner A always and G when ``comes(fragment)`` (its record seeking
+    each round when ``seeks``); returns, per fragment, the indices of that fragment's rounds that waited for G."""
+    a, g = "A" * 46, "G" * 46
+    waited: dict[int, list[int]] = {0: [], 1: []}
+    for i in range(rounds):
+        here = (i % 2, 6 + i // 2)
+        records = {a: rec(a), g: rec(g, seeking=[here] if seeks else ())}
+        wanted, _ = play(att, records, came={a} | ({g} if comes(here[0]) else set()), here=here)
+        if g in wanted:
+            waited[here[0]].append(i // 2)
+    return waited
+
+
+def test_a_partner_that_comes_to_one_fragment_only_is_absent_from_the_other():
+    """A hostile leader of its own groups in fragment 0 that follows into ours in fragment 1 (bench/hostile_peer.py
+    phantom_group): judged over every fragment alone, coming to fragment 1 forgave it at each round, and every round
+    of fragment 0 waited ``matchmaking_time`` for it. Judged per fragment too, fragment 0 waits for it twice, then
+    at probes only, and fragment 1 at every round; a peer that comes to neither is absent after two rounds, as
+    before."""
+    waited = alternate(Attendance(misses=2, max_interval=8), comes=lambda f: f == 1)
+    assert waited[1] == list(range(20))
+    assert waited[0] == [0, 1, 3, 7, 15], waited[0]  # probes after 1, 3, 7 rounds of fragment 0 skipped
+    crashed = alternate(Attendance(misses=2, max_interval=8), comes=lambda f: False)
+    assert crashed[0][0] == crashed[1][0] == 0 and 1 not in crashed[0], crashed  # rounds (0, 6), (1, 6), not (0, 7)
+    assert len(crashed[0]) + len(crashed[1]) <= 9, crashed
+
+
+def test_an_absent_partner_whose_record_seeks_every_round_and_never_comes_is_waited_for_at_probes_only():
+    """A record saying it seeks this very round brings an absent partner back at once (it is back from an outage),
+    but the record is the peer's to write: one that seeks every round and never comes (a hostile leader of its own
+    groups, a peer stuck elsewhere) wins ``CLAIMS`` such waits, then only probes; coming forgives it."""
+    att = Attendance(misses=2, max_interval=8, claims=2)
+    waited = alternate(att, comes=lambda f: f == 1, seeks=True)
+    assert waited[1] == list(range(20))
+    assert waited[0][:4] == [0, 1, 2, 3] and len(waited[0]) <= 4 + 3, waited[0]  # 2 misses, 2 claims, probes
+    # once it comes to a round of fragment 0, its claims are its own again
+    a, g = "A" * 46, "G" * 46
+    play(att, {a: rec(a), g: rec(g)}, came={a, g}, here=(0, 30))
+    assert att.snapshot(0) == {} and not att.absent(g, 0)
+    never = alternate(Attendance(misses=2, max_interval=8, claims=0), comes=lambda f: False, seeks=True)
+    unbounded = alternate(Attendance(misses=2, max_interval=8, claims=10 ** 6), comes=lambda f: False, seeks=True)
+    assert len(never[0]) + len(never[1]) <= 9 and len(unbounded[0]) + len(unbounded[1]) == 40, (never, unbounded)
+
+
 def test_a_partner_that_comes_late_is_not_counted_absent_again_so_its_probe_comes_and_the_group_waits():
     """An absent partner back from an outage, a little out of phase: its record seeks each round only after the
     group assembled without it. Judged by whom the round waited for when it assembled, that is no miss, so its
@@ -93,7 +138,7 @@ def test_a_partner_that_comes_late_is_not_counted_absent_again_so_its_probe_come
         if b in wanted:
             break
         late = {a: rec(a), b: rec(b, seeking=[(0, r)])}  # then B's record seeks the round: it is late
-        att.record(invited=wanted, live=late, came={a, ME}, me=ME, met=lambda p: True)
+        att.record(invited=wanted, live=late, came={a, ME}, me=ME, met=lambda p: True, fragment=0)
     assert invited == [False, True], invited  # probed at the first interval (2 rounds), not pushed back
     assert att.snapshot()[b][0] == 2  # late rounds were not counted as misses
 
@@ -106,9 +151,10 @@ def test_record_judges_the_invitation_it_is_given_and_expected_only_reads():
     first = att.expected({a: rec(a)}, ME, [5, 5], lambda p: True, (0, 6))
     last = att.expected({}, ME, [5, 5], lambda p: True, (0, 6))  # A's record expired before the group assembled
     assert a in first and a not in last and att.snapshot() == {}
-    assert att.record(invited=last, live={a: rec(a)}, came={ME}, me=ME, met=lambda p: True) == []
+    assert att.record(invited=last, live={a: rec(a)}, came={ME}, me=ME, met=lambda p: True, fragment=0) == []
     assert att.snapshot() == {}  # not invited: no miss
-    assert [b.who for b in att.record(invited=first, live={a: rec(a)}, came={ME}, me=ME, met=lambda p: True)] == [a]
+    assert [b.who for b in att.record(invited=first, live={a: rec(a)}, came={ME}, me=ME, met=lambda p: True,
+                                      fragment=0)] == [a]
 
 
 def test_strangers_are_judged_together_so_fresh_ids_do_not_buy_fresh_waits():
@@ -145,11 +191,12 @@ def test_strangers_that_never_come_stop_counting_even_when_no_group_assembles():
     counted = []
     for here in [(0, 6), (1, 6), (0, 7), (1, 7), (0, 8), (1, 8)]:
         wanted = att.expected(records, ME, [5, 5], met, here)
-        counted.append(len(att.counted(wanted, ME, met)))
-        if len(att.counted(wanted, ME, met)) > 2 * 3:  # (quorum_size: more than half of the count) -> no group
-            became = att.no_group(invited=wanted, live=records, me=ME, met=met)
+        counted.append(len(att.counted(wanted, ME, met, here[0])))
+        if len(att.counted(wanted, ME, met, here[0])) > 2 * 3:  # (quorum_size: more than half of the count) -> no group
+            became = att.no_group(invited=wanted, live=records, me=ME, met=met, fragment=here[0])
         else:
-            became = att.record(invited=wanted, live=records, came=set(partners) | {ME}, me=ME, met=met)
+            became = att.record(invited=wanted, live=records, came=set(partners) | {ME}, me=ME, met=met,
+                                fragment=here[0])
         assert not any(b.who in partners for b in became)
     assert counted[:2] == [9, 9] and counted[2:] == [3] * 4, counted
     assert att.absent(STRANGERS) and not any(att.absent(p) for p in partners)
@@ -158,12 +205,13 @@ def test_strangers_that_never_come_stop_counting_even_when_no_group_assembles():
     for r in range(9, 20):
         wanted = att.expected(records, ME, [5, 5], met, (0, r))
         if any(s in wanted for s in sybils):
-            probes.append(att.counted(wanted, ME, met))
-        att.record(invited=wanted, live=records, came=set(partners) | {ME}, me=ME, met=met)
+            probes.append(att.counted(wanted, ME, met, 0))
+        att.record(invited=wanted, live=records, came=set(partners) | {ME}, me=ME, met=met, fragment=0)
     assert probes and all(c == frozenset(partners) | {ME} for c in probes)
     # a no-group round that waited for no stranger judges no one
     fresh = Attendance(misses=1)
-    assert fresh.no_group(invited=frozenset({ME}), live=records, me=ME, met=met) == [] and not fresh.absent(STRANGERS)
+    assert fresh.no_group(invited=frozenset({ME}), live=records, me=ME, met=met, fragment=0) == []
+    assert not fresh.absent(STRANGERS)
 
 
 def test_strangers_that_come_do_not_forgive_the_strangers_that_never_came():
@@ -179,27 +227,28 @@ def test_strangers_that_come_do_not_forgive_the_strangers_that_never_came():
     met = partners.__contains__
     records = {pid: rec(pid) for pid in honest + sybils}
     for here in [(0, 6), (1, 6)]:  # every id is a stranger, counted: 10 in all, a group of 4 is no quorum
-        att.no_group(invited=att.expected(records, ME, [5, 5], met, here), live=records, me=ME, met=met)
+        att.no_group(invited=att.expected(records, ME, [5, 5], met, here), live=records, me=ME, met=met,
+                     fragment=here[0])
     assert att.absent(STRANGERS)
     wanted = att.expected(records, ME, [5, 5], met, (0, 7))
-    att.record(invited=wanted, live=records, came=set(honest) | {ME}, me=ME, met=met)  # the honest meet
+    att.record(invited=wanted, live=records, came=set(honest) | {ME}, me=ME, met=met, fragment=0)  # the honest meet
     partners.update(honest)
     assert att.absent(STRANGERS)
-    later = [att.counted(att.expected(records, ME, [5, 5], met, (f, r)), ME, met) for f, r in [(1, 7), (0, 8)]]
+    later = [att.counted(att.expected(records, ME, [5, 5], met, (f, r)), ME, met, f) for f, r in [(1, 7), (0, 8)]]
     assert all(c == frozenset(honest) | {ME} for c in later), later
     # a fresh id of the attacker's that comes to a group is forgiven alone
     fresh = "F" * 46
     records[fresh] = rec(fresh)
     att.record(invited=att.expected(records, ME, [5, 5], met, (1, 8)), live=records,
-               came=set(honest) | {fresh, ME}, me=ME, met=met)
+               came=set(honest) | {fresh, ME}, me=ME, met=met, fragment=1)
     partners.add(fresh)
     assert att.absent(STRANGERS)
-    assert not any(s in att.counted(att.expected(records, ME, [5, 5], met, (0, 9)), ME, met) for s in sybils)
+    assert not any(s in att.counted(att.expected(records, ME, [5, 5], met, (0, 9)), ME, met, 0) for s in sybils)
     # the sybils' records expire: the strangers' absence is forgotten with them
     for s in sybils:
         del records[s]
     att.record(invited=att.expected(records, ME, [5, 5], met, (1, 9)), live=records, came=set(records) | {ME},
-               me=ME, met=met)
+               me=ME, met=met, fragment=1)
     assert not att.absent(STRANGERS)
 
 

@@ -61,7 +61,7 @@ class FakeSwarm:
     def invited(self, here):
         return frozenset(HONEST) - {ME}
 
-    def quorum_peers(self, invited):
+    def quorum_peers(self, invited, here):
         return frozenset(HONEST)
 
     def learn(self, lesson):
@@ -84,7 +84,7 @@ def decide(monkeypatch, ids: list[str], counts: list[int], bases: list[str] | No
     monkeypatch.setattr(round_runner, "run_allreduce", every_span_arrives)
     swarm = FakeSwarm()
     runner = RoundRunner(swarm, fragment=0, round_=3, inner_step=60, target_group_size=len(HONEST), sync_every=20)
-    runner.counted = swarm.quorum_peers(swarm.invited((0, 3)))  # (what the search declared)
+    runner.counted = swarm.quorum_peers(swarm.invited((0, 3)), (0, 3))  # (what the search declared)
     out = RoundOutcome(0, 3, RoundStatus.FAILED, base=BASE)
     asyncio.run(runner._reduce(group(ids, counts, bases), torch.ones(NUMEL), 1.0, out))
     return out, swarm

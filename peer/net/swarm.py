@@ -338,11 +338,11 @@ class Swarm:
         return self.attendance.expected(self.roster.meetable(self.live_peers()), self.peer_id,
                                         self.ours.applied_rounds(), self.roster.partnered, here=here)
 
-    def quorum_peers(self, invited: frozenset[str]) -> frozenset[str]:
-        """The peers a round counts, whose number it declares (agreement.quorum_peers), of the peers it waits for
-        (:meth:`invited`) and the live peers our daemon answers for (:meth:`Roster.anchored`)."""
+    def quorum_peers(self, invited: frozenset[str], here: tuple[int, int]) -> frozenset[str]:
+        """The peers round ``here`` counts, whose number it declares (agreement.quorum_peers), of the peers it waits
+        for (:meth:`invited`) and the live peers our daemon answers for (:meth:`Roster.anchored`)."""
         live = self.live_peers()
-        counted = self.attendance.counted(invited, self.peer_id, self.roster.partnered)
+        counted = self.attendance.counted(invited, self.peer_id, self.roster.partnered, here[0])
         return quorum_peers(counted, live, self.roster.partnered, self.peer_id, anchored=self.roster.anchored(live))
 
     def learn(self, lesson: Lesson) -> list[Absent]:
@@ -353,10 +353,10 @@ class Swarm:
             live = self.live_peers()
             if lesson.came is None:
                 absent = self.attendance.no_group(invited=lesson.invited, live=live, me=self.peer_id,
-                                                  met=self.roster.partnered)
+                                                  met=self.roster.partnered, fragment=lesson.here[0])
             else:
                 absent = self.attendance.record(invited=lesson.invited, live=live, came=lesson.came,
-                                                me=self.peer_id, met=self.roster.partnered)
+                                                me=self.peer_id, met=self.roster.partnered, fragment=lesson.here[0])
         if lesson.came is not None:
             self.roster.met(set(lesson.came) - {self.peer_id})
         for verdict in lesson.verdicts:
