@@ -36,7 +36,7 @@ test: install os-packages
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q --durations=10 -n auto -m "not swarm" tests
-	$(BIN)/python -m pytest -q --durations=25 -n 2 --dist loadfile -m swarm tests
+	$(BIN)/python -m pytest -q --durations=25 -n 2 --dist loadfile --no-loadscope-reorder -m swarm tests
 
 # Everything that needs a GPU in one run (step overhead vs a plain loop, MFU, VRAM, host RAM, codec, CUDA
 # tests); on a machine without CUDA it says so. The CPU comparison: bench/gpu.py --device cpu (docs/benchmarks.md).
