@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import Proc, assert_learned, events
+from helpers import Proc, events
 from peer.config import ConfigError
 from peer.config.load import build_config
 from peer.errors import SetupError
@@ -258,7 +258,7 @@ def test_two_peers_train_the_hf_llama_and_agree_on_every_round(procs, tmp_path):
             [sys.executable, "-m", "peer", "run", "--config", str(REPO / "configs/hf-llama-tiny.toml"),
              "--initial-peers", *initial, "--run-dir", str(run_dir), "--log-json", str(run_dir / "events.jsonl"),
              "--max-steps", "60", *FAST, "--outer-sync-every", "10", "--min-peers", "2",
-             "--model-activation-checkpointing"],
+             "--model-activation-checkpointing", "--eval-every", "1"],
             log_path=tmp_path / f"{name}.log", cwd=REPO))
         procs.append(peers[-1])
     for name, proc in zip(names, peers):
@@ -276,5 +276,14 @@ def test_two_peers_train_the_hf_llama_and_agree_on_every_round(procs, tmp_path):
         assert got[0]["digest"] == got[1]["digest"], (key, [e["digest"] for e in got])
     for n in names:
         assert events(tmp_path, n, "step")[-1]["step"] == 60
-        # 0.5 nats below the start, as a share of the gap to the synthetic corpus' floor (2.1 nats, from ~5.5)
-        assert_learned(tmp_path, n, closed=0.15)
+    # the shared model learned, judged on held-out data (--eval-every 1: after each of fragment 0's rounds), not on
+    # one training batch of 128 tokens per log: the same parameters give the same loss on both peers, and the last
+    # evaluation closed at least 20% of the gap between the first (round 1, ~log 256) and the corpus' entropy floor.
+    # Measured over ten runs: 25-33% (the training batches' logged losses: 20-27%, and 14% once).
+    evals = {n: events(tmp_path, n, "eval") for n in names}
+    assert all([e["rounds"][0] for e in got] == list(range(1, 7)) for got in evals.values()), evals
+    assert all(abs(a["loss"] - b["loss"]) <= 1e-5 and a["digests"] == b["digests"]
+               for a, b in zip(evals["h0"], evals["h1"])), evals
+    floor = events(tmp_path, "h0", "step")[-1]["floor"]
+    first, last = evals["h0"][0]["loss"], evals["h0"][-1]["loss"]
+    assert (first - last) / (first - floor) >= 0.2 and last > floor, (first, last, floor)
