@@ -37,7 +37,7 @@ def pytest_collection_modifyitems(config, items) -> None:
     ``make test`` hands whole modules to two workers in this order (``--dist loadfile --no-loadscope-reorder``), so
     neither is left running a long module alone at the end: in the default order (modules with more tests first,
     then by name) the two longest single-test modules came last, and the suite's wall time ranged 588-743 s for
-    1123-1224 s of tests."""
+    1120-1224 s of tests."""
     items.sort(key=lambda item: -SWARM_SECONDS.get(item.path.stem, 0))
 
 
