@@ -8,10 +8,12 @@ silently partial result; malformed metadata rejects the group.
 import asyncio
 import threading
 import time
+from typing import AsyncIterator
 
 import pytest
 import torch
 from hivemind.averaging.group_info import GroupInfo
+from hivemind.p2p import P2PContext
 
 from helpers import p2p_mesh, run_async
 from peer.config import MBIT
@@ -307,10 +309,14 @@ def test_dead_reducer_span_is_missing_on_every_survivor():
     for j in (0, 1):
         assert torch.equal(results[0].spans[j].average, results[1].spans[j].average)
     # what each survivor concluded of the reducers, returned for its swarm to apply (nothing written here): the
-    # other survivor answered; the dead one refused the stream at once, which is no silence (attendance's call)
-    for res in results.values():
-        assert len(res.verdicts) == 1 and res.verdicts[0].answered and res.verdicts[0].offence is None, res.verdicts
-    assert results[0].verdicts[0].peer != results[1].verdicts[0].peer  # each names the other
+    # other survivor answered; the dead one, which refused the stream at once while the other's span came, stayed
+    # silent (no offence: once is nothing, and a dead peer is in no later group of ours)
+    answered = {i: [v.peer for v in res.verdicts if v.answered] for i, res in results.items()}
+    silent = {i: [v.peer for v in res.verdicts if not v.answered] for i, res in results.items()}
+    assert all(v.offence is None for res in results.values() for v in res.verdicts)
+    assert all(len(answered[i]) == len(silent[i]) == 1 for i in (0, 1)), (answered, silent)
+    assert answered[0] != answered[1] and silent[0] == silent[1]  # each names the other, both the dead one
+    assert silent[0][0] not in answered[0] + answered[1]
 
 
 def test_a_member_that_never_learned_of_the_group_is_not_waited_for():
@@ -377,35 +383,42 @@ def test_a_member_that_scales_its_part_and_lies_about_its_weight_is_bounded_and_
                 assert "length capped" in results[i].flagged[0][1]
 
 
-def test_a_repeat_offender_is_excluded_then_refused_and_skipped():
-    """The same attacker (member 3, parts x1000) over four rounds of one group: every honest reducer cuts its
-    part hard each round, and at exclude_after = 3 offences excludes it. In round 4 the honest reducers refuse
-    its part (it is not among their contributors) and the honest members skip its span (missing, not applied)."""
-    g = torch.Generator().manual_seed(4)
-    common = torch.randn(NUMEL, generator=g)
-    honest = [common + 0.3 * torch.randn(NUMEL, generator=g) for _ in range(3)]
-    deltas, weights = honest + [1000 * honest[0]], [1.0, 1.0, 1.0, 1.0]
+async def _err(self, requests: AsyncIterator[pb.ReduceRequest], context: P2PContext
+               ) -> AsyncIterator[pb.ReduceResponse]:
+    yield pb.ReduceResponse(status=pb.ReduceResponse.Status.REJECTED, error="busy, try later")
+
+
+# A modified client's reducer: it answers every member's part of its span with an error (its own parts it still
+# sends, as an honest member does). Named as the honest class is: hivemind names a protocol after its class.
+_ErringServicer = type("AllReduceServicer", (AllReduceServicer,), {"rpc_reduce": _err})
+
+
+def _rounds(n_rounds: int, deltas, weights, servicer_of=lambda i: AllReduceServicer):
+    """``n_rounds`` rounds of one group of ``len(deltas)`` members on loopback (fp32), each member's exclusion ledger
+    written from its verdicts after each round, as its swarm does; ``servicer_of(i)``: member i's servicer class.
+    Returns the ids, the ledgers and every round's results."""
+    n = len(deltas)
 
     async def main():
-        p2ps = await p2p_mesh(4)
+        p2ps = await p2p_mesh(n)
         try:
             ids = [p.peer_id for p in p2ps]
-            ledgers = [Exclusions() for _ in p2ps]  # each peer's, written as its swarm does: from the verdicts
-            servicers = [AllReduceServicer(registration_timeout=1.0, part_timeout=1.0, stream_timeout=30.0,
-                                            guard=StreamGuard(per_peer=16, total=64), excluded=ledger)
-                         for ledger in ledgers]
+            ledgers = [Exclusions() for _ in p2ps]
+            servicers = [servicer_of(i)(registration_timeout=1.0, part_timeout=1.0, stream_timeout=30.0,
+                                        guard=StreamGuard(per_peer=16, total=64), excluded=ledger)
+                         for i, ledger in enumerate(ledgers)]
             for s, p in zip(servicers, p2ps):
                 await s.add_p2p_handlers(p)
             rounds = []
-            for r in range(4):
+            for r in range(n_rounds):
                 gathered = tuple(pb.MemberInfo(protocol_version=PROTOCOL_VERSION, base=BASE, weight=w,
                                                numel=NUMEL).SerializeToString() for w in weights)
                 group = GroupInfo(bytes([r + 1]) * 20, tuple(ids), gathered)
                 plans = [GroupPlan.from_group(group, ids[i], get_codec("fp32"), NUMEL, f"fragment 0 round {r}")
-                         for i in range(4)]
+                         for i in range(n)]
                 rounds.append(await asyncio.gather(*[
                     run_allreduce(p2ps[i], servicers[i], plans[i], deltas[i], weights[i], part_timeout=1.0,
-                                  allreduce_timeout=4.0, connect_timeout=1.0, chunk_bytes=4096) for i in range(4)]))
+                                  allreduce_timeout=4.0, connect_timeout=1.0, chunk_bytes=4096) for i in range(n)]))
                 for ledger, result in zip(ledgers, rounds[-1]):
                     for verdict in result.verdicts:
                         ledger.apply(verdict)
@@ -414,7 +427,41 @@ def test_a_repeat_offender_is_excluded_then_refused_and_skipped():
             for p in p2ps:
                 await p.shutdown()
 
-    ids, ledgers, rounds = run_async(main())
+    return run_async(main())
+
+
+def test_a_reducer_that_answers_every_part_with_an_error_is_excluded_after_three_rounds():
+    """A modified client that answers every part of its span with an error (and sends its own parts): its span is
+    missing in each round, so no member applies that round (all spans or none). Counted as nothing, it was never
+    excluded and stalled every round it was in (bench/swarm_attacks.py: every round ``partial``, 0 of 5 spans
+    applied, for a whole run). Its answer is silence while the other reducers answer: three rounds in a row exclude
+    it on every honest member (threshold 3), and no honest reducer is judged silent."""
+    torch.manual_seed(5)
+    deltas = [torch.randn(NUMEL) for _ in range(4)]
+    ids, ledgers, rounds = _rounds(3, deltas, [1.0] * 4,
+                                   servicer_of=lambda i: _ErringServicer if i == 3 else AllReduceServicer)
+    attacker = str(ids[3])
+    for results in rounds:
+        for i in range(3):
+            assert results[i].spans[3].average is None and not results[i].complete
+            assert all(results[i].spans[j].average is not None for j in range(3))
+            assert [v.peer for v in results[i].verdicts if not v.answered] == [attacker], results[i].verdicts
+    for i in range(3):
+        assert set(ledgers[i].excluded()) == {attacker}, ledgers[i].excluded()
+        assert "did not come in 3 rounds in a row" in ledgers[i].excluded()[attacker]
+        assert ledgers[i].excluded()[attacker].endswith("busy, try later)")  # (its answer, not a broken handler)
+        assert ledgers[i].offences(attacker) == 0  # silence, not an offence
+
+
+def test_a_repeat_offender_is_excluded_then_refused_and_skipped():
+    """The same attacker (member 3, parts x1000) over four rounds of one group: every honest reducer cuts its
+    part hard each round, and at exclude_after = 3 offences excludes it. In round 4 the honest reducers refuse
+    its part (it is not among their contributors) and the honest members skip its span (missing, not applied)."""
+    g = torch.Generator().manual_seed(4)
+    common = torch.randn(NUMEL, generator=g)
+    honest = [common + 0.3 * torch.randn(NUMEL, generator=g) for _ in range(3)]
+    deltas, weights = honest + [1000 * honest[0]], [1.0, 1.0, 1.0, 1.0]
+    ids, ledgers, rounds = _rounds(4, deltas, weights)
     attacker = str(ids[3])
     for i in range(3):
         assert set(ledgers[i].excluded()) == {attacker}, ledgers[i].excluded()

@@ -206,7 +206,6 @@ class SpanResult:
     why: str = ""
     total_weight: float = 0.0
     offence: bool = False  # the reducer answered, and what it sent is wrong (not the network)
-    timed_out: bool = False  # nothing complete came before the round's deadline
     pieces: Optional[Pieces] = None  # the bytes ``average`` was decoded from (a level-1 reducer forwards them)
 
 
@@ -234,14 +233,17 @@ def _span_from_responses(plan: GroupPlan, j: int, responses: list[pb.ReduceRespo
 
 def _verdict(plan: GroupPlan, j: int, got: SpanResult, results: dict[int, SpanResult]) -> Optional[PeerVerdict]:
     """What we conclude of remote reducer ``j``: an offence (its span failed our checks), that it answered, that
-    it stayed silent (timed out while another remote reducer's span arrived: the network is not simply ours),
-    or nothing."""
+    it stayed silent (no average from it, whether it timed out, refused or answered an error, while another remote
+    reducer's span arrived: the network is not simply ours), or nothing. A reducer that answers every request with
+    an error costs each of its rounds every span (a round applies all or none): threshold such rounds in a row
+    exclude it (:meth:`~peer.net.trust.exclusion.Exclusions.silent`), as they do one that holds streams to the
+    deadline."""
     peer, why = str(plan.peer_ids[j]), f"{plan.label}: {got.why}"
     if got.offence:
         return PeerVerdict(peer, why, offence=Offence.BAD_AVERAGE)
     if got.average is not None:
         return PeerVerdict(peer, answered=True)
-    if got.timed_out and any(r.average is not None for k, r in results.items() if k not in (j, plan.my_index)):
+    if any(r.average is not None for k, r in results.items() if k not in (j, plan.my_index)):
         return PeerVerdict(peer, why)
     return None
 
@@ -339,8 +341,7 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
                 results[j] = await asyncio.get_running_loop().run_in_executor(None, _span_from_responses, plan, j,
                                                                               responses)
             except Exception as e:  # a dead reducer, or one that broke the stream: this span is missing
-                results[j] = SpanResult(None, why=f"{type(e).__name__}: {e}",
-                                        timed_out=isinstance(e, (asyncio.TimeoutError, TimeoutError)))
+                results[j] = SpanResult(None, why=f"{type(e).__name__}: {e}")
         await asyncio.get_running_loop().run_in_executor(None, _check_spans, plan, results, delta)
         spans, contributors, pieces, total_weight, verdicts = [], [], [], 0.0, []
         for j, (start, end) in enumerate(plan.spans):

@@ -58,7 +58,7 @@ class Exclusions:
     on_exclude: Optional[Callable[[str, str], None]] = None
     _offences: dict[str, list[str]] = field(default_factory=dict)
     _excluded: dict[str, str] = field(default_factory=dict)
-    _silent: dict[str, int] = field(default_factory=dict)  # reducer -> rounds in a row its span timed out
+    _silent: dict[str, int] = field(default_factory=dict)  # reducer -> rounds in a row its span did not come
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def report(self, peer: str, offence: Offence, detail: str) -> bool:
@@ -81,10 +81,10 @@ class Exclusions:
         return True
 
     def silent(self, peer: str, detail: str) -> bool:
-        """A reducer whose span never came within the round's deadline while other reducers' did. Once is no
-        offence (a laptop that sleeps mid-round, a link that stalls); ``threshold`` rounds in a row excludes it,
-        as a reducer that holds its members' streams to the deadline every round would otherwise cost every
-        round. True if that excluded it."""
+        """A reducer whose span did not come (it timed out, refused or answered an error) while other reducers' did.
+        Once is no offence (a laptop that sleeps mid-round, a link that stalls, a peer killed in the round);
+        ``threshold`` rounds in a row excludes it, as a reducer that holds its members' streams to the deadline, or
+        answers them with errors, every round would otherwise cost every round. True if that excluded it."""
         with self._lock:
             if peer in self._excluded:
                 return False
@@ -94,7 +94,7 @@ class Exclusions:
                 self._silent.pop(next(iter(self._silent)))
             if count < self.threshold:
                 return False
-            why = f"its span timed out in {count} rounds in a row while the others arrived (last: {detail})"
+            why = f"its span did not come in {count} rounds in a row while the others did (last: {detail})"
             self._excluded[peer] = why
         log.warning("excluding peer %s for the rest of the run (%s)", short_id(peer), why)
         if self.on_exclude is not None:
