@@ -7,6 +7,8 @@ ATTACK is one of:
 
 - ``lying_reducer``: as a reducer, returns the negation of the honest aggregate of its span (same size, so
   only the members' direction check can tell);
+- ``erring_reducer``: as a reducer, answers every member's part with an error (its own parts it sends): its span
+  is missing in every round it is in, and a round applies all spans or none;
 - ``round_breaker``: sends every reducer a part scaled by 1e30 and never answers as a reducer (its span's
   members wait until allreduce_timeout);
 - ``sybil_majority``: publishes a state of its own (its G negated, with the matching digest) and six more
@@ -56,11 +58,29 @@ def lying_reducer() -> None:
 
     honest = allreduce.SpanReduction._combine
 
-    def lie(self):
+    async def lie(self):
         log.warning("HOSTILE: negating the average of %s", self.plan.label)
-        return -honest(self)
+        return -(await honest(self))
 
     allreduce.SpanReduction._combine = lie
+
+
+def erring_reducer() -> None:
+    from typing import AsyncIterator
+
+    from hivemind.p2p import P2PContext
+
+    from peer.net.round.reducer import AllReduceServicer
+    from peer.proto import allreduce_pb2 as pb
+
+    async def err(self, requests, context):
+        log.warning("HOSTILE: answering a part from %s with an error", context.remote_id)
+        yield pb.ReduceResponse(status=pb.ReduceResponse.Status.REJECTED, error="busy")
+
+    # (hivemind reads the message types from the annotations, as objects: this module's are strings)
+    err.__annotations__ = {"requests": AsyncIterator[pb.ReduceRequest], "context": P2PContext,
+                           "return": AsyncIterator[pb.ReduceResponse]}
+    AllReduceServicer.rpc_reduce = err
 
 
 def round_breaker() -> None:
@@ -340,8 +360,8 @@ def phantom_group() -> None:
     matchmaking._Matchmaking.leader_assemble_group = with_phantoms
 
 
-ATTACKS = {f.__name__: f for f in (lying_reducer, round_breaker, sybil_majority, far_ahead, forged_donor,
-                                   shadowing, stream_hog, record_flood, key_fill, phantom_group)}
+ATTACKS = {f.__name__: f for f in (lying_reducer, erring_reducer, round_breaker, sybil_majority, far_ahead,
+                                   forged_donor, shadowing, stream_hog, record_flood, key_fill, phantom_group)}
 
 
 def main() -> int:

@@ -3,12 +3,16 @@
 
     .venv/bin/python bench/swarm_attacks.py                    # 4 honest + 1 attacker, every attack: ~12 min
     .venv/bin/python bench/swarm_attacks.py --attacks lying_reducer,forged_donor
+    .venv/bin/python bench/swarm_attacks.py --authority ...    # an authenticated run: the attacker holds a pass
 
 Each run: a bootstrap node, ``--honest`` peers and one more (honest in the clean run, absent in ``absent``,
 hostile otherwise) on
 127.0.0.1 with the settings of tests/test_swarm.py (tiny preset, seq 32 x batch 4, H = 20, 2 fragments) for
 ``--steps`` steps. In ``forged_donor`` the last honest peer is killed (SIGKILL) after two rounds and
 restarted from its checkpoint, so it downloads the swarm's state while the attacker is among the donors.
+With ``--authority`` every run is authenticated (``swarm.authority``): an authority made for the invocation issues
+a pass to each peer, the attacker's identity included (an insider; one without a pass is refused at every entry
+point: tests/test_auth.py), and the bootstrap node checks them too. Its made-up ids hold no pass.
 
 Prints one table (and writes ``--out``, JSON): per attack, the honest peers' final training CE (mean over
 their last 40 steps) and its change against the clean run (and, where ``absent`` ran, against the honest peers
@@ -35,15 +39,29 @@ from typing import Callable
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
-from helpers import Proc, applied_digests, events, wait_for  # noqa: E402
+from helpers import Proc, applied_digests, events, in_process, wait_for  # noqa: E402
 from test_swarm import FAST, start_bootstrap, wait_exit  # noqa: E402
 
 # "absent": the extra peer never starts: what an attacker excluded at once would cost (its data is lost)
-ATTACKS = ["clean", "absent", "lying_reducer", "round_breaker", "sybil_majority", "far_ahead", "forged_donor",
-           "shadowing", "phantom_group"]
+ATTACKS = ["clean", "absent", "lying_reducer", "erring_reducer", "round_breaker", "sybil_majority", "far_ahead",
+           "forged_donor", "shadowing", "phantom_group"]
 
 
-EXTRA: list[str] = []  # flags for every peer of every run (--aggregator)
+EXTRA: list[str] = []  # flags for every peer of every run (--aggregator; --authority's public key)
+AUTHORITY: list[Path] = []  # --authority: the invocation's authority directory (swarm-bootstrap authority init)
+
+
+def issue_passes(out: Path, names: list[str]) -> None:
+    """A pass from the invocation's authority in each named peer's run dir (``pass.txt``, where ``swarm.pass_path``
+    looks by default), for the identity ``swarm-peer pass-request`` makes there."""
+    from bootstrap.cli import main as bootstrap_main
+    from peer.cli.swarm_peer import main as peer_main
+
+    for name in names:
+        request = in_process(peer_main, "pass-request", "--run-dir", str(out / name)).stdout.strip()
+        issued = in_process(bootstrap_main, "authority", "issue", str(AUTHORITY[0]), request, "--days", "1")
+        assert issued.returncode == 0, issued.stderr
+        (out / name / "pass.txt").write_text(issued.stdout)
 
 
 def start(procs: list, out: Path, name: str, initial: list[str], steps: int, n: int, attack: str | None) -> Proc:
@@ -72,8 +90,10 @@ def one_run(attack: str, honest: int, steps: int, out: Path) -> dict:
     procs: list = []
     names = [f"h{i}" for i in range(honest)]
     try:
-        initial = start_bootstrap(procs, out)
         size = honest if attack == "absent" else honest + 1
+        if AUTHORITY:
+            issue_passes(out, names + ([] if attack == "absent" else ["x"]))
+        initial = start_bootstrap(procs, out, *(["--authority", str(AUTHORITY[0])] if AUTHORITY else []))
         t0 = time.monotonic()
         peers = {n: start(procs, out, n, initial, steps, size, None) for n in names}
         bad = None if attack == "absent" else \
@@ -93,6 +113,8 @@ def one_run(attack: str, honest: int, steps: int, out: Path) -> dict:
                 wait_exit(bad, 120)
             except TimeoutError:
                 print(f"  ({attack}: the attacker had not finished 120 s after the honest peers; killed)")
+        if bad is not None and bad.returncode not in (0, None):  # (its row then measures an absent peer)
+            print(f"  ({attack}: the attacker exited {bad.returncode}:\n{bad.tail()})")
     finally:
         for proc in procs:
             if proc.returncode is None or proc.session_pids():
@@ -161,11 +183,21 @@ def main() -> int:
     ap.add_argument("--aggregator", default="clipped", help="the run's rule: clipped (default) or mean")
     ap.add_argument("--out-dir", default="runs/bench_swarm_attacks")
     ap.add_argument("--out", default=None, help="JSON results (default OUT_DIR/results.json)")
+    ap.add_argument("--authority", action="store_true", help="authenticated runs: every peer holds a pass")
     args = ap.parse_args()
     EXTRA.extend(["--outer-aggregator", args.aggregator])
+    if args.authority:
+        from bootstrap.cli import main as bootstrap_main
+
+        ca = Path(args.out_dir) / "authority"
+        shutil.rmtree(ca, ignore_errors=True)
+        made = in_process(bootstrap_main, "authority", "init", str(ca))
+        assert made.returncode == 0, made.stderr
+        AUTHORITY.append(ca)
+        EXTRA.extend(["--authority", (ca / "authority.pub").read_text().strip()])
     attacks = ["clean"] + [a for a in args.attacks.split(",") if a and a != "clean"]
     print(f"{len(attacks)} runs: {args.honest} honest + 1 peer (honest in 'clean'), {args.steps} steps, "
-          f"aggregator {args.aggregator}, "
+          f"aggregator {args.aggregator}, {'authenticated' if args.authority else 'open'}, "
           f"{platform.node()}, {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
     rows = run_attacks(attacks, lambda attack, out: one_run(attack, args.honest, args.steps, out), args.out_dir,
                        args.out)

@@ -31,9 +31,10 @@ FAST = ["--model-seq-len", "32", "--data-batch-size", "4", "--outer-sync-every",
         "--status-interval", "0", "--inner-warmup-steps", "10", "--log-every", "10", "--drift-check-period", "3"]
 
 
-def start_bootstrap(procs: list, tmp_path: Path) -> list[str]:
+def start_bootstrap(procs: list, tmp_path: Path, *extra: str) -> list[str]:
     boot = Proc.start([sys.executable, "-m", "bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
-                       "--identity-path", str(tmp_path / "boot.id")], log_path=tmp_path / "boot.log", cwd=REPO)
+                       "--identity-path", str(tmp_path / "boot.id"), *extra], log_path=tmp_path / "boot.log",
+                      cwd=REPO)
     procs.append(boot)
     line = boot.wait_for_line(r"^--initial-peers (.+)$", timeout=60)
     return line.group(1).split()
