@@ -21,7 +21,7 @@ from peer.net.round.allreduce import run_allreduce
 from peer.net.round.reducer import AllReduceServicer
 from peer.net.flow.bandwidth import BURST_S, Bandwidth
 from peer.net.flow.credit import SendWindow
-from peer.net.flow.streams import StreamGuard
+from peer.net.flow.streams import StreamGuard, drain
 from peer.net.round.group import PROTOCOL_VERSION, GroupError, GroupPlan, member_spans
 from peer.net.trust.exclusion import Exclusions
 from peer.outer.aggregate import AggregationRule, Aggregator
@@ -386,18 +386,27 @@ def test_a_member_that_scales_its_part_and_lies_about_its_weight_is_bounded_and_
 async def _err(self, requests: AsyncIterator[pb.ReduceRequest], context: P2PContext
                ) -> AsyncIterator[pb.ReduceResponse]:
     yield pb.ReduceResponse(status=pb.ReduceResponse.Status.REJECTED, error="busy, try later")
+    await drain(requests, 5.0)  # (held until the member closes, as an honest refusal is: the answer arrives)
 
 
-# A modified client's reducer: it answers every member's part of its span with an error (its own parts it still
-# sends, as an honest member does). Named as the honest class is: hivemind names a protocol after its class.
+async def _hang_up(self, requests: AsyncIterator[pb.ReduceRequest], context: P2PContext
+                   ) -> AsyncIterator[pb.ReduceResponse]:
+    return
+    yield  # (an async generator that closes the stream at once, without a word)
+
+
+# Modified clients' reducers: one answers every member's part of its span with an error, one closes every stream
+# at once (both still send their own parts, as an honest member does). Named as the honest class is: hivemind
+# names a protocol after its class.
 _ErringServicer = type("AllReduceServicer", (AllReduceServicer,), {"rpc_reduce": _err})
+_HangingUpServicer = type("AllReduceServicer", (AllReduceServicer,), {"rpc_reduce": _hang_up})
 
 
 def _rounds(n_rounds: int, deltas, weights, servicer_of=lambda i: AllReduceServicer, connect_timeout: float = 1.0,
             allreduce_timeout: float = 4.0):
     """``n_rounds`` rounds of one group of ``len(deltas)`` members on loopback (fp32), each member's exclusion ledger
     written from its verdicts after each round, as its swarm does; ``servicer_of(i)``: member i's servicer class.
-    Returns the ids, the ledgers and every round's results."""
+    Returns the ids, the ledgers, every round's results and every round's seconds (until its last member ended)."""
     n = len(deltas)
 
     async def main():
@@ -410,8 +419,9 @@ def _rounds(n_rounds: int, deltas, weights, servicer_of=lambda i: AllReduceServi
                          for i, ledger in enumerate(ledgers)]
             for s, p in zip(servicers, p2ps):
                 await s.add_p2p_handlers(p)
-            rounds = []
+            rounds, seconds = [], []
             for r in range(n_rounds):
+                began = time.monotonic()
                 gathered = tuple(pb.MemberInfo(protocol_version=PROTOCOL_VERSION, base=BASE, weight=w,
                                                numel=NUMEL).SerializeToString() for w in weights)
                 group = GroupInfo(bytes([r + 1]) * 20, tuple(ids), gathered)
@@ -421,10 +431,11 @@ def _rounds(n_rounds: int, deltas, weights, servicer_of=lambda i: AllReduceServi
                     run_allreduce(p2ps[i], servicers[i], plans[i], deltas[i], weights[i], part_timeout=1.0,
                                   allreduce_timeout=allreduce_timeout, connect_timeout=connect_timeout,
                                   chunk_bytes=4096) for i in range(n)]))
+                seconds.append(time.monotonic() - began)
                 for ledger, result in zip(ledgers, rounds[-1]):
                     for verdict in result.verdicts:
                         ledger.apply(verdict)
-            return ids, ledgers, rounds
+            return ids, ledgers, rounds, seconds
         finally:
             for p in p2ps:
                 await p.shutdown()
@@ -432,30 +443,50 @@ def _rounds(n_rounds: int, deltas, weights, servicer_of=lambda i: AllReduceServi
     return run_async(main())
 
 
-def test_a_reducer_that_answers_every_part_with_an_error_is_excluded_after_three_rounds():
-    """A modified client that answers every part of its span with an error (and sends its own parts): its span is
-    missing in each round, so no member applies that round (all spans or none). Counted as nothing, it was never
-    excluded and stalled every round it was in (bench/swarm_attacks.py: every round ``partial``, 0 of 5 spans
-    applied, for a whole run). Its answer is silence while the other reducers answer: three rounds in a row exclude
-    it on every honest member (threshold 3), and no honest reducer is judged silent."""
+def _silent_reducer_rounds(servicer: type) -> list[str]:
+    """Three rounds of one group of 4 whose member 3 serves ``servicer``: checks that its span is missing in each
+    round, so no member applies that round (all spans or none), and that each round ends long before its deadline
+    (30 s here; each ends when every span is in or given up, about part_timeout, 1 s); that the attacker's is the
+    only silent verdict of each honest member (no honest reducer is judged silent); and that three rounds in a row
+    exclude it on every honest member (threshold 3) as silent, not as an offence. Returns the silent verdicts'
+    reasons."""
     torch.manual_seed(5)
     deltas = [torch.randn(NUMEL) for _ in range(4)]
-    # (deadlines long enough that its answer, not a timeout of ours on a loaded machine, is what ends its span: a
-    # timeout counted as silence before, an answer is what this checks; each round ends when every span is in)
-    ids, ledgers, rounds = _rounds(3, deltas, [1.0] * 4, connect_timeout=20.0, allreduce_timeout=30.0,
-                                   servicer_of=lambda i: _ErringServicer if i == 3 else AllReduceServicer)
-    attacker = str(ids[3])
-    for results in rounds:
+    ids, ledgers, rounds, seconds = _rounds(3, deltas, [1.0] * 4, connect_timeout=20.0, allreduce_timeout=30.0,
+                                            servicer_of=lambda i: servicer if i == 3 else AllReduceServicer)
+    attacker, whys = str(ids[3]), []
+    for results, took in zip(rounds, seconds):
+        assert took < 15.0, seconds  # (held to the deadline, a round took 30 s)
         for i in range(3):
             assert results[i].spans[3].average is None and not results[i].complete
             assert all(results[i].spans[j].average is not None for j in range(3))
             silent = [v for v in results[i].verdicts if not v.answered]
             assert [v.peer for v in silent] == [attacker], results[i].verdicts
-            assert silent[0].why.endswith(": busy, try later"), silent[0].why  # its answer, not a broken handler
+            whys.append(silent[0].why)
     for i in range(3):
         assert set(ledgers[i].excluded()) == {attacker}, ledgers[i].excluded()
         assert "did not come in 3 rounds in a row" in ledgers[i].excluded()[attacker]
         assert ledgers[i].offences(attacker) == 0  # silence, not an offence
+    return whys
+
+
+def test_a_reducer_that_answers_every_part_with_an_error_is_excluded_after_three_rounds():
+    """A modified client that answers every part of its span with an error (and sends its own parts). Counted as
+    nothing, it was never excluded and stalled every round it was in (bench/swarm_attacks.py: every round
+    ``partial``, 0 of 5 spans applied, for a whole run). Its answer is silence while the other reducers answer
+    (:func:`_silent_reducer_rounds`), and each honest member read its answer: not a broken handler, not a
+    timeout of ours."""
+    whys = _silent_reducer_rounds(_ErringServicer)
+    assert all(why.endswith(": busy, try later") for why in whys), whys
+
+
+def test_a_reducer_that_hangs_up_at_once_does_not_hold_a_round_to_its_deadline():
+    """A modified client that closes every stream to its span at once, without a word. A member's requests end
+    only once the average is in, and hivemind's stream ends its responses only after its requests: each member
+    waited the whole round's deadline (30 s here) for an answer that could not come. Its span now ends when the
+    stream does, and it is silent and excluded as the erring reducer is (:func:`_silent_reducer_rounds`)."""
+    whys = _silent_reducer_rounds(_HangingUpServicer)
+    assert all(why.endswith(": no response") for why in whys), whys
 
 
 def test_a_repeat_offender_is_excluded_then_refused_and_skipped():
@@ -466,7 +497,7 @@ def test_a_repeat_offender_is_excluded_then_refused_and_skipped():
     common = torch.randn(NUMEL, generator=g)
     honest = [common + 0.3 * torch.randn(NUMEL, generator=g) for _ in range(3)]
     deltas, weights = honest + [1000 * honest[0]], [1.0, 1.0, 1.0, 1.0]
-    ids, ledgers, rounds = _rounds(4, deltas, weights)
+    ids, ledgers, rounds, _ = _rounds(4, deltas, weights)
     attacker = str(ids[3])
     for i in range(3):
         assert set(ledgers[i].excluded()) == {attacker}, ledgers[i].excluded()

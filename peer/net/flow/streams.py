@@ -11,8 +11,8 @@ one (bound every size before allocating it, give every wait a deadline, bound wh
   of which ``reserved`` only for our partners (peers we were in a group with): strangers cannot take them all.
 - **Stream lifetime**: every admitted stream's task is cancelled at its deadline, whatever it is waiting for.
 
-Handlers read their request as a stream, counted from the moment it opens; :func:`single_request` and
-:func:`first_message` read it with a deadline (same wire format). See docs/architecture.md, "Untrusted input".
+Handlers read their request as a stream with a deadline (:func:`single_request`, :func:`first_message`); a caller
+whose requests outlive the answer opens its stream with :func:`open_stream`. See docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from typing import AsyncIterator, Callable, Iterable, Iterator, Optional, TypeVar
+from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Optional, TypeVar
 
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, P2PHandlerError, PeerID
 
 from peer.net.plumbing.hivemind_internals import set_frame_reader
 
@@ -247,3 +247,49 @@ async def drain(requests: AsyncIterator, timeout: float = REFUSAL_DRAIN_S) -> No
         async with asyncio.timeout(timeout):
             async for _ in requests:
                 pass
+
+
+class ResponseStream:
+    """The responses of a stream we opened (:func:`open_stream`), which end when the handler's side closes. Our
+    requests are written by a task of this stream's: :meth:`aclose` (which the caller must call, also when it
+    never read) stops it and closes our side."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, requests: AsyncIterator[Any],
+                 response_type: type, name: str):
+        self._reader, self._writer, self._type, self._name = reader, writer, response_type, name
+        self._writing = asyncio.ensure_future(self._write(requests))
+        self._writing.add_done_callback(lambda task: task.cancelled() or task.exception())  # (retrieved: a
+        # broken connection is read as the stream's end)
+
+    async def _write(self, requests: AsyncIterator[Any]) -> None:
+        async for request in requests:
+            await P2P.send_protobuf(request, self._writer)
+        await P2P.send_protobuf(P2P.END_OF_STREAM, self._writer)
+
+    def __aiter__(self) -> "ResponseStream":
+        return self
+
+    async def __anext__(self) -> Any:
+        try:
+            response, error = await P2P.receive_protobuf(self._type, self._reader)
+        except asyncio.IncompleteReadError:  # the handler's side closed (or the connection did)
+            raise StopAsyncIteration from None
+        if error is not None:
+            raise P2PHandlerError(f"handler {self._name} failed: {error.message}")
+        return response
+
+    async def aclose(self) -> None:
+        self._writing.cancel()
+        self._writer.close()
+
+
+async def open_stream(p2p: P2P, peer: PeerID, name: str, requests: AsyncIterator[Any],
+                      response_type: type) -> ResponseStream:
+    """Opens a stream to handler ``name`` at ``peer`` and sends ``requests`` on it, as hivemind's
+    ``P2P.iterate_protobuf_handler`` does, except that the responses end as soon as the handler's side closes:
+    hivemind's end only once our requests have, and a member's requests to a reducer end only after its average
+    came, so a reducer that closed without a word (or whose last word the daemons dropped) held the member to
+    the round's deadline. Raises what opening the stream raises (hivemind's ``ControlFailure`` for a peer that
+    cannot be dialed)."""
+    _, reader, writer = await p2p.call_binary_stream_handler(peer, name)
+    return ResponseStream(reader, writer, requests, response_type, name)

@@ -21,6 +21,7 @@ PRIVATE = {  # module: the private names the functions below use
     "hivemind.dht.validation": ["CompositeValidator._validators"],
     "hivemind.utils.crypto": ["RSAPrivateKey._private_key", "RSAPublicKey._public_key"],
     "hivemind.dht.storage": ["DHTLocalStorage._remove_outdated"],
+    "hivemind.p2p.servicer": ["ServicerBase._get_handle_name"],
 }
 IN_SUBCLASSES = {  # module: what our subclasses override of a hivemind class or read and write of its state
     # peer/net/round/matchmaking.py's _Matchmaking overrides how a leader vets a join request (to refuse stale,
@@ -54,6 +55,12 @@ def set_frame_reader(reader: Callable) -> None:
     from hivemind.p2p import P2P
 
     P2P.receive_raw_data = staticmethod(reader)
+
+
+def handle_name(servicer: Any, method: str) -> str:
+    """The name under which ``servicer``'s ``add_p2p_handlers`` registers ``method`` (no namespace): what a
+    stream to that method is opened with when not through hivemind's stub (hivemind names it; no public API)."""
+    return servicer._get_handle_name(None, method)
 
 
 def add_reachability_mode(name: str, flags: dict) -> None:

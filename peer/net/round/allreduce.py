@@ -32,10 +32,11 @@ from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
 
 from peer.net.flow.bandwidth import Bandwidth
 from peer.net.flow.credit import CreditError, SendWindow, window
+from peer.net.flow.streams import open_stream
 from peer.net.trust.exclusion import Offence, PeerVerdict
 from peer.net.round.group import GroupPlan
 from peer.net.round.link_watch import LinkWatch
-from peer.net.round.reducer import UNKNOWN_GROUP, AllReduceServicer
+from peer.net.round.reducer import REDUCE, UNKNOWN_GROUP, AllReduceServicer
 from peer.net.round.reduction import Lift, Pieces, SpanReduction, Traffic, decode_piece, encode_pieces
 from peer.net.trust.span_checks import disagreeing, implausible
 from peer.outer import host_memory
@@ -120,10 +121,9 @@ async def _remote_span(p2p: P2P, plan: GroupPlan, j: int, values: torch.Tensor, 
             while (count := await asyncio.wait_for(acks.get(), timeout=time_left(deadline))) is not None:
                 yield pb.ReduceRequest(acknowledged=count)
 
-    stub = AllReduceServicer.get_stub(p2p, plan.peer_ids[j])
     # Opening the stream dials the reducer: a dead one is detected here, within connect_timeout.
     try:
-        stream = await asyncio.wait_for(stub.rpc_reduce(requests()),
+        stream = await asyncio.wait_for(open_stream(p2p, plan.peer_ids[j], REDUCE, requests(), pb.ReduceResponse),
                                         timeout=min(connect_timeout, time_left(deadline)))
     except ControlFailure as e:
         if "dial" in str(e):
@@ -161,7 +161,7 @@ async def _remote_span(p2p: P2P, plan: GroupPlan, j: int, values: torch.Tensor, 
     finally:
         gone.cancel()
         acks.put_nowait(None)  # lets our request stream end, then the reducer closes: read up to that EOF
-        if not lost.is_set():
+        if received >= span_length and not lost.is_set():  # (else nothing more is ours to read: we close first)
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(_drain(stream), timeout=min(5.0, time_left(deadline)))
         await stream.aclose()

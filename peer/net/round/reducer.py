@@ -21,7 +21,8 @@ from hivemind.p2p import P2PContext, ServicerBase
 
 from peer.net.flow.bandwidth import Bandwidth
 from peer.net.flow.credit import CreditError, SendWindow, window
-from peer.net.flow.streams import StreamGuard, first_message
+from peer.net.flow.streams import StreamGuard, drain, first_message
+from peer.net.plumbing.hivemind_internals import handle_name
 from peer.net.round.group import valid_weight
 from peer.net.round.reduction import SpanReduction, decode_piece
 from peer.net.trust.exclusion import Offence
@@ -82,11 +83,15 @@ class AllReduceServicer(ServicerBase):
     async def rpc_reduce(self, requests: AsyncIterator[pb.ReduceRequest],
                          context: P2PContext) -> AsyncIterator[pb.ReduceResponse]:
         with self.guard.admit(str(context.remote_id), self.stream_timeout) as refusal:
-            if refusal:
+            if refusal:  # (not held open: a flood of refused streams must not outlast the refusal)
                 yield pb.ReduceResponse(status=Status.REJECTED, error=refusal)
                 return
+            refused = False
             async for response in self._reduce(requests, context):
                 yield response
+                refused = response.status != Status.OK
+            if refused:  # held until the member, having read why, closes: closing first can drop the answer in
+                await drain(requests, self.registration_timeout)  # the daemons (as in _send_average)
 
     async def _reduce(self, requests: AsyncIterator[pb.ReduceRequest],
                       context: P2PContext) -> AsyncIterator[pb.ReduceResponse]:
@@ -177,6 +182,9 @@ class AllReduceServicer(ServicerBase):
             reader.cancel()
             if reader.done() and not reader.cancelled():
                 reader.exception()  # (retrieved: its error, if any, was ours to raise or is moot now)
+
+
+REDUCE = handle_name(AllReduceServicer, "rpc_reduce")  # the stream a member opens to a reducer
 
 
 async def _read_credits(requests: AsyncIterator[pb.ReduceRequest], credit: SendWindow, deadline: float) -> None:
