@@ -9,6 +9,9 @@ ATTACK is one of:
   only the members' direction check can tell);
 - ``erring_reducer``: as a reducer, answers every member's part with an error (its own parts it sends): its span
   is missing in every round it is in, and a round applies all spans or none;
+- ``two_faced_reducer``: as a reducer, sends its honest average to the members of even index and the same
+  average x1.02, encoded anew, to the others: plausible to every check of one member's, but two versions of one
+  round (the members that apply it hold two digests after it);
 - ``round_breaker``: sends every reducer a part scaled by 1e30 and never answers as a reducer (its span's
   members wait until allreduce_timeout);
 - ``sybil_majority``: publishes a state of its own (its G negated, with the matching digest) and six more
@@ -81,6 +84,42 @@ def erring_reducer() -> None:
     err.__annotations__ = {"requests": AsyncIterator[pb.ReduceRequest], "context": P2PContext,
                            "return": AsyncIterator[pb.ReduceResponse]}
     AllReduceServicer.rpc_reduce = err
+
+
+def two_faced_reducer() -> None:
+    from peer.net.round import reducer
+    from peer.net.round.reduction import decode_piece, encode_pieces
+    from peer.proto import allreduce_pb2 as pb
+
+    honest = reducer.AllReduceServicer._send_average
+
+    class OtherFace:  # the reduction as one member sees it: its result is another average
+        def __init__(self, red, result):
+            self._red, self.result = red, result
+
+        def __getattr__(self, name):
+            return getattr(self._red, name)
+
+    async def two_faced(self, red, member, requests, deadline, timing):
+        responses = await asyncio.shield(red.result)
+        if member % 2 == 0 or not responses or responses[0].status != pb.ReduceResponse.Status.OK:
+            async for response in honest(self, red, member, requests, deadline, timing):
+                yield response
+            return
+        average, filled = torch.empty(red.length), 0
+        for msg in responses:
+            filled += decode_piece(red.plan.codec, msg.piece, msg.offset, filled, average)
+        other = [pb.ReduceResponse(status=pb.ReduceResponse.Status.OK, offset=offset, piece=piece)
+                 for offset, piece in encode_pieces(red.plan.codec, average * 1.02, red.chunk_elems)]
+        other[0].contributors.extend(responses[0].contributors)
+        other[0].total_weight = responses[0].total_weight
+        log.warning("HOSTILE: sending member %d of %s another average", member, red.plan.label)
+        result = asyncio.get_running_loop().create_future()
+        result.set_result(other)
+        async for response in honest(self, OtherFace(red, result), member, requests, deadline, timing):
+            yield response
+
+    reducer.AllReduceServicer._send_average = two_faced
 
 
 def round_breaker() -> None:
@@ -360,8 +399,9 @@ def phantom_group() -> None:
     matchmaking._Matchmaking.leader_assemble_group = with_phantoms
 
 
-ATTACKS = {f.__name__: f for f in (lying_reducer, erring_reducer, round_breaker, sybil_majority, far_ahead,
-                                   forged_donor, shadowing, stream_hog, record_flood, key_fill, phantom_group)}
+ATTACKS = {f.__name__: f for f in (lying_reducer, erring_reducer, two_faced_reducer, round_breaker, sybil_majority,
+                                   far_ahead, forged_donor, shadowing, stream_hog, record_flood, key_fill,
+                                   phantom_group)}
 
 
 def main() -> int:

@@ -43,8 +43,8 @@ from helpers import Proc, applied_digests, events, in_process, wait_for  # noqa:
 from test_swarm import FAST, start_bootstrap, wait_exit  # noqa: E402
 
 # "absent": the extra peer never starts: what an attacker excluded at once would cost (its data is lost)
-ATTACKS = ["clean", "absent", "lying_reducer", "erring_reducer", "round_breaker", "sybil_majority", "far_ahead",
-           "forged_donor", "shadowing", "phantom_group"]
+ATTACKS = ["clean", "absent", "lying_reducer", "erring_reducer", "two_faced_reducer", "round_breaker", "sybil_majority",
+           "far_ahead", "forged_donor", "shadowing", "phantom_group"]
 
 
 EXTRA: list[str] = []  # flags for every peer of every run (--aggregator; --authority's public key)
