@@ -10,8 +10,8 @@ ATTACK is one of:
 - ``erring_reducer``: as a reducer, answers every member's part with an error (its own parts it sends): its span
   is missing in every round it is in, and a round applies all spans or none;
 - ``two_faced_reducer``: as a reducer, sends its honest average to the members of even index and the same
-  average x1.02, encoded anew, to the others: plausible to every check of one member's, but two versions of one
-  round (the members that apply it hold two digests after it);
+  average x1.02, encoded anew and signed, to the others: plausible to every check of one member's, but two versions
+  of one round;
 - ``round_breaker``: sends every reducer a part scaled by 1e30 and never answers as a reducer (its span's
   members wait until allreduce_timeout);
 - ``sybil_majority``: publishes a state of its own (its G negated, with the matching digest) and six more
@@ -89,6 +89,7 @@ def erring_reducer() -> None:
 def two_faced_reducer() -> None:
     from peer.net.round import reducer
     from peer.net.round.reduction import decode_piece, encode_pieces
+    from peer.net.trust.span_proofs import span_digest
     from peer.proto import allreduce_pb2 as pb
 
     honest = reducer.AllReduceServicer._send_average
@@ -113,6 +114,8 @@ def two_faced_reducer() -> None:
                  for offset, piece in encode_pieces(red.plan.codec, average * 1.02, red.chunk_elems)]
         other[0].contributors.extend(responses[0].contributors)
         other[0].total_weight = responses[0].total_weight
+        gid, j = red.plan.group_id, red.plan.my_index  # (signed as the honest one is: a valid second version)
+        other[0].signature = self.signer.sign(gid, j, span_digest(gid, j, other))
         log.warning("HOSTILE: sending member %d of %s another average", member, red.plan.label)
         result = asyncio.get_running_loop().create_future()
         result.set_result(other)

@@ -17,7 +17,7 @@ A, B, C = "a" * 32, "b" * 32, "c" * 32
 
 def infos(bases, expected=None, rounds=None):
     n = len(bases)
-    return [pb.MemberInfo(protocol_version=PROTOCOL_VERSION, weight=1.0, numel=10, base=b,
+    return [pb.MemberInfo(protocol_version=PROTOCOL_VERSION, weight=1.0, numel=10, base=b, span_key=bytes(32),
                           base_round=(rounds or [0] * n)[i], expected=(expected or [n] * n)[i])
             for i, b in enumerate(bases)]
 
@@ -62,7 +62,7 @@ def test_two_groups_of_one_round_never_both_apply_and_every_applier_has_the_grou
 def level2(groups, expected, cap=4):
     """A slot's level-2 infos: one per level-1 group (base, size), each declaring ``expected``."""
     return [pb.MemberInfo(protocol_version=PROTOCOL_VERSION, weight=1.0, numel=10, base=b, expected=expected,
-                          members=size) for b, size in groups]
+                          members=size, span_key=bytes(32)) for b, size in groups]
 
 
 def test_a_slots_level_2_group_counts_each_holder_for_its_groups_peers():

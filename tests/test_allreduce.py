@@ -23,13 +23,16 @@ from peer.net.flow.bandwidth import BURST_S, Bandwidth
 from peer.net.flow.credit import SendWindow
 from peer.net.flow.streams import StreamGuard, drain
 from peer.net.round.group import PROTOCOL_VERSION, GroupError, GroupPlan, member_spans
-from peer.net.trust.exclusion import Exclusions
+from peer.net.trust.exclusion import Exclusions, Offence
+from peer.net.trust.span_proofs import SpanSigner, span_digest
+from peer.net.round.reduction import decode_piece, encode_pieces
 from peer.outer.aggregate import AggregationRule, Aggregator
 from peer.outer.codec import get_codec
 from peer.proto import allreduce_pb2 as pb
 
 NUMEL = 1000
 BASE = "0" * 32  # a declared base digest (peer/net/policy/agreement.py): every member the same
+KEY = bytes(32)  # a declared span key (peer/net/trust/span_proofs.py) for plans whose averages nobody signs
 
 
 def test_member_spans_cover_exactly_and_skip_client_mode():
@@ -43,12 +46,15 @@ def test_member_spans_cover_exactly_and_skip_client_mode():
         member_spans(10, [True, True], align=1)
 
 
-def _group(peer_ids, weights, numel=NUMEL, caps=None, links=None):
+def _group(peer_ids, weights, numel=NUMEL, caps=None, links=None, keys=None):
+    """``keys``: each member's span key (its servicer's ``signer.public``; default: keys nobody signs with)."""
     caps = caps or [0.0] * len(weights)
     links = links or [0.0] * len(weights)
+    keys = keys or [KEY] * len(weights)
     gathered = tuple(pb.MemberInfo(protocol_version=PROTOCOL_VERSION, base=BASE, weight=w, numel=numel,
-                                   download_bytes_per_second=cap, upload_bytes_per_second=up).SerializeToString()
-                     for w, cap, up in zip(weights, caps, links))
+                                   download_bytes_per_second=cap, upload_bytes_per_second=up,
+                                   span_key=key).SerializeToString()
+                     for w, cap, up, key in zip(weights, caps, links, keys))
     return GroupInfo(b"g" * 20, tuple(peer_ids), gathered)
 
 
@@ -90,11 +96,12 @@ async def _run(n_members, alive, weights, deltas, part_timeout=1.0, allreduce_ti
     p2ps = await p2p_mesh(n_members)
     try:
         ids = [p.peer_id for p in p2ps]
-        group = _group(ids, weights, numel, caps, links)
+        signers = [SpanSigner() for _ in p2ps]
+        group = _group(ids, weights, numel, caps, links, [s.public for s in signers])
         servicers = []
         for i, p in enumerate(p2ps):
             s = AllReduceServicer(registration_timeout=1.0, part_timeout=part_timeout, stream_timeout=30.0,
-                                  guard=StreamGuard(per_peer=16, total=64),
+                                  guard=StreamGuard(per_peer=16, total=64), signer=signers[i],
                                   bandwidth=Bandwidth(lambda up=uploads[i], cap=caps[i]: (up, cap)))
             if i in alive or i in elsewhere:  # a dead member registers no handler and sends nothing
                 await s.add_p2p_handlers(p)
@@ -255,10 +262,12 @@ def test_a_member_whose_stream_breaks_off_is_not_waited_for():
         p2ps = await p2p_mesh(3)
         try:
             ids = [p.peer_id for p in p2ps]
-            group = _group(ids, [1.0] * 3, numel)
+            signers = [SpanSigner() for _ in range(2)]
+            group = _group(ids, [1.0] * 3, numel, keys=[*(s.public for s in signers), KEY])
             plans = [GroupPlan.from_group(group, ids[i], get_codec("fp32"), numel, f"member {i}") for i in range(3)]
             servicers = [AllReduceServicer(registration_timeout=1.0, part_timeout=part_timeout, stream_timeout=60.0,
-                                           guard=StreamGuard(per_peer=16, total=64)) for _ in range(2)]
+                                           guard=StreamGuard(per_peer=16, total=64), signer=signer)
+                         for signer in signers]
             for s, p in zip(servicers, p2ps):
                 await s.add_p2p_handlers(p)
 
@@ -422,8 +431,9 @@ def _rounds(n_rounds: int, deltas, weights, servicer_of=lambda i: AllReduceServi
             rounds, seconds = [], []
             for r in range(n_rounds):
                 began = time.monotonic()
-                gathered = tuple(pb.MemberInfo(protocol_version=PROTOCOL_VERSION, base=BASE, weight=w,
-                                               numel=NUMEL).SerializeToString() for w in weights)
+                gathered = tuple(pb.MemberInfo(protocol_version=PROTOCOL_VERSION, base=BASE, weight=w, numel=NUMEL,
+                                               span_key=s.signer.public).SerializeToString()
+                                 for w, s in zip(weights, servicers))
                 group = GroupInfo(bytes([r + 1]) * 20, tuple(ids), gathered)
                 plans = [GroupPlan.from_group(group, ids[i], get_codec("fp32"), NUMEL, f"fragment 0 round {r}")
                          for i in range(n)]
@@ -487,6 +497,61 @@ def test_a_reducer_that_hangs_up_at_once_does_not_hold_a_round_to_its_deadline()
     stream does, and it is silent and excluded as the erring reducer is (:func:`_silent_reducer_rounds`)."""
     whys = _silent_reducer_rounds(_HangingUpServicer)
     assert all(why.endswith(": no response") for why in whys), whys
+
+
+async def _two_faced(self, red, member, requests, deadline, timing):
+    """A reducer's _send_average that sends the members of odd index its average x1.02, encoded anew and signed."""
+    honest = await asyncio.shield(red.result)
+    if member % 2 == 1 and honest[0].status == pb.ReduceResponse.Status.OK:
+        average, filled = torch.empty(red.length), 0
+        for msg in honest:
+            filled += decode_piece(red.plan.codec, msg.piece, msg.offset, filled, average)
+        other = [pb.ReduceResponse(offset=off, piece=piece)
+                 for off, piece in encode_pieces(red.plan.codec, average * 1.02, red.chunk_elems)]
+        other[0].contributors.extend(honest[0].contributors)
+        other[0].total_weight = honest[0].total_weight
+        gid, j = red.plan.group_id, red.plan.my_index
+        other[0].signature = self.signer.sign(gid, j, span_digest(gid, j, other))
+        red = _OtherFace(red, other)
+    async for response in AllReduceServicer._send_average(self, red, member, requests, deadline, timing):
+        yield response
+
+
+class _OtherFace:
+    """A reduction whose result, for one member, is another average."""
+
+    def __init__(self, red, responses):
+        self._red, self.result = red, asyncio.get_running_loop().create_future()
+        self.result.set_result(responses)
+
+    def __getattr__(self, name):
+        return getattr(self._red, name)
+
+
+_TwoFacedServicer = type("AllReduceServicer", (AllReduceServicer,), {"_send_average": _two_faced})
+
+
+def test_a_reducer_that_sends_two_versions_of_its_average_is_caught_and_nobody_applies_them():
+    """A modified client's reducer (member 3 of 4) sends its honest average to members 0 and 2 and another,
+    plausible one (x1.02, signed as well) to member 1: each member's own checks pass, and before, the members that
+    applied the round held two digests after it (bench/swarm_attacks.py two_faced_reducer: 18 of 38 rounds). Each
+    reducer now sends every member what it received of every span: every honest member finds the other version
+    among its partners' lists with the attacker's signature, applies nothing (its round is not complete), and
+    excludes the attacker at once on that proof; the next round the attacker's span is refused (missing)."""
+    torch.manual_seed(7)
+    deltas = [torch.randn(NUMEL) for _ in range(4)]
+    ids, ledgers, rounds, _ = _rounds(2, deltas, [1.0] * 4,
+                                      servicer_of=lambda i: _TwoFacedServicer if i == 3 else AllReduceServicer)
+    attacker = str(ids[3])
+    for i in range(3):
+        first = rounds[0][i]
+        assert not first.complete and first.spans[3].average is None
+        assert all(first.spans[j].average is not None for j in range(3))
+        proofs = [v for v in first.verdicts if v.offence == Offence.EQUIVOCATION]
+        assert [v.peer for v in proofs] == [attacker] and "two digests of span 3" in proofs[0].why, first.verdicts
+        assert not [v for v in first.verdicts if v.offence is not None and v.peer != attacker]
+        assert attacker in ledgers[i].excluded() and ledgers[i].offences(attacker) == 1
+        assert not rounds[1][i].complete and rounds[1][i].spans[3].average is None  # refused, not applied
 
 
 def test_a_repeat_offender_is_excluded_then_refused_and_skipped():

@@ -70,8 +70,8 @@ def _group(gid: bytes, peer_ids, infos) -> GroupInfo:
 
 def test_group_plan_goes_two_level_when_a_member_declares_slots_and_refuses_mixed_slot_counts():
     ids = ["a", "b", "c"]
-    infos = [pb.MemberInfo(protocol_version=PROTOCOL_VERSION, base=BASE, weight=1.0, numel=NUMEL, slots=s)
-             for s in (4, 0, 4)]
+    infos = [pb.MemberInfo(protocol_version=PROTOCOL_VERSION, base=BASE, weight=1.0, numel=NUMEL, slots=s,
+                           span_key=bytes(32)) for s in (4, 0, 4)]
     plan = GroupPlan.from_group(_group(b"g", ids, infos), "b", get_codec("fp32"), NUMEL, "t")
     assert plan.slots == 4 and [len(h) for h in plan.held] == [1, 1, 2]
     infos[1].slots = 8
@@ -125,8 +125,8 @@ async def _two_groups(deltas, weights, *, slots=3, alone=None, broken=None, size
         async def member(i):
             g = int(i >= sizes[0])
             infos = [pb.MemberInfo(protocol_version=PROTOCOL_VERSION, base=bases[g][0], base_round=bases[g][1],
-                                   weight=weights[m], numel=NUMEL, slots=slots, expected=expected)
-                     for m in groups[g]]
+                                   weight=weights[m], numel=NUMEL, slots=slots, expected=expected,
+                                   span_key=servicers[m].signer.public) for m in groups[g]]
             group = _group(b"level1-%d" % g, [ids[m] for m in groups[g]], infos)
             plan = GroupPlan.from_group(group, ids[i], get_codec("fp32"), NUMEL, f"member {i}", MEAN)
             lift = lift_for(i, plan)
@@ -210,7 +210,7 @@ def test_a_level_2_member_whose_info_the_plan_leaves_out_is_named_as_an_offender
     plan leaves it out, the slot goes on with the two, and the lift hands its offence to ``learn``."""
     learned, ran = [], []
     mine = pb.MemberInfo(protocol_version=PROTOCOL_VERSION, base=BASE, weight=1.0, numel=NUMEL, slots=4,
-                         expected=8)
+                         expected=8, span_key=bytes(32))
     level1 = GroupPlan.from_group(_group(b"g", ["a", "b", "c", "d"], [mine] * 4), "a", get_codec("fp32"), NUMEL,
                                   "t", MEAN)
     start, end = slot_bounds(NUMEL, 4, get_codec("fp32").block_size)[0]

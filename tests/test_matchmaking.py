@@ -17,7 +17,8 @@ GUARD = StreamGuard(per_peer=16, total=64)
 
 def info(i: int) -> bytes:
     """Member ``i``'s gathered MemberInfo (a leader refuses a join request whose info the plan would drop)."""
-    return pb.MemberInfo(protocol_version=PROTOCOL_VERSION, weight=i + 1.0, numel=10, base="a" * 32).SerializeToString()
+    return pb.MemberInfo(protocol_version=PROTOCOL_VERSION, weight=i + 1.0, numel=10, base="a" * 32,
+                         span_key=bytes(32)).SerializeToString()
 
 
 @pytest.fixture

@@ -25,7 +25,8 @@ PEERS = [PeerID(b"\x00\x24" + bytes([i]) * 36) for i in (1, 2, 3)]
 
 
 def plan_of_three() -> GroupPlan:
-    info = pb.MemberInfo(protocol_version=PROTOCOL_VERSION, base=BASE, weight=1.0, numel=NUMEL).SerializeToString()
+    info = pb.MemberInfo(protocol_version=PROTOCOL_VERSION, base=BASE, weight=1.0, numel=NUMEL,
+                         span_key=bytes(32)).SerializeToString()
     return GroupPlan.from_group(GroupInfo(b"R" * 20, tuple(PEERS), (info,) * 3), PEERS[0], CODEC, NUMEL, "test")
 
 
@@ -74,7 +75,7 @@ def test_a_client_mode_members_empty_span_closes_at_once_and_warns_of_nothing(ca
     """A member in client mode reduces no span (its span is empty): no part comes to it, so its reduction must not
     wait ``part_timeout`` and then log every member of the group as missing, round after round."""
     infos = [pb.MemberInfo(protocol_version=PROTOCOL_VERSION, base=BASE, weight=1.0, numel=NUMEL,
-                           client_mode=(i == 0)).SerializeToString() for i in range(3)]
+                           client_mode=(i == 0), span_key=bytes(32)).SerializeToString() for i in range(3)]
     plan = GroupPlan.from_group(GroupInfo(b"R" * 20, tuple(PEERS), tuple(infos)), PEERS[0], CODEC, NUMEL, "test")
     assert plan.spans[0][0] == plan.spans[0][1], plan.spans
 

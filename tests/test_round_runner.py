@@ -70,7 +70,8 @@ class FakeSwarm:
 
 
 def group(ids: list[str], counts: list[int], bases: list[str] | None = None) -> GroupInfo:
-    infos = [pb.MemberInfo(protocol_version=PROTOCOL_VERSION, weight=1.0, numel=NUMEL, base=b, expected=c)
+    infos = [pb.MemberInfo(protocol_version=PROTOCOL_VERSION, weight=1.0, numel=NUMEL, base=b, expected=c,
+                           span_key=bytes(32))
              for c, b in zip(counts, bases or [BASE] * len(ids))]
     return GroupInfo(b"g" * 20, tuple(ids), tuple(i.SerializeToString() for i in infos))
 

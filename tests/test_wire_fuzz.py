@@ -85,8 +85,12 @@ pieces = st.builds(
 
 
 # ---- rpc_reduce ---------------------------------------------------------------------------------------------
+NOTHING_SEEN = [pb.SpanSeen(), pb.SpanSeen()]  # what a reducer with no member side sends after its average
+
+
 def _plan(group_id: bytes) -> GroupPlan:
-    info = pb.MemberInfo(protocol_version=PROTOCOL_VERSION, base=BASE, weight=1.0, numel=NUMEL).SerializeToString()
+    info = pb.MemberInfo(protocol_version=PROTOCOL_VERSION, base=BASE, weight=1.0, numel=NUMEL,
+                         span_key=bytes(32)).SerializeToString()
     return GroupPlan.from_group(GroupInfo(group_id, (ME, MEMBER), (info, info)), ME, CODEC, NUMEL, "fuzz")
 
 
@@ -106,6 +110,7 @@ def test_rpc_reduce_rejects_or_answers_any_stream(requests, sender, hang, honest
         guard = StreamGuard(per_peer=4, total=16)
         servicer = AllReduceServicer(registration_timeout=0.05, part_timeout=0.1, stream_timeout=5.0, guard=guard)
         red = SpanReduction(_plan(b"G" * 20), 0.1, 128, servicer.excluded)
+        red.publish_seen(NOTHING_SEEN)  # (as our member side does: here there is none)
         servicer.register(red)
         start, end = red.plan.spans[0]
         values = torch.randn(end - start)
@@ -150,6 +155,7 @@ def test_one_peer_cannot_fill_the_reducers_waiting_slots():
         refused = [r for task in bogus if task.done() for r in task.result()]
         assert len(refused) >= 96 and all("too many open streams" in r.error for r in refused)
         red = SpanReduction(_plan(b"H" * 20), 1.0, 128, servicer.excluded)
+        red.publish_seen(NOTHING_SEEN)  # (as our member side does: here there is none)
         servicer.register(red)
         start, end = red.plan.spans[0]
         part = pb.ReduceRequest(group_id=b"H" * 20, span_index=0, weight=1.0, offset=0,
@@ -170,6 +176,7 @@ def test_a_members_bad_parts_are_verdicts_of_the_reduction_not_ledger_writes():
         servicer = AllReduceServicer(registration_timeout=0.05, part_timeout=0.5, stream_timeout=5.0, guard=guard,
                                      excluded=excluded)
         red = SpanReduction(_plan(b"V" * 20), 0.5, 128, servicer.excluded)
+        red.publish_seen(NOTHING_SEEN)  # (as our member side does: here there is none)
         servicer.register(red)
         start, end = red.plan.spans[0]
         wrong_span = pb.ReduceRequest(group_id=b"V" * 20, span_index=1, weight=1.0, offset=0,
@@ -325,7 +332,8 @@ def test_a_join_request_with_an_absurd_expiration_or_member_info_is_refused(lead
     would leave out (empty, another size). The same request with sane fields gets hivemind's own answer."""
     runner, mm = leader
     servicer = JoinServicer(mm, guard=StreamGuard(per_peer=4, total=16), request_timeout=0.2, stream_timeout=2.0)
-    good = pb.MemberInfo(protocol_version=PROTOCOL_VERSION, weight=1.0, numel=10, base="a" * 32).SerializeToString()
+    good = pb.MemberInfo(protocol_version=PROTOCOL_VERSION, weight=1.0, numel=10, base="a" * 32,
+                         span_key=bytes(32)).SerializeToString()
     other_size = pb.MemberInfo(protocol_version=PROTOCOL_VERSION, weight=1.0, numel=11,
                                base="a" * 32).SerializeToString()
 

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class MemberInfo(_message.Message):
-    __slots__ = ("protocol_version", "weight", "inner_step", "client_mode", "numel", "download_bytes_per_second", "slots", "upload_bytes_per_second", "base", "base_round", "expected", "members")
+    __slots__ = ("protocol_version", "weight", "inner_step", "client_mode", "numel", "download_bytes_per_second", "slots", "upload_bytes_per_second", "base", "base_round", "expected", "members", "span_key")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     INNER_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class MemberInfo(_message.Message):
     BASE_ROUND_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    SPAN_KEY_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     weight: float
     inner_step: int
@@ -34,7 +35,16 @@ class MemberInfo(_message.Message):
     base_round: int
     expected: int
     members: int
-    def __init__(self, protocol_version: _Optional[int] = ..., weight: _Optional[float] = ..., inner_step: _Optional[int] = ..., client_mode: _Optional[bool] = ..., numel: _Optional[int] = ..., download_bytes_per_second: _Optional[float] = ..., slots: _Optional[int] = ..., upload_bytes_per_second: _Optional[float] = ..., base: _Optional[str] = ..., base_round: _Optional[int] = ..., expected: _Optional[int] = ..., members: _Optional[int] = ...) -> None: ...
+    span_key: bytes
+    def __init__(self, protocol_version: _Optional[int] = ..., weight: _Optional[float] = ..., inner_step: _Optional[int] = ..., client_mode: _Optional[bool] = ..., numel: _Optional[int] = ..., download_bytes_per_second: _Optional[float] = ..., slots: _Optional[int] = ..., upload_bytes_per_second: _Optional[float] = ..., base: _Optional[str] = ..., base_round: _Optional[int] = ..., expected: _Optional[int] = ..., members: _Optional[int] = ..., span_key: _Optional[bytes] = ...) -> None: ...
+
+class SpanSeen(_message.Message):
+    __slots__ = ("digest", "signature")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    digest: bytes
+    signature: bytes
+    def __init__(self, digest: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class ReduceRequest(_message.Message):
     __slots__ = ("group_id", "span_index", "weight", "offset", "piece", "acknowledged")
@@ -53,7 +63,7 @@ class ReduceRequest(_message.Message):
     def __init__(self, group_id: _Optional[bytes] = ..., span_index: _Optional[int] = ..., weight: _Optional[float] = ..., offset: _Optional[int] = ..., piece: _Optional[_Union[_codec_pb2.EncodedTensor, _Mapping]] = ..., acknowledged: _Optional[int] = ...) -> None: ...
 
 class ReduceResponse(_message.Message):
-    __slots__ = ("status", "error", "contributors", "total_weight", "offset", "piece", "acknowledged", "part_seconds", "part_bytes")
+    __slots__ = ("status", "error", "contributors", "total_weight", "offset", "piece", "acknowledged", "part_seconds", "part_bytes", "signature", "seen")
     class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         OK: _ClassVar[ReduceResponse.Status]
@@ -71,6 +81,8 @@ class ReduceResponse(_message.Message):
     ACKNOWLEDGED_FIELD_NUMBER: _ClassVar[int]
     PART_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PART_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    SEEN_FIELD_NUMBER: _ClassVar[int]
     status: ReduceResponse.Status
     error: str
     contributors: _containers.RepeatedScalarFieldContainer[int]
@@ -80,4 +92,6 @@ class ReduceResponse(_message.Message):
     acknowledged: int
     part_seconds: float
     part_bytes: int
-    def __init__(self, status: _Optional[_Union[ReduceResponse.Status, str]] = ..., error: _Optional[str] = ..., contributors: _Optional[_Iterable[int]] = ..., total_weight: _Optional[float] = ..., offset: _Optional[int] = ..., piece: _Optional[_Union[_codec_pb2.EncodedTensor, _Mapping]] = ..., acknowledged: _Optional[int] = ..., part_seconds: _Optional[float] = ..., part_bytes: _Optional[int] = ...) -> None: ...
+    signature: bytes
+    seen: _containers.RepeatedCompositeFieldContainer[SpanSeen]
+    def __init__(self, status: _Optional[_Union[ReduceResponse.Status, str]] = ..., error: _Optional[str] = ..., contributors: _Optional[_Iterable[int]] = ..., total_weight: _Optional[float] = ..., offset: _Optional[int] = ..., piece: _Optional[_Union[_codec_pb2.EncodedTensor, _Mapping]] = ..., acknowledged: _Optional[int] = ..., part_seconds: _Optional[float] = ..., part_bytes: _Optional[int] = ..., signature: _Optional[bytes] = ..., seen: _Optional[_Iterable[_Union[SpanSeen, _Mapping]]] = ...) -> None: ...

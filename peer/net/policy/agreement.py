@@ -1,9 +1,9 @@
 """Which members of an assembled group apply its average (pure: no I/O, no torch).
 
-Invariant: every peer that applies round r of fragment f holds the same digest (of ``G, v``) after it. The update
-is deterministic and the average reaches every member as the same bytes, so it holds when (1) all appliers start
-from one base, (2) each applies the whole average (the engine applies only ``ok`` rounds), and (3) only one group
-of the round applies. From the members' ``MemberInfo`` (:func:`agree`, one :class:`GroupVerdict`) and our own count:
+Invariant: every peer that applies round r of fragment f holds the same digest (of ``G, v``) after it. The update is
+deterministic and every member decodes the same bytes (checked: trust/span_proofs.py), so it holds when (1) all
+appliers start from one base, (2) each applies the whole average (only ``ok`` rounds), and (3) only one group of
+the round applies. From the members' ``MemberInfo`` (:func:`agree`, one :class:`GroupVerdict`) and our own count:
 
 - the group's base is the one most members declared (ties: the later round, then the smaller digest); a member
   with another base contributes but applies nothing, and downloads the result (``off_base``);

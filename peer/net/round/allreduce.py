@@ -32,13 +32,14 @@ from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
 
 from peer.net.flow.bandwidth import Bandwidth
 from peer.net.flow.credit import CreditError, SendWindow, window
-from peer.net.flow.streams import open_stream
+from peer.net.flow.streams import ResponseStream, open_stream
 from peer.net.trust.exclusion import Offence, PeerVerdict
 from peer.net.round.group import GroupPlan
 from peer.net.round.link_watch import LinkWatch
 from peer.net.round.reducer import REDUCE, UNKNOWN_GROUP, AllReduceServicer
 from peer.net.round.reduction import Lift, Pieces, SpanReduction, Traffic, decode_piece, encode_pieces
 from peer.net.trust.span_checks import disagreeing, implausible
+from peer.net.trust.span_proofs import Seen, cross_check, signed_by, span_digest
 from peer.outer import host_memory
 from peer.outer.codec import CodecError
 from peer.outer.rounds import Span
@@ -92,20 +93,55 @@ def _through_codec(red: SpanReduction, values: torch.Tensor) -> torch.Tensor:
 async def _remote_span(p2p: P2P, plan: GroupPlan, j: int, values: torch.Tensor, weight: float,
                        chunk_elems: int, deadline: float, connect_timeout: float,
                        traffic: Traffic, bandwidth: Bandwidth, timings: list[tuple[int, float]],
-                       arrivals: list[tuple[float, float, int]], lost: asyncio.Event) -> list[pb.ReduceResponse]:
-    """Streams our part of span j to reducer j and returns its response messages. The part is paced by our upload
-    cap and by reducer j's credit; we grant credit on its average if we declared a download cap. Appends
-    ``(bytes, seconds)`` to ``timings`` when the reducer said how much of our part it read in how long (at most
-    what we sent, in at most the time we saw pass before its answer), also when the part came too late; and
-    ``(first, last, bytes)`` of the average's messages to ``arrivals``. Raises :class:`ConnectionLost` once
-    ``lost`` is set (our daemon dropped its connection to reducer j: :mod:`peer.net.round.link_watch`)."""
+                       arrivals: list[tuple[float, float, int]], lost: asyncio.Event,
+                       average: asyncio.Future) -> Optional[list[pb.SpanSeen]]:
+    """Streams our part of span j to reducer j, resolves ``average`` with its response messages (or the error
+    that ended them), then returns the list of what its member side received of every span, which it sends after
+    an OK average (None if it did not come by ``deadline``). The part is paced by our upload cap and by reducer
+    j's credit; we grant credit on its average if we declared a download cap. Appends ``(bytes, seconds)`` to
+    ``timings`` when the reducer said how much of our part it read in how long (at most what we sent, in at most
+    the time we saw pass before its answer), also when the part came too late; and ``(first, last, bytes)`` of
+    the average's messages to ``arrivals``. The average fails with :class:`ConnectionLost` once ``lost`` is set
+    (our daemon dropped its connection to reducer j: :mod:`peer.net.round.link_watch`). Never raises."""
+    try:
+        stream, acks, responses = await _read_average(p2p, plan, j, values, weight, chunk_elems, deadline,
+                                                      connect_timeout, traffic, bandwidth, timings, arrivals,
+                                                      lost)
+    except Exception as e:
+        average.set_exception(e)
+        return None
+    average.set_result(responses)
+    seen = None
+    try:
+        if responses and responses[0].status == Status.OK and not lost.is_set():
+            with contextlib.suppress(Exception):
+                msg = await next_by(stream, deadline)
+                traffic.received += msg.ByteSize()
+                if not (msg.HasField("piece") or msg.contributors or msg.acknowledged or msg.status != Status.OK):
+                    seen = list(msg.seen)
+    finally:
+        acks.put_nowait(None)  # lets our request stream end, then the reducer closes: read up to that EOF
+        if seen is not None:  # (else nothing more is ours to read: we close first)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(_drain(stream), timeout=min(5.0, time_left(deadline)))
+        await stream.aclose()
+    return seen
+
+
+async def _read_average(p2p: P2P, plan: GroupPlan, j: int, values: torch.Tensor, weight: float,
+                        chunk_elems: int, deadline: float, connect_timeout: float,
+                        traffic: Traffic, bandwidth: Bandwidth, timings: list[tuple[int, float]],
+                        arrivals: list[tuple[float, float, int]], lost: asyncio.Event
+                        ) -> tuple[ResponseStream, asyncio.Queue, list[pb.ReduceResponse]]:
+    """:func:`_remote_span`'s part and average: the open stream (the caller closes it: after an error, closed
+    here), the queue of our credits (None ends our requests) and the average's messages."""
     pieces = await asyncio.get_running_loop().run_in_executor(None, encode_pieces, plan.parts, values, chunk_elems)
     opened = time.monotonic()
     span_length = plan.spans[j][1] - plan.spans[j][0]
     # credit (peer/net/flow/credit.py): the reducer's on our part if it declared a download cap, ours on its average
     credit = SendWindow(window(plan.infos[j].download_bytes_per_second, max(p.ByteSize() for _, p in pieces)))
     grants = window(plan.infos[plan.my_index].download_bytes_per_second, 1) > 0
-    acks: asyncio.Queue[Optional[int]] = asyncio.Queue()  # our credits to send; None: the whole average is in
+    acks: asyncio.Queue[Optional[int]] = asyncio.Queue()  # our credits to send; None: we are done reading
 
     async def requests() -> AsyncIterator[pb.ReduceRequest]:
         with contextlib.suppress(asyncio.TimeoutError):
@@ -117,7 +153,7 @@ async def _remote_span(p2p: P2P, plan: GroupPlan, j: int, values: torch.Tensor, 
                 traffic.sent += msg.ByteSize()
                 await bandwidth.upload.take(msg.ByteSize())
                 yield msg
-            # End our side only once the whole average is in (see AllReduceServicer._send_average).
+            # End our side only once we read all we wait for (see AllReduceServicer._send_average).
             while (count := await asyncio.wait_for(acks.get(), timeout=time_left(deadline))) is not None:
                 yield pb.ReduceRequest(acknowledged=count)
 
@@ -155,16 +191,15 @@ async def _remote_span(p2p: P2P, plan: GroupPlan, j: int, values: torch.Tensor, 
                 acks.put_nowait(len(responses))
         if responses and responses[0].status == Status.OK:
             arrivals.append((first_at, time.monotonic(), sum(r.ByteSize() for r in responses)))
-        return responses
+        return stream, acks, responses
     except StopAsyncIteration:
-        return responses
+        return stream, acks, responses
+    except BaseException:
+        acks.put_nowait(None)
+        await stream.aclose()
+        raise
     finally:
         gone.cancel()
-        acks.put_nowait(None)  # lets our request stream end, then the reducer closes: read up to that EOF
-        if received >= span_length and not lost.is_set():  # (else nothing more is ours to read: we close first)
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(_drain(stream), timeout=min(5.0, time_left(deadline)))
-        await stream.aclose()
 
 
 class Undialable(ConnectionError):
@@ -207,6 +242,9 @@ class SpanResult:
     total_weight: float = 0.0
     offence: bool = False  # the reducer answered, and what it sent is wrong (not the network)
     pieces: Optional[Pieces] = None  # the bytes ``average`` was decoded from (a level-1 reducer forwards them)
+    kind: Offence = Offence.BAD_AVERAGE  # the offence, if ``offence``
+    digest: bytes = b""  # of the average's messages, and its reducer's signature of it (span_proofs)
+    signature: bytes = b""
 
 
 def _span_from_responses(plan: GroupPlan, j: int, responses: list[pb.ReduceResponse]) -> SpanResult:
@@ -228,7 +266,11 @@ def _span_from_responses(plan: GroupPlan, j: int, responses: list[pb.ReduceRespo
         return SpanResult(None, why=f"bad average: {e}", offence=True)
     if filled != end - start:  # (the stream ended early: the network's)
         return SpanResult(None, why=f"average covers {filled} of {end - start} elements")
-    return SpanResult(out, contributors, "", total, pieces=[(msg.offset, msg.piece) for msg in responses])
+    digest, signature = span_digest(plan.group_id, j, responses), responses[0].signature
+    if not signed_by(plan.infos[j].span_key, plan.group_id, j, digest, signature):  # (no offence: a leader can swap
+        return SpanResult(None, why="an average without its reducer's valid signature")  # a declared key)
+    return SpanResult(out, contributors, "", total, pieces=[(msg.offset, msg.piece) for msg in responses],
+                      digest=digest, signature=signature)
 
 
 def _verdict(plan: GroupPlan, j: int, got: SpanResult, results: dict[int, SpanResult]) -> Optional[PeerVerdict]:
@@ -240,7 +282,7 @@ def _verdict(plan: GroupPlan, j: int, got: SpanResult, results: dict[int, SpanRe
     deadline."""
     peer, why = str(plan.peer_ids[j]), f"{plan.label}: {got.why}"
     if got.offence:
-        return PeerVerdict(peer, why, offence=Offence.BAD_AVERAGE)
+        return PeerVerdict(peer, why, offence=got.kind)
     if got.average is not None:
         return PeerVerdict(peer, answered=True)
     if any(r.average is not None for k, r in results.items() if k not in (j, plan.my_index)):
@@ -278,6 +320,22 @@ def _lost_member(red: SpanReduction, i: int) -> None:
     red.give_up_on(i)
 
 
+def _cross_check(plan: GroupPlan, results: dict[int, SpanResult], mine: list[Seen],
+                 received: dict[int, Optional[list[pb.SpanSeen]]]) -> None:
+    """Checks every remote reducer's list of what it received against ``mine``
+    (:func:`~peer.net.trust.span_proofs.cross_check`) and marks in ``results`` what keeps the round from applying:
+    a span its reducer sent in two versions (proven: an offence that excludes it at once), a reducer whose list
+    lies (an offence) or did not come (as if its span had not: silence)."""
+    found = cross_check(plan.group_id, [info.span_key for info in plan.infos], mine, received)
+    for j, why in found.equivocated.items():
+        results[j] = SpanResult(None, why=why, offence=True, kind=Offence.EQUIVOCATION)
+    for k, why in found.lied.items():
+        results[k] = SpanResult(None, why=f"its list of the spans it received: {why}", offence=True)
+    for k in found.missing:
+        if results[k].average is not None:
+            results[k] = SpanResult(None, why="its list of the spans it received did not come")
+
+
 def _check_spans(plan: GroupPlan, results: dict[int, SpanResult], delta: torch.Tensor) -> None:
     """Replaces, in ``results``, every remote span result that fails our checks (:mod:`peer.net.trust.span_checks`:
     size, then direction) by a missing one marked as the reducer's offence."""
@@ -309,7 +367,7 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
     deadline = time.monotonic() + allreduce_timeout
     my_start, my_end = plan.spans[plan.my_index]
     bandwidth = bandwidth or Bandwidth()
-    red = SpanReduction(plan, part_timeout, chunk_elems, servicer.excluded, lift)
+    red = SpanReduction(plan, part_timeout, chunk_elems, servicer.excluded, lift, servicer.signer)
     servicer.register(red)
     index = {str(peer): i for i, peer in enumerate(plan.peer_ids)}
     watch = LinkWatch(p2p, [peer for peer, i in index.items() if i != plan.my_index])
@@ -319,7 +377,8 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
     timings: list[tuple[int, float]] = []  # (our part's bytes, the seconds its reducer read it in)
     arrivals: list[tuple[float, float, int]] = []  # (first, last, bytes) of each remote span's average
     try:
-        tasks = []
+        tasks: list[tuple[int, asyncio.Future]] = []  # (span, its average's messages)
+        lists: dict[int, asyncio.Task] = {}  # remote span -> what its reducer received of every span (or None)
         for j, (start, end) in enumerate(plan.spans):
             if end == start:
                 continue
@@ -329,11 +388,12 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
             elif plan.peer_ids[j] in red.excluded:
                 continue  # an excluded reducer: its span is missing (below), our part is not sent
             else:
-                task = asyncio.ensure_future(_remote_span(p2p, plan, j, values, weight, chunk_elems, deadline,
-                                                          connect_timeout, traffic, bandwidth, timings,
-                                                          arrivals, watch.lost(str(plan.peer_ids[j]))))
-                task.add_done_callback(functools.partial(_not_in_group, red, j))
-                tasks.append((j, task))
+                average = asyncio.get_running_loop().create_future()
+                average.add_done_callback(functools.partial(_not_in_group, red, j))
+                lists[j] = asyncio.ensure_future(_remote_span(p2p, plan, j, values, weight, chunk_elems, deadline,
+                                                              connect_timeout, traffic, bandwidth, timings,
+                                                              arrivals, watch.lost(str(plan.peer_ids[j])), average))
+                tasks.append((j, average))
         results: dict[int, SpanResult] = {}
         for j, task in tasks:
             try:
@@ -342,6 +402,15 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
                                                                               responses)
             except Exception as e:  # a dead reducer, or one that broke the stream: this span is missing
                 results[j] = SpanResult(None, why=f"{type(e).__name__}: {e}")
+        # what we received, for every member that reads our average; then the other reducers' lists against ours
+        mine = [Seen(r.digest, r.signature) if (r := results.get(j)) else Seen() for j in range(len(plan.spans))]
+        red.publish_seen([m.to_wire() for m in mine])
+        if all(results.get(j, SpanResult(None)).average is not None for j, (a, b) in enumerate(plan.spans) if b > a):
+            _cross_check(plan, results, mine, {j: await task for j, task in lists.items()})
+        else:  # (a partial round applies nothing: no list is needed)
+            for task in lists.values():
+                task.cancel()
+            await asyncio.gather(*lists.values(), return_exceptions=True)
         await asyncio.get_running_loop().run_in_executor(None, _check_spans, plan, results, delta)
         spans, contributors, pieces, total_weight, verdicts = [], [], [], 0.0, []
         for j, (start, end) in enumerate(plan.spans):
@@ -371,6 +440,7 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
         return AllReduceResult(spans, contributors, traffic, total_weight, list(red.flagged), pieces, uplink,
                                downlink, verdicts + red.verdicts)
     finally:
+        red.publish_seen([pb.SpanSeen() for _ in plan.spans])  # (if we failed first: we vouch for nothing)
         await watch.stop()
         asyncio.get_running_loop().call_later(time_left(deadline), servicer.unregister,
                                               plan.group_id)

@@ -14,6 +14,7 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.p2p import PeerID
 
 from peer.net.policy.agreement import GroupVerdict, agree, our_count_holds, valid_base
+from peer.net.trust.span_proofs import KEY_BYTES
 from peer.outer.aggregate import MAX_WEIGHT, AggregationRule
 from peer.outer.codec import Codec
 from peer.proto import allreduce_pb2 as pb
@@ -22,7 +23,7 @@ from peer.proto import allreduce_pb2 as pb
 # 4: declared uplinks, and deadlines sized from them (peer/net/flow/links.py); 5: spans sized by the declared links;
 # 6: declared bases and expected counts (peer/net/policy/agreement.py); 7: level-2 members declare their groups'
 # sizes, and a slot's level-2 group applies with a majority only (peer/net/round/levels.py)
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 MAX_GROUP_SIZE = 256
 # Span sizing by links (swarm.span_sizing = "links"): a reducer whose link is under half the group's median gets a
 # share in proportion, in sixteenths of an equal one, down to 1/8 of it; the others get equal shares (a link
@@ -42,7 +43,7 @@ class GroupError(ValueError):
 
 def member_info(blob: bytes, numel: int) -> tuple[Optional[pb.MemberInfo], str]:
     """A member's gathered MemberInfo if the protocol accepts it (our version and fragment size, a valid weight
-    and base), else None and why."""
+    and base, a span signing key if it reduces), else None and why."""
     try:
         info = pb.MemberInfo.FromString(blob)
     except DecodeError:
@@ -54,6 +55,8 @@ def member_info(blob: bytes, numel: int) -> tuple[Optional[pb.MemberInfo], str]:
         return None, f"declared weight {info.weight}"
     if not valid_base(info):
         return None, "a malformed base digest"
+    if not info.client_mode and len(info.span_key) != KEY_BYTES:  # (it would reduce a span no one can check)
+        return None, "no span signing key"
     return info, ""
 
 

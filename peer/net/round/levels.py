@@ -124,7 +124,7 @@ class SlotLift:
                              base=verdict.base if verdict else mine.base,
                              base_round=verdict.base_round if verdict else mine.base_round,
                              expected=verdict.expected if verdict else mine.expected,
-                             members=len(self.plan.peer_ids))
+                             members=len(self.plan.peer_ids), span_key=mine.span_key)  # (the same servicer signs)
 
     async def _slot(self, slot: int, part: torch.Tensor, weight: float, groups: int) -> Lifted:
         """One slot's level 2: its group, the all-reduce, and the pieces that tile it (LiftError otherwise, and

@@ -26,6 +26,7 @@ from peer.net.plumbing.hivemind_internals import handle_name
 from peer.net.round.group import valid_weight
 from peer.net.round.reduction import SpanReduction, decode_piece
 from peer.net.trust.exclusion import Offence
+from peer.net.trust.span_proofs import SpanSigner
 from peer.outer import host_memory
 from peer.outer.codec import CodecError
 from peer.proto import allreduce_pb2 as pb
@@ -46,13 +47,14 @@ class AllReduceServicer(ServicerBase):
 
     def __init__(self, *, registration_timeout: float, part_timeout: float, stream_timeout: float,
                  guard: StreamGuard, max_pending: int = 64, excluded: Container[object] = frozenset(),
-                 bandwidth: Optional[Bandwidth] = None):
+                 bandwidth: Optional[Bandwidth] = None, signer: Optional[SpanSigner] = None):
         """``part_timeout``: the longest a member's first message may take, before we know its group (the
         longest part deadline a group can have); ``stream_timeout``: the longest a member's stream may stay open
         (its part, our average, the close);
         ``guard``: this peer's bound on streams per remote peer (shared by all its handlers); ``bandwidth``: the
         owner's upload and download caps (shared with the rounds of this peer and its state transfer)."""
         self.excluded = excluded  # the peers this peer no longer works with (read only: the swarm's ledger)
+        self.signer = signer or SpanSigner()  # signs our averages; its key goes in our MemberInfo (span_key)
         self.bandwidth = bandwidth or Bandwidth()
         self.guard = guard
         self.stream_timeout = stream_timeout
@@ -156,11 +158,12 @@ class AllReduceServicer(ServicerBase):
     async def _send_average(self, red: SpanReduction, member: int, requests: AsyncIterator[pb.ReduceRequest],
                             deadline: float, timing: tuple[float, int]) -> AsyncIterator[pb.ReduceResponse]:
         """Streams our encoded average to ``member``, paced by our upload cap and, when the member declared a
-        download cap, by its credit (read from its request stream by a task of ours), then holds the stream open
-        until the member closes its side: it does so only after reading the whole average, and closing first can
-        drop our last message in the daemons (seen ~1/50). The first message tells the member how long its part
-        took (``timing``: seconds, bytes). Raises :class:`CreditError` for a credit no honest member sends,
-        ``asyncio.TimeoutError`` past ``deadline``."""
+        download cap, by its credit (read from its request stream by a task of ours), then what our own member side
+        received of every span (``red.seen``: the member checks its own against it, :mod:`peer.net.trust.span_proofs`),
+        then holds the stream open until the member closes its side: it does so only after reading all that, and
+        closing first can drop our last message in the daemons (seen ~1/50). The first message tells the member how
+        long its part took (``timing``: seconds, bytes). Raises :class:`CreditError` for a credit no honest member
+        sends, ``asyncio.TimeoutError`` past ``deadline``."""
         responses = list(await asyncio.shield(red.result))
         first = pb.ReduceResponse()
         first.CopyFrom(responses[0])  # (the others' first message is the same but for this)
@@ -175,6 +178,13 @@ class AllReduceServicer(ServicerBase):
                     await _first_done(credit.wait(deadline), reader)
                 await self.bandwidth.upload.take(response.ByteSize())
                 yield response
+            if responses[0].status == Status.OK:  # then what our member side received, once it has (or gave up)
+                try:
+                    seen = await asyncio.wait_for(asyncio.shield(red.seen), timeout=time_left(deadline))
+                except asyncio.TimeoutError:
+                    pass  # (the member reads no list: it applies nothing)
+                else:
+                    yield pb.ReduceResponse(seen=seen)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(reader), timeout=min(self.registration_timeout,
                                                                             time_left(deadline)))

@@ -18,6 +18,7 @@ import torch
 
 from peer.net.trust.exclusion import Offence, PeerVerdict
 from peer.net.round.group import GroupPlan
+from peer.net.trust.span_proofs import SpanSigner, span_digest
 from peer.outer.aggregate import aggregate
 from peer.outer.codec import Codec, CodecError, encode_span
 from peer.proto import allreduce_pb2 as pb
@@ -79,13 +80,18 @@ class SpanReduction:
     through its methods (the servicer's streams call :meth:`stream_opened`, :meth:`received`, :meth:`add`,
     :meth:`give_up_on` and :meth:`stream_closed`), on the event loop that serves them. The combination and its
     encoding run on a worker thread (a fragment's span takes the CPU for a second at 1B scale, which must not stall
-    the loop's streams and heartbeats): the parts are closed first, so nothing it reads changes meanwhile."""
+    the loop's streams and heartbeats): the parts are closed first, so nothing it reads changes meanwhile.
+    :attr:`seen` (what our own member side received of every span, for the reducer to send each member after its
+    average) is written once, by :meth:`publish_seen`."""
 
     def __init__(self, plan: GroupPlan, part_timeout: float, chunk_elems: int,
-                 excluded: Container[object] = frozenset(), lift: Optional[Lift] = None):
+                 excluded: Container[object] = frozenset(), lift: Optional[Lift] = None,
+                 signer: Optional[SpanSigner] = None):
         """``excluded``: the peers this peer no longer works with (read only: the swarm's ledger); ``lift``: a
         two-level round's level 2 (peer/net/round/levels.py); the pieces it returns are sent instead of our own
-        encoding of the combined parts."""
+        encoding of the combined parts; ``signer``: signs our average (None: unsigned, which members refuse)."""
+        self.signer = signer
+        self.seen: asyncio.Future[list[pb.SpanSeen]] = asyncio.get_running_loop().create_future()
         self.plan = plan
         self.lift = lift
         self.excluded = excluded
@@ -115,6 +121,11 @@ class SpanReduction:
             return 0
         remote = self.requesters - {self.plan.my_index}
         return len(remote) * sum(r.ByteSize() for r in self.result.result())
+
+    def publish_seen(self, seen: list[pb.SpanSeen]) -> None:
+        """What our member side received of every span (span order): sent to each member after our average."""
+        if not self.seen.done():
+            self.seen.set_result(seen)
 
     def stream_opened(self, index: int) -> None:
         """Member ``index`` opened its stream to us: it will ask for our average; we are not idle until it closes."""
@@ -214,4 +225,8 @@ class SpanReduction:
                 msg.contributors.extend(self.contributors)
                 msg.total_weight = self.total_weight
             responses.append(msg)
+        if self.signer is not None:  # (hashing the span's bytes: on a worker thread, as the encoding)
+            gid, me = self.plan.group_id, self.plan.my_index
+            digest = await asyncio.get_running_loop().run_in_executor(None, span_digest, gid, me, responses)
+            responses[0].signature = self.signer.sign(gid, me, digest)
         return responses

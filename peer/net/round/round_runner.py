@@ -205,7 +205,7 @@ class RoundRunner:
                              client_mode=sw.client_mode, numel=delta.numel(),
                              download_bytes_per_second=sw.bandwidth.download.rate(),
                              slots=levels.slots if levels else 0, upload_bytes_per_second=sw.declared_uplink(),
-                             base=base, base_round=base_round, expected=count)
+                             base=base, base_round=base_round, expected=count, span_key=sw.servicer.signer.public)
         return await form_group(
             sw.p2p, sw.dht, prefix=round_prefix(sw.run_key, self.fragment, self.round),
             gather=info.SerializeToString(), target_group_size=target, min_group_size=needed,

@@ -5,10 +5,10 @@ an invalid header or that the robust rule cut hard (seen by the reducer); an ave
 (the member); a member info the group plan leaves out (every member). A slow or dead peer commits none: timeouts
 and dropped connections are the network's, not offences.
 
-After ``threshold`` offences a peer is *excluded* for the rest of the run (this process): no group target, state
-donor or vote in the drift check, its join requests refused, never followed as a leader, its parts refused and its
-span not applied. Each peer keeps its own ledger and publishes nothing about it (a record saying "exclude X" would
-be one more thing to forge).
+After ``threshold`` offences (or one of a proven kind, :data:`PROVEN`) a peer is *excluded* for the rest of the run
+(this process): no group target, state donor or vote in the drift check, its join requests refused, never followed
+as a leader, its parts refused and its span not applied. Each peer keeps its own ledger and publishes nothing
+about it (a record saying "exclude X" would be one more thing to forge).
 
 One writer: :meth:`~peer.net.swarm.Swarm.learn` (on the networking thread) applies the verdicts that rounds, the
 servicers' reductions and state downloads hand it as data; the rounds, servicers and the trainer read it.
@@ -34,6 +34,12 @@ class Offence(enum.StrEnum):
     BAD_AVERAGE = "bad_average"  # a reducer's result that failed our checks (metadata, decoding, size, direction)
     BAD_INFO = "bad_info"  # a member info the group plan left out (unparsable, another protocol or size, malformed)
     BAD_STATE = "bad_state"  # a state download's part that no honest donor sends (state_transfer.DonorLied)
+    # two averages of one span of one group, each with its reducer's valid signature (span_proofs): a proof, so it
+    # excludes at once
+    EQUIVOCATION = "equivocation"
+
+
+PROVEN = frozenset({Offence.EQUIVOCATION})  # offences one instance of which is proof enough
 
 
 @dataclass(frozen=True)
@@ -71,7 +77,7 @@ class Exclusions:
             self._offences[peer] = seen
             while len(self._offences) > MAX_TRACKED:
                 self._offences.pop(next(iter(self._offences)))
-            if len(seen) < self.threshold:
+            if len(seen) < self.threshold and offence not in PROVEN:
                 return False
             why = f"{len(seen)} offences: " + "; ".join(seen[-self.threshold:])
             self._excluded[peer] = why
