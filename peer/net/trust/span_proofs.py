@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -95,16 +95,13 @@ class CrossCheck:
 
 
 def cross_check(group_id: bytes, keys: Sequence[bytes], mine: Sequence[Seen],
-                lists: Mapping[int, Optional[Sequence[pb.SpanSeen]]], skip: Iterable[int] = ()) -> CrossCheck:
+                lists: Mapping[int, Optional[Sequence[pb.SpanSeen]]]) -> CrossCheck:
     """Compares what we received of each span (``mine``, in span order; our own span included) with each remote
-    reducer's list (``lists`` {reducer index: its list, None if it did not come}); ``keys``: every member's
-    declared span key; ``skip``: reducers whose lists are not read (already proven hostile). An entry agrees when
-    it is empty, or ours is, or the digests are equal."""
+    reducer's list (``lists`` {reducer index: its list, None if it did not come}; a reducer we exclude is not
+    asked, so not in it); ``keys``: every member's declared span key. An entry agrees when it is empty, or ours
+    is, or the digests are equal."""
     found = CrossCheck()
-    skip = set(skip)
     for k, entries in sorted(lists.items()):
-        if k in skip:
-            continue
         if entries is None:
             found.missing.append(k)
             continue
