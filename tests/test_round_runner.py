@@ -80,7 +80,7 @@ def decide(monkeypatch, ids: list[str], counts: list[int], bases: list[str] | No
            ) -> tuple[RoundOutcome, FakeSwarm]:
     async def every_span_arrives(p2p, servicer, plan, delta, weight, **kwargs):
         return AllReduceResult(spans=[Span(a, b, torch.zeros(b - a)) for a, b in plan.spans],
-                               contributors=[list(range(len(plan.peer_ids)))] * len(plan.spans))
+                               contributors=[list(range(len(plan.peer_ids)))] * len(plan.spans), agreed=True)
 
     monkeypatch.setattr(round_runner, "run_allreduce", every_span_arrives)
     swarm = FakeSwarm()

@@ -4,8 +4,10 @@ cross-check of every reducer's list concludes."""
 from __future__ import annotations
 
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
-from peer.net.trust.span_proofs import Seen, SpanSigner, cross_check, signed_by, span_digest
+from peer.net.trust.span_proofs import Seen, SpanSigner, cross_check, may_apply, signed_by, span_digest
 from peer.outer.codec import get_codec
 from peer.proto import allreduce_pb2 as pb
 
@@ -87,3 +89,74 @@ def test_the_cross_check_applies_only_when_every_list_agrees_and_names_who_sent_
     found = cross_check(GID, keys, mine, {1: None, 2: wire[:2]})
     assert found.missing == [1] and list(found.lied) == [2]
     assert cross_check(GID, keys, mine, {2: wire}).agrees  # (a liar we excluded is not asked: its list is not read)
+
+
+def _lists(held: list[set[int]], listers: range, *, came=lambda k, m: True) -> list[dict]:
+    """What each member m reads: the list of every reducer k whose span it holds (k's list is what k holds)."""
+    seen = [[Seen(b"d%d" % j, b"") if j in held[m] else Seen() for j in range(len(listers))] for m in range(len(held))]
+    return [{k: [e.to_wire() for e in seen[k]] if came(k, m) else None for k in held[m] if k != m and k in listers}
+            for m in range(len(held))]
+
+
+def _applies(held: set[int], lists: dict, n: int, *, partial: bool = True) -> bool:
+    mine = [Seen(b"d%d" % j, b"") if j in held else Seen() for j in range(n)]
+    return may_apply(mine, cross_check(GID, [KEYS] * n, mine, lists), list(range(n)), partial=partial)
+
+
+KEYS = bytes(32)
+
+
+def test_a_member_applies_every_span_or_a_majority_that_every_list_holds():
+    """Five reducers. A span missing for everyone (a dead or erring reducer): the four others are applied by all.
+    Missing for one member only: that member applies nothing, the others all five. Three of five held, lists
+    that say otherwise, two of five, or a two-level group (``partial`` False): nothing."""
+    n = 5
+    everyone_but_4 = [set(range(4))] * 4 + [set(range(5))]
+    lists = _lists(everyone_but_4, range(n))
+    assert all(_applies(everyone_but_4[m], lists[m], n) for m in range(4))
+    assert not any(_applies(everyone_but_4[m], lists[m], n, partial=False) for m in range(4))
+    one_short = [set(range(5)) - {3} if m == 0 else set(range(5)) for m in range(n)]
+    lists = _lists(one_short, range(n))
+    assert [_applies(one_short[m], lists[m], n) for m in range(n)] == [False, True, True, True, True]
+    three = [set(range(3))] * 3 + [set(range(5))] * 2  # (reducers 3 and 4 reached only each other)
+    lists = _lists(three, range(n))
+    assert [_applies(three[m], lists[m], n) for m in range(n)] == [True, True, True, False, False]
+    assert not _applies({0, 1}, _lists([{0, 1}] * 5, range(n))[0], n)  # (two of five: too few)
+    more = [{0, 1, 2}] * 3 + [{0, 1, 2, 3}, set()]  # (span 3 reached its own reducer only; span 4 nobody)
+    lists = _lists(more, range(n))
+    assert [_applies(more[m], lists[m], n) for m in range(4)] == [True, True, True, False]
+    mine = [Seen(b"d%d" % j, b"") if j < 4 else Seen() for j in range(n)]
+    gone = _lists([set(range(4))] * 5, range(n), came=lambda k, m: k != 2)[0]
+    assert not may_apply(mine, cross_check(GID, [KEYS] * n, mine, gone), list(range(n)), partial=True)
+
+
+@settings(max_examples=500, deadline=None)
+@example(n=5, drops=[{3, 4}] * 3 + [{4}] * 4, lost_lists=[])  # (a majority that lacks a span one member holds)
+@given(n=st.integers(2, 7), drops=st.lists(st.sets(st.integers(0, 6), max_size=3), min_size=7, max_size=7),
+       lost_lists=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)), max_size=6))
+def test_every_honest_member_that_applies_applies_the_same_spans(n, drops, lost_lists):
+    """The invariant, for honest reducers whatever the network drops: member m misses the spans ``drops[m]`` (its
+    own included: a reduction that failed), and the list of k for each (k, m) in ``lost_lists``. Every member
+    that applies applies the same set of spans."""
+    held = [set(range(n)) - drops[m] for m in range(n)]
+    lists = _lists(held, range(n), came=lambda k, m: (k, m) not in lost_lists)
+    applied = {frozenset(held[m]) for m in range(n) if _applies(held[m], lists[m], n)}
+    assert len(applied) <= 1, (held, applied)
+
+
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(3, 7), gets=st.lists(st.booleans(), min_size=7, max_size=7),
+       claims=st.lists(st.booleans(), min_size=7, max_size=7))
+def test_a_reducer_that_picks_who_gets_its_span_and_what_its_list_says_splits_no_round(n, gets, claims):
+    """One hostile reducer (the last) gives its span to the members of its choice (``gets``) and tells each member
+    a list of its choice about its own span (``claims``; other entries it can only drop, which only keeps a round
+    from applying). Honest reducers reach each other. Every honest member that applies applies the same spans."""
+    h = n - 1
+    held = [set(range(n)) - ({h} if not gets[m] else set()) for m in range(h)] + [set(range(n))]
+    lists = _lists(held, range(n))
+    for m in range(h):
+        if h in lists[m]:
+            lists[m][h] = [Seen(b"d%d" % j, b"").to_wire() if j != h or claims[m] else pb.SpanSeen()
+                           for j in range(n)]
+    applied = {frozenset(held[m]) for m in range(h) if _applies(held[m], lists[m], n)}
+    assert len(applied) <= 1, (held, applied)

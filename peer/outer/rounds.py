@@ -3,7 +3,8 @@ of whatever carries rounds (:class:`Transport`, :class:`Handle`).
 
 A round's average may arrive incomplete (a reducer died): it is a list of spans, each either the decoded
 average or ``None``. The transport fills a :class:`RoundOutcome`; the engine applies it only when its status is
-``ok`` (:meth:`RoundOutcome.applied_spans`): every peer that applies a round then holds the same state after it
+``ok`` (:meth:`RoundOutcome.applied_spans`; an ``ok`` round may miss spans its group agreed are missing,
+:func:`peer.net.trust.span_proofs.may_apply`): every peer that applies a round then holds the same state after it
 (:mod:`peer.net.policy.agreement`).
 """
 
@@ -20,8 +21,10 @@ import torch
 class RoundStatus(enum.StrEnum):
     """How a round ended for this peer (written as its value in the JSON ``round`` events)."""
 
-    OK = "ok"  # every span of the average arrived: the one status that applies it
-    PARTIAL = "partial"  # some spans are missing (a reducer died): nothing is applied, the progress is carried
+    # the average is applied: every span, or (one level) the majority every reducer's list agrees came; the one
+    # status that applies it (progress is carried where a span is missing)
+    OK = "ok"
+    PARTIAL = "partial"  # spans are missing and the lists do not agree on a majority: nothing is applied, carried
     OFF_BASE = "off_base"  # our base differed from the group's: our part counted, nothing applied; catch up
     MINORITY = "minority"  # the group held too few of the round's peers to apply (another may): carried
     NO_GROUP = "no_group"  # no group formed: nobody came, or everyone left the round
@@ -88,7 +91,8 @@ class RoundOutcome:
         return self.status == RoundStatus.OK
 
     def applied_spans(self) -> list[Span]:
-        """The spans the engine applies: all of them when ``ok``, none otherwise."""
+        """The spans the engine applies: all of them when ``ok`` (those whose ``average`` is None are missing), none
+        otherwise."""
         return self.spans if self.applied else []
 
 

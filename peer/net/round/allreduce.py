@@ -1,6 +1,5 @@
-"""Butterfly all-reduce of one fragment's outer gradient within an assembled group, the member's side
-(:func:`run_allreduce`; the reducer's is :class:`~peer.net.round.reducer.AllReduceServicer`; messages in
-protos/allreduce.proto).
+"""Butterfly all-reduce of one fragment's outer gradient in its group, the member's side (:func:`run_allreduce`;
+the reducer's: :class:`~peer.net.round.reducer.AllReduceServicer`; messages: protos/allreduce.proto).
 
 1. The fragment's flat vector is cut into one span per non-client member (:func:`peer.net.round.group.member_spans`).
 2. Every member streams its encoded part of span i, with its weight, to reducer i.
@@ -8,11 +7,12 @@ protos/allreduce.proto).
    **encodes the result once** and streams those same bytes back to every member, with the contributors.
 4. Every member (the reducer included) decodes those bytes: all hold bit-identical averages. A span whose reducer
    failed, or whose result fails the member's checks (:mod:`peer.net.trust.span_checks`), is ``None``: not applied.
+5. Every reducer sends its members the list of what it accepted of every span; a member applies all spans, or
+   the majority of them that every list holds (:func:`~peer.net.trust.span_proofs.may_apply`), else none.
 
-Nobody keeps ``average - own part`` or its own uncompressed span, so a lossy codec cannot make peers drift apart.
-Everything read is validated before use; messages are paced by upload caps and credit (:mod:`peer.net.flow.credit`).
-An excluded reducer's span is not requested; the offences our reduction saw and what we find of the reducers are
-returned as verdicts, for the swarm to apply. docs/architecture.md, "A round".
+Nobody keeps ``average - own part`` or its own uncompressed span: a lossy codec cannot make peers drift apart.
+Everything read is validated; messages are paced by upload caps and credit (:mod:`peer.net.flow.credit`). An
+excluded reducer's span is not requested; what we find of others is returned as verdicts. docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from peer.net.round.link_watch import LinkWatch
 from peer.net.round.reducer import REDUCE, UNKNOWN_GROUP, AllReduceServicer
 from peer.net.round.reduction import Lift, Pieces, SpanReduction, Traffic, decode_piece, encode_pieces
 from peer.net.trust.span_checks import disagreeing, implausible
-from peer.net.trust.span_proofs import Seen, cross_check, signed_by, span_digest
+from peer.net.trust.span_proofs import Seen, cross_check, may_apply, signed_by, span_digest
 from peer.outer import host_memory
 from peer.outer.codec import CodecError
 from peer.outer.rounds import Span
@@ -57,6 +57,8 @@ class AllReduceResult:
     spans: list[Span]
     contributors: list[list[int]]
     traffic: Traffic = field(default_factory=Traffic)
+    # whether the spans that arrived are applied: all of them, or those the lists agree on (span_proofs.may_apply)
+    agreed: bool = False
     total_weight: float = 0.0  # the largest total weight among the spans that arrived
     flagged: list[tuple[str, str]] = field(default_factory=list)  # (peer id, why): parts our span's rule limited
     pieces: list[Optional[Pieces]] = field(default_factory=list)  # per span, the bytes it was decoded from
@@ -321,12 +323,15 @@ def _lost_member(red: SpanReduction, i: int) -> None:
 
 
 def _cross_check(plan: GroupPlan, results: dict[int, SpanResult], mine: list[Seen],
-                 received: dict[int, Optional[list[pb.SpanSeen]]]) -> None:
-    """Checks every remote reducer's list of what it received against ``mine``
-    (:func:`~peer.net.trust.span_proofs.cross_check`) and marks in ``results`` what keeps the round from applying:
+                 received: dict[int, Optional[list[pb.SpanSeen]]]) -> bool:
+    """Checks the lists of the reducers whose spans we hold against ``mine``
+    (:func:`~peer.net.trust.span_proofs.cross_check`), marks in ``results`` what keeps the round from applying:
     a span its reducer sent in two versions (proven: an offence that excludes it at once), a reducer whose list
-    lies (an offence) or did not come (as if its span had not: silence)."""
+    lies (an offence) or did not come (as if its span had not: silence); returns whether we apply what we hold
+    (:func:`~peer.net.trust.span_proofs.may_apply`)."""
     found = cross_check(plan.group_id, [info.span_key for info in plan.infos], mine, received)
+    live = [j for j, (start, end) in enumerate(plan.spans) if end > start]
+    agreed = may_apply(mine, found, live, partial=not plan.slots)
     for j, why in found.equivocated.items():
         results[j] = SpanResult(None, why=why, offence=True, kind=Offence.EQUIVOCATION)
     for k, why in found.lied.items():
@@ -334,6 +339,7 @@ def _cross_check(plan: GroupPlan, results: dict[int, SpanResult], mine: list[See
     for k in found.missing:
         if results[k].average is not None:
             results[k] = SpanResult(None, why="its list of the spans it received did not come")
+    return agreed
 
 
 def _check_spans(plan: GroupPlan, results: dict[int, SpanResult], delta: torch.Tensor) -> None:
@@ -402,16 +408,26 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
                                                                               responses)
             except Exception as e:  # a dead reducer, or one that broke the stream: this span is missing
                 results[j] = SpanResult(None, why=f"{type(e).__name__}: {e}")
-        # what we received, for every member that reads our average; then the other reducers' lists against ours
-        mine = [Seen(r.digest, r.signature) if (r := results.get(j)) else Seen() for j in range(len(plan.spans))]
-        red.publish_seen([m.to_wire() for m in mine])
-        if all(results.get(j, SpanResult(None)).average is not None for j, (a, b) in enumerate(plan.spans) if b > a):
-            _cross_check(plan, results, mine, {j: await task for j, task in lists.items()})
-        else:  # (a partial round applies nothing: no list is needed)
-            for task in lists.values():
-                task.cancel()
-            await asyncio.gather(*lists.values(), return_exceptions=True)
+        # what we received and accepted, for every member that reads our average (checked first: two members that
+        # apply the same lists apply the same spans); then the lists of the reducers whose spans we hold
         await asyncio.get_running_loop().run_in_executor(None, _check_spans, plan, results, delta)
+        mine = [Seen(r.digest, r.signature) if (r := results.get(j)) and r.average is not None else Seen()
+                for j in range(len(plan.spans))]
+        red.publish_seen([m.to_wire() for m in mine])
+        live = [j for j, (a, b) in enumerate(plan.spans) if b > a]
+        held = [j for j in live if mine[j].digest]
+        needed = {j: task for j, task in lists.items() if j in held}
+        for task in (t for j, t in lists.items() if j not in needed):
+            task.cancel()  # (a list from a reducer whose span we lack says nothing we apply)
+        agreed = False
+        if len(held) == len(live) or (not plan.slots and 2 * len(held) > len(live)):
+            agreed = _cross_check(plan, results, mine, {j: await task for j, task in needed.items()})
+            # (we apply exactly what our list says we hold: that is what the others checked)
+            agreed = agreed and held == [j for j in live if (r := results.get(j)) and r.average is not None]
+        else:  # (too few spans to apply any: no list is needed)
+            for task in needed.values():
+                task.cancel()
+        await asyncio.gather(*lists.values(), return_exceptions=True)
         spans, contributors, pieces, total_weight, verdicts = [], [], [], 0.0, []
         for j, (start, end) in enumerate(plan.spans):
             if end == start:
@@ -419,8 +435,9 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
             got = results.get(j, SpanResult(None, why="its reducer is excluded by this peer"))
             total_weight = max(total_weight, got.total_weight)
             if got.average is None:
-                log.warning("%s: span %d [%d, %d) from reducer %s is missing and NOT applied: %s", plan.label,
-                            j, start, end, short_id(plan.peer_ids[j]), got.why)
+                log.warning("%s: span %d [%d, %d) from reducer %s is missing and NOT applied: %s%s", plan.label,
+                            j, start, end, short_id(plan.peer_ids[j]), got.why,
+                            " (every list agrees: the others are applied)" if agreed else "")
             if j != plan.my_index and (verdict := _verdict(plan, j, got, results)) is not None:
                 verdicts.append(verdict)
             spans.append(Span(start, end, got.average))
@@ -437,8 +454,8 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
         uplink = (sum(b for b, _ in timings), max(t for _, t in timings)) if timings else None
         downlink = (sum(b for _, _, b in arrivals), max(e for _, e, _ in arrivals) - min(s for s, _, _ in arrivals)
                     ) if arrivals else None
-        return AllReduceResult(spans, contributors, traffic, total_weight, list(red.flagged), pieces, uplink,
-                               downlink, verdicts + red.verdicts)
+        return AllReduceResult(spans, contributors, traffic, agreed, total_weight, list(red.flagged), pieces,
+                               uplink, downlink, verdicts + red.verdicts)
     finally:
         red.publish_seen([pb.SpanSeen() for _ in plan.spans])  # (if we failed first: we vouch for nothing)
         await watch.stop()

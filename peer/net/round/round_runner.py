@@ -280,7 +280,7 @@ class RoundRunner:
         out.spans, out.contributors, out.total_weight = result.spans, result.contributors, result.total_weight
         out.flagged = result.flagged
         out.bytes_sent, out.bytes_received = result.traffic.sent, result.traffic.received
-        out.status = RoundStatus.OK if result.complete else RoundStatus.PARTIAL
+        out.status = RoundStatus.OK if result.agreed else RoundStatus.PARTIAL
         if not ours:  # (our part went to the group, which may be honest and see more: the progress is carried)
             held, of = len(members & self.counted), len(self.counted)
             why = (f"it holds {held} of the {of} peers we count" if 2 * held <= of else

@@ -4,19 +4,20 @@ A reducer sends every member its span's average as the same bytes; a hostile one
 plausible to the member that gets it, and the members that apply the round then hold two digests. So each reducer
 signs the digest of its average (:func:`span_digest`: the group, the span, the contributors, the total weight and
 every piece) with the Ed25519 key its ``MemberInfo.span_key`` declares, and after its average sends each member
-the list of what its own member side received of every span (:class:`Seen`, signatures included). A member
-applies the round only if every reducer's list agrees with what it received (:func:`cross_check`); a reducer that
-sent two versions is then caught by any member that got the other one, and the two signatures prove it
-(``Offence.EQUIVOCATION``: excluded at once). An entry that differs without its reducer's valid signature is
-a lie of the list's sender. Keys are the members' own for the round, bound by their declaration to the group: a
-hostile leader that swaps a declared key makes that reducer's signatures fail for the members it told, which then
-miss its span; it cannot make a proof.
+the list of what its own member side received and accepted of every span (:class:`Seen`, signatures included).
+A reducer that sent two versions is caught by any member that got the other one, and the two signatures prove it
+(``Offence.EQUIVOCATION``: excluded at once); an entry that differs without its reducer's valid signature is a lie
+of the list's sender. Which spans a member applies (:func:`may_apply`): all of them, or, where some are missing, the
+ones every list says came, if they are more than half (so two such sets always share a list). Keys are the members'
+own for the round, bound by their declaration to the group: a hostile leader that swaps a declared key makes that
+reducer's signatures fail for the members it told, which then miss its span; it cannot make a proof.
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
@@ -83,23 +84,27 @@ class Seen:
 class CrossCheck:
     """:func:`cross_check`'s findings: ``equivocated`` {span: why} (its reducer signed two digests), ``lied`` {list
     sender's index: why} (an entry that differs without its reducer's valid signature, or a malformed list),
-    ``missing`` (reducers whose list did not come). The round applies only if all three are empty."""
+    ``missing`` (reducers whose list did not come); of the lists that came, ``short`` {sender: spans we hold that
+    its list lacks} and ``beyond`` {sender: spans its list holds that we lack}. :func:`may_apply` decides."""
 
     equivocated: dict[int, str] = field(default_factory=dict)
     lied: dict[int, str] = field(default_factory=dict)
     missing: list[int] = field(default_factory=list)
+    short: dict[int, list[int]] = field(default_factory=dict)
+    beyond: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def agrees(self) -> bool:
+        """No version or list is in question (whether the spans held differ is :func:`may_apply`'s)."""
         return not (self.equivocated or self.lied or self.missing)
 
 
 def cross_check(group_id: bytes, keys: Sequence[bytes], mine: Sequence[Seen],
                 lists: Mapping[int, Optional[Sequence[pb.SpanSeen]]]) -> CrossCheck:
-    """Compares what we received of each span (``mine``, in span order; our own span included) with each remote
-    reducer's list (``lists`` {reducer index: its list, None if it did not come}; a reducer we exclude is not
-    asked, so not in it); ``keys``: every member's declared span key. An entry agrees when it is empty, or ours
-    is, or the digests are equal."""
+    """Compares what we received and accepted of each span (``mine``, in span order; our own span included) with
+    the lists of the reducers whose spans we hold (``lists`` {reducer index: its list, None if it did not come});
+    ``keys``: every member's declared span key. Two entries agree on the version when either is empty or the
+    digests are equal; where one is empty and the other not, the list goes to ``short`` or ``beyond``."""
     found = CrossCheck()
     for k, entries in sorted(lists.items()):
         if entries is None:
@@ -109,6 +114,8 @@ def cross_check(group_id: bytes, keys: Sequence[bytes], mine: Sequence[Seen],
             found.lied[k] = f"a list of {len(entries)} spans for {len(mine)}"
             continue
         for j, (ours, theirs) in enumerate(zip(mine, entries)):
+            if bool(ours.digest) != bool(theirs.digest):
+                (found.short if ours.digest else found.beyond).setdefault(k, []).append(j)
             if not ours.digest or not theirs.digest or theirs.digest == ours.digest:
                 continue
             if signed_by(keys[j], group_id, j, theirs.digest, theirs.signature):
@@ -116,3 +123,22 @@ def cross_check(group_id: bytes, keys: Sequence[bytes], mine: Sequence[Seen],
             else:
                 found.lied.setdefault(k, f"span {j}: a digest that its reducer did not sign")
     return found
+
+
+def may_apply(mine: Sequence[Seen], found: CrossCheck, live: Sequence[int], *, partial: bool) -> bool:
+    """Whether a member applies the spans it holds (``mine``, as published; ``live``: the spans of at least one
+    element; ``found``: the cross-check of the lists of the reducers of the spans it holds). Every peer that
+    applies then applies the same spans, given one honest reducer among those of any two such members' spans:
+
+    - all of them, if no span is lacking from more than half of the lists (a member that applies without span j
+      holds more than half of the spans, each of whose lists lacks j: it would be more than half of ours);
+    - with ``partial`` (a one-level group: a two-level round's other groups apply every slot), only those it holds,
+      if they are more than half of ``live`` and every list says exactly that: two such sets share a list.
+    """
+    if not found.agrees:
+        return False
+    held = [j for j in live if mine[j].digest]
+    if len(held) == len(live):
+        lacking = Counter(j for spans in found.short.values() for j in spans)
+        return all(2 * lacking[j] <= len(live) for j in live)
+    return partial and 2 * len(held) > len(live) and not found.short and not found.beyond
