@@ -16,7 +16,9 @@ point: tests/test_auth.py), and the bootstrap node checks them too. Its made-up 
 
 Prints one table (and writes ``--out``, JSON): per attack, the honest peers' final training CE (mean over
 their last 40 steps) and its change against the clean run (and, where ``absent`` ran, against the honest peers
-alone: an attacker that brings no honest data costs at least that), the honest peers' rounds that ended
+alone: an attacker that brings no honest data costs at least that), the held-out CE of the shared model at the
+honest peers' end (less noisy: the training CE of one clean run varies by 2-3% from run to run), the honest
+peers' rounds that ended
 ok, how many honest peers excluded the attacker and at which of their rounds the first did, how many
 honest peers caught up from a forged state (a ``catch_up`` event whose digest no honest peer ever held),
 how many forged things the attacker did (its ``HOSTILE:`` lines), the honest peers' run time, their rounds'
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import shutil
 import signal
@@ -84,6 +87,13 @@ def final_ce(out: Path, name: str) -> float:
     return sum(e["ce"] for e in steps) / max(1, len(steps))
 
 
+def held_out_ce(out: Path, name: str) -> float:
+    """The loss of the shared model (``G``) on held-out data at a peer's last evaluation (its end): less noisy
+    than the training CE, and the same for peers on one digest. NaN without one."""
+    evals = events(out, name, "eval")
+    return evals[-1]["loss"] if evals else math.nan
+
+
 def one_run(attack: str, honest: int, steps: int, out: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -129,6 +139,7 @@ def one_run(attack: str, honest: int, steps: int, out: Path) -> dict:
     return {
         "attack": attack,
         "honest_ce": sum(final_ce(out, n) for n in names) / len(names),
+        "held_out_ce": sum(held_out_ce(out, n) for n in names) / len(names),
         "ok_rounds": sum(1 for n in names for e in events(out, n, "round") if e["status"] == "ok"),
         "rounds": sum(1 for n in names for e in events(out, n, "round")),
         "excluded_by": len(excluded_at),
@@ -167,12 +178,16 @@ def ce_columns(rows: list[dict]) -> tuple[str, Callable[[dict], str]]:
     is ignored at once), against that. Returns their header and a row's cells."""
     clean = rows[0]["honest_ce"]
     absent = next((r["honest_ce"] for r in rows if r["attack"] == "absent"), None)
+    held_clean = rows[0].get("held_out_ce")  # (bench/lab_attacks.py's rows have none)
 
     def cells(r: dict) -> str:
         out = f"{r['honest_ce']:.4f} | {100 * (r['honest_ce'] / clean - 1):+.2f}%"
-        return out if absent is None else out + f" | {100 * (r['honest_ce'] / absent - 1):+.2f}%"
+        out = out if absent is None else out + f" | {100 * (r['honest_ce'] / absent - 1):+.2f}%"
+        held = r.get("held_out_ce", math.nan)
+        return out if held_clean is None else out + f" | {held:.4f} ({100 * (held / held_clean - 1):+.2f}%)"
 
-    return "honest final CE | vs clean" + (" | vs absent" if absent is not None else ""), cells
+    return ("honest final CE | vs clean" + (" | vs absent" if absent is not None else "")
+            + (" | held-out CE of G (vs clean)" if held_clean is not None else "")), cells
 
 
 def main() -> int:

@@ -595,6 +595,32 @@ def test_a_reducer_that_lies_to_one_member_costs_that_member_only():
         assert all(torch.equal(a.average, b.average) for a, b in zip(results[i].spans, results[0].spans))
 
 
+async def _hold(self, red, member, requests, deadline, timing):
+    """A reducer's _send_average that answers nothing and holds the member's stream until its deadline."""
+    await asyncio.sleep(max(0.0, deadline - time.monotonic()))
+    return
+    yield
+
+
+def test_a_reducer_that_holds_its_average_to_the_deadline_costs_its_span_only():
+    """A modified client's reducer (member 3 of 4) reads every part of its span and never answers, holding each
+    member's stream. A member waits for the averages until a request's time (``connect_timeout``) before the
+    round's deadline, so every honest reducer's list comes after that and before the deadline: the three honest
+    members apply the other three spans, each naming member 3 silent. Before, lists and averages were due at the
+    same moment: the lists came too late and nobody applied the round, or one member alone, which then had to
+    download the others' state (bench/swarm_attacks.py round_breaker)."""
+    torch.manual_seed(10)
+    deltas = [torch.randn(NUMEL) for _ in range(4)]
+    holding = type("AllReduceServicer", (AllReduceServicer,), {"_send_average": _hold})
+    ids, _, rounds, seconds = _rounds(1, deltas, [1.0] * 4, allreduce_timeout=6.0, connect_timeout=1.0,
+                                      servicer_of=lambda i: holding if i == 3 else AllReduceServicer)
+    for i in range(3):
+        res = rounds[0][i]
+        assert res.agreed and res.spans[3].average is None, res.spans
+        assert all(torch.equal(res.spans[j].average, rounds[0][0].spans[j].average) for j in range(3))
+        assert [v.peer for v in res.verdicts if not v.answered] == [str(ids[3])], res.verdicts
+
+
 def test_a_repeat_offender_is_excluded_then_refused_and_skipped():
     """The same attacker (member 3, parts x1000) over four rounds of one group: every honest reducer cuts its
     part hard each round, and at exclude_after = 3 offences excludes it. In round 4 the honest reducers refuse

@@ -96,19 +96,20 @@ async def _remote_span(p2p: P2P, plan: GroupPlan, j: int, values: torch.Tensor, 
                        chunk_elems: int, deadline: float, connect_timeout: float,
                        traffic: Traffic, bandwidth: Bandwidth, timings: list[tuple[int, float]],
                        arrivals: list[tuple[float, float, int]], lost: asyncio.Event,
-                       average: asyncio.Future) -> Optional[list[pb.SpanSeen]]:
+                       average: asyncio.Future, averages_due: float) -> Optional[list[pb.SpanSeen]]:
     """Streams our part of span j to reducer j, resolves ``average`` with its response messages (or the error
-    that ended them), then returns the list of what its member side received of every span, which it sends after
-    an OK average (None if it did not come by ``deadline``). The part is paced by our upload cap and by reducer
-    j's credit; we grant credit on its average if we declared a download cap. Appends ``(bytes, seconds)`` to
-    ``timings`` when the reducer said how much of our part it read in how long (at most what we sent, in at most
-    the time we saw pass before its answer), also when the part came too late; and ``(first, last, bytes)`` of
-    the average's messages to ``arrivals``. The average fails with :class:`ConnectionLost` once ``lost`` is set
-    (our daemon dropped its connection to reducer j: :mod:`peer.net.round.link_watch`). Never raises."""
+    that ended them; by ``averages_due``), then returns the list of what its member side received of every span,
+    which it sends after an OK average (None if it did not come by ``deadline``). The part is paced by our upload
+    cap and by reducer j's credit; we grant credit on its average if we declared a download cap. Appends ``(bytes,
+    seconds)`` to ``timings`` when the reducer said how much of our part it read in how long (at most what we
+    sent, in at most the time we saw pass before its answer), also when the part came too late; and ``(first,
+    last, bytes)`` of the average's messages to ``arrivals``. The average fails with :class:`ConnectionLost` once
+    ``lost`` is set (our daemon dropped its connection to reducer j: :mod:`peer.net.round.link_watch`). Never
+    raises."""
     try:
-        stream, acks, responses = await _read_average(p2p, plan, j, values, weight, chunk_elems, deadline,
+        stream, acks, responses = await _read_average(p2p, plan, j, values, weight, chunk_elems, averages_due,
                                                       connect_timeout, traffic, bandwidth, timings, arrivals,
-                                                      lost)
+                                                      lost, deadline)
     except Exception as e:
         average.set_exception(e)
         return None
@@ -133,10 +134,11 @@ async def _remote_span(p2p: P2P, plan: GroupPlan, j: int, values: torch.Tensor, 
 async def _read_average(p2p: P2P, plan: GroupPlan, j: int, values: torch.Tensor, weight: float,
                         chunk_elems: int, deadline: float, connect_timeout: float,
                         traffic: Traffic, bandwidth: Bandwidth, timings: list[tuple[int, float]],
-                        arrivals: list[tuple[float, float, int]], lost: asyncio.Event
+                        arrivals: list[tuple[float, float, int]], lost: asyncio.Event, hold: float
                         ) -> tuple[ResponseStream, asyncio.Queue, list[pb.ReduceResponse]]:
-    """:func:`_remote_span`'s part and average: the open stream (the caller closes it: after an error, closed
-    here), the queue of our credits (None ends our requests) and the average's messages."""
+    """:func:`_remote_span`'s part and average (by ``deadline``): the open stream (the caller closes it: after an
+    error, closed here; our side of it is held open until ``hold`` at most), the queue of our credits (None ends
+    our requests) and the average's messages."""
     pieces = await asyncio.get_running_loop().run_in_executor(None, encode_pieces, plan.parts, values, chunk_elems)
     opened = time.monotonic()
     span_length = plan.spans[j][1] - plan.spans[j][0]
@@ -156,7 +158,7 @@ async def _read_average(p2p: P2P, plan: GroupPlan, j: int, values: torch.Tensor,
                 await bandwidth.upload.take(msg.ByteSize())
                 yield msg
             # End our side only once we read all we wait for (see AllReduceServicer._send_average).
-            while (count := await asyncio.wait_for(acks.get(), timeout=time_left(deadline))) is not None:
+            while (count := await asyncio.wait_for(acks.get(), timeout=time_left(hold))) is not None:
                 yield pb.ReduceRequest(acknowledged=count)
 
     # Opening the stream dials the reducer: a dead one is detected here, within connect_timeout.
@@ -371,6 +373,9 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
     """
     chunk_elems = max(1, chunk_bytes // 4)
     deadline = time.monotonic() + allreduce_timeout
+    # the averages are due a request's time before the end: every reducer's list (one message) can still come,
+    # also where one span is held to its deadline
+    averages_due = deadline - min(connect_timeout, allreduce_timeout / 4)
     my_start, my_end = plan.spans[plan.my_index]
     bandwidth = bandwidth or Bandwidth()
     red = SpanReduction(plan, part_timeout, chunk_elems, servicer.excluded, lift, servicer.signer)
@@ -398,7 +403,8 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
                 average.add_done_callback(functools.partial(_not_in_group, red, j))
                 lists[j] = asyncio.ensure_future(_remote_span(p2p, plan, j, values, weight, chunk_elems, deadline,
                                                               connect_timeout, traffic, bandwidth, timings,
-                                                              arrivals, watch.lost(str(plan.peer_ids[j])), average))
+                                                              arrivals, watch.lost(str(plan.peer_ids[j])), average,
+                                                              averages_due))
                 tasks.append((j, average))
         results: dict[int, SpanResult] = {}
         for j, task in tasks:
