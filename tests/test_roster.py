@@ -124,3 +124,23 @@ def test_partners_vote_once_per_host_and_keep_the_host_they_were_met_from():
     roster.merge(None, dht_now=101.0, me=ME)  # the heartbeat's next read remembers what the listing resolved
     hosts.learn([])
     assert set(roster.vouched_peers()) == {A, B, C, S1, D, E}
+
+
+def test_a_peer_that_does_not_hold_the_state_it_advertised_is_no_vote_for_a_records_lifetime():
+    """A partner asked for the state its record advertised says it holds none (bench/swarm_attacks.py far_ahead: a
+    record claiming round 1000, tied with the one honest partner's, kept every round ``behind`` and every catch-up
+    failing, 0 of 76 rounds applied): its records are no vote for ``ttl`` seconds, then count again. Before any
+    group, the same holds of the peers our daemon anchors."""
+    now = [100.0]
+    roster = Roster(ttl=30.0, exclusions=Exclusions(threshold=1), admitted=lambda pid: True, clock=lambda: now[0])
+    roster.merge(entries(*(rec(p) for p in (ME, A, B, C))), dht_now=100.0, me=ME)
+    assert set(roster.vouched_peers()) == {ME, A, B, C}  # (no group yet, no host book: every record anchors)
+    roster.unheld(C)
+    assert set(roster.vouched_peers()) == {ME, A, B}
+    roster.met({A, C})
+    assert set(roster.vouched_peers()) == {A}
+    assert C in roster.live_peers()  # (still live: a group target, a member; only its word moves nothing)
+    now[0] += 31.0
+    fresh = [rec(p).model_copy(update={"time": 2.0}) for p in (ME, A, B, C)]  # (the next heartbeat's records)
+    roster.merge(entries(*fresh), dht_now=131.0, me=ME)
+    assert set(roster.vouched_peers()) == {A, C}

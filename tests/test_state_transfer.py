@@ -70,6 +70,33 @@ def test_download_switches_donor_when_one_dies_or_lies():
     assert lies and all("do not match their block digests" in why for why in lies), lies
 
 
+def test_a_donor_that_holds_no_state_at_the_round_asked_for_is_named():
+    """A donor asked for a round it does not serve answers so, and the download says whom (the swarm then takes
+    its records for no vote: test_roster.py); the next donor delivers."""
+    async def main():
+        torch.manual_seed(0)
+        G, v = torch.randn(1000), torch.randn(1000)
+        good = ServedState(0, 9, 90, G, v, digest_of(G, v))
+        p2ps = await p2p_mesh(3)
+        try:
+            for snap, p in zip((ServedState(0, 8, 80, G, v, good.digest), good), p2ps[1:]):
+                servicer = StateServicer(100, **SERVING)
+                servicer.publish(snap)
+                await servicer.add_p2p_handlers(p)
+            unheld: list[str] = []
+            got = await download(p2ps[0], [p.peer_id for p in p2ps[1:]], 0, round_=9, numel=1000,
+                                 digest=good.digest, timeout_per_donor=10, max_chunk_elems=100, parallel=1,
+                                 on_unheld=unheld.append)
+            return good, got, unheld, [str(p.peer_id) for p in p2ps[1:]]
+        finally:
+            for p in p2ps:
+                await p.shutdown()
+
+    good, got, unheld, donors = run_async(main())
+    assert got.round == 9 and torch.equal(got.G, good.G) and torch.equal(got.v, good.v)
+    assert unheld == [donors[0]]  # (the donor of round 8 only; the network's failures are not named)
+
+
 def test_a_donor_that_names_another_round_is_refused_whatever_its_digest(monkeypatch):
     """The state's digest does not say which round it is: a donor serving the right state under another round (or
     a far step) would move the joiner's round counter. The header must name the round asked for."""

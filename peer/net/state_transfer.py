@@ -32,10 +32,15 @@ from peer.util import next_by, short_id, time_left
 
 log = logging.getLogger(__name__)
 PARTS_PER_DONOR = 8  # a download is cut into about this many parts per donor in use: a slow donor holds few
+NO_STATE = "no state for fragment"  # how a donor's answer begins when it holds no state at the round asked for
 
 
 class DownloadError(RuntimeError):
     """No donor delivered a verified state."""
+
+
+class NotHeld(DownloadError):
+    """The donor says it holds no state of the fragment at the round asked for (its record advertised one)."""
 
 
 class DonorLied(DownloadError):
@@ -134,8 +139,7 @@ class StateServicer(ServicerBase):
     async def _serve(self, request: pb.StateRequest, to_requester: Pacer) -> AsyncIterator[pb.StateChunk]:
         snap = self._find(request.fragment, request.round)
         if snap is None:
-            yield pb.StateChunk(fragment=request.fragment, error=f"no state for fragment {request.fragment} "
-                                                                 f"round {request.round}")
+            yield pb.StateChunk(fragment=request.fragment, error=f"{NO_STATE} {request.fragment} round {request.round}")
             return
         numel = snap.G.numel()
         end = numel if request.count == 0 else min(numel, request.offset + request.count)
@@ -214,7 +218,7 @@ async def _fetch(p2p: P2P, donor: PeerID, fragment: int, round_: int, part: tupl
         while filled[0] < end:
             msg = await next_by(stream, deadline)
             if msg.error:
-                raise DownloadError(f"donor says: {msg.error}")
+                raise (NotHeld if msg.error.startswith(NO_STATE) else DownloadError)(f"donor says: {msg.error}")
             if first:  # (every answer's first chunk carries the header)
                 got.check_header(msg)
                 first = False
@@ -244,14 +248,16 @@ async def download(p2p: P2P, donors: Sequence[PeerID], fragment: int, *, round_:
                    timeout_per_donor: Union[float, Mapping[PeerID, float]], max_chunk_elems: int,
                    pacer: Optional[Pacer] = None, parallel: int = 3,
                    on_sample: Optional[Callable[[int, float], None]] = None,
-                   on_lie: Optional[Callable[[str, str], object]] = None) -> ServedState:
+                   on_lie: Optional[Callable[[str, str], object]] = None,
+                   on_unheld: Optional[Callable[[str], object]] = None) -> ServedState:
     """Downloads round ``round_`` of fragment ``fragment`` (``numel`` elements, ``digest``) from up to
     ``parallel`` of ``donors`` at once, part by part, each part verified; a donor that fails a part (dead, slow,
     busy, lying) is dropped and its part goes to the next. Each donor in use gets ``timeout_per_donor`` seconds
     for its parts (a mapping: per donor, e.g. from its declared uplink, peer/net/flow/links.py). ``pacer``: the
     owner's download cap (the donors in use are each declared a share of it). ``on_sample(bytes, seconds)``: what
     came in how long, also when the download fails (the next one's deadlines can then fit the link).
-    ``on_lie(donor, why)``: a donor sent what no honest one sends (:class:`DonorLied`).
+    ``on_lie(donor, why)``: a donor sent what no honest one sends (:class:`DonorLied`); ``on_unheld(donor)``: one
+    said it holds no such state (:class:`NotHeld`).
     Raises :class:`DownloadError` when the donors run out before every part is in."""
     pacer = pacer or Pacer(lambda: 0.0)
     width = max(1, min(parallel, len(donors)))
@@ -298,6 +304,8 @@ async def download(p2p: P2P, donors: Sequence[PeerID], fragment: int, *, round_:
                 errors.append(f"{short_id(donor)}: {type(e).__name__}")
                 if isinstance(e, DonorLied) and on_lie is not None:
                     on_lie(str(donor), str(e))
+                if isinstance(e, NotHeld) and on_unheld is not None:
+                    on_unheld(str(donor))
                 if waiting:  # a fresh donor takes this one's place
                     spawn(waiting.pop(0))
                 return

@@ -287,7 +287,8 @@ class Swarm:
                         timeout_per_donor=timeouts, max_chunk_elems=max(1, self.cfg.chunk_bytes // 4),
                         pacer=self.bandwidth.download, parallel=self.cfg.state_donors, on_sample=self.downlink.observe,
                         on_lie=lambda who, why: self.learn(Lesson((fragment, round_), verdicts=(
-                            PeerVerdict(who, f"fragment {fragment}: {why}", Offence.BAD_STATE),))))
+                            PeerVerdict(who, f"fragment {fragment}: {why}", Offence.BAD_STATE),))),
+                        on_unheld=lambda who: self.learn(Lesson((fragment, round_), unheld=(who,))))
         # (donors run side by side, a failed one's part goes to the next: at worst one after the other)
         total = sum(timeouts.values()) + 5
         try:
@@ -346,8 +347,9 @@ class Swarm:
         return quorum_peers(counted, live, self.roster.partnered, self.peer_id, anchored=self.roster.anchored(live))
 
     def learn(self, lesson: Lesson) -> list[Absent]:
-        """Applies what a round taught (on swarm-net; the one place rounds change the swarm's state): who stayed
-        away (returned), whom we met, verdicts on peers, link samples."""
+        """Applies what a round or a state download taught (on swarm-net; the one place they change the swarm's
+        state): who stayed away (returned), whom we met, verdicts on peers, link samples, donors that advertised a
+        state they do not hold."""
         absent: list[Absent] = []
         if lesson.judge:
             live = self.live_peers()
@@ -359,6 +361,8 @@ class Swarm:
                                                 me=self.peer_id, met=self.roster.partnered, fragment=lesson.here[0])
         if lesson.came is not None:
             self.roster.met(set(lesson.came) - {self.peer_id})
+        for peer in lesson.unheld:
+            self.roster.unheld(peer)
         for verdict in lesson.verdicts:
             self.exclusions.apply(verdict)
         if lesson.uplink:

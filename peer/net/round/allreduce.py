@@ -281,9 +281,9 @@ def _verdict(plan: GroupPlan, j: int, got: SpanResult, results: dict[int, SpanRe
     """What we conclude of remote reducer ``j``: an offence (its span failed our checks), that it answered, that
     it stayed silent (no average from it, whether it timed out, refused or answered an error, while another remote
     reducer's span arrived: the network is not simply ours), or nothing. A reducer that answers every request with
-    an error costs each of its rounds every span (a round applies all or none): threshold such rounds in a row
-    exclude it (:meth:`~peer.net.trust.exclusion.Exclusions.silent`), as they do one that holds streams to the
-    deadline."""
+    an error costs each of its rounds its span (or every span, where the others are too few to apply alone):
+    threshold such rounds in a row exclude it (:meth:`~peer.net.trust.exclusion.Exclusions.silent`), as they do
+    one that holds streams to the deadline."""
     peer, why = str(plan.peer_ids[j]), f"{plan.label}: {got.why}"
     if got.offence:
         return PeerVerdict(peer, why, offence=got.kind)

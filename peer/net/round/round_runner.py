@@ -53,7 +53,8 @@ class Lesson:
     a level of bounded groups is a subset by design), judged against ``invited`` (whom the round last waited for,
     :meth:`SwarmView.invited`); ``verdicts``: what it concluded of peers (offences, reducers
     that answered or stayed silent); ``uplink``/``downlink``: link samples of the all-reduce (``LinkMeter.observe``'s
-    arguments)."""
+    arguments); ``unheld``: state donors that said they hold no state their record advertised
+    (:meth:`~peer.net.view.roster.Roster.unheld`: a state download's lesson)."""
 
     here: tuple[int, int]
     came: Optional[frozenset[str]] = None
@@ -62,6 +63,7 @@ class Lesson:
     verdicts: tuple[PeerVerdict, ...] = ()
     uplink: Optional[tuple] = None
     downlink: Optional[tuple] = None
+    unheld: tuple[str, ...] = ()
 
 
 class SwarmView(Protocol):

@@ -89,8 +89,9 @@ class Exclusions:
     def silent(self, peer: str, detail: str) -> bool:
         """A reducer whose span did not come (it timed out, refused or answered an error) while other reducers' did.
         Once is no offence (a laptop that sleeps mid-round, a link that stalls, a peer killed in the round);
-        ``threshold`` rounds in a row excludes it, as a reducer that holds its members' streams to the deadline, or
-        answers them with errors, every round would otherwise cost every round. True if that excluded it."""
+        ``threshold`` rounds in a row excludes it: a reducer that holds its members' streams to the deadline, or
+        answers them with errors, every round would otherwise cost its span and the round's time in every round it
+        is in. True if that excluded it."""
         with self._lock:
             if peer in self._excluded:
                 return False

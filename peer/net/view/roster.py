@@ -39,7 +39,8 @@ MAX_ARRIVALS = 8
 class Roster:
     """``admitted(peer)``: whether it may take part (authenticated runs: its pass; always true in an open run);
     ``exclusions``: the peers we no longer work with; ``clock``: monotonic seconds (tests pass their own).
-    Written by the heartbeat (:meth:`merge`) and the round's lessons (:meth:`met`), both in the networking thread."""
+    Written by the heartbeat (:meth:`merge`) and the swarm's lessons (:meth:`met`, :meth:`unheld`), both in the
+    networking thread."""
 
     def __init__(self, *, ttl: float, exclusions: Exclusions, admitted: Callable[[str], bool],
                  clock: Callable[[], float] = time.monotonic, hosts: Optional[HostBook] = None):
@@ -49,6 +50,8 @@ class Roster:
         self._known: dict[str, float] = {}  # peer id -> when we last saw it live (pinged when we are alone)
         self._partners: dict[str, float] = {}  # peer id -> when we last were in a group with it
         self._partner_hosts: dict[str, Optional[str]] = {}  # partner id -> its host when last resolved
+        self._ttl = ttl
+        self._unheld: dict[str, float] = {}  # peer id -> until when its records are no vote (:meth:`unheld`)
         self._handed: frozenset[str] = frozenset()  # live others already handed out as arrivals
         self._shuffle = random.Random().shuffle
         self._clock = clock
@@ -104,8 +107,19 @@ class Roster:
         for them; either way one host is one vote, however many of its ids sat in our groups. (Whom a round waits
         for is :mod:`peer.net.view.attendance`'s call: a newcomer has met no one, and a group that never waited
         for it would rarely let it in.)"""
-        live = self.live_peers()
+        now = self._clock()
+        live = {pid: rec for pid, rec in self.live_peers().items() if self._unheld.get(pid, 0.0) <= now}
         return self.partner_votes(live) or self.anchored(live)
+
+    def unheld(self, peer: str) -> None:
+        """``peer``, asked for a state its record advertised, said it holds none: its records are no vote
+        (:meth:`vouched_peers`) for the records' ``ttl``. A record that claims the swarm far ahead, or a state
+        it cannot serve, would otherwise keep every catch-up failing and every round ``behind``. (An honest peer
+        serves its last two states: it says this only after two rounds within one of its heartbeats.)"""
+        now = self._clock()
+        kept = {p: until for p, until in self._unheld.items() if until > now}
+        kept[peer] = now + self._ttl
+        self._unheld = dict(sorted(kept.items(), key=lambda kv: kv[1])[-MAX_PARTNERS:])
 
     def partner_votes(self, live: dict[str, ProgressRecord]) -> dict[str, ProgressRecord]:
         """Of ``live``: our partners' records, at most one per host (the smallest id; loopback and relayed
