@@ -39,7 +39,7 @@ from peer.net.round.link_watch import LinkWatch
 from peer.net.round.reducer import REDUCE, UNKNOWN_GROUP, AllReduceServicer
 from peer.net.round.reduction import Lift, Pieces, SpanReduction, Traffic, decode_piece, encode_pieces
 from peer.net.trust.span_checks import disagreeing, implausible
-from peer.net.trust.span_proofs import Seen, cross_check, may_apply, signed_by, span_digest
+from peer.net.trust.span_proofs import Seen, cross_check, enough_held, may_apply, signed_by, span_digest
 from peer.outer import host_memory
 from peer.outer.codec import CodecError
 from peer.outer.rounds import Span
@@ -324,15 +324,14 @@ def _lost_member(red: SpanReduction, i: int) -> None:
     red.give_up_on(i)
 
 
-def _cross_check(plan: GroupPlan, results: dict[int, SpanResult], mine: list[Seen],
+def _cross_check(plan: GroupPlan, results: dict[int, SpanResult], mine: list[Seen], live: list[int],
                  received: dict[int, Optional[list[pb.SpanSeen]]]) -> bool:
     """Checks the lists of the reducers whose spans we hold against ``mine``
     (:func:`~peer.net.trust.span_proofs.cross_check`), marks in ``results`` what keeps the round from applying:
     a span its reducer sent in two versions (proven: an offence that excludes it at once), a reducer whose list
     lies (an offence) or did not come (as if its span had not: silence); returns whether we apply what we hold
-    (:func:`~peer.net.trust.span_proofs.may_apply`)."""
+    of the ``live`` spans (:func:`~peer.net.trust.span_proofs.may_apply`)."""
     found = cross_check(plan.group_id, [info.span_key for info in plan.infos], mine, received)
-    live = [j for j, (start, end) in enumerate(plan.spans) if end > start]
     agreed = may_apply(mine, found, live, partial=not plan.slots)
     for j, why in found.equivocated.items():
         results[j] = SpanResult(None, why=why, offence=True, kind=Offence.EQUIVOCATION)
@@ -426,8 +425,8 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
         for task in (t for j, t in lists.items() if j not in needed):
             task.cancel()  # (a list from a reducer whose span we lack says nothing we apply)
         agreed = False
-        if len(held) == len(live) or (not plan.slots and 2 * len(held) > len(live)):
-            agreed = _cross_check(plan, results, mine, {j: await task for j, task in needed.items()})
+        if enough_held(len(held), len(live), partial=not plan.slots):
+            agreed = _cross_check(plan, results, mine, live, {j: await task for j, task in needed.items()})
             # (we apply exactly what our list says we hold: that is what the others checked)
             agreed = agreed and held == [j for j in live if (r := results.get(j)) and r.average is not None]
         else:  # (too few spans to apply any: no list is needed)

@@ -125,6 +125,12 @@ def cross_check(group_id: bytes, keys: Sequence[bytes], mine: Sequence[Seen],
     return found
 
 
+def enough_held(held: int, live: int, *, partial: bool) -> bool:
+    """Whether ``held`` of a group's ``live`` spans are enough to apply (:func:`may_apply`): all of them, or with
+    ``partial`` more than half. Below that no list needs reading."""
+    return held == live or (partial and 2 * held > live)
+
+
 def may_apply(mine: Sequence[Seen], found: CrossCheck, live: Sequence[int], *, partial: bool) -> bool:
     """Whether a member applies the spans it holds (``mine``, as published; ``live``: the spans of at least one
     element; ``found``: the cross-check of the lists of the reducers of the spans it holds). Every peer that
@@ -135,10 +141,10 @@ def may_apply(mine: Sequence[Seen], found: CrossCheck, live: Sequence[int], *, p
     - with ``partial`` (a one-level group: a two-level round's other groups apply every slot), only those it holds,
       if they are more than half of ``live`` and every list says exactly that: two such sets share a list.
     """
-    if not found.agrees:
-        return False
     held = [j for j in live if mine[j].digest]
+    if not found.agrees or not enough_held(len(held), len(live), partial=partial):
+        return False
     if len(held) == len(live):
         lacking = Counter(j for spans in found.short.values() for j in spans)
         return all(2 * lacking[j] <= len(live) for j in live)
-    return partial and 2 * len(held) > len(live) and not found.short and not found.beyond
+    return not found.short and not found.beyond
