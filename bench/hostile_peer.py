@@ -20,6 +20,7 @@ ATTACK is one of:
 - ``shadowing``: publishes the same forged state, and records under the honest peers' own ids claiming it,
   1,000 rounds and 10^6 steps ahead (issue 28; signed with its own key, the only one it holds);
 - ``far_ahead``: publishes the same forged state and a record claiming to be 1,000 rounds and 10^6 steps ahead;
+- ``served_ahead``: the same, serving the forged state under the round and digest its record claims;
 - ``forged_donor``: advertises the swarm's digest but serves a negated G to whoever downloads from it;
 - ``stream_hog``: ``HOG_IDENTITIES`` more identities on this peer's host (each its own libp2p daemon) open
   ``HOG_STREAMS`` streams each to every peer this one is connected to (the reduce and download handlers in
@@ -142,8 +143,9 @@ def round_breaker() -> None:
     allreduce.SpanReduction._finalize = never
 
 
-def _forge_published_state() -> None:
-    """What this peer publishes (and serves) is its state with G negated, under that state's own digest."""
+def _forge_published_state(ahead: int = 0) -> None:
+    """What this peer publishes (and serves) is its state with G negated, under that state's own digest, as of
+    ``ahead`` rounds after its own."""
     from peer.net import state_transfer
     from peer.outer.state import digest_of
 
@@ -151,8 +153,8 @@ def _forge_published_state() -> None:
 
     def forged(self, snap):
         G = -snap.G
-        log.warning("HOSTILE: publishing a forged state of fragment %d round %d", snap.fragment, snap.round)
-        publish(self, dataclasses.replace(snap, G=G, digest=digest_of(G, snap.v), blocks=[]))
+        log.warning("HOSTILE: publishing a forged state of fragment %d round %d", snap.fragment, snap.round + ahead)
+        publish(self, dataclasses.replace(snap, G=G, round=snap.round + ahead, digest=digest_of(G, snap.v), blocks=[]))
 
     state_transfer.StateServicer.publish = forged
 
@@ -245,6 +247,13 @@ def far_ahead() -> None:
                        "rounds": [r + 1000 for r in rec["rounds"]], "seeking": [], "past": []})]
 
     _rewrite_records(ahead)
+
+
+def served_ahead() -> None:
+    """``far_ahead`` that serves what its record claims: the forged state under round + 1,000 and its digest."""
+    _forge_published_state(ahead=1000)
+    _rewrite_records(lambda rec: [(b"", {**rec, "step": rec["step"] + 10**6, "round": rec["round"] + 1000,
+                                         "seeking": [], "past": []})])
 
 
 def forged_donor() -> None:
@@ -403,7 +412,7 @@ def phantom_group() -> None:
 
 
 ATTACKS = {f.__name__: f for f in (lying_reducer, erring_reducer, two_faced_reducer, round_breaker, sybil_majority,
-                                   far_ahead, forged_donor, shadowing, stream_hog, record_flood, key_fill,
+                                   far_ahead, served_ahead, forged_donor, shadowing, stream_hog, record_flood, key_fill,
                                    phantom_group)}
 
 

@@ -177,6 +177,29 @@ def test_at_a_round_our_group_applied_only_its_appliers_can_say_our_state_is_off
     assert plan_catch_up(far, "me", [5], ["ours"], joining=False, confirmed=[group])[0].round == 8
 
 
+def test_one_partner_far_ahead_does_not_outvote_an_honest_partner_that_holds_our_state():
+    """bench/swarm_attacks.py far_ahead: a stranger sat in our first group (a partner now, one host, one vote), then
+    claims round 1001 of a state it serves under that state's own digest. Our other partner holds our state: with
+    ours counted that is two holders against one, so nothing is late, nothing behind, nothing downloaded. Without
+    ours it was a tie that the later round won (the forged state adopted)."""
+    records = {"honest": state("honest", [1], ["d1"]), "far": state("far", [1001], ["forged"])}
+    mine = (1, "d1")
+    assert swarm_state(records, "me", 0) == (1001, "forged", ["far"])  # (the tie the attack won)
+    assert swarm_state(records, "me", 0, mine) == (1, "d1", ["honest"])
+    assert plan_catch_up(records, "me", [1], ["d1"], joining=False) == []
+    assert plan_catch_up(records, "me", [1], ["d1"], joining=False, late=True) == []
+    assert launch_gate(records, "me", 0, 2, my_expected=1, mine=mine) is None
+    assert launch_gate(records, "me", 0, 2, my_expected=1).startswith("late")  # (without ours)
+    assert launch_verdict(records, "me", fragment=0, round_=2, expected_round=1, min_group_size=2, mine=mine) is None
+    # the honest partner applied a round we missed: a three-way tie, the later round (one host against one)
+    moved = {**records, "honest": state("honest", [2], ["d2"])}
+    assert swarm_state(moved, "me", 0, mine)[:2] == (1001, "forged")
+    # the state most peers hold wins as before, ours counted like any other: ahead, behind, or a joiner's
+    assert swarm_state({"x": state("x", [7], ["a"]), "y": state("y", [7], ["a"])}, "me", 0, (3, "old"))[:2] == (7, "a")
+    assert swarm_state({"x": state("x", [7], ["a"])}, "me", 0, (3, "old"))[:2] == (7, "a")  # a tie: the later
+    assert swarm_state({"x": state("x", [3], ["b"])}, "me", 0, (3, "a"))[:2] == (3, "a")  # ...then the smaller
+
+
 def test_launch_gate_skips_rounds_the_swarm_is_past():
     records = {p: state(p, [7, 6], ["a", "b"]) for p in ("x", "y")}
     # in step with the swarm (it applied round 7; we applied 7, or have it in flight): launch round 8

@@ -68,6 +68,12 @@ class OurRecord:
         past = self.past
         return [dict(past.get(p, {})) for p in range(num_fragments)]
 
+    def held(self, fragment: int) -> Optional[tuple[int, str]]:
+        """The (applied round, digest) of ``fragment`` that we serve now (None: not published yet): our vote on the
+        swarm's state (consensus.swarm_state's ``mine``)."""
+        snap = self.served.snapshots.get(fragment)
+        return (snap.round, snap.digest) if snap is not None else None
+
     def applied_rounds(self) -> list[int]:
         """Our applied round per fragment, as our published snapshots say ([] before the trainer published all)."""
         snaps = self._snapshots()

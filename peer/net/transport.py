@@ -54,7 +54,8 @@ class SwarmTransport:
                expected_round: int, base: "concurrent.futures.Future[tuple[int, str]]"):
         records, me = self.swarm.live_peers(), self.swarm.peer_id  # as of the last heartbeat: never blocks
         verdict = launch_verdict(records, me, vouched=self.swarm.vouched_peers(), fragment=fragment, round_=round_,
-                                 expected_round=expected_round, min_group_size=self.min_group_size)
+                                 expected_round=expected_round, min_group_size=self.min_group_size,
+                                 mine=self.swarm.ours.held(fragment))
         if verdict is not None:
             status, why = verdict
             return Done(RoundOutcome(fragment, round_, status, group_size=1, error=why))

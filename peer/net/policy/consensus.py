@@ -162,17 +162,25 @@ def digest_at(rec: ProgressRecord, fragment: int, round_: int) -> Optional[str]:
     return next((d for f, r, d in rec.past if f == fragment and r == round_), None)
 
 
-def swarm_state(records: Mapping[str, ProgressRecord], me: str, fragment: int) -> Optional[tuple[int, str, list[str]]]:
-    """The swarm's state of ``fragment``: the (applied round, digest) held by the most other peers (ties: the
-    later round, then the smaller digest), with the holders that can serve it; None if no other peer advertises
-    one. A peer in client mode counts as a holder but is no donor: nobody can dial it (behind a NAT)."""
+def swarm_state(records: Mapping[str, ProgressRecord], me: str, fragment: int,
+                mine: Optional[tuple[int, str]] = None) -> Optional[tuple[int, str, list[str]]]:
+    """The swarm's state of ``fragment``: the (applied round, digest) held by the most peers (ties: the later
+    round, then the smaller digest), with the other holders that can serve it; None if no other peer advertises
+    one. A peer in client mode counts as a holder but is no donor: nobody can dial it (behind a NAT).
+
+    ``mine``: our own (applied round, digest), one holder like any other. Every peer then counts the same holders
+    (the two sides of a healed split agree which state wins instead of each adopting the other's), and a state
+    claimed by one partner, however far ahead, does not outvote an honest partner that holds ours: a tie that
+    went to the later round made one stranger who sat in our first group the swarm's state."""
     holders: dict[tuple[int, str], list[str]] = {}
     for pid, r, d in _others(records, me, fragment):
         holders.setdefault((r, d), []).append(pid)
     if not holders:
         return None
+    if mine is not None:
+        holders.setdefault(mine, []).append(me)
     (best, digest), held = max(holders.items(), key=lambda kv: (len(kv[1]), kv[0][0], [-ord(c) for c in kv[0][1]]))
-    return best, digest, servable(records, held)
+    return best, digest, servable(records, [pid for pid in held if pid != me])
 
 
 def servable(records: Mapping[str, ProgressRecord], holders: Sequence[str]) -> list[str]:
@@ -183,7 +191,8 @@ def servable(records: Mapping[str, ProgressRecord], holders: Sequence[str]) -> l
 
 def launch_verdict(records: Mapping[str, ProgressRecord], me: str, *, fragment: int, round_: int,
                    expected_round: int, min_group_size: int,
-                   vouched: Optional[Mapping[str, ProgressRecord]] = None) -> Optional[tuple[RoundStatus, str]]:
+                   vouched: Optional[Mapping[str, ProgressRecord]] = None,
+                   mine: Optional[tuple[int, str]] = None) -> Optional[tuple[RoundStatus, str]]:
     """Whether round ``round_`` of ``fragment`` goes to the swarm: None, or why not, as the round's status and
     a reason. The one place that decides it, before anything is sent:
 
@@ -194,17 +203,17 @@ def launch_verdict(records: Mapping[str, ProgressRecord], me: str, *, fragment: 
 
     ``expected_round`` is the last round our state will have applied once our rounds in flight land. ``records``
     are every live peer's; ``vouched`` (default: the same) those whose word on the swarm's state counts
-    (:meth:`peer.net.swarm.Swarm.vouched_peers`).
+    (:meth:`peer.net.swarm.Swarm.vouched_peers`); ``mine``: our state's (applied round, digest) (:func:`swarm_state`).
     """
     live = live_count(records, me)
     if live < min_group_size:
         return RoundStatus.ALONE, f"{live} live peer(s) < min_group_size {min_group_size}"
-    why = launch_gate(records if vouched is None else vouched, me, fragment, round_, expected_round)
+    why = launch_gate(records if vouched is None else vouched, me, fragment, round_, expected_round, mine=mine)
     return (RoundStatus.BEHIND, why) if why else None
 
 
 def launch_gate(records: Mapping[str, ProgressRecord], me: str, fragment: int, round_: int,
-                my_expected: int) -> Optional[str]:
+                my_expected: int, *, mine: Optional[tuple[int, str]] = None) -> Optional[str]:
     """Why round ``round_`` of ``fragment`` must not be launched from our state (None: launch it).
 
     ``my_expected`` is the last round our state will have applied once our rounds in flight land.
@@ -219,19 +228,20 @@ def launch_gate(records: Mapping[str, ProgressRecord], me: str, fragment: int, r
     replaces our state, which then differs, with the swarm's a round later. Skipping instead would leave
     us behind again by the time the download is done, round after round.
     """
-    late = swarm_is_past(records, me, fragment, round_)
+    late = swarm_is_past(records, me, fragment, round_, mine=mine)
     if late:
         return late
-    state = swarm_state(records, me, fragment)
+    state = swarm_state(records, me, fragment, mine)
     if state is not None and state[0] >= my_expected + 2:
         return f"behind: our state stops at round {my_expected}, the swarm applied {state[0]}"
     return None
 
 
-def swarm_is_past(records: Mapping[str, ProgressRecord], me: str, fragment: int, round_: int) -> Optional[str]:
+def swarm_is_past(records: Mapping[str, ProgressRecord], me: str, fragment: int, round_: int, *,
+                  mine: Optional[tuple[int, str]] = None) -> Optional[str]:
     """Why no group will form for round ``round_`` of ``fragment`` any more (the swarm's state already
-    includes it: we are late), or None."""
-    state = swarm_state(records, me, fragment)
+    includes it: we are late), or None. ``mine``: our state's (applied round, digest) (:func:`swarm_state`)."""
+    state = swarm_state(records, me, fragment, mine)
     return f"late: the swarm already applied round {state[0]}" if state and state[0] >= round_ else None
 
 
@@ -242,8 +252,8 @@ def plan_catch_up(records: Mapping[str, ProgressRecord], me: str, my_rounds: Seq
                   confirmed: Sequence[Mapping[int, Collection[str]]] = ()) -> list[CatchUp]:
     """Which fragments to download, from the other peers' progress records (pure; see below).
 
-    Rounds here are *applied* rounds (a peer that trained alone does not advance). For each fragment,
-    the swarm's state is :func:`swarm_state`. ``expected``: per fragment, the round our state reaches once our
+    Rounds here are *applied* rounds (a peer that trained alone does not advance). For each fragment, the swarm's
+    state is :func:`swarm_state`, ours counted. ``expected``: per fragment, the round our state reaches once our
     rounds in flight land (default: ``my_rounds``). We download the swarm's state when we are behind:
     ``joining``, by any round; ``late`` (a round was just found late, see :func:`launch_gate`), when the swarm
     is past ``expected``; otherwise by two or more, since a peer may see others a moment after they applied the
@@ -268,7 +278,7 @@ def plan_catch_up(records: Mapping[str, ProgressRecord], me: str, my_rounds: Seq
     """
     plans = []
     for p, (mine_r, mine_d) in enumerate(zip(my_rounds, my_digests)):
-        state = swarm_state(records, me, p)
+        state = swarm_state(records, me, p, (mine_r, mine_d))
         if state is None:
             continue
         best, digest, donors = state

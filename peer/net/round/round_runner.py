@@ -124,6 +124,7 @@ class RoundRunner:
         self.activity = RoundActivity(fragment, round_, RoundStage.MATCHMAKING, self.t0 + self.cfg.matchmaking_timeout)
         self.invited: frozenset[str] = frozenset()  # whom the round last waited for (_expected), for its lesson
         self.counted: frozenset[str] = frozenset()  # the peers our quorum counts, whose number we declared
+        self.base: Optional[tuple[int, str]] = None  # (round, digest) of the state this round applies to, once settled
 
     async def run(self, delta: torch.Tensor, weight: float,
                   base: "concurrent.futures.Future[tuple[int, str]]") -> RoundOutcome:
@@ -137,6 +138,7 @@ class RoundRunner:
             except (asyncio.TimeoutError, asyncio.CancelledError):
                 out.error = "the state this round applies to was not settled (the previous round never applied)"
                 return out
+            self.base = (base_round, out.base)
             group = await self._find_group(delta, weight, base_round, out.base)
             out.matchmaking_seconds = time.monotonic() - self.t0
             if group is None:
@@ -177,7 +179,7 @@ class RoundRunner:
         """Why the search should end now (the swarm is past the round, no one is live, no one is coming)."""
         sw = self.swarm
         records = sw.live_peers()
-        if late := swarm_is_past(sw.vouched_peers(), sw.peer_id, self.fragment, self.round):
+        if late := swarm_is_past(sw.vouched_peers(), sw.peer_id, self.fragment, self.round, mine=self.base):
             return GaveUp(late, RoundStatus.BEHIND)
         if not any(pid != sw.peer_id for pid in records):  # everyone left (a clean stop, or silent for ttl)
             return GaveUp("no other peer is live any more", RoundStatus.ALONE)
