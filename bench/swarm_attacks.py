@@ -129,7 +129,10 @@ def one_run(attack: str, honest: int, steps: int, out: Path) -> dict:
         for proc in procs:
             if proc.returncode is None or proc.session_pids():
                 proc.kill_group(signal.SIGKILL)
-    honest_digests = {e["digest"] for n in names for e in events(out, n, "round") if e.get("digest")}
+    # the states honest rounds produced (a round that did not apply reports the state a peer holds, which may be
+    # one it adopted: a forged state adopted by all was then counted as honest)
+    honest_digests = {e["digest"] for n in names for e in events(out, n, "round")
+                      if e.get("digest") and e["status"] == "ok"}
     excluded_at = {n: e["time"] for n in names for e in events(out, n, "peer_excluded") if e["peer"] == bad_id}
     first_exclusion = min((sum(1 for r in events(out, n, "round") if r["time"] <= t) for n, t in excluded_at.items()),
                           default=None)
