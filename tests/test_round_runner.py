@@ -114,3 +114,24 @@ def test_made_up_ids_that_outvote_our_base_make_the_group_not_ours_and_are_no_do
     out, swarm = decide(monkeypatch, ids, [5] * 7, [BASE] * 3 + [other] * 4)
     assert out.group_base == other and out.status == RoundStatus.MINORITY, out
     assert "declared another base" in out.error and out.appliers == [], out
+
+
+def test_a_search_is_not_given_up_for_a_far_ahead_record_that_ties_our_one_partner():
+    """The search for round 3 ends as ``late`` when the swarm's state is past it. Our base (the state the round
+    applies to) counts as one holder: the partner that holds it and we outvote a record claiming round 1002, which
+    alone against the partner was a tie the later round won (bench/swarm_attacks.py served_ahead)."""
+    from peer.net.trust.records import ProgressRecord
+
+    def rec(pid, round_, digest):
+        return ProgressRecord(peer_id=pid, step=40, round=round_, tokens_per_second=1.0, client_mode=False,
+                              time=0.0, rounds=[round_], digests=[digest])
+
+    swarm = FakeSwarm()
+    records = {"h1": rec("h1", 2, BASE), "far": rec("far", 1002, "ff" * 16)}
+    swarm.live_peers = swarm.vouched_peers = lambda: records
+    runner = RoundRunner(swarm, fragment=0, round_=3, inner_step=60, target_group_size=3, sync_every=20)
+    runner.base = (2, BASE)
+    assert runner._give_up() is None
+    runner.base = None  # (without ours: what the tie did)
+    gave_up = runner._give_up()
+    assert gave_up is not None and gave_up.status == RoundStatus.BEHIND and "1002" in str(gave_up)

@@ -298,3 +298,16 @@ def test_a_frame_declaring_a_huge_length_is_refused_before_its_body_is_read(capl
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_our_record_advertises_and_votes_with_the_state_we_serve():
+    """OurRecord.held: the (round, digest) of the snapshot we serve, our vote on the swarm's state
+    (consensus.swarm_state's ``mine``), and what our record advertises."""
+    from peer.net.our_record import OurRecord
+
+    ours = OurRecord(StateServicer(100, **SERVING))
+    assert ours.held(0) is None and ours.applied_rounds() == []
+    G = torch.arange(8, dtype=torch.float32)
+    ours.publish_snapshot(ServedState(0, 3, 60, G, torch.zeros(8), digest_of(G, torch.zeros(8))))
+    assert ours.held(0) == (3, digest_of(G, torch.zeros(8))) and ours.held(1) is None
+    assert ours.applied_rounds() == [3]
