@@ -168,10 +168,10 @@ def swarm_state(records: Mapping[str, ProgressRecord], me: str, fragment: int,
     round, then the smaller digest), with the other holders that can serve it; None if no other peer advertises
     one. A peer in client mode counts as a holder but is no donor: nobody can dial it (behind a NAT).
 
-    ``mine``: our own (applied round, digest), one holder like any other. Every peer then counts the same holders
-    (the two sides of a healed split agree which state wins instead of each adopting the other's), and a state
-    claimed by one partner, however far ahead, does not outvote an honest partner that holds ours: a tie that
-    went to the later round made one stranger who sat in our first group the swarm's state."""
+    ``mine``: our own (applied round, digest), one holder like any other (every peer that reads the same records
+    then counts the same holders). A state claimed by one partner, however far ahead, does not outvote an honest
+    partner that holds ours: a tie that went to the later round made one stranger who sat in our first group the
+    swarm's state. (With ``tau = H`` our vote is the state before the round in flight, which has no digest yet.)"""
     holders: dict[tuple[int, str], list[str]] = {}
     for pid, r, d in _others(records, me, fragment):
         holders.setdefault((r, d), []).append(pid)
