@@ -53,3 +53,23 @@ def test_the_codec_kernels_load_without_a_debug_line(tmp_path):
     text = log.read_text()
     assert "peer.test: kernels True" in text, text[-2000:]
     assert "numba" not in text, [line for line in text.splitlines() if "numba" in line][:5]
+
+
+def test_every_line_of_the_log_names_the_peer_even_for_a_message_with_line_breaks(tmp_path, restored_logging):
+    """libp2p's dial errors list one address per line: a span's "missing and NOT applied" warning ended on a
+    continuation line without the peer's name (and a reader of single lines missed its end)."""
+    setup_logging("INFO", tmp_path / "peer.log", "peer test")
+    log = logging.getLogger("peer.net.round.allreduce")
+    log.warning("fragment 0 round 2: span 1 is missing: %s (every list agrees)",
+                "Undialable: failed to dial: all dials failed\n  * [/ip4/127.0.0.1/tcp/1] connection refused")
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        log.exception("a round failed")
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    lines = (tmp_path / "peer.log").read_text().splitlines()
+    assert lines[0].endswith("span 1 is missing: Undialable: failed to dial: all dials failed | * [/ip4/127.0.0.1/"
+                             "tcp/1] connection refused (every list agrees)"), lines[0]
+    assert "[peer test]" in lines[0] and "[peer test]" in lines[1] and lines[1].endswith("a round failed")
+    assert lines[2] == "Traceback (most recent call last):" and lines[-1] == "ValueError: boom"  # (as before)

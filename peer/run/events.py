@@ -119,9 +119,18 @@ class _ForgivingFileHandler(logging.FileHandler):
                              f"({sys.exc_info()[1]}); its lines go to the console only until it works again\n")
 
 
+class _OneLine(logging.Formatter):
+    """Each record's message on one line, so that every line of the log names the peer (logs are read line by line:
+    grep, the tests, an operator's tools). A message with line breaks (libp2p's dial errors list one address per
+    line) has each shown as " | "; a traceback still follows its record on lines of its own."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return " | ".join(line.strip() for line in super().formatMessage(record).splitlines() if line.strip())
+
+
 def setup_logging(level: str, log_file: Path, peer_label: str) -> None:
-    """Console (stderr) and file logging; every line names the peer."""
-    fmt = logging.Formatter(f"%(asctime)s %(levelname)s [{peer_label}] %(name)s: %(message)s", "%H:%M:%S")
+    """Console (stderr) and file logging; every line names the peer (:class:`_OneLine`)."""
+    fmt = _OneLine(f"%(asctime)s %(levelname)s [{peer_label}] %(name)s: %(message)s", "%H:%M:%S")
     root = logging.getLogger()
     root.setLevel(level.upper())
     for handler in list(root.handlers):
