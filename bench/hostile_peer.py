@@ -231,29 +231,28 @@ def shadowing() -> None:
         others = sorted(seen - {rec["peer_id"]})
         if others:
             log.warning("HOSTILE: %d records under the ids of %s", len(others), ", ".join(i[-8:] for i in others))
-        ahead = {"step": rec["step"] + 10**6, "round": rec["round"] + 1000, "seeking": [], "past": [],
-                 "rounds": [r + 1000 for r in rec["rounds"]]}
-        return [(None, rec)] + [(f"shadow{i}".encode(), {**rec, **ahead, "peer_id": pid})
+        return [(None, rec)] + [(f"shadow{i}".encode(), {**_ahead(rec, rounds=True), "peer_id": pid})
                                 for i, pid in enumerate(others)]
 
     _rewrite_records(shadow)
 
 
+def _ahead(rec: dict, *, rounds: bool) -> dict:
+    """``rec`` claiming 10^6 steps and 1,000 rounds more (its per-fragment ``rounds`` too if ``rounds``: else they
+    come from a published state that is ahead already), not seeking, with no past."""
+    more = {"rounds": [r + 1000 for r in rec["rounds"]]} if rounds else {}
+    return {**rec, "step": rec["step"] + 10**6, "round": rec["round"] + 1000, "seeking": [], "past": [], **more}
+
+
 def far_ahead() -> None:
     _forge_published_state()
-
-    def ahead(rec):
-        return [(b"", {**rec, "step": rec["step"] + 10**6, "round": rec["round"] + 1000,
-                       "rounds": [r + 1000 for r in rec["rounds"]], "seeking": [], "past": []})]
-
-    _rewrite_records(ahead)
+    _rewrite_records(lambda rec: [(b"", _ahead(rec, rounds=True))])
 
 
 def served_ahead() -> None:
     """``far_ahead`` that serves what its record claims: the forged state under round + 1,000 and its digest."""
     _forge_published_state(ahead=1000)
-    _rewrite_records(lambda rec: [(b"", {**rec, "step": rec["step"] + 10**6, "round": rec["round"] + 1000,
-                                         "seeking": [], "past": []})])
+    _rewrite_records(lambda rec: [(b"", _ahead(rec, rounds=False))])
 
 
 def forged_donor() -> None:
