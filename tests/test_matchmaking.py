@@ -9,7 +9,7 @@ from hivemind.averaging.key_manager import GroupKeyManager
 from helpers import dht_nodes, run_async
 from peer.net.round.group import PROTOCOL_VERSION
 from peer.net.flow.streams import StreamGuard
-from peer.net.round.matchmaking import GaveUp, form_group, round_prefix
+from peer.net.round.matchmaking import GaveUp, LeaderWaits, form_group, round_prefix
 from peer.proto import allreduce_pb2 as pb
 
 GUARD = StreamGuard(per_peer=16, total=64)
@@ -203,6 +203,38 @@ def test_a_leader_assembles_when_a_peer_it_expected_is_no_longer_expected(dhts):
     groups, took = run_async(main())
     assert all(g is not None and sorted(g.gathered) == sorted(map(info, range(2))) for g in groups), groups
     assert took < wait / 2, took
+
+
+@pytest.mark.timeout(120)
+def test_a_leader_waits_for_each_missing_peer_its_allowance_past_the_quorum_and_notes_what_it_waited(dhts):
+    """Two peers the leader expects never come: once most of the expected peers joined (the quorum: the leader and
+    peer 1), each is waited for its own allowance (1 s and 3 s), not ``min_matchmaking_time``; the group assembles
+    when the longer one ran out, and the waits are noted for the round's lesson (peer/net/view/punctuality.py)."""
+    wait = 30.0  # min_matchmaking_time
+
+    async def main():
+        p2ps = [await dht.replicate_p2p() for dht in dhts[:2]]
+        ids = [str(p.peer_id) for p in p2ps]
+        prefix = round_prefix("stragglers", 0, 1)
+        slow, slower = "Qm" + "s" * 44, "Qm" + "t" * 44  # live records, stuck elsewhere: they never come
+        waits = LeaderWaits({slow: 1.0, slower: 3.0}.__getitem__)
+
+        def join(i: int, **kwargs):
+            return asyncio.ensure_future(form_group(
+                p2ps[i], dhts[i], prefix=prefix, gather=info(i), target_group_size=4, min_group_size=2,
+                min_matchmaking_time=wait, request_timeout=2.0, client_mode=False, timeout=2 * wait, guard=GUARD,
+                poll=0.2, **kwargs))
+
+        leader = join(0, expected=lambda: frozenset([*ids, slow, slower]), waits=waits)
+        await leader_declared(dhts[1], prefix)
+        t0 = time.monotonic()
+        groups = await asyncio.gather(leader, join(1))
+        return groups, time.monotonic() - t0, waits.waited, ids
+
+    groups, took, waited, ids = run_async(main())
+    assert all(g is not None and sorted(g.gathered) == sorted(map(info, range(2))) for g in groups), groups
+    assert took < wait / 2, took
+    assert waited == {ids[1]: 0.0, "Qm" + "s" * 44: 1.0, "Qm" + "t" * 44: 3.0}, waited
 
 
 @pytest.mark.timeout(120)

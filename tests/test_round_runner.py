@@ -58,6 +58,9 @@ class FakeSwarm:
     def vouched_speed(self, peer, now):
         return None
 
+    def allowance(self, peer):
+        return self.cfg.matchmaking_time
+
     def invited(self, here):
         return frozenset(HONEST) - {ME}
 

@@ -54,6 +54,10 @@ class SwarmConfig:
             "all.")
     matchmaking_time: float = setting(15.0, help="Seconds a group leader waits for stragglers; the group forms at "
             "once when every live peer joined.")
+    straggler_wait: float = setting(2.0, local=True, help="Seconds per round, on average, that a group this peer "
+            "leads keeps waiting for one peer once more than half of the peers it expects joined: a peer seldom late "
+            "saves up to matchmaking_time, one late at every round costs this much a round "
+            "(peer/net/view/punctuality.py); matchmaking_time or more: wait for every peer as long as for any.")
     matchmaking_timeout: float = setting(30.0, help="Seconds to find a group for a round before the round counts as "
             "missed.")
     matchmaking_patience: float = setting(60.0, local=True, help="Steps schedule: seconds a peer keeps looking for a "
@@ -130,6 +134,7 @@ class SwarmConfig:
                     "dht_timeout", "join_timeout"):
             check(getattr(self, key) > 0, f"swarm.{key}", "> 0 seconds", getattr(self, key))
         check(self.matchmaking_patience >= 0, "swarm.matchmaking_patience", ">= 0 seconds", self.matchmaking_patience)
+        check(self.straggler_wait > 0, "swarm.straggler_wait", "> 0 seconds", self.straggler_wait)
         check(self.min_peers >= 1, "swarm.min_peers", ">= 1", self.min_peers)
         check(self.min_group_size >= 1, "swarm.min_group_size", ">= 1", self.min_group_size)
         check(self.part_timeout < self.allreduce_timeout, "swarm.part_timeout", "< swarm.allreduce_timeout",

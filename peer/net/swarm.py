@@ -26,6 +26,7 @@ from peer.net.flow.bandwidth import Bandwidth
 from peer.net.view.activity import RoundActivity
 from peer.net.policy.agreement import quorum_peers
 from peer.net.view.attendance import Absent, Attendance
+from peer.net.view.punctuality import Punctuality
 from peer.net.plumbing.dial_back import DialBackServicer, nat_verdict
 from peer.net.policy.consensus import live_count
 from peer.outer.aggregate import AggregationRule
@@ -121,6 +122,9 @@ class Swarm:
         self.ours = OurRecord(self.state_servicer)  # what our record says (set by the training thread)
         self.client_mode = cfg.client_mode  # or set at start when nobody outside can dial us (_check_reachability)
         self.attendance = Attendance()  # whom our rounds wait for (peer/net/view/attendance.py; swarm-net only)
+        # how long a group we lead waits for each of them (peer/net/view/punctuality.py; swarm-net only)
+        self.punctuality = Punctuality(per_round=min(cfg.straggler_wait, cfg.matchmaking_time),
+                                       cap=cfg.matchmaking_time)
         self._heartbeat: Optional[Heartbeat] = None  # our record out, everyone's in (set by start())
         # rounds in flight, by (fragment, round): added and removed by run_round on swarm-net, read by activity()
         self._rounds: dict[tuple[int, int], RoundRunner] = {}
@@ -333,6 +337,9 @@ class Swarm:
     def vouched_speed(self, peer: str, now: float) -> Optional[float]:
         return self.roster.speeds.vouched(peer, now)
 
+    def allowance(self, peer: str) -> float:
+        return self.punctuality.allowance(peer, self.roster.partnered)
+
     def invited(self, here: tuple[int, int]) -> frozenset[str]:
         """Whom round ``here`` waits for now (:meth:`Attendance.expected`, of :meth:`Roster.meetable`: a record no
         daemon answers for is not waited for); the round hands its last answer back in its lesson."""
@@ -349,7 +356,7 @@ class Swarm:
     def learn(self, lesson: Lesson) -> list[Absent]:
         """Applies what a round or a state download taught (on swarm-net; the one place they change the swarm's
         state): who stayed away (returned), whom we met, verdicts on peers, link samples, donors that advertised a
-        state they do not hold."""
+        state they do not hold, how long a group we led waited for whom."""
         absent: list[Absent] = []
         if lesson.judge:
             live = self.live_peers()
@@ -361,6 +368,8 @@ class Swarm:
                                                 me=self.peer_id, met=self.roster.partnered, fragment=lesson.here[0])
         if lesson.came is not None:
             self.roster.met(set(lesson.came) - {self.peer_id})
+        if lesson.waited:
+            self.punctuality.settle(dict(lesson.waited), self.roster.partnered, self.live_peers())
         for peer in lesson.unheld:
             self.roster.unheld(peer)
         for verdict in lesson.verdicts:

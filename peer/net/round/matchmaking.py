@@ -15,7 +15,7 @@ import math
 import time
 from typing import AsyncIterator, Callable, Optional
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.averaging.matchmaking import Matchmaking
@@ -26,6 +26,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.timed_storage import MAX_DHT_TIME_DISCREPANCY_SECONDS
 
 from peer.net.round.group import member_info
+from peer.net.view import punctuality
 from peer.net.flow.streams import StreamGuard, drain, single_request
 from peer.proto import allreduce_pb2 as pb
 
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 
 
 class _Matchmaking(Matchmaking):
-    """hivemind's Matchmaking with four changes.
+    """hivemind's Matchmaking with five changes.
 
     - A join request whose stream the leader closed or reset (a leader that just died, or refused us and
       closed first) is a failed request, as hivemind treats a daemon error, instead of an error that ends the
@@ -48,6 +49,9 @@ class _Matchmaking(Matchmaking):
     - A join request that waited for our lock until its follower likely gave up is refused (see :meth:`join`),
       and so is one whose expiration is absurd (:meth:`_sane_expiration`) or whose member info the group plan
       would leave out (:func:`~peer.net.round.group.member_info`): it never gets into a group to fail it.
+    - ``waits`` (:class:`LeaderWaits`): as a leader, a peer of ``expected`` stops being waited for once its
+      allowance ran out past the moment most of them joined (:func:`~peer.net.view.punctuality.waits`); what it
+      waited for each is noted there for the round's lesson.
     - As a follower, a group that ``acceptable`` refuses (not ours by our own count: a hostile leader's made-up
       members, :func:`~peer.net.round.group.holds_our_count`) is declined before any part is sent, and the search
       goes on (:meth:`follower_assemble_group`).
@@ -59,10 +63,27 @@ class _Matchmaking(Matchmaking):
     cap: int = 0
     horizon: float = 0.0  # the longest a follower of this round searches (s), set by form_group
     numel: int = 0  # the fragment's size, from our own member info (set by form_group)
+    waits: Optional[LeaderWaits] = None  # set per instance by form_group (None: wait for every expected peer)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._opened: dict[int, float] = {}  # id(P2PContext) -> when its join stream opened (see join)
+        self._joined: dict[str, float] = {str(self.peer_id): time.monotonic()}  # as a leader: who joined when
+
+    def _wanted(self, joining: Optional[str] = None) -> Optional[frozenset]:
+        """Whose arrival assembles our group now: :attr:`expected`, less the peers :attr:`waits` no longer waits
+        for (``joining``: a follower being accepted, counted in)."""
+        wanted = self.expected()
+        if wanted is None or self.waits is None:
+            return wanted
+        now = time.monotonic()
+        here = [str(self.peer_id), *(str(p) for p in self.current_followers), *([joining] if joining else [])]
+        joined = {peer: self._joined.setdefault(peer, now) for peer in here}
+        wanted, waited = punctuality.waits(wanted, joined, now, self.min_group_size, self.waits.allowance,
+                                           str(self.peer_id))
+        if waited is not None:
+            self.waits.waited = waited
+        return wanted
 
     async def join(self, request: averaging_pb2.JoinRequest, context: P2PContext,
                    opened: float) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
@@ -95,7 +116,7 @@ class _Matchmaking(Matchmaking):
         if refusal is None and (why := member_info(request.gather, self.numel)[1]):
             log.debug("join request of %s refused: %s", context.remote_id, why)
             refusal = averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
-        wanted = self.expected() if refusal is None else None
+        wanted = self._wanted(str(context.remote_id)) if refusal is None else None
         if wanted is not None:
             here = {str(self.peer_id), str(context.remote_id), *(str(p) for p in self.current_followers)}
             if wanted <= here:
@@ -110,7 +131,7 @@ class _Matchmaking(Matchmaking):
                 or not self.is_looking_for_group or self.assembled_group.done():
             return
         async with self.lock_request_join_group:
-            wanted = self.expected()
+            wanted = self._wanted()
             here = {str(self.peer_id), *(str(p) for p in self.current_followers)}
             if (wanted is not None and wanted <= here and self.current_leader is None and self.current_followers
                     and self.is_looking_for_group and not self.assembled_group.done()):
@@ -183,6 +204,16 @@ class JoinServicer(ServicerBase):
 
 
 @dataclass
+class LeaderWaits:
+    """How long a round we lead waits for whom (:mod:`peer.net.view.punctuality`): ``allowance(peer)`` is read,
+    ``waited`` written by the round's search only (its last :func:`~peer.net.view.punctuality.waits`; empty while
+    no quorum of the expected peers joined us)."""
+
+    allowance: Callable[[str], float]
+    waited: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
 class RoundStep:
     """The part of hivemind's StepControl that Matchmaking reads. (StepControl itself expects an
     averager process to attach trigger futures, and complains when garbage-collected without.)"""
@@ -250,7 +281,8 @@ async def form_group(p2p: P2P, dht: DHT, *, prefix: str, gather: bytes, target_g
                      keep_waiting: Callable[[], bool] = lambda: False, patience: float = 0.0,
                      poll: float = 1.0, excluded: Callable[[str], bool] = lambda peer: False,
                      guard: StreamGuard, expected: Callable[[], Optional[frozenset[str]]] = lambda: None,
-                     acceptable: Callable[[GroupInfo], bool] = lambda group: True) -> Optional[GroupInfo]:
+                     acceptable: Callable[[GroupInfo], bool] = lambda group: True,
+                     waits: Optional[LeaderWaits] = None) -> Optional[GroupInfo]:
     """Finds a group for the round named by ``prefix``; None if none formed in time.
 
     ``gather`` (this peer's serialized MemberInfo) reaches every member of the group. The group
@@ -265,15 +297,16 @@ async def form_group(p2p: P2P, dht: DHT, *, prefix: str, gather: bytes, target_g
     (peer ids, ours included, or None; see :func:`peer.net.view.attendance.early_assembly`): as a leader, assemble as
     soon as all of them joined, within the cap of ``target_group_size``; asked again every ``poll`` s (a peer that
     paused or left is no longer expected: its wait ends then, not at ``min_matchmaking_time``). A group that a leader
-    assembled for us is joined only if ``acceptable(group)``; else the search goes on without it.
-    Must run in the event loop that owns ``p2p``.
+    assembled for us is joined only if ``acceptable(group)``; else the search goes on without it. ``waits``: as a
+    leader, how long an expected peer is waited for past the moment most of them joined (None: as long as the
+    search assembles, see :class:`LeaderWaits`). Must run in the event loop that owns ``p2p``.
     """
     schema_hash = hashlib.sha256(prefix.encode()).digest()
     mm = _Matchmaking(p2p, schema_hash, dht, servicer_type=JoinServicer, prefix=prefix,
                       target_group_size=max(target_group_size, min_group_size), min_group_size=min_group_size,
                       min_matchmaking_time=min_matchmaking_time, request_timeout=request_timeout,
                       client_mode=client_mode)
-    mm.expected, mm.acceptable, mm.cap, mm.label = expected, acceptable, mm.target_group_size, prefix
+    mm.expected, mm.acceptable, mm.cap, mm.label, mm.waits = expected, acceptable, mm.target_group_size, prefix, waits
     mm.horizon, mm.numel = timeout + patience + min_matchmaking_time, pb.MemberInfo.FromString(gather).numel
     keys = _RoundKeys(dht, prefix, "", mm.target_group_size)
     keys.excluded = excluded

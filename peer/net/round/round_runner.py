@@ -30,7 +30,7 @@ from peer.net.trust.exclusion import Offence, PeerVerdict
 from peer.net.round.group import PROTOCOL_VERSION, GroupError, GroupPlan, holds_our_count
 from peer.net.round.levels import Levels, plan_levels, swarm_lift
 from peer.net.flow.links import plan_deadlines
-from peer.net.round.matchmaking import GaveUp, form_group, round_prefix
+from peer.net.round.matchmaking import GaveUp, LeaderWaits, form_group, round_prefix
 from peer.outer.aggregate import vouched_caps
 from peer.outer.rounds import RoundOutcome, RoundStatus
 from peer.proto import allreduce_pb2 as pb
@@ -54,7 +54,8 @@ class Lesson:
     :meth:`SwarmView.invited`); ``verdicts``: what it concluded of peers (offences, reducers
     that answered or stayed silent); ``uplink``/``downlink``: link samples of the all-reduce (``LinkMeter.observe``'s
     arguments); ``unheld``: state donors that said they hold no state their record advertised
-    (:meth:`~peer.net.view.roster.Roster.unheld`: a state download's lesson)."""
+    (:meth:`~peer.net.view.roster.Roster.unheld`: a state download's lesson); ``waited``: (peer, seconds) a group we
+    led waited for each peer it expected (:class:`~peer.net.round.matchmaking.LeaderWaits`)."""
 
     here: tuple[int, int]
     came: Optional[frozenset[str]] = None
@@ -64,6 +65,7 @@ class Lesson:
     uplink: Optional[tuple] = None
     downlink: Optional[tuple] = None
     unheld: tuple[str, ...] = ()
+    waited: tuple[tuple[str, float], ...] = ()
 
 
 class SwarmView(Protocol):
@@ -101,6 +103,7 @@ class SwarmView(Protocol):
     def admitted(self, peer: str) -> bool: ...
     def declared_uplink(self) -> float: ...
     def vouched_speed(self, peer: str, now: float) -> Optional[float]: ...
+    def allowance(self, peer: str) -> float: ...
     def invited(self, here: tuple[int, int]) -> frozenset[str]: ...
     def quorum_peers(self, invited: frozenset[str], here: tuple[int, int]) -> frozenset[str]: ...
     def learn(self, lesson: Lesson) -> list["Absent"]: ...
@@ -210,13 +213,19 @@ class RoundRunner:
                              download_bytes_per_second=sw.bandwidth.download.rate(),
                              slots=levels.slots if levels else 0, upload_bytes_per_second=sw.declared_uplink(),
                              base=base, base_round=base_round, expected=count, span_key=sw.servicer.signer.public)
-        return await form_group(
-            sw.p2p, sw.dht, prefix=round_prefix(sw.run_key, self.fragment, self.round),
-            gather=info.SerializeToString(), target_group_size=target, min_group_size=needed,
-            min_matchmaking_time=self.cfg.matchmaking_time, request_timeout=self.cfg.request_timeout,
-            client_mode=sw.client_mode, timeout=self.cfg.matchmaking_timeout, poll=min(1.0, self.cfg.progress_period),
-            give_up=self._give_up, keep_waiting=self._keep_waiting, patience=self.patience,
-            excluded=sw.refused, guard=sw.guard, expected=early, acceptable=self._ours(delta.numel()))
+        waits = LeaderWaits(sw.allowance)
+        try:
+            return await form_group(
+                sw.p2p, sw.dht, prefix=round_prefix(sw.run_key, self.fragment, self.round),
+                gather=info.SerializeToString(), target_group_size=target, min_group_size=needed,
+                min_matchmaking_time=self.cfg.matchmaking_time, request_timeout=self.cfg.request_timeout,
+                client_mode=sw.client_mode, timeout=self.cfg.matchmaking_timeout,
+                poll=min(1.0, self.cfg.progress_period), give_up=self._give_up, keep_waiting=self._keep_waiting,
+                patience=self.patience, excluded=sw.refused, guard=sw.guard, expected=early,
+                acceptable=self._ours(delta.numel()), waits=None if levels else waits)
+        finally:  # (whether or not a group formed: what we waited for as a leader is spent)
+            if waits.waited:
+                sw.learn(Lesson(self.here, waited=tuple(sorted(waits.waited.items()))))
 
     def _ours(self, numel: int) -> Callable[["GroupInfo"], bool]:
         """Whether an assembled group is ours to apply by our own count (one level; two-level groups are judged per
