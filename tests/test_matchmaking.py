@@ -391,3 +391,83 @@ def test_a_follower_declines_a_group_of_made_up_members_and_finds_the_honest_one
     assert theirs is not None and len(theirs.peer_ids) == 6 and ids[3] in map(str, theirs.peer_ids), theirs
     assert all(g is not None for g in honest) and len({g.group_id for g in honest}) == 1, honest
     assert sorted(map(str, honest[0].peer_ids)) == sorted(ids[1:]), honest[0].peer_ids
+
+
+HOLD = 4.0  # seconds the hostile leader searches, holding the follower it took, before it assembles
+
+
+@pytest.mark.timeout(120)
+def test_a_follower_that_declined_a_group_meets_the_honest_leaders_at_once(tmp_path, monkeypatch):
+    """The follower the hostile leader took had declared itself before the honest peers (it led them, by hivemind's
+    order); while it followed the hostile leader, they asked it and were told it follows another. Declining, it
+    searches afresh (a new declaration, without that leader): the honest group forms at once, not when the taken
+    follower's first declaration expires (``min_matchmaking_time``: every round of the phantom_group bench then
+    waited that long)."""
+    from peer.net.round import matchmaking
+    from peer.net.round.group import holds_our_count
+
+    wait = 20.0  # every honest peer's min_matchmaking_time
+    prefix = round_prefix("taken", 0, 1)
+    made_up = pb.MemberInfo(protocol_version=PROTOCOL_VERSION, weight=1.0, numel=10, base="a" * 32, expected=1,
+                            client_mode=True)
+    assemble = matchmaking._Matchmaking.leader_assemble_group
+    hostile: list[str] = []
+    holding = asyncio.Event()  # (created in run_async's loop: asyncio binds it at first use)
+
+    async def with_made_up_members(self):
+        from hivemind.p2p import PeerID
+        fakes = [PeerID(bytes([0, 36, 8, 1, 18, 32]) + bytes([k + 1]) * 32) for k in range(4)] \
+            if str(self.peer_id) in hostile else []
+        for fake in fakes:
+            self.current_followers[fake] = matchmaking.averaging_pb2.JoinRequest(gather=made_up.SerializeToString())
+        try:
+            return await assemble(self)
+        finally:
+            for fake in fakes:
+                self.current_followers.pop(fake, None)
+
+    monkeypatch.setattr(matchmaking._Matchmaking, "leader_assemble_group", with_made_up_members)
+    check = matchmaking._Matchmaking._check_reasons_to_reject
+
+    def one_follower(self, request, context):  # (the hostile leader takes one honest peer only, and holds it)
+        if str(self.peer_id) in hostile and self.current_followers:
+            return matchmaking.averaging_pb2.MessageFromLeader(code=matchmaking.averaging_pb2.GROUP_IS_FULL)
+        refusal = check(self, request, context)
+        if str(self.peer_id) in hostile and refusal is None:
+            holding.set()
+        return refusal
+
+    monkeypatch.setattr(matchmaking._Matchmaking, "_check_reasons_to_reject", one_follower)
+
+    async def main(dhts):
+        p2ps = [await dht.replicate_p2p() for dht in dhts]
+        ids = [str(p.peer_id) for p in p2ps]
+        hostile.append(ids[0])
+        honest = frozenset(ids[1:])
+
+        def join(i: int, min_time: float, target: int, **kwargs):
+            return asyncio.ensure_future(form_group(
+                p2ps[i], dhts[i], prefix=prefix, gather=info(i), target_group_size=target, min_group_size=2,
+                min_matchmaking_time=min_time, request_timeout=2.0, client_mode=False, timeout=2 * wait,
+                guard=GUARD, poll=0.2, **kwargs))
+
+        ours = lambda group: holds_our_count(group, 10, ids)  # noqa: E731
+        expected = lambda: honest  # noqa: E731  (each honest peer waits for the other two)
+        hostile_search = join(0, HOLD, 6)  # (assembles once its min_matchmaking_time is over)
+        await leader_declared(dhts[3], prefix)
+        taken = join(3, wait, 4, acceptable=ours, expected=expected)  # declared first of the honest peers
+        await asyncio.wait_for(holding.wait(), wait)
+        others = [join(i, wait, 4, acceptable=ours, expected=expected) for i in (1, 2)]
+        t0 = time.monotonic()
+        theirs = await hostile_search
+        honest_groups = await asyncio.gather(taken, *others)
+        return ids, theirs, honest_groups, time.monotonic() - t0
+
+    with dht_nodes(4, tmp_path) as dhts:
+        ids, theirs, honest, took = run_async(main(dhts))
+    assert theirs is not None and ids[3] in map(str, theirs.peer_ids), theirs
+    groups = [None if g is None else [ids.index(str(p)) if str(p) in ids else "fake" for p in g.peer_ids]
+              for g in [theirs, *honest]]
+    assert all(g is not None for g in honest) and len({g.group_id for g in honest}) == 1, groups
+    assert sorted(map(str, honest[0].peer_ids)) == sorted(ids[1:]), honest[0].peer_ids
+    assert took < HOLD + wait / 2, took

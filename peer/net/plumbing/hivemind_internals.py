@@ -28,15 +28,16 @@ IN_SUBCLASSES = {  # module: what our subclasses override of a hivemind class or
     # absurd or unplannable ones; it sets ``target_group_size`` to assemble once the expected peers joined), how
     # a follower asks a leader (a stream the leader closed is a failed request, not the end of the search), and
     # assembles between join requests once the expected peers are in (as hivemind's own join handler does: under
-    # ``lock_request_join_group``, while leading, before ``assembled_group`` is set). As a follower it declines a
-    # group the leader assembled that is not ours by our own count (``follower_assemble_group`` returns None, as
-    # hivemind's own path does for a disbanded group, and the search goes on).
+    # ``lock_request_join_group``, while leading, before ``assembled_group`` is set; ``min_group_size``, the
+    # quorum after which a late peer's allowance runs). As a follower it declines a group the leader assembled that
+    # is not ours by our own count (``follower_assemble_group`` returns None, as hivemind's own path does for a
+    # disbanded group, and ends the search with an exception in ``assembled_group``, as hivemind's own errors do).
     "hivemind.averaging.matchmaking": ["Matchmaking._check_reasons_to_reject", "Matchmaking._request_join_group",
                                        "Matchmaking.target_group_size", "Matchmaking.current_followers",
                                        "Matchmaking.request_timeout", "Matchmaking.peer_id",
                                        "Matchmaking.client_mode", "Matchmaking.current_leader",
                                        "Matchmaking.lock_request_join_group", "Matchmaking.assembled_group",
-                                       "Matchmaking.follower_assemble_group"],
+                                       "Matchmaking.follower_assemble_group", "Matchmaking.min_group_size"],
     # peer/net/plumbing/dht_storage.py's BoundedStorage counts the bytes of the records it keeps: it reads the
     # stored entries, once the expired ones are dropped (:func:`drop_expired`).
     "hivemind.dht.storage": ["DHTLocalStorage.data"],

@@ -33,6 +33,9 @@ from peer.proto import allreduce_pb2 as pb
 log = logging.getLogger(__name__)
 
 
+MAX_DECLINED = 4  # groups a round's search declines and starts afresh after (each leader once); then it fails
+
+
 class _Matchmaking(Matchmaking):
     """hivemind's Matchmaking with five changes.
 
@@ -54,7 +57,7 @@ class _Matchmaking(Matchmaking):
       waited for each is noted there for the round's lesson.
     - As a follower, a group that ``acceptable`` refuses (not ours by our own count: a hostile leader's made-up
       members, :func:`~peer.net.round.group.holds_our_count`) is declined before any part is sent, and the search
-      goes on (:meth:`follower_assemble_group`).
+      starts afresh without that leader (:meth:`follower_assemble_group`).
     """
 
     expected: Callable[[], Optional[frozenset]] = staticmethod(lambda: None)  # set per instance by form_group
@@ -69,6 +72,8 @@ class _Matchmaking(Matchmaking):
         super().__init__(*args, **kwargs)
         self._opened: dict[int, float] = {}  # id(P2PContext) -> when its join stream opened (see join)
         self._joined: dict[str, float] = {str(self.peer_id): time.monotonic()}  # as a leader: who joined when
+        self._let_go: set[str] = set()  # expected peers we stopped waiting for (logged once)
+        self.declined: set[str] = set()  # leaders whose groups we declined this round (never asked again)
 
     def _wanted(self, joining: Optional[str] = None) -> Optional[frozenset]:
         """Whose arrival assembles our group now: :attr:`expected`, less the peers :attr:`waits` no longer waits
@@ -79,11 +84,15 @@ class _Matchmaking(Matchmaking):
         now = time.monotonic()
         here = [str(self.peer_id), *(str(p) for p in self.current_followers), *([joining] if joining else [])]
         joined = {peer: self._joined.setdefault(peer, now) for peer in here}
-        wanted, waited = punctuality.waits(wanted, joined, now, self.min_group_size, self.waits.allowance,
-                                           str(self.peer_id))
+        still, waited = punctuality.waits(wanted, joined, now, self.min_group_size, self.waits.allowance,
+                                          str(self.peer_id))
         if waited is not None:
             self.waits.waited = waited
-        return wanted
+        for peer in wanted - still - self._let_go:
+            log.info("%s: no longer waiting for %s: its allowance (%.1f s past the quorum) ran out; it kept our "
+                     "groups waiting before", self.label, peer, waited[peer] if waited else 0.0)
+            self._let_go.add(peer)
+        return still
 
     async def join(self, request: averaging_pb2.JoinRequest, context: P2PContext,
                    opened: float) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
@@ -146,8 +155,11 @@ class _Matchmaking(Matchmaking):
         return math.isfinite(expiration) and now - skew <= expiration <= now + self.horizon + skew
 
     async def follower_assemble_group(self, leader, msg: averaging_pb2.MessageFromLeader) -> Optional[GroupInfo]:
-        """hivemind's, for a group that :attr:`acceptable` takes; for another, None: the search goes on as if the
-        leader had disbanded it (it does not get our part)."""
+        """hivemind's, for a group that :attr:`acceptable` takes. Another is declined (it does not get our part):
+        the search ends with :class:`Declined`, for :func:`form_group` to search afresh without that leader. Going
+        on in the same search cost the honest group a ``matchmaking_time``: the leaders that asked us to join them
+        while we followed the hostile one were told we follow it, and hivemind asks a peer once per declaration,
+        while we, declared earlier than them, wait to be asked (we lead, by hivemind's order) until ours expires."""
         try:
             group = GroupInfo(msg.group_id, tuple(PeerID(p) for p in msg.ordered_peer_ids), tuple(msg.gathered))
         except Exception as e:  # (malformed: hivemind's own checks and the group plan refuse it)
@@ -156,6 +168,9 @@ class _Matchmaking(Matchmaking):
         if len(group.peer_ids) == len(group.gathered) and not self.acceptable(group):
             log.info("%s: declined the group of %d that %s assembled: not ours by our own count", self.label,
                      len(group.peer_ids), leader)
+            self.declined.add(str(leader))
+            if not self.assembled_group.done():
+                self.assembled_group.set_exception(Declined(str(leader)))
             return None
         return await super().follower_assemble_group(leader, msg)
 
@@ -165,6 +180,11 @@ class _Matchmaking(Matchmaking):
         except ConnectionError as e:
             log.debug("join request to %s failed: %s: %s", leader, type(e).__name__, e)
             return None
+
+
+class Declined(Exception):
+    """Our search ended: we declined the group the named leader assembled (see
+    :meth:`_Matchmaking.follower_assemble_group`)."""
 
 
 class JoinServicer(ServicerBase):
@@ -309,7 +329,7 @@ async def form_group(p2p: P2P, dht: DHT, *, prefix: str, gather: bytes, target_g
     mm.expected, mm.acceptable, mm.cap, mm.label, mm.waits = expected, acceptable, mm.target_group_size, prefix, waits
     mm.horizon, mm.numel = timeout + patience + min_matchmaking_time, pb.MemberInfo.FromString(gather).numel
     keys = _RoundKeys(dht, prefix, "", mm.target_group_size)
-    keys.excluded = excluded
+    keys.excluded = lambda peer: excluded(peer) or peer in mm.declined
     mm.group_key_manager = keys
     servicer = JoinServicer(mm, guard=guard, request_timeout=request_timeout,
                             stream_timeout=timeout + patience + min_matchmaking_time, excluded=excluded)
@@ -326,6 +346,12 @@ async def form_group(p2p: P2P, dht: DHT, *, prefix: str, gather: bytes, target_g
     try:
         while True:
             finished = (await asyncio.wait({search}, timeout=poll))[0]
+            if finished and isinstance(search.exception(), Declined):
+                if len(mm.declined) > MAX_DECLINED:
+                    return None
+                # afresh: a new declaration, which the leaders that asked us while we followed that one ask again
+                search = search_until(start + timeout)
+                continue
             if finished and search.result() is not None:
                 return search.result()
             if not finished and (stop := give_up()):
