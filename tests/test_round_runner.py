@@ -138,3 +138,23 @@ def test_a_search_is_not_given_up_for_a_far_ahead_record_that_ties_our_one_partn
     runner.base = None  # (without ours: what the tie did)
     gave_up = runner._give_up()
     assert gave_up is not None and gave_up.status == RoundStatus.BEHIND and "1002" in str(gave_up)
+
+
+def test_what_a_search_we_led_waited_for_each_peer_is_handed_back_as_a_lesson(monkeypatch):
+    """The waits a leader noted (peer/net/view/punctuality.py) reach the swarm, which settles each peer's allowance,
+    whether or not a group formed; the search reads the swarm's allowances."""
+    seen = {}
+
+    async def led(*args, waits, **kwargs):
+        seen["allowance"] = waits.allowance("A")
+        waits.waited = {"A": 0.0, "B": 2.5}
+        return None
+
+    monkeypatch.setattr(round_runner, "form_group", led)
+    swarm = FakeSwarm()
+    swarm.servicer = SimpleNamespace(signer=SimpleNamespace(public=bytes(32)))
+    swarm.bandwidth = SimpleNamespace(download=SimpleNamespace(rate=lambda: 0.0))
+    runner = RoundRunner(swarm, fragment=0, round_=3, inner_step=60, target_group_size=len(HONEST), sync_every=20)
+    assert asyncio.run(runner._find_group(torch.ones(NUMEL), 1.0, 2, BASE)) is None
+    assert seen["allowance"] == swarm.cfg.matchmaking_time
+    assert [lesson.waited for lesson in swarm.lessons] == [(("A", 0.0), ("B", 2.5))]

@@ -89,8 +89,9 @@ class _Matchmaking(Matchmaking):
         if waited is not None:
             self.waits.waited = waited
         for peer in wanted - still - self._let_go:
-            log.info("%s: no longer waiting for %s: its allowance (%.1f s past the quorum) ran out; it kept our "
-                     "groups waiting before", self.label, peer, waited[peer] if waited else 0.0)
+            log.info("%s: no longer waiting for %s: %.1f s past the quorum, its allowance is spent (by earlier "
+                     "waits for it, or for strangers: peer/net/view/punctuality.py)", self.label, peer,
+                     waited[peer] if waited else 0.0)
             self._let_go.add(peer)
         return still
 
@@ -317,7 +318,8 @@ async def form_group(p2p: P2P, dht: DHT, *, prefix: str, gather: bytes, target_g
     (peer ids, ours included, or None; see :func:`peer.net.view.attendance.early_assembly`): as a leader, assemble as
     soon as all of them joined, within the cap of ``target_group_size``; asked again every ``poll`` s (a peer that
     paused or left is no longer expected: its wait ends then, not at ``min_matchmaking_time``). A group that a leader
-    assembled for us is joined only if ``acceptable(group)``; else the search goes on without it. ``waits``: as a
+    assembled for us is joined only if ``acceptable(group)``; else the search starts afresh without that leader (a
+    round declines at most ``MAX_DECLINED`` groups, then ends with None). ``waits``: as a
     leader, how long an expected peer is waited for past the moment most of them joined (None: as long as the
     search assembles, see :class:`LeaderWaits`). Must run in the event loop that owns ``p2p``.
     """
