@@ -2,6 +2,7 @@
 
 import asyncio
 import time
+from typing import Callable
 
 import pytest
 from hivemind.averaging.key_manager import GroupKeyManager
@@ -337,22 +338,18 @@ def test_the_leader_holds_a_join_stream_until_its_follower_closes_it():
     assert still_open == 0  # the follower's close ended the second stream at once
 
 
-@pytest.mark.timeout(120)
-def test_a_follower_declines_a_group_of_made_up_members_and_finds_the_honest_one(tmp_path, monkeypatch):
-    """A hostile leader (bench/hostile_peer.py phantom_group) ends its search first, so honest peers ask it first,
-    and assembles with the first follower and made-up client-mode ids that declare a count of 1. Each of the three
-    honest peers counts the four real ones: the one taken declines that group before sending anything (2 of 4), and
-    meets the other two (3 of 4)."""
+def made_up_leader(monkeypatch, hostile: list[str], *, one_follower: bool = False,
+                   accepted: Callable[[], None] = lambda: None) -> None:
+    """Makes the peers named in ``hostile`` (filled in later) lead as bench/hostile_peer.py phantom_group does: the
+    group they assemble adds four made-up client-mode ids declaring a count of 1; with ``one_follower``, they take
+    one follower only (``accepted()`` is called when they do) and refuse the others."""
     from hivemind.p2p import PeerID
 
     from peer.net.round import matchmaking
-    from peer.net.round.group import holds_our_count
 
-    prefix = round_prefix("phantoms", 0, 1)
     made_up = pb.MemberInfo(protocol_version=PROTOCOL_VERSION, weight=1.0, numel=10, base="a" * 32, expected=1,
                             client_mode=True)
-    assemble = matchmaking._Matchmaking.leader_assemble_group
-    hostile: list[str] = []
+    assemble, check = matchmaking._Matchmaking.leader_assemble_group, matchmaking._Matchmaking._check_reasons_to_reject
 
     async def with_made_up_members(self):
         fakes = [PeerID(bytes([0, 36, 8, 1, 18, 32]) + bytes([k + 1]) * 32) for k in range(4)] \
@@ -365,7 +362,30 @@ def test_a_follower_declines_a_group_of_made_up_members_and_finds_the_honest_one
             for fake in fakes:
                 self.current_followers.pop(fake, None)
 
+    def takes_one(self, request, context):
+        if str(self.peer_id) in hostile and self.current_followers:
+            return matchmaking.averaging_pb2.MessageFromLeader(code=matchmaking.averaging_pb2.GROUP_IS_FULL)
+        refusal = check(self, request, context)
+        if str(self.peer_id) in hostile and refusal is None:
+            accepted()
+        return refusal
+
     monkeypatch.setattr(matchmaking._Matchmaking, "leader_assemble_group", with_made_up_members)
+    if one_follower:
+        monkeypatch.setattr(matchmaking._Matchmaking, "_check_reasons_to_reject", takes_one)
+
+
+@pytest.mark.timeout(120)
+def test_a_follower_declines_a_group_of_made_up_members_and_finds_the_honest_one(tmp_path, monkeypatch):
+    """A hostile leader (bench/hostile_peer.py phantom_group) ends its search first, so honest peers ask it first,
+    and assembles with the first follower and made-up client-mode ids that declare a count of 1. Each of the three
+    honest peers counts the four real ones: the one taken declines that group before sending anything (2 of 4), and
+    meets the other two (3 of 4)."""
+    from peer.net.round.group import holds_our_count
+
+    prefix = round_prefix("phantoms", 0, 1)
+    hostile: list[str] = []
+    made_up_leader(monkeypatch, hostile)
 
     async def main(dhts):
         p2ps = [await dht.replicate_p2p() for dht in dhts]
@@ -403,41 +423,13 @@ def test_a_follower_that_declined_a_group_meets_the_honest_leaders_at_once(tmp_p
     searches afresh (a new declaration, without that leader): the honest group forms at once, not when the taken
     follower's first declaration expires (``min_matchmaking_time``: every round of the phantom_group bench then
     waited that long)."""
-    from peer.net.round import matchmaking
     from peer.net.round.group import holds_our_count
 
     wait = 20.0  # every honest peer's min_matchmaking_time
     prefix = round_prefix("taken", 0, 1)
-    made_up = pb.MemberInfo(protocol_version=PROTOCOL_VERSION, weight=1.0, numel=10, base="a" * 32, expected=1,
-                            client_mode=True)
-    assemble = matchmaking._Matchmaking.leader_assemble_group
     hostile: list[str] = []
     holding = asyncio.Event()  # (created in run_async's loop: asyncio binds it at first use)
-
-    async def with_made_up_members(self):
-        from hivemind.p2p import PeerID
-        fakes = [PeerID(bytes([0, 36, 8, 1, 18, 32]) + bytes([k + 1]) * 32) for k in range(4)] \
-            if str(self.peer_id) in hostile else []
-        for fake in fakes:
-            self.current_followers[fake] = matchmaking.averaging_pb2.JoinRequest(gather=made_up.SerializeToString())
-        try:
-            return await assemble(self)
-        finally:
-            for fake in fakes:
-                self.current_followers.pop(fake, None)
-
-    monkeypatch.setattr(matchmaking._Matchmaking, "leader_assemble_group", with_made_up_members)
-    check = matchmaking._Matchmaking._check_reasons_to_reject
-
-    def one_follower(self, request, context):  # (the hostile leader takes one honest peer only, and holds it)
-        if str(self.peer_id) in hostile and self.current_followers:
-            return matchmaking.averaging_pb2.MessageFromLeader(code=matchmaking.averaging_pb2.GROUP_IS_FULL)
-        refusal = check(self, request, context)
-        if str(self.peer_id) in hostile and refusal is None:
-            holding.set()
-        return refusal
-
-    monkeypatch.setattr(matchmaking._Matchmaking, "_check_reasons_to_reject", one_follower)
+    made_up_leader(monkeypatch, hostile, one_follower=True, accepted=holding.set)  # (it holds the one it takes)
 
     async def main(dhts):
         p2ps = [await dht.replicate_p2p() for dht in dhts]

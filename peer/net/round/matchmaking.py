@@ -33,7 +33,7 @@ from peer.proto import allreduce_pb2 as pb
 log = logging.getLogger(__name__)
 
 
-MAX_DECLINED = 4  # groups a round's search declines and starts afresh after (each leader once); then it fails
+MAX_DECLINED = 4  # fresh starts of a round's search after declined groups (each leader once); the next decline ends it
 
 
 class _Matchmaking(Matchmaking):
@@ -318,10 +318,10 @@ async def form_group(p2p: P2P, dht: DHT, *, prefix: str, gather: bytes, target_g
     (peer ids, ours included, or None; see :func:`peer.net.view.attendance.early_assembly`): as a leader, assemble as
     soon as all of them joined, within the cap of ``target_group_size``; asked again every ``poll`` s (a peer that
     paused or left is no longer expected: its wait ends then, not at ``min_matchmaking_time``). A group that a leader
-    assembled for us is joined only if ``acceptable(group)``; else the search starts afresh without that leader (a
-    round declines at most ``MAX_DECLINED`` groups, then ends with None). ``waits``: as a
-    leader, how long an expected peer is waited for past the moment most of them joined (None: as long as the
-    search assembles, see :class:`LeaderWaits`). Must run in the event loop that owns ``p2p``.
+    assembled for us is joined only if ``acceptable(group)``; else the search starts afresh without that leader
+    (at most ``MAX_DECLINED`` times; the next decline ends it with None). ``waits``: as a leader, how long an
+    expected peer is waited for past the moment most of them joined (None: as long as the search assembles, see
+    :class:`LeaderWaits`). Must run in the event loop that owns ``p2p``.
     """
     schema_hash = hashlib.sha256(prefix.encode()).digest()
     mm = _Matchmaking(p2p, schema_hash, dht, servicer_type=JoinServicer, prefix=prefix,
