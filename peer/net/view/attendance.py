@@ -30,6 +30,12 @@ ANY = -1  # the scope of rounds of every fragment (a fragment's own scope is its
 MAX_TRACKED = 4096  # peers remembered (a record per live id; ids that are no longer live are forgotten)
 
 
+def judged_as(peer: str, met: Callable[[str], bool]) -> str:
+    """Under which key ``peer`` is judged: its id if we were in a group with it (``met``), else
+    :data:`STRANGERS` (fresh ids cost nothing: per-id bookkeeping would be theirs to inflate)."""
+    return peer if met(peer) else STRANGERS
+
+
 @dataclass
 class _Absence:
     missed: int = 0  # rounds in a row it was invited to and did not come
@@ -62,9 +68,6 @@ class Attendance:
         # (who, scope) -> its record, for those that missed at least once; scope: ANY or a fragment
         self._absence: dict[tuple[str, int], _Absence] = {}
 
-    def _key(self, peer: str, met: Callable[[str], bool]) -> str:
-        return peer if met(peer) else STRANGERS
-
     def _scoped(self, key: str, fragment: Optional[int]) -> list[_Absence]:
         """``key``'s records in the scopes that judge a round of ``fragment`` (None: every fragment's only)."""
         scopes = (ANY,) if fragment is None else (ANY, fragment)
@@ -84,7 +87,7 @@ class Attendance:
         seeking, fragment = list(here), here[0]
 
         def invited(pid: str, rec: ProgressRecord) -> bool:
-            scoped = self._scoped(self._key(pid, met), fragment)
+            scoped = self._scoped(judged_as(pid, met), fragment)
             if all(self._due(a) for a in scoped):
                 return True
             return met(pid) and all(a.claims < self.claims for a in scoped) and (
@@ -168,7 +171,7 @@ class Attendance:
         strangers_absent = self.absent(STRANGERS, fragment)
 
         def key_of(pid: str) -> str:
-            return pid if strangers_absent and pid in came else self._key(pid, met)
+            return pid if strangers_absent and pid in came else judged_as(pid, met)
         keys: dict[str, list[str]] = {}
         for pid in live:
             if pid != me:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Mapping, Optional
 
-from peer.net.view.attendance import MAX_TRACKED, STRANGERS
+from peer.net.view.attendance import MAX_TRACKED, STRANGERS, judged_as
 
 
 def waits(wanted: frozenset[str], joined: Mapping[str, float], now: float, quorum: int,
@@ -59,13 +59,9 @@ class Punctuality:
         self.per_round, self.cap = per_round, cap
         self._left: dict[str, float] = {}  # key (peer id or STRANGERS) -> allowance left, for those below the cap
 
-    @staticmethod
-    def _key(peer: str, met: Callable[[str], bool]) -> str:
-        return peer if met(peer) else STRANGERS
-
     def allowance(self, peer: str, met: Callable[[str], bool]) -> float:
         """Seconds a group we lead may wait for ``peer`` past its quorum now."""
-        return self._left.get(self._key(peer, met), self.cap)
+        return self._left.get(judged_as(peer, met), self.cap)
 
     def settle(self, waited: Mapping[str, float], met: Callable[[str], bool], live: Iterable[str]) -> None:
         """Learns from a round we led: ``waited`` is :func:`waits`' last answer (seconds per peer it expected).
@@ -74,7 +70,7 @@ class Punctuality:
         back starts with the whole allowance)."""
         spent: dict[str, float] = {}
         for peer, seconds in waited.items():
-            key = self._key(peer, met)
+            key = judged_as(peer, met)
             spent[key] = max(spent.get(key, 0.0), seconds)
         for key, seconds in spent.items():
             left = min(self.cap, max(0.0, self._left.get(key, self.cap) - seconds) + self.per_round)
