@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from peer.net.policy.consensus import (in_step_with, laggards, launch_gate, launch_verdict, nobody_coming,
 plan_catch_up,
-                                projected_step, realign, step_after_catch_up, swarm_state)
+                                projected_step, realign, step_after_catch_up, swarm_is_past, swarm_state)
 from peer.net.trust.records import ProgressRecord
 from peer.outer.rounds import RoundStatus
 from peer.outer.schedule import last_sync_step, next_sync_step, sync_step
@@ -198,6 +198,33 @@ def test_one_partner_far_ahead_does_not_outvote_an_honest_partner_that_holds_our
     assert swarm_state({"x": state("x", [7], ["a"]), "y": state("y", [7], ["a"])}, "me", 0, (3, "old"))[:2] == (7, "a")
     assert swarm_state({"x": state("x", [7], ["a"])}, "me", 0, (3, "old"))[:2] == (7, "a")  # a tie: the later
     assert swarm_state({"x": state("x", [3], ["b"])}, "me", 0, (3, "a"))[:2] == (3, "a")  # ...then the smaller
+
+
+def test_a_tie_goes_to_the_state_more_live_records_hold_then_to_the_later_round():
+    """bench/swarm_attacks.py served_ahead, authenticated: before its first group a peer's votes are its own and the
+    records of the peers its daemon lists a connection with. The attacker was the only one listed yet: its round 1000
+    tied our initial state, the later round won, and the peer downloaded the forged state and jumped to its step.
+    The three honest records holding our state were live: a tie now goes to what more live records hold."""
+    vouched = {"x": state("x", [1000], ["forged"])}
+    live = {**vouched, **{p: state(p, [0], ["init"]) for p in ("h0", "h1", "h2")}}
+    mine = (0, "init")
+    assert swarm_state(vouched, "me", 0, mine) == (1000, "forged", ["x"])  # (what the attack won)
+    assert swarm_state(vouched, "me", 0, mine, support=live)[:2] == (0, "init")
+    assert plan_catch_up(vouched, "me", [0], ["init"], joining=True, support=live) == []
+    assert launch_verdict(live, "me", vouched=vouched, fragment=0, round_=1, expected_round=0, min_group_size=2,
+                          mine=mine) is None  # (launch_verdict's live records are the support)
+    assert swarm_is_past(vouched, "me", 0, 1, mine=mine, support=live) is None  # (a round's search goes on)
+    # a joiner of a two-peer swarm still takes the other peer's state: as many live records hold each
+    alone = {"p": state("p", [50], ["d50"])}
+    assert plan_catch_up(alone, "me", [0], ["init"], joining=True, support=alone)[0].round == 50
+    assert launch_gate(alone, "me", 0, 1, my_expected=0, mine=mine, support=alone).startswith("late")
+    # support breaks ties only: two vouched holders outvote one, however many live records back the one
+    two = {"p": state("p", [50], ["d50"]), "q": state("q", [50], ["d50"])}
+    assert swarm_state(two, "me", 0, mine, support={**two, **live})[:2] == (50, "d50")
+    # the honest partner applied a round we missed and a far-ahead partner ties it: the others' records decide
+    partners = {"honest": state("honest", [2], ["d2"]), "far": state("far", [1001], ["forged"])}
+    others = {**partners, "h1": state("h1", [2], ["d2"])}
+    assert swarm_state(partners, "me", 0, (1, "d1"), support=others)[:2] == (2, "d2")
 
 
 def test_launch_gate_skips_rounds_the_swarm_is_past():

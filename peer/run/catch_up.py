@@ -148,13 +148,15 @@ class StateSync:
         engine, late = self.engine, self.late
         self.late, self._checked_at = False, time.monotonic()
         records = self.swarm.vouched_peers()  # (a joiner's too: sybil ids no daemon answers for move nothing)
+        live = self.swarm.live_peers()
         expected = [engine.expected_round(p) for p in range(len(engine.states))]
         plans = plan_catch_up(records, self.swarm.peer_id, [st.last_applied for st in engine.states],
                               [self.digest(p) for p in range(len(engine.states))],
                               joining=joining, expected=expected, late=late, suspect=sorted(self._suspect),
                               my_past=self.swarm.ours.recent_digests(len(engine.states)),
-                              confirmed=[self._confirmed.get(p, {}) for p in range(len(engine.states))])
-        owed = self._owed_plans(self.swarm.live_peers())
+                              confirmed=[self._confirmed.get(p, {}) for p in range(len(engine.states))],
+                              support=live)
+        owed = self._owed_plans(live)
         plans = [plan for plan in plans if plan.fragment not in owed] + list(owed.values())
         self._recheck = any(plan.wait for plan in plans if plan.fragment not in owed)
         for plan in plans:

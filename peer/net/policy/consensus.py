@@ -162,24 +162,43 @@ def digest_at(rec: ProgressRecord, fragment: int, round_: int) -> Optional[str]:
     return next((d for f, r, d in rec.past if f == fragment and r == round_), None)
 
 
+def _holders(records: Mapping[str, ProgressRecord], me: str, fragment: int,
+             mine: Optional[tuple[int, str]]) -> dict[tuple[int, str], list[str]]:
+    """{(applied round, digest) of ``fragment``: the peers of ``records`` that hold it}, ``me`` holding ``mine``."""
+    holders: dict[tuple[int, str], list[str]] = {}
+    for pid, r, d in _others(records, me, fragment):
+        holders.setdefault((r, d), []).append(pid)
+    if mine is not None:
+        holders.setdefault(mine, []).append(me)
+    return holders
+
+
 def swarm_state(records: Mapping[str, ProgressRecord], me: str, fragment: int,
-                mine: Optional[tuple[int, str]] = None) -> Optional[tuple[int, str, list[str]]]:
-    """The swarm's state of ``fragment``: the (applied round, digest) held by the most peers (ties: the later
-    round, then the smaller digest), with the other holders that can serve it; None if no other peer advertises
-    one. A peer in client mode counts as a holder but is no donor: nobody can dial it (behind a NAT).
+                mine: Optional[tuple[int, str]] = None, *, support: Optional[Mapping[str, ProgressRecord]] = None
+                ) -> Optional[tuple[int, str, list[str]]]:
+    """The swarm's state of ``fragment``: the (applied round, digest) held by the most peers of ``records`` (ties:
+    the one more ``support`` records hold, then the later round, then the smaller digest), with the other holders
+    that can serve it; None if no other peer advertises one. A peer in client mode counts as a holder but is no
+    donor: nobody can dial it (behind a NAT).
 
     ``mine``: our own (applied round, digest), one holder like any other (every peer that reads the same records
     then counts the same holders). A state claimed by one partner, however far ahead, does not outvote an honest
     partner that holds ours: a tie that went to the later round made one stranger who sat in our first group the
-    swarm's state. (With ``tau = H`` our vote is the state before the round in flight, which has no digest yet.)"""
-    holders: dict[tuple[int, str], list[str]] = {}
-    for pid, r, d in _others(records, me, fragment):
-        holders.setdefault((r, d), []).append(pid)
-    if not holders:
+    swarm's state. (With ``tau = H`` our vote is the state before the round in flight, which has no digest yet.)
+
+    ``support``: every live record (``records`` are the vouched ones: :meth:`peer.net.swarm.Swarm.vouched_peers`),
+    the word on a tie. Before its first group a peer's votes are its own and those of the peers its daemon holds a
+    connection with; an attacker that is the first such peer tied our initial state with a round far ahead while
+    the honest records holding ours were live but not listed yet, and the later round won. A tie goes to the later
+    round only when as many live records hold each state (a joiner of a two-peer swarm takes the other's). Made-up
+    ids can only break a tie: hold a joiner of a two-peer swarm on its own state (as one connected peer of theirs
+    already can) or hand it the later round (as without them)."""
+    holders = _holders(records, me, fragment, mine)
+    if not any(pid != me for held in holders.values() for pid in held):
         return None
-    if mine is not None:
-        holders.setdefault(mine, []).append(me)
-    (best, digest), held = max(holders.items(), key=lambda kv: (len(kv[1]), kv[0][0], [-ord(c) for c in kv[0][1]]))
+    backers = {} if support is None else _holders(support, me, fragment, mine)
+    (best, digest), held = max(holders.items(), key=lambda kv: (len(kv[1]), len(backers.get(kv[0], ())), kv[0][0],
+                                                                [-ord(c) for c in kv[0][1]]))
     return best, digest, servable(records, [pid for pid in held if pid != me])
 
 
@@ -208,12 +227,14 @@ def launch_verdict(records: Mapping[str, ProgressRecord], me: str, *, fragment: 
     live = live_count(records, me)
     if live < min_group_size:
         return RoundStatus.ALONE, f"{live} live peer(s) < min_group_size {min_group_size}"
-    why = launch_gate(records if vouched is None else vouched, me, fragment, round_, expected_round, mine=mine)
+    why = launch_gate(records if vouched is None else vouched, me, fragment, round_, expected_round, mine=mine,
+                      support=records)
     return (RoundStatus.BEHIND, why) if why else None
 
 
 def launch_gate(records: Mapping[str, ProgressRecord], me: str, fragment: int, round_: int,
-                my_expected: int, *, mine: Optional[tuple[int, str]] = None) -> Optional[str]:
+                my_expected: int, *, mine: Optional[tuple[int, str]] = None,
+                support: Optional[Mapping[str, ProgressRecord]] = None) -> Optional[str]:
     """Why round ``round_`` of ``fragment`` must not be launched from our state (None: launch it).
 
     ``my_expected`` is the last round our state will have applied once our rounds in flight land.
@@ -228,20 +249,21 @@ def launch_gate(records: Mapping[str, ProgressRecord], me: str, fragment: int, r
     replaces our state, which then differs, with the swarm's a round later. Skipping instead would leave
     us behind again by the time the download is done, round after round.
     """
-    late = swarm_is_past(records, me, fragment, round_, mine=mine)
+    late = swarm_is_past(records, me, fragment, round_, mine=mine, support=support)
     if late:
         return late
-    state = swarm_state(records, me, fragment, mine)
+    state = swarm_state(records, me, fragment, mine, support=support)
     if state is not None and state[0] >= my_expected + 2:
         return f"behind: our state stops at round {my_expected}, the swarm applied {state[0]}"
     return None
 
 
 def swarm_is_past(records: Mapping[str, ProgressRecord], me: str, fragment: int, round_: int, *,
-                  mine: Optional[tuple[int, str]] = None) -> Optional[str]:
+                  mine: Optional[tuple[int, str]] = None,
+                  support: Optional[Mapping[str, ProgressRecord]] = None) -> Optional[str]:
     """Why no group will form for round ``round_`` of ``fragment`` any more (the swarm's state already
-    includes it: we are late), or None. ``mine``: our state's (applied round, digest) (:func:`swarm_state`)."""
-    state = swarm_state(records, me, fragment, mine)
+    includes it: we are late), or None. ``mine``, ``support``: see :func:`swarm_state`."""
+    state = swarm_state(records, me, fragment, mine, support=support)
     return f"late: the swarm already applied round {state[0]}" if state and state[0] >= round_ else None
 
 
@@ -249,22 +271,23 @@ def plan_catch_up(records: Mapping[str, ProgressRecord], me: str, my_rounds: Seq
                   my_digests: Sequence[str], *, joining: bool,
                   expected: Optional[Sequence[int]] = None, late: bool = False, suspect: Sequence[int] = (),
                   my_past: Sequence[Mapping[int, str]] = (),
-                  confirmed: Sequence[Mapping[int, Collection[str]]] = ()) -> list[CatchUp]:
+                  confirmed: Sequence[Mapping[int, Collection[str]]] = (),
+                  support: Optional[Mapping[str, ProgressRecord]] = None) -> list[CatchUp]:
     """Which fragments to download, from the other peers' progress records (pure; see below).
 
     Rounds here are *applied* rounds (a peer that trained alone does not advance). For each fragment, the swarm's
-    state is :func:`swarm_state`, ours counted. ``expected``: per fragment, the round our state reaches once our
-    rounds in flight land (default: ``my_rounds``). We download the swarm's state when we are behind:
-    ``joining``, by any round; ``late`` (a round was just found late, see :func:`launch_gate`), when the swarm
-    is past ``expected``; otherwise by two or more, since a peer may see others a moment after they applied the
-    round it is about to apply. Or when no other peer that applied our round (its current one or one in its
-    ``past``: :func:`digest_at`) holds our digest there and theirs wins (we then download where its holders are
-    now): it is held by two or more, or it is the smaller of a tie once no other peer's record is behind our
-    round (two survivors of a broken round converge on one state; a record not yet updated cannot turn a tie
-    against the majority), or any other digest for a fragment in ``suspect`` (our own last round of it was
-    partial: we are the likely odd one out). Where the holders' records still show a round before ``expected``,
-    that plan ``wait``s: adopting it would drop our rounds since, and the next round would apply the swarm's
-    average to a state a round old, off again.
+    state is :func:`swarm_state`, ours counted (a tie: what more ``support`` records hold). ``expected``: per
+    fragment, the round our state reaches once our rounds in flight land (default: ``my_rounds``). We download
+    the swarm's state when we are behind: ``joining``, by any round; ``late`` (a round was just found late, see
+    :func:`launch_gate`), when the swarm is past ``expected``; otherwise by two or more, since a peer may see others a
+    moment after they applied the round it is about to apply. Or when no other peer that applied our round (its current
+    one or one in its ``past``: :func:`digest_at`) holds our digest there and theirs wins (we then download where its
+    holders are now): it is held by two or more, or it is the smaller of a tie once no other peer's record is behind our
+    round (two survivors of a broken round converge on one state; a record not yet updated cannot turn a tie against the
+    majority), or any other digest for a fragment in ``suspect`` (our own last round of it was partial: we are the
+    likely odd one out). Where the holders' records still show a round before ``expected``, that plan ``wait``s:
+    adopting it would drop our rounds since, and the next round would apply the swarm's average to a state a round old,
+    off again.
 
     ``my_past``: per fragment, our own digests of earlier rounds ({round: digest}). When rounds come faster than
     records, no other record has reached our current round yet; the comparison is then made at our latest
@@ -278,7 +301,7 @@ def plan_catch_up(records: Mapping[str, ProgressRecord], me: str, my_rounds: Seq
     """
     plans = []
     for p, (mine_r, mine_d) in enumerate(zip(my_rounds, my_digests)):
-        state = swarm_state(records, me, p, (mine_r, mine_d))
+        state = swarm_state(records, me, p, (mine_r, mine_d), support=support)
         if state is None:
             continue
         best, digest, donors = state

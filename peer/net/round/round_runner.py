@@ -182,7 +182,8 @@ class RoundRunner:
         """Why the search should end now (the swarm is past the round, no one is live, no one is coming)."""
         sw = self.swarm
         records = sw.live_peers()
-        if late := swarm_is_past(sw.vouched_peers(), sw.peer_id, self.fragment, self.round, mine=self.base):
+        if late := swarm_is_past(sw.vouched_peers(), sw.peer_id, self.fragment, self.round, mine=self.base,
+                                 support=records):
             return GaveUp(late, RoundStatus.BEHIND)
         if not any(pid != sw.peer_id for pid in records):  # everyone left (a clean stop, or silent for ttl)
             return GaveUp("no other peer is live any more", RoundStatus.ALONE)
