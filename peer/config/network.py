@@ -46,7 +46,8 @@ class SwarmConfig:
             "peer's link).")
     min_peers: int = setting(1, local=True, help="Wait at start until this many peers of the run are visible "
             "(bounded by start_timeout).")
-    start_timeout: float = setting(120.0, local=True, help="Seconds to wait for min_peers before training anyway.")
+    start_timeout: float = setting(120.0, local=True, help="Seconds to wait for min_peers, and for every visible "
+            "peer to be greeted, before training anyway.")
     min_group_size: int = setting(2, help="Smallest group that averages; a peer alone skips the round (its progress "
             "is kept).")
     group_cap: int = setting(64, help="Above this many live peers a round runs in two levels: groups of at most "

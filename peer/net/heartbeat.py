@@ -58,6 +58,7 @@ class Heartbeat:
         self.roster, self.admission, self.access = roster, admission, access
         self.record, self.initial_peers, self.observe = record, initial_peers, observe
         self._first_read = threading.Event()  # set once the first read of the records ended
+        self._settled = threading.Event()  # set once a read left no live peer ungreeted (wait_settled)
         self._reconnecting = False
         self._dht_revoked: frozenset[str] = frozenset()  # revocations our DHT process applies (revoke_in_dht)
 
@@ -76,6 +77,12 @@ class Heartbeat:
         """Blocks until the first read of the others' progress records ended (found or not), up to ``timeout`` s;
         False on timeout. Until then the roster holds no one."""
         return self._first_read.wait(timeout)
+
+    def wait_settled(self, timeout: float) -> bool:
+        """Blocks until a read ended with every live peer greeted and the daemon's connections listed after the
+        greetings (whose records anchor a peer that met no one yet: :meth:`Roster.anchored`), up to ``timeout`` s;
+        False on timeout. A read greets at most MAX_ARRIVALS peers, so a crowd of identities takes a few reads."""
+        return self._settled.wait(timeout)
 
     async def _publish(self) -> None:
         """Stores our progress record (bounded by ``progress_ttl``; a failed store is logged, nothing else)."""
@@ -107,6 +114,8 @@ class Heartbeat:
             if arrived:
                 await self._greet(arrived)
             await self._list_connections()
+        if not self.roster.ungreeted(self.peer_id):
+            self._settled.set()
         self._first_read.set()
         log.debug("peer %s: progress read took %.1f s, %d others live", short_id(self.peer_id),
                   time.monotonic() - t0, len(others))
@@ -116,12 +125,12 @@ class Heartbeat:
 
     async def _list_connections(self) -> None:
         """Has the roster's host book list our daemon's connections (whose records anchor a peer that met no one
-        yet: :meth:`Roster.vouched_peers`): before the first read ends, so that the trainer's first decisions have
-        them, and soon after each later one."""
+        yet: :meth:`Roster.vouched_peers`): before the read ends until every live peer was greeted, so that the
+        trainer's first decisions have them (:meth:`wait_settled`), and soon after each later one."""
         hosts = self.roster.hosts
         if hosts is None:
             return
-        if self._first_read.is_set():
+        if self._settled.is_set():
             hosts.list_soon(self.p2p, self.cfg.request_timeout)
         else:
             await hosts.list_now(self.p2p, self.cfg.request_timeout)

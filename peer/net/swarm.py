@@ -233,6 +233,12 @@ class Swarm:
         catch-up of a peer that just joined: until then :meth:`live_peers` is empty."""
         return self._heartbeat is not None and self._heartbeat.wait_first_read(timeout)
 
+    def wait_settled(self, timeout: float) -> bool:
+        """Blocks until the heartbeat greeted every live peer and listed our daemon's connections after (see
+        :meth:`Heartbeat.wait_settled`), up to ``timeout`` s; False on timeout. Call it before the first decision
+        that acts on the anchored records of a peer that met no one (the joiner's catch-up)."""
+        return self._heartbeat is not None and self._heartbeat.wait_settled(timeout)
+
     @property
     def pass_ended(self) -> Optional[str]:
         """Authenticated runs: :meth:`RunAccess.why_ended` (checked every step); None in an open run."""

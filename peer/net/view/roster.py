@@ -82,6 +82,11 @@ class Roster:
         self._note_hosts(self._partners)
         return arrived
 
+    def ungreeted(self, me: str) -> list[str]:
+        """The other live peers no merge has handed out as arrivals yet (a crowd of identities is handed out
+        MAX_ARRIVALS a read)."""
+        return [pid for pid in self.live_peers() if pid != me and pid not in self._handed]
+
     def live_peers(self) -> dict[str, ProgressRecord]:
         """Progress records of the peers of this run heard from within ``progress_ttl``, without the peers we
         excluded (they count for no group, no state download and no vote), those without a valid pass and those
