@@ -144,3 +144,21 @@ def test_a_peer_that_does_not_hold_the_state_it_advertised_is_no_vote_for_a_reco
     fresh = [rec(p).model_copy(update={"time": 2.0}) for p in (ME, A, B, C)]  # (the next heartbeat's records)
     roster.merge(entries(*fresh), dht_now=131.0, me=ME)
     assert set(roster.vouched_peers()) == {A, C}
+
+
+def test_a_donor_that_fails_three_downloads_in_a_row_is_no_vote_for_a_records_lifetime():
+    """A donor whose record advertises a state it never delivers (busy at every ask, an error answer, a cut stream)
+    kept every catch-up failing as one that says it holds none did: its third failure in a row makes it unheld. A
+    part it delivers in between starts the count again (an honest donor is busy now and then)."""
+    from peer.net.view.roster import MAX_DONOR_FAILURES
+
+    roster = Roster(ttl=30.0, exclusions=Exclusions(threshold=1), admitted=lambda pid: True, clock=lambda: 100.0)
+    roster.merge(entries(*(rec(p) for p in (ME, A, B))), dht_now=100.0, me=ME)
+    for _ in range(MAX_DONOR_FAILURES - 1):
+        roster.donor_failed(B)
+    roster.donor_served(B)
+    for _ in range(MAX_DONOR_FAILURES - 1):
+        roster.donor_failed(B)
+    assert set(roster.vouched_peers()) == {ME, A, B}
+    roster.donor_failed(B)
+    assert set(roster.vouched_peers()) == {ME, A}

@@ -163,8 +163,9 @@ def counting(servicer: StateServicer) -> StateServicer:
 def test_a_state_comes_in_verified_parts_from_several_donors_and_a_liar_costs_only_its_parts():
     """Three blocks of state from three donors at once: each serves parts of it. A donor that sends the true
     header (digest, block digests) but altered values has each of its parts refused (block digests) and
-    fetched again from another; a busy donor (it serves no one more now) is passed over. The state that comes
-    in is the donors' to the bit."""
+    fetched again from another; a busy donor (it serves no one more now) is passed over, and named as one that
+    failed to deliver (three downloads in a row and its records are no vote: test_roster.py), the donors that
+    delivered as such. The state that comes in is the donors' to the bit."""
     numel = 2 * DIGEST_BLOCK + 1000
     torch.manual_seed(1)
     G, v = torch.randn(numel), torch.randn(numel)
@@ -180,20 +181,25 @@ def test_a_state_comes_in_verified_parts_from_several_donors_and_a_liar_costs_on
                 servicer.publish(liar if kind == "lying" else good)
                 await servicer.add_p2p_handlers(p)
                 servicers.append(servicer)
+            failed: list[str] = []
+            served: list[str] = []
             got = await download(p2ps[0], [p.peer_id for p in p2ps[1:]], 0, round_=9, numel=numel,
                                  digest=good.digest, timeout_per_donor=20, max_chunk_elems=100_000,
-                                 parallel=parallel)
-            return got, [s.parts for s in servicers]
+                                 parallel=parallel, on_failed=failed.append, on_served=served.append)
+            ids = [str(p.peer_id) for p in p2ps[1:]]
+            return got, [s.parts for s in servicers], [ids.index(d) for d in failed], sorted(map(ids.index, served))
         finally:
             for p in p2ps:
                 await p.shutdown()
 
-    got, parts = run_async(main(["good", "good", "good"], 3))
+    got, parts, failed, served = run_async(main(["good", "good", "good"], 3))
     assert torch.equal(got.G, G) and torch.equal(got.v, v) and got.digest == good.digest and got.round == 9
     assert all(n >= 1 for n in parts) and sum(parts) == 3, parts  # three parts of one block, one per donor
-    got, parts = run_async(main(["lying", "busy", "good", "good"], 2))
+    assert failed == [] and served == [0, 1, 2]
+    got, parts, failed, served = run_async(main(["lying", "busy", "good", "good"], 2))
     assert torch.equal(got.G, G) and torch.equal(got.v, v)
     assert parts[0] == 1 and parts[1] == 0 and sum(parts[2:]) == 3, parts  # the liar's one part was fetched again
+    assert failed == [1] and served == [i for i in (2, 3) if parts[i]]  # (the liar is an offence, not a failure)
 
 
 def test_the_digest_covers_g_and_v_block_by_block():

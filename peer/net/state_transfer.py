@@ -249,7 +249,9 @@ async def download(p2p: P2P, donors: Sequence[PeerID], fragment: int, *, round_:
                    pacer: Optional[Pacer] = None, parallel: int = 3,
                    on_sample: Optional[Callable[[int, float], None]] = None,
                    on_lie: Optional[Callable[[str, str], object]] = None,
-                   on_unheld: Optional[Callable[[str], object]] = None) -> ServedState:
+                   on_unheld: Optional[Callable[[str], object]] = None,
+                   on_failed: Optional[Callable[[str], object]] = None,
+                   on_served: Optional[Callable[[str], object]] = None) -> ServedState:
     """Downloads round ``round_`` of fragment ``fragment`` (``numel`` elements, ``digest``) from up to
     ``parallel`` of ``donors`` at once, part by part, each part verified; a donor that fails a part (dead, slow,
     busy, lying) is dropped and its part goes to the next. Each donor in use gets ``timeout_per_donor`` seconds
@@ -257,7 +259,10 @@ async def download(p2p: P2P, donors: Sequence[PeerID], fragment: int, *, round_:
     owner's download cap (the donors in use are each declared a share of it). ``on_sample(bytes, seconds)``: what
     came in how long, also when the download fails (the next one's deadlines can then fit the link).
     ``on_lie(donor, why)``: a donor sent what no honest one sends (:class:`DonorLied`); ``on_unheld(donor)``: one
-    said it holds no such state (:class:`NotHeld`).
+    said it holds no such state (:class:`NotHeld`); ``on_failed(donor)``: one failed for another reason (busy, an
+    error answer, a stream that ended twice, its deadline: not a lie, but a record that advertises a state its peer
+    never delivers must not stay a vote, :meth:`~peer.net.view.roster.Roster.donor_failed`); ``on_served(donor)``:
+    one delivered a verified part (once per donor).
     Raises :class:`DownloadError` when the donors run out before every part is in."""
     pacer = pacer or Pacer(lambda: 0.0)
     width = max(1, min(parallel, len(donors)))
@@ -268,6 +273,7 @@ async def download(p2p: P2P, donors: Sequence[PeerID], fragment: int, *, round_:
     errors: list[str] = []
 
     changed = asyncio.Event()  # a part came back or was verified: idle donors look again
+    served: set[PeerID] = set()  # donors that delivered a verified part
 
     async def worker(donor: PeerID) -> None:
         deadline = time.monotonic() + (timeout_per_donor[donor] if isinstance(timeout_per_donor, Mapping)
@@ -296,6 +302,10 @@ async def download(p2p: P2P, donors: Sequence[PeerID], fragment: int, *, round_:
                                  "[%d, %d); asking again for the rest", fragment, short_id(donor), filled[0], *part)
                 got.done += 1
                 changed.set()
+                if donor not in served:
+                    served.add(donor)
+                    if on_served is not None:
+                        on_served(str(donor))
             except Exception as e:  # a dead, slow, busy or lying donor: its part goes to the next one, whole
                 got.parts.insert(0, part)
                 changed.set()
@@ -306,6 +316,8 @@ async def download(p2p: P2P, donors: Sequence[PeerID], fragment: int, *, round_:
                     on_lie(str(donor), str(e))
                 if isinstance(e, NotHeld) and on_unheld is not None:
                     on_unheld(str(donor))
+                elif not isinstance(e, (DonorLied, NotHeld)) and on_failed is not None:
+                    on_failed(str(donor))
                 if waiting:  # a fresh donor takes this one's place
                     spawn(waiting.pop(0))
                 return

@@ -298,7 +298,9 @@ class Swarm:
                         pacer=self.bandwidth.download, parallel=self.cfg.state_donors, on_sample=self.downlink.observe,
                         on_lie=lambda who, why: self.learn(Lesson((fragment, round_), verdicts=(
                             PeerVerdict(who, f"fragment {fragment}: {why}", Offence.BAD_STATE),))),
-                        on_unheld=lambda who: self.learn(Lesson((fragment, round_), unheld=(who,))))
+                        on_unheld=lambda who: self.learn(Lesson((fragment, round_), unheld=(who,))),
+                        on_failed=lambda who: self.learn(Lesson((fragment, round_), failed=(who,))),
+                        on_served=lambda who: self.learn(Lesson((fragment, round_), served=(who,))))
         # (donors run side by side, a failed one's part goes to the next: at worst one after the other)
         total = sum(timeouts.values()) + 5
         try:
@@ -362,7 +364,7 @@ class Swarm:
     def learn(self, lesson: Lesson) -> list[Absent]:
         """Applies what a round or a state download taught (on swarm-net; the one place they change the swarm's
         state): who stayed away (returned), whom we met, verdicts on peers, link samples, donors that advertised a
-        state they do not hold, how long a group we led waited for whom."""
+        state they do not hold or fail to deliver, how long a group we led waited for whom."""
         absent: list[Absent] = []
         if lesson.judge:
             live = self.live_peers()
@@ -378,6 +380,10 @@ class Swarm:
             self.punctuality.settle(dict(lesson.waited), self.roster.partnered, self.live_peers())
         for peer in lesson.unheld:
             self.roster.unheld(peer)
+        for peer in lesson.failed:
+            self.roster.donor_failed(peer)
+        for peer in lesson.served:
+            self.roster.donor_served(peer)
         for verdict in lesson.verdicts:
             self.exclusions.apply(verdict)
         if lesson.uplink:

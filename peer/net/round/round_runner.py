@@ -54,7 +54,9 @@ class Lesson:
     :meth:`SwarmView.invited`); ``verdicts``: what it concluded of peers (offences, reducers
     that answered or stayed silent); ``uplink``/``downlink``: link samples of the all-reduce (``LinkMeter.observe``'s
     arguments); ``unheld``: state donors that said they hold no state their record advertised
-    (:meth:`~peer.net.view.roster.Roster.unheld`: a state download's lesson); ``waited``: (peer, seconds) a group we
+    (:meth:`~peer.net.view.roster.Roster.unheld`: a state download's lesson), ``failed`` those that failed to deliver
+    for another reason and ``served`` those that delivered (:meth:`~peer.net.view.roster.Roster.donor_failed`);
+    ``waited``: (peer, seconds) a group we
     led waited for each peer it expected (:class:`~peer.net.round.matchmaking.LeaderWaits`)."""
 
     here: tuple[int, int]
@@ -65,6 +67,8 @@ class Lesson:
     uplink: Optional[tuple] = None
     downlink: Optional[tuple] = None
     unheld: tuple[str, ...] = ()
+    failed: tuple[str, ...] = ()
+    served: tuple[str, ...] = ()
     waited: tuple[tuple[str, float], ...] = ()
 
 

@@ -34,13 +34,16 @@ MAX_PARTNERS = 1024  # peers we were in a group with, remembered for KNOWN_PEER_
 # Those left over are returned by the next merges (if still live), in a random order behind our partners: an
 # honest joiner among a crowd of identities is greeted within a few beats, wherever the crowd's records sort.
 MAX_ARRIVALS = 8
+# State downloads in a row a donor may fail for a reason other than a lie or "no such state" (busy, an error answer,
+# a cut stream, its deadline) before its records are no vote for their lifetime (Roster.donor_failed).
+MAX_DONOR_FAILURES = 3
 
 
 class Roster:
     """``admitted(peer)``: whether it may take part (authenticated runs: its pass; always true in an open run);
     ``exclusions``: the peers we no longer work with; ``clock``: monotonic seconds (tests pass their own).
-    Written by the heartbeat (:meth:`merge`) and the swarm's lessons (:meth:`met`, :meth:`unheld`), both in the
-    networking thread."""
+    Written by the heartbeat (:meth:`merge`) and the swarm's lessons (:meth:`met`, :meth:`unheld`,
+    :meth:`donor_failed`, :meth:`donor_served`), both in the networking thread."""
 
     def __init__(self, *, ttl: float, exclusions: Exclusions, admitted: Callable[[str], bool],
                  clock: Callable[[], float] = time.monotonic, hosts: Optional[HostBook] = None):
@@ -52,6 +55,7 @@ class Roster:
         self._partner_hosts: dict[str, Optional[str]] = {}  # partner id -> its host when last resolved
         self._ttl = ttl
         self._unheld: dict[str, float] = {}  # peer id -> until when its records are no vote (:meth:`unheld`)
+        self._failures: dict[str, int] = {}  # donor id -> state downloads it failed in a row (:meth:`donor_failed`)
         self._handed: frozenset[str] = frozenset()  # live others already handed out as arrivals
         self._shuffle = random.Random().shuffle
         self._clock = clock
@@ -125,6 +129,22 @@ class Roster:
         kept = {p: until for p, until in self._unheld.items() if until > now}
         kept[peer] = now + self._ttl
         self._unheld = dict(sorted(kept.items(), key=lambda kv: kv[1])[-MAX_PARTNERS:])
+
+    def donor_failed(self, peer: str) -> None:
+        """``peer``, asked for a state its record advertised, failed to deliver it for a reason other than a lie or
+        "no such state": busy, an error answer, a cut stream, its deadline. An honest donor does so now and then (it
+        serves a few downloads at once); one whose record advertises a state it never delivers would keep every
+        catch-up failing and every round ``behind``, as :meth:`unheld` says. The MAX_DONOR_FAILURES-th failure in a
+        row (no :meth:`donor_served` between) makes it unheld."""
+        failures = self._failures.pop(peer, 0) + 1
+        if failures >= MAX_DONOR_FAILURES:
+            self.unheld(peer)
+        else:
+            self._failures = dict(list({**self._failures, peer: failures}.items())[-MAX_PARTNERS:])
+
+    def donor_served(self, peer: str) -> None:
+        """``peer`` delivered a verified part of a state: its failures in a row start again from none."""
+        self._failures.pop(peer, None)
 
     def partner_votes(self, live: dict[str, ProgressRecord]) -> dict[str, ProgressRecord]:
         """Of ``live``: our partners' records, at most one per host (the smallest id; loopback and relayed
