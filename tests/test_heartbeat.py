@@ -64,6 +64,28 @@ def test_a_joiner_is_settled_once_every_live_peer_was_greeted_and_listed(monkeyp
     asyncio.run(beat._read())
     assert beat.wait_settled(0) and sorted(daemon.connected) == sorted(others)
     assert set(roster.vouched_peers()) == {ME, *others}
+    # one more comes later: not settled while its greeting is under way, settled once it is listed
+    late = "Q" * 46
+    daemon.records.append(rec(late))
+
+    async def read_with_a_slow_greeting() -> bool:
+        dialing, answer = asyncio.Event(), asyncio.Event()
+
+        async def slow(p2p, peer_id, maddrs):
+            dialing.set()
+            await answer.wait()
+            await connect(p2p, peer_id, maddrs)
+
+        monkeypatch.setattr(heartbeat, "connect", slow)
+        read = asyncio.ensure_future(beat._read())
+        await dialing.wait()
+        during = beat.wait_settled(0)
+        answer.set()
+        await read
+        return during
+
+    assert asyncio.run(read_with_a_slow_greeting()) is False
+    assert beat.wait_settled(0) and late in daemon.connected and late in roster.vouched_peers()
 
 
 def test_a_read_that_greets_no_one_settles_at_once(monkeypatch):

@@ -58,7 +58,8 @@ class Heartbeat:
         self.roster, self.admission, self.access = roster, admission, access
         self.record, self.initial_peers, self.observe = record, initial_peers, observe
         self._first_read = threading.Event()  # set once the first read of the records ended
-        self._settled = threading.Event()  # set once a read left no live peer ungreeted (wait_settled)
+        self._greeting = 0  # reads between their merge and the listing after their greetings (wait_settled)
+        self._read_ended = threading.Condition()  # notified at the end of each read
         self._reconnecting = False
         self._dht_revoked: frozenset[str] = frozenset()  # revocations our DHT process applies (revoke_in_dht)
 
@@ -79,10 +80,12 @@ class Heartbeat:
         return self._first_read.wait(timeout)
 
     def wait_settled(self, timeout: float) -> bool:
-        """Blocks until a read ended with every live peer greeted and the daemon's connections listed after the
-        greetings (whose records anchor a peer that met no one yet: :meth:`Roster.anchored`), up to ``timeout`` s;
-        False on timeout. A read greets at most MAX_ARRIVALS peers, so a crowd of identities takes a few reads."""
-        return self._settled.wait(timeout)
+        """Blocks until every live peer was greeted and the daemon's connections listed after (whose records anchor
+        a peer that met no one yet: :meth:`Roster.anchored`), up to ``timeout`` s; False on timeout. A read greets
+        at most MAX_ARRIVALS peers, so a crowd of identities takes a few reads. (Any thread.)"""
+        with self._read_ended:
+            return self._read_ended.wait_for(
+                lambda: self._greeting == 0 and not self.roster.ungreeted(self.peer_id), timeout)
 
     async def _publish(self) -> None:
         """Stores our progress record (bounded by ``progress_ttl``; a failed store is logged, nothing else)."""
@@ -107,15 +110,19 @@ class Heartbeat:
             log.debug("peer %s: progress get failed: %s", short_id(self.peer_id), type(e).__name__)
             found = None
         accept = None if self.admission.open else self.admission.accept_record
-        arrived = self.roster.merge(found, dht_now=get_dht_time(), me=self.peer_id, accept=accept)
-        self.observe()
-        others = [pid for pid in self.roster.live_peers() if pid != self.peer_id]
-        if others:
-            if arrived:
-                await self._greet(arrived)
-            await self._list_connections()
-        if not self.roster.ungreeted(self.peer_id):
-            self._settled.set()
+        self._greeting += 1
+        try:
+            arrived = self.roster.merge(found, dht_now=get_dht_time(), me=self.peer_id, accept=accept)
+            self.observe()
+            others = [pid for pid in self.roster.live_peers() if pid != self.peer_id]
+            if others:
+                if arrived:
+                    await self._greet(arrived)
+                await self._list_connections(now=bool(arrived))
+        finally:
+            self._greeting -= 1
+            with self._read_ended:
+                self._read_ended.notify_all()
         self._first_read.set()
         log.debug("peer %s: progress read took %.1f s, %d others live", short_id(self.peer_id),
                   time.monotonic() - t0, len(others))
@@ -123,14 +130,14 @@ class Heartbeat:
             await self._reconnect()
         await asyncio.gather(revocations, return_exceptions=True)
 
-    async def _list_connections(self) -> None:
+    async def _list_connections(self, *, now: bool) -> None:
         """Has the roster's host book list our daemon's connections (whose records anchor a peer that met no one
-        yet: :meth:`Roster.vouched_peers`): before the read ends until every live peer was greeted, so that the
-        trainer's first decisions have them (:meth:`wait_settled`), and soon after each later one."""
+        yet: :meth:`Roster.vouched_peers`): before the read ends at the first read and after greetings (``now``),
+        so that the trainer's first decisions have them (:meth:`wait_settled`), else soon."""
         hosts = self.roster.hosts
         if hosts is None:
             return
-        if self._settled.is_set():
+        if self._first_read.is_set() and not now:
             hosts.list_soon(self.p2p, self.cfg.request_timeout)
         else:
             await hosts.list_now(self.p2p, self.cfg.request_timeout)
