@@ -87,9 +87,13 @@ class Roster:
         return arrived
 
     def ungreeted(self, me: str) -> list[str]:
-        """The other live peers no merge has handed out as arrivals yet (a crowd of identities is handed out
-        MAX_ARRIVALS a read)."""
-        return [pid for pid in self.live_peers() if pid != me and pid not in self._handed]
+        """The other live peers whose records do not anchor yet (:meth:`anchored`: our daemon lists no connection with
+        them) and that no merge has handed out as arrivals to greet (a crowd of identities is handed out MAX_ARRIVALS a
+        read); none without ``hosts`` (every record anchors)."""
+        if self.hosts is None:
+            return []
+        return [pid for pid in self.live_peers()
+                if pid != me and pid not in self._handed and self.hosts.host(pid) == UNRESOLVED]
 
     def live_peers(self) -> dict[str, ProgressRecord]:
         """Progress records of the peers of this run heard from within ``progress_ttl``, without the peers we
