@@ -214,6 +214,11 @@ def test_a_tie_goes_to_the_state_more_live_records_hold_then_to_the_later_round(
     assert launch_verdict(live, "me", vouched=vouched, fragment=0, round_=1, expected_round=0, min_group_size=2,
                           mine=mine) is None  # (launch_verdict's live records are the support)
     assert swarm_is_past(vouched, "me", 0, 1, mine=mine, support=live) is None  # (a round's search goes on)
+    # the honest peers are still building their models: their records advertise no state yet, and back ours
+    starting = {**vouched, **{p: ProgressRecord(peer_id=p, step=0, round=0, tokens_per_second=0.0, client_mode=False,
+                                                time=0.0) for p in ("h0", "h1", "h2")}}
+    assert swarm_state(vouched, "me", 0, mine, support=starting)[:2] == (0, "init")
+    assert plan_catch_up(vouched, "me", [0], ["init"], joining=True, support=starting) == []
     # a joiner of a two-peer swarm still takes the other peer's state: as many live records hold each
     alone = {"p": state("p", [50], ["d50"])}
     assert plan_catch_up(alone, "me", [0], ["init"], joining=True, support=alone)[0].round == 50

@@ -189,14 +189,20 @@ def swarm_state(records: Mapping[str, ProgressRecord], me: str, fragment: int,
     ``support``: every live record (``records`` are the vouched ones: :meth:`peer.net.swarm.Swarm.vouched_peers`),
     the word on a tie. Before its first group a peer's votes are its own and those of the peers its daemon holds a
     connection with; an attacker that is the first such peer tied our initial state with a round far ahead while
-    the honest records holding ours were live but not listed yet, and the later round won. A tie goes to the later
-    round only when as many live records hold each state (a joiner of a two-peer swarm takes the other's). Made-up
-    ids can only break a tie: hold a joiner of a two-peer swarm on its own state (as one connected peer of theirs
-    already can) or hand it the later round (as without them)."""
+    the honest records holding ours were live but not listed yet, or listed but advertising no state yet (peers
+    still building their model), and the later round won. A live record that advertises no state of the fragment
+    backs ours at a tie (it holds no other, and may come to hold ours). So a tie goes to the later round only when
+    as many live records hold each state and none is undecided (a joiner of a two-peer swarm takes the other's).
+    Made-up ids can only break a tie: hold a joiner of a two-peer swarm on its own state (as one connected peer of
+    theirs already can) or hand it the later round (as without them)."""
     holders = _holders(records, me, fragment, mine)
     if not any(pid != me for held in holders.values() for pid in held):
         return None
     backers = {} if support is None else _holders(support, me, fragment, mine)
+    if support is not None and mine is not None:
+        undecided = [pid for pid, rec in support.items()
+                     if pid != me and (len(rec.rounds) <= fragment or len(rec.digests) <= fragment)]
+        backers[mine] = backers.get(mine, []) + undecided
     (best, digest), held = max(holders.items(), key=lambda kv: (len(kv[1]), len(backers.get(kv[0], ())), kv[0][0],
                                                                 [-ord(c) for c in kv[0][1]]))
     return best, digest, servable(records, [pid for pid in held if pid != me])
