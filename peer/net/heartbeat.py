@@ -80,9 +80,10 @@ class Heartbeat:
         return self._first_read.wait(timeout)
 
     def wait_settled(self, timeout: float) -> bool:
-        """Blocks until every live peer was greeted and the daemon's connections listed after (whose records anchor
-        a peer that met no one yet: :meth:`Roster.anchored`), up to ``timeout`` s; False on timeout. A read greets
-        at most MAX_ARRIVALS peers, so a crowd of identities takes a few reads. (Any thread.)"""
+        """Blocks until every live peer our daemon did not list was greeted, and the daemon's connections listed after
+        (whose records anchor a peer that met no one yet: :meth:`Roster.anchored`; :meth:`Roster.ungreeted`), up to
+        ``timeout`` s; False on timeout. A read greets at most MAX_ARRIVALS peers, so a crowd of identities takes a
+        few reads. (Any thread.)"""
         with self._read_ended:
             return self._read_ended.wait_for(
                 lambda: self._greeting == 0 and not self.roster.ungreeted(self.peer_id), timeout)

@@ -234,9 +234,9 @@ class Swarm:
         return self._heartbeat is not None and self._heartbeat.wait_first_read(timeout)
 
     def wait_settled(self, timeout: float) -> bool:
-        """Blocks until the heartbeat greeted every live peer and listed our daemon's connections after (see
-        :meth:`Heartbeat.wait_settled`), up to ``timeout`` s; False on timeout. Call it before the first decision
-        that acts on the anchored records of a peer that met no one (the joiner's catch-up)."""
+        """Blocks until the heartbeat greeted every live peer our daemon did not list, and listed its connections
+        after (see :meth:`Heartbeat.wait_settled`), up to ``timeout`` s; False on timeout. Call it before the first
+        decision that acts on the anchored records of a peer that met no one (the joiner's catch-up)."""
         return self._heartbeat is not None and self._heartbeat.wait_settled(timeout)
 
     @property

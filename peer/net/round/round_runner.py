@@ -56,8 +56,8 @@ class Lesson:
     arguments); ``unheld``: state donors that said they hold no state their record advertised
     (:meth:`~peer.net.view.roster.Roster.unheld`: a state download's lesson), ``failed`` those that failed to deliver
     for another reason and ``served`` those that delivered (:meth:`~peer.net.view.roster.Roster.donor_failed`);
-    ``waited``: (peer, seconds) a group we
-    led waited for each peer it expected (:class:`~peer.net.round.matchmaking.LeaderWaits`)."""
+    ``waited``: (peer, seconds) a group we led waited for each peer it expected
+    (:class:`~peer.net.round.matchmaking.LeaderWaits`)."""
 
     here: tuple[int, int]
     came: Optional[frozenset[str]] = None
