@@ -105,3 +105,36 @@ def test_a_read_that_greets_no_one_settles_at_once(monkeypatch):
     monkeypatch.setattr(heartbeat, "reconnect", reconnect)
     asyncio.run(beat._read())
     assert beat.wait_settled(0)
+
+
+def test_a_stop_ends_the_joins_wait_for_greetings_and_the_wait_is_sliced():
+    """The trainer waits for the settled view within ``start_timeout`` (120 s by default), a crowd of identities
+    taking a read per eight: a Ctrl-C in that wait must end it at the next slice, not at the deadline."""
+    import threading
+
+    from peer.run.trainer import Trainer
+
+    stop = threading.Event()
+    asked: list[float] = []
+
+    class Swarm:
+        def wait_first_read(self, timeout: float) -> bool:
+            return True
+
+        def live_count(self) -> int:
+            return 3
+
+        def wait_settled(self, timeout: float) -> bool:  # never settles; a stop comes while the first slice waits
+            asked.append(timeout)
+            if len(asked) == 2:
+                stop.set()
+            return False
+
+    trainer = Trainer.__new__(Trainer)
+    trainer.cfg = SimpleNamespace(swarm=SwarmConfig(min_peers=1, start_timeout=120.0))
+    trainer.swarm, trainer.stop = Swarm(), SimpleNamespace(event=stop)
+    shown: list[str] = []
+    trainer.figures = SimpleNamespace(show=shown.append)
+    trainer._wait_for_peers()
+    assert asked == [0.0, min(1.0, SwarmConfig().progress_period)] and stop.is_set()
+    assert shown and shown[0].startswith("greeting the visible peers")

@@ -164,10 +164,11 @@ class Trainer:
         """Blocks until ``min_peers`` peers of this run are visible, a stop signal, or start_timeout; in any case
         until the swarm's progress records were read once (bounded by ``progress_ttl``), so that the catch-up
         of a peer that comes back sees how far the others got (otherwise it launches rounds from its old
-        state, and only finds out it is behind a round later). Then, within the same start_timeout, until every
-        visible peer was greeted and our daemon's connections listed: until its first group a peer's votes are
-        the records of the peers its daemon holds a connection with, and an attacker that dials every peer it
-        sees would otherwise be the only one at the first catch-up."""
+        state, and only finds out it is behind a round later). Then, within the same start_timeout and as long as
+        no stop signal comes, until every visible peer our daemon did not list was greeted and the connections
+        listed after (:meth:`Swarm.wait_settled`): until its first group a peer's votes are the records of the
+        peers its daemon holds a connection with, and an attacker that dials every peer it sees would otherwise be
+        the only one at the first catch-up."""
         want, deadline = self.cfg.swarm.min_peers, time.monotonic() + self.cfg.swarm.start_timeout
         if not self.swarm.wait_first_read(min(self.cfg.swarm.progress_ttl, self.cfg.swarm.start_timeout)):
             log.warning("the swarm's progress records could not be read within %.0f s; starting without them",
@@ -177,7 +178,11 @@ class Trainer:
             self.figures.show(f"waiting for peers ({seen}/{want} visible, up to {deadline - time.monotonic():.0f} s)")
             self.stop.event.wait(min(1.0, self.cfg.swarm.progress_period))
             seen = self.swarm.live_count()
-        if not self.swarm.wait_settled(max(0.0, deadline - time.monotonic())):
+        settled = self.swarm.wait_settled(0.0)
+        while not settled and not self.stop.event.is_set() and time.monotonic() <= deadline:
+            self.figures.show(f"greeting the visible peers (up to {deadline - time.monotonic():.0f} s)")
+            settled = self.swarm.wait_settled(min(1.0, self.cfg.swarm.progress_period))
+        if not settled and not self.stop.event.is_set():
             log.info("not every visible peer was greeted within swarm.start_timeout; starting with those that were")
         log.info("%d peer(s) of this run visible (wanted %d); starting to train", seen, want)
 
