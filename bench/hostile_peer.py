@@ -32,6 +32,14 @@ ATTACK is one of:
   the run's matchmaking time, so honest followers ask it first), takes one honest follower, refuses the others, and
   assembles a group of the two and ``PHANTOMS`` made-up ids: client-mode members (no span) whose infos declare the
   honest base and a count of 1, so that the group's verdict says apply while the others meet and apply apart.
+- ``equivocator``: once every live peer has been its group partner (so every honest peer counts it), sends its one
+  id to two groups of each round it can: it leads one (declaring its search ending after ``EQUIVOCATOR_LEAD_S``, so
+  honest followers ask it first), takes followers until the group holds a quorum of the count it declared
+  (``quorum_size``), assembles at once and refuses the rest; those meet in a group of their own, which a second,
+  follower-only matchmaking of this peer (hivemind's client mode: it declares nothing) then joins with the same
+  member info. Both groups hold a majority of the peers each member counts, both reduce (this peer in both, at
+  once), and both apply: the two halves of the honest peers end the round on two digests. Rounds where it leads no
+  group capped at the quorum proceed as the honest peer's (one group).
 
 Every forged thing is logged on this process's console ("HOSTILE: ..."), so a bench can count it. Not part
 of the product: it imports it and patches it in this process only.
@@ -55,6 +63,7 @@ HOG_IDENTITIES, HOG_STREAMS = 34, 16  # issue 28: 34 identities, each up to the 
 FLOOD_RECORDS, FLOOD_BYTES = 40, 1 << 20
 FILL_SYBILS = 90  # x ~45 KB: past the 3.75 MiB a progress key holds
 PHANTOMS, PHANTOM_SEARCH_S = 4, 1.0
+EQUIVOCATOR_LEAD_S = 4.0  # its lead declaration's search time (honest peers declare --matchmaking-time, 10 s)
 
 
 def lying_reducer() -> None:
@@ -410,9 +419,118 @@ def phantom_group() -> None:
     matchmaking._Matchmaking.leader_assemble_group = with_phantoms
 
 
+def equivocator() -> None:
+    """Two groups of one round, this peer in both: the lead group capped at the quorum, the rest joined as a follower.
+    Patches ``round_runner.form_group`` (the lead search, then the follower-only one), ``_Matchmaking``'s refusals
+    (the cap) and ``RoundRunner._find_group``/``_reduce`` (when to attack; both groups reduced at once)."""
+    import hashlib
+
+    from hivemind.proto import averaging_pb2
+    from hivemind.utils import get_dht_time
+
+    from peer.net.policy.agreement import quorum_size
+    from peer.net.round import matchmaking, round_runner
+    from peer.outer.rounds import RoundOutcome, RoundStatus
+    from peer.proto import allreduce_pb2 as pb
+
+    attacked: set[str] = set()  # round prefixes where we lead a group capped at the quorum
+    capped: set[str] = set()  # ... whose lead group assembled at that cap (others were left to meet apart)
+    second: dict[str, asyncio.Future] = {}  # prefix -> the follower-only search, started once the lead group formed
+    form = round_runner.form_group
+
+    async def follow_only(p2p, dht, first, *, prefix, gather, target_group_size, min_group_size, min_matchmaking_time,
+                          request_timeout, timeout, excluded, **_):
+        """form_group's search with hivemind's client mode: no declaration, no handler (our lead search registered
+        and removed those of this prefix), join requests only, to any leader but the lead group's members."""
+        mm = matchmaking._Matchmaking(p2p, hashlib.sha256(prefix.encode()).digest(), dht,
+                                      servicer_type=matchmaking.JoinServicer, prefix=prefix,
+                                      target_group_size=max(target_group_size, min_group_size),
+                                      min_group_size=min_group_size, min_matchmaking_time=min_matchmaking_time,
+                                      request_timeout=request_timeout, client_mode=True)
+        mm.label, mm.cap = f"{prefix} (second)", mm.target_group_size
+        mm.horizon, mm.numel = timeout + min_matchmaking_time, pb.MemberInfo.FromString(gather).numel
+        taken = {str(p) for p in first.peer_ids}  # (our own id among them: hivemind skips it anyway)
+        keys = matchmaking._RoundKeys(dht, prefix, "", mm.target_group_size)
+        keys.excluded = lambda peer: excluded(peer) or peer in taken or peer in mm.declined
+        mm.group_key_manager = keys
+        now = get_dht_time()  # (the others' group forms within their matchmaking time: no need to wait longer)
+        step = matchmaking.RoundStep(scheduled_time=now + min_matchmaking_time,
+                                     deadline=now + min(timeout, min_matchmaking_time + 2 * request_timeout),
+                                     data_for_gather=gather)
+        return await mm.look_for_group(step)
+
+    async def lead_then_follow(p2p, dht, **kwargs):
+        prefix = kwargs["prefix"]
+        if prefix not in attacked or kwargs.get("client_mode"):
+            return await form(p2p, dht, **kwargs)
+        try:
+            group = await form(p2p, dht, **{**kwargs, "min_matchmaking_time": EQUIVOCATOR_LEAD_S})
+        finally:
+            attacked.discard(prefix)
+        if group is not None and prefix in capped:
+            second[prefix] = asyncio.ensure_future(follow_only(p2p, dht, group, **kwargs))
+        capped.discard(prefix)
+        return group
+
+    round_runner.form_group = lead_then_follow
+    check = matchmaking._Matchmaking._check_reasons_to_reject
+
+    def quorum_cap(self, request, context):
+        refusal = check(self, request, context)
+        if refusal is not None or self.label not in attacked or self.client_mode:
+            return refusal
+        # the fewest members a group of our declared count needs to apply (every member counts as many: us included)
+        quorum = quorum_size(pb.MemberInfo.FromString(self.step_control.data_for_gather).expected, self.min_group_size)
+        if len(self.current_followers) + 1 >= quorum:
+            return averaging_pb2.MessageFromLeader(code=averaging_pb2.GROUP_IS_FULL)
+        if len(self.current_followers) + 2 >= quorum:  # with this follower: assemble now, the rest meet apart
+            self.target_group_size = len(self.current_followers) + 2
+            capped.add(self.label)
+        return refusal
+
+    matchmaking._Matchmaking._check_reasons_to_reject = quorum_cap
+    find, reduce = round_runner.RoundRunner._find_group, round_runner.RoundRunner._reduce
+
+    async def find_two(self, delta, weight, base_round, base):
+        sw = self.swarm
+        others = [p for p in sw.live_peers() if p != sw.peer_id]
+        if not self.levels and len(others) >= 2 and all(sw.roster.partnered(p) for p in others):
+            attacked.add(round_runner.round_prefix(sw.run_key, self.fragment, self.round))  # (everyone counts us)
+        return await find(self, delta, weight, base_round, base)
+
+    async def reduce_both(self, group, delta, weight, out):
+        follow = second.pop(round_runner.round_prefix(self.swarm.run_key, self.fragment, self.round), None)
+        if follow is None:
+            return await reduce(self, group, delta, weight, out)
+        other = RoundOutcome(self.fragment, self.round, RoundStatus.FAILED, base=out.base)
+
+        async def in_second():
+            found = await follow
+            if found is None:
+                log.warning("equivocator: fragment %d round %d: no second group", self.fragment, self.round)
+                return
+            log.warning("HOSTILE: in two groups of fragment %d round %d (sizes %d and %d)", self.fragment,
+                        self.round, len(group.peer_ids), len(found.peer_ids))
+            try:
+                await reduce(self, found, delta, weight, other)
+            except Exception as e:  # (the lead group's outcome is the round's: this one is only logged)
+                other.error = f"{type(e).__name__}: {e}"
+            return other
+
+        first, two = await asyncio.gather(reduce(self, group, delta, weight, out), in_second(), return_exceptions=True)
+        if isinstance(two, RoundOutcome):
+            log.warning("equivocator: fragment %d round %d: lead group %s, second group %s %s", self.fragment,
+                        self.round, out.status.value, two.status.value, two.error)
+        if isinstance(first, BaseException):
+            raise first
+
+    round_runner.RoundRunner._find_group = find_two
+    round_runner.RoundRunner._reduce = reduce_both
+
+
 ATTACKS = {f.__name__: f for f in (lying_reducer, erring_reducer, two_faced_reducer, round_breaker, sybil_majority,
                                    far_ahead, served_ahead, forged_donor, shadowing, stream_hog, record_flood, key_fill,
-                                   phantom_group)}
+                                   phantom_group, equivocator)}
 
 
 def main() -> int:

@@ -47,7 +47,7 @@ from test_swarm import FAST, start_bootstrap, wait_exit  # noqa: E402
 
 # "absent": the extra peer never starts: what an attacker excluded at once would cost (its data is lost)
 ATTACKS = ["clean", "absent", "lying_reducer", "erring_reducer", "two_faced_reducer", "round_breaker", "sybil_majority",
-           "far_ahead", "served_ahead", "forged_donor", "shadowing", "phantom_group"]
+           "far_ahead", "served_ahead", "forged_donor", "shadowing", "phantom_group", "equivocator"]
 
 
 EXTRA: list[str] = []  # flags for every peer of every run (--aggregator; --authority's public key)
