@@ -18,7 +18,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Mapping, Sequence, TypeVar
+from typing import Callable, Mapping, Optional, Sequence, TypeVar
 
 import forks
 
@@ -245,17 +245,20 @@ class Proc:
 MESH_DIAL_S = 20.0  # how long p2p_mesh dials a pair before it gives up
 
 
-async def p2p_mesh(n: int):
-    """``n`` hivemind P2P daemons on 127.0.0.1 (NAT mapping off), all connected to each other.
+async def p2p_mesh(n: int, identities: Optional[list[str]] = None):
+    """``n`` hivemind P2P daemons on 127.0.0.1 (NAT mapping off), all connected to each other; ``identities``: their
+    libp2p identity files (default: fresh keys nobody holds).
 
     The caller must ``await p.shutdown()`` each of them (in a ``finally``)."""
     from hivemind.p2p import P2P
     from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
 
-    p2ps = [await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False)]
-    for _ in range(n - 1):
-        p2ps.append(await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False,
-                                     initial_peers=await p2ps[0].get_visible_maddrs()))
+    paths = identities or [None] * n
+    common = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, check_if_identity_free=False)
+    p2ps = [await P2P.create(**common, identity_path=paths[0])]
+    for i in range(1, n):
+        first = await p2ps[0].get_visible_maddrs()
+        p2ps.append(await P2P.create(**common, identity_path=paths[i], initial_peers=first))
     for a in p2ps:  # full mesh, as the DHT would provide
         for b in p2ps:
             if a is not b:

@@ -46,15 +46,16 @@ def test_member_spans_cover_exactly_and_skip_client_mode():
         member_spans(10, [True, True], align=1)
 
 
-def _group(peer_ids, weights, numel=NUMEL, caps=None, links=None, keys=None):
-    """``keys``: each member's span key (its servicer's ``signer.public``; default: keys nobody signs with)."""
+def _group(peer_ids, weights, numel=NUMEL, caps=None, links=None, keys=None, clients=()):
+    """``keys``: each member's span key (its servicer's ``signer.public``; default: keys nobody signs with);
+    ``clients``: the indices of members in client mode."""
     caps = caps or [0.0] * len(weights)
     links = links or [0.0] * len(weights)
     keys = keys or [KEY] * len(weights)
     gathered = tuple(pb.MemberInfo(protocol_version=PROTOCOL_VERSION, base=BASE, weight=w, numel=numel,
                                    download_bytes_per_second=cap, upload_bytes_per_second=up,
-                                   span_key=key).SerializeToString()
-                     for w, cap, up, key in zip(weights, caps, links, keys))
+                                   span_key=key, client_mode=i in clients).SerializeToString()
+                     for i, (w, cap, up, key) in enumerate(zip(weights, caps, links, keys)))
     return GroupInfo(b"g" * 20, tuple(peer_ids), gathered)
 
 
@@ -85,19 +86,22 @@ def test_group_plan_leaves_out_members_whose_info_is_bad_and_names_them():
 
 
 async def _run(n_members, alive, weights, deltas, part_timeout=1.0, allreduce_timeout=4.0, rule=None, caps=None,
-               numel=NUMEL, chunk_bytes=4096, uploads=None, links=None, span_sizing="equal", elsewhere=(), gone=()):
+               numel=NUMEL, chunk_bytes=4096, uploads=None, links=None, span_sizing="equal", elsewhere=(), gone=(),
+               identities=None, claims=None, clients=()):
     """One round of ``n_members`` on loopback; ``caps``: each member's download cap in bytes/s (0: none), declared
     in its MemberInfo and enforced by its download pacer; ``uploads``: each one's upload cap (its pacer only);
     ``links``: the uplinks they declare (MemberInfo.upload_bytes_per_second), ``span_sizing`` the run's;
     ``elsewhere``: members not in ``alive`` that serve (a live peer) but never learned of this group; ``gone``:
-    members whose daemon is shut down before the round (killed as the group assembled)."""
+    members whose daemon is shut down before the round (killed as the group assembled); ``identities``: the members'
+    identity files; ``claims(i, plan)``: member i's claims for the group (a ClaimBook; default none); ``clients``:
+    members that declare client mode (no span)."""
     caps = caps or [0.0] * n_members
     uploads = uploads or [0.0] * n_members
-    p2ps = await p2p_mesh(n_members)
+    p2ps = await p2p_mesh(n_members, identities)
     try:
         ids = [p.peer_id for p in p2ps]
         signers = [SpanSigner() for _ in p2ps]
-        group = _group(ids, weights, numel, caps, links, [s.public for s in signers])
+        group = _group(ids, weights, numel, caps, links, [s.public for s in signers], clients)
         servicers = []
         for i, p in enumerate(p2ps):
             s = AllReduceServicer(registration_timeout=1.0, part_timeout=part_timeout, stream_timeout=30.0,
@@ -116,7 +120,8 @@ async def _run(n_members, alive, weights, deltas, part_timeout=1.0, allreduce_ti
             result = await run_allreduce(p2ps[i], servicers[i], plans[i], deltas[i], weights[i],
                                          part_timeout=part_timeout, allreduce_timeout=allreduce_timeout,
                                          connect_timeout=1.0, chunk_bytes=chunk_bytes,
-                                         bandwidth=servicers[i].bandwidth)  # (one owner's caps, both sides)
+                                         bandwidth=servicers[i].bandwidth,  # (one owner's caps, both sides)
+                                         claims=None if claims is None else claims(i, plans[i]))
             result.seconds = time.monotonic() - t0  # (for the tests of caps)
             return result
         results = await asyncio.gather(*[member(i) for i in alive])
@@ -194,6 +199,35 @@ def test_every_codec_pass_and_the_rule_run_off_the_event_loop(monkeypatch):
     assert len(threads) == 6, sorted(threads)  # every one of them ran
     loop = run_async(loop_thread())
     assert all(loop not in ran for ran in threads.values()), {k: loop in v for k, v in threads.items()}
+
+
+def test_every_member_holds_every_valid_claim_the_client_mode_one_through_the_lists(tmp_path):
+    """Each member sends its claim for the group with its parts, and each reducer relays the claims it holds with its
+    list: the client-mode member, to which no part comes, holds every valid claim too. Member 1 signs with member 0's
+    key (a claim that is not its word): no one holds one of member 1's, and the round itself is unaffected."""
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from peer.net.plumbing.addresses import ensure_identity
+    from peer.net.trust.auth import identity_key
+    from peer.net.trust.claims import ClaimBook, ClaimSigner, statement
+
+    paths = [str(tmp_path / f"id{i}") for i in range(4)]
+    for path in paths:
+        ensure_identity(path)
+    keys: list[RSAPrivateKey] = [identity_key(path) for path in paths]
+    signers = [ClaimSigner(keys[0] if i == 1 else key) for i, key in enumerate(keys)]
+    books = {}
+
+    def claims(i, plan):
+        stmt = statement("run", 0, 3, plan.group_id)
+        books[i] = ClaimBook(stmt, plan.peer_ids, (plan.my_index, signers[i].claim(stmt)))
+        return books[i]
+
+    torch.manual_seed(3)
+    deltas = [torch.randn(NUMEL) for _ in range(4)]
+    results, _ = run_async(_run(4, [0, 1, 2, 3], [1.0] * 4, deltas, identities=paths, claims=claims, clients=(3,)))
+    assert all(r.complete and r.agreed for r in results.values())
+    assert {i: sorted(book.held) for i, book in books.items()} == {i: [0, 2, 3] for i in range(4)}
 
 
 def test_all_members_get_identical_weighted_average():

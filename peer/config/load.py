@@ -135,10 +135,10 @@ def build_config(toml_path: str | None, overrides: dict[tuple[str, str], Any],
     cfg = PeerConfig(**sections)
     # A round's future completes within this; the engine must not give up on it earlier.
     patience = cfg.swarm.matchmaking_patience if cfg.outer.schedule == "steps" else 0.0
-    rounds_take = cfg.swarm.matchmaking_timeout + patience + cfg.swarm.allreduce_timeout
+    rounds_take = cfg.swarm.matchmaking_timeout + patience + cfg.swarm.allreduce_timeout + cfg.swarm.witness_timeout
     if cfg.outer.wait_timeout <= rounds_take:
         what = "swarm.matchmaking_timeout + " + ("swarm.matchmaking_patience + " if patience else "")
-        raise ConfigError(f"outer.wait_timeout: must be > {what}swarm.allreduce_timeout "
+        raise ConfigError(f"outer.wait_timeout: must be > {what}swarm.allreduce_timeout + 3 x swarm.dht_timeout "
                           f"({rounds_take:g}s) (got {cfg.outer.wait_timeout:g})")
     if not cfg.swarm.initial_peers and not cfg.swarm.new_swarm:
         raise ConfigError("--initial-peers is empty: pass the multiaddr printed by swarm-bootstrap "

@@ -22,6 +22,7 @@ from hivemind.utils import get_dht_time
 
 from peer.net.round.reducer import AllReduceServicer
 from peer.net.trust.auth import Admission, RunAccess, encode_pass, identity_key
+from peer.net.trust.claims import ClaimSigner, Entry
 from peer.net.flow.bandwidth import Bandwidth
 from peer.net.view.activity import RoundActivity
 from peer.net.policy.agreement import quorum_peers
@@ -43,8 +44,10 @@ from peer.net.view.roster import Roster
 from peer.net.round.round_runner import Lesson, RoundRunner
 from peer.net.trust.records import ProgressRecord
 from peer.net.heartbeat import Heartbeat
+from peer.net.witness import Witness
 from peer.net.our_record import OurRecord
 from peer.net.state_transfer import DownloadError, ServedState, StateServicer, download
+from peer.proto import allreduce_pb2 as pb
 from peer.util import Stopped, result_or_stop
 
 log = logging.getLogger(__name__)
@@ -120,6 +123,9 @@ class Swarm:
                                           request_timeout=cfg.request_timeout)
         self._subkey = b""
         self.ours = OurRecord(self.state_servicer)  # what our record says (set by the training thread)
+        self._claims: Optional[ClaimSigner] = None  # signs our claims with our identity's key (set by start())
+        self._witness: Optional[Witness] = None  # publishes them, reads everyone's (set by start())
+        self._claims_horizon = cfg.matchmaking_timeout + cfg.matchmaking_patience + longest + cfg.witness_timeout
         self.client_mode = cfg.client_mode  # or set at start when nobody outside can dial us (_check_reachability)
         self.attendance = Attendance()  # whom our rounds wait for (peer/net/view/attendance.py; swarm-net only)
         # how long a group we lead waits for each of them (peer/net/view/punctuality.py; swarm-net only)
@@ -134,7 +140,9 @@ class Swarm:
         """Starts the DHT and the networking thread. Raises :class:`~peer.errors.JoinError` if no initial peer
         answered within ``join_timeout`` (retried with backoff; ``stop`` ends the retries)."""
         access = self.access
-        validators, self._subkey, auth = dht_security(self.run_key, access, identity_key(self.identity_path))
+        key = identity_key(self.identity_path)
+        validators, self._subkey, auth = dht_security(self.run_key, access, key)
+        self._claims = ClaimSigner(key)
         cap_frame_size(frame_limit_for(self.cfg.chunk_bytes))  # before the DHT forks: its streams are bounded too
         self._dht = create_dht(initial_peers=self.cfg.initial_peers, host_maddrs=self.cfg.host_maddrs,
                               announce_maddrs=self.cfg.announce_maddrs, identity_path=self.identity_path,
@@ -149,6 +157,8 @@ class Swarm:
                                     peer_id=self.peer_id, roster=self.roster, admission=self.admission,
                                     access=access, record=self._record, observe=self._observe,
                                     initial_peers=peers_of(self.cfg.initial_peers))  # (checked by create_dht)
+        self._witness = Witness(self.dht, run_key=self.run_key, subkey=self._subkey, peer_id=self.peer_id,
+                                horizon=self._claims_horizon, timeout=self.cfg.witness_timeout)
         if not self.cfg.client_mode:
             self._call(self.servicer.add_p2p_handlers(self.p2p), self.cfg.startup_timeout)
             self._call(self.state_servicer.add_p2p_handlers(self.p2p), self.cfg.startup_timeout)
@@ -324,7 +334,7 @@ class Swarm:
         the round without us. On both schedules the search stops once no other peer is live (status ``alone``,
         as at launch). The future completes within matchmaking_timeout
         (+ matchmaking_patience on the steps schedule) + the round's all-reduce deadline (allreduce_timeout, or
-        with measured deadlines up to deadline_max) seconds.
+        with measured deadlines up to deadline_max) + the claims' exchange (``witness_timeout``) seconds.
         """
         runner = RoundRunner(self, fragment=fragment, round_=round_, inner_step=inner_step,
                              target_group_size=target_group_size, sync_every=sync_every)
@@ -339,6 +349,16 @@ class Swarm:
         return asyncio.run_coroutine_threadsafe(tracked(), self._loop)
 
     # ---- what rounds read, and what they taught (round_runner.SwarmView) ----------------------------------------
+    def claim(self, stmt: bytes) -> pb.MemberClaim:
+        """Our claim of ``stmt`` (:func:`peer.net.trust.claims.statement`), signed with our identity's key."""
+        assert self._claims is not None, "Swarm.start() first"
+        return self._claims.claim(stmt)
+
+    async def witness(self, entries: list[Entry]) -> Optional[list[Entry]]:
+        """:meth:`peer.net.witness.Witness.exchange` (on ``swarm-net``)."""
+        assert self._witness is not None, "Swarm.start() first"
+        return await self._witness.exchange(entries)
+
     def admitted(self, peer: str) -> bool:
         return self.admission.admitted(peer)
 

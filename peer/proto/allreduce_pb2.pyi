@@ -46,24 +46,36 @@ class SpanSeen(_message.Message):
     signature: bytes
     def __init__(self, digest: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
+class MemberClaim(_message.Message):
+    __slots__ = ("member", "key", "signature")
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    member: int
+    key: bytes
+    signature: bytes
+    def __init__(self, member: _Optional[int] = ..., key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
 class ReduceRequest(_message.Message):
-    __slots__ = ("group_id", "span_index", "weight", "offset", "piece", "acknowledged")
+    __slots__ = ("group_id", "span_index", "weight", "offset", "piece", "acknowledged", "claim")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     SPAN_INDEX_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     PIECE_FIELD_NUMBER: _ClassVar[int]
     ACKNOWLEDGED_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_FIELD_NUMBER: _ClassVar[int]
     group_id: bytes
     span_index: int
     weight: float
     offset: int
     piece: _codec_pb2.EncodedTensor
     acknowledged: int
-    def __init__(self, group_id: _Optional[bytes] = ..., span_index: _Optional[int] = ..., weight: _Optional[float] = ..., offset: _Optional[int] = ..., piece: _Optional[_Union[_codec_pb2.EncodedTensor, _Mapping]] = ..., acknowledged: _Optional[int] = ...) -> None: ...
+    claim: MemberClaim
+    def __init__(self, group_id: _Optional[bytes] = ..., span_index: _Optional[int] = ..., weight: _Optional[float] = ..., offset: _Optional[int] = ..., piece: _Optional[_Union[_codec_pb2.EncodedTensor, _Mapping]] = ..., acknowledged: _Optional[int] = ..., claim: _Optional[_Union[MemberClaim, _Mapping]] = ...) -> None: ...
 
 class ReduceResponse(_message.Message):
-    __slots__ = ("status", "error", "contributors", "total_weight", "offset", "piece", "acknowledged", "part_seconds", "part_bytes", "signature", "seen")
+    __slots__ = ("status", "error", "contributors", "total_weight", "offset", "piece", "acknowledged", "part_seconds", "part_bytes", "signature", "seen", "claims")
     class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         OK: _ClassVar[ReduceResponse.Status]
@@ -83,6 +95,7 @@ class ReduceResponse(_message.Message):
     PART_BYTES_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     SEEN_FIELD_NUMBER: _ClassVar[int]
+    CLAIMS_FIELD_NUMBER: _ClassVar[int]
     status: ReduceResponse.Status
     error: str
     contributors: _containers.RepeatedScalarFieldContainer[int]
@@ -94,4 +107,5 @@ class ReduceResponse(_message.Message):
     part_bytes: int
     signature: bytes
     seen: _containers.RepeatedCompositeFieldContainer[SpanSeen]
-    def __init__(self, status: _Optional[_Union[ReduceResponse.Status, str]] = ..., error: _Optional[str] = ..., contributors: _Optional[_Iterable[int]] = ..., total_weight: _Optional[float] = ..., offset: _Optional[int] = ..., piece: _Optional[_Union[_codec_pb2.EncodedTensor, _Mapping]] = ..., acknowledged: _Optional[int] = ..., part_seconds: _Optional[float] = ..., part_bytes: _Optional[int] = ..., signature: _Optional[bytes] = ..., seen: _Optional[_Iterable[_Union[SpanSeen, _Mapping]]] = ...) -> None: ...
+    claims: _containers.RepeatedCompositeFieldContainer[MemberClaim]
+    def __init__(self, status: _Optional[_Union[ReduceResponse.Status, str]] = ..., error: _Optional[str] = ..., contributors: _Optional[_Iterable[int]] = ..., total_weight: _Optional[float] = ..., offset: _Optional[int] = ..., piece: _Optional[_Union[_codec_pb2.EncodedTensor, _Mapping]] = ..., acknowledged: _Optional[int] = ..., part_seconds: _Optional[float] = ..., part_bytes: _Optional[int] = ..., signature: _Optional[bytes] = ..., seen: _Optional[_Iterable[_Union[SpanSeen, _Mapping]]] = ..., claims: _Optional[_Iterable[_Union[MemberClaim, _Mapping]]] = ...) -> None: ...

@@ -2,13 +2,13 @@
 the reducer's: :class:`~peer.net.round.reducer.AllReduceServicer`; messages: protos/allreduce.proto).
 
 1. The fragment's flat vector is cut into one span per non-client member (:func:`peer.net.round.group.member_spans`).
-2. Every member streams its encoded part of span i, with its weight, to reducer i.
+2. Every member streams its encoded part of span i, with its weight and claim (trust/claims.py), to reducer i.
 3. Reducer i combines the parts that arrived by its deadline by the run's rule (:mod:`peer.outer.aggregate`),
    **encodes the result once** and streams those same bytes back to every member, with the contributors.
 4. Every member (the reducer included) decodes those bytes: all hold bit-identical averages. A span whose reducer
    failed, or whose result fails the member's checks (:mod:`peer.net.trust.span_checks`), is ``None``: not applied.
-5. Every reducer sends its members the list of what it accepted of every span; a member applies all spans, or
-   the majority of them that every list holds (:func:`~peer.net.trust.span_proofs.may_apply`), else none.
+5. Every reducer sends its members the list of what it accepted of every span, and the claims it holds; a member
+   applies all spans, or the majority of them that every list holds (:func:`~peer.net.trust.span_proofs.may_apply`).
 
 Nobody keeps ``average - own part`` or its own uncompressed span: a lossy codec cannot make peers drift apart.
 Everything read is validated; messages are paced by upload caps and credit (:mod:`peer.net.flow.credit`). An
@@ -38,6 +38,7 @@ from peer.net.round.group import GroupPlan
 from peer.net.round.link_watch import LinkWatch
 from peer.net.round.reducer import REDUCE, UNKNOWN_GROUP, AllReduceServicer
 from peer.net.round.reduction import Lift, Pieces, SpanReduction, Traffic, decode_piece, encode_pieces
+from peer.net.trust.claims import ClaimBook
 from peer.net.trust.span_checks import disagreeing, implausible
 from peer.net.trust.span_proofs import Seen, cross_check, enough_held, may_apply, signed_by, span_digest
 from peer.outer import host_memory
@@ -96,20 +97,22 @@ async def _remote_span(p2p: P2P, plan: GroupPlan, j: int, values: torch.Tensor, 
                        chunk_elems: int, deadline: float, connect_timeout: float,
                        traffic: Traffic, bandwidth: Bandwidth, timings: list[tuple[int, float]],
                        arrivals: list[tuple[float, float, int]], lost: asyncio.Event,
-                       average: asyncio.Future, averages_due: float) -> Optional[list[pb.SpanSeen]]:
+                       average: asyncio.Future, averages_due: float, claims: Optional[ClaimBook]
+                       ) -> Optional[list[pb.SpanSeen]]:
     """Streams our part of span j to reducer j, resolves ``average`` with its response messages (or the error
     that ended them; by ``averages_due``), then returns the list of what its member side received of every span,
-    which it sends after an OK average (None if it did not come by ``deadline``). The part is paced by our upload
-    cap and by reducer j's credit; we grant credit on its average if we declared a download cap. Appends ``(bytes,
-    seconds)`` to ``timings`` when the reducer said how much of our part it read in how long (at most what we
-    sent, in at most the time we saw pass before its answer), also when the part came too late; and ``(first,
-    last, bytes)`` of the average's messages to ``arrivals``. The average fails with :class:`ConnectionLost` once
+    which it sends after an OK average (None if it did not come by ``deadline``), and adds the members' claims it
+    relays with it to ``claims``. The part is paced by our upload cap and by reducer j's credit; we grant credit on
+    its average if we declared a download cap. Appends ``(bytes, seconds)`` to ``timings`` when the reducer said
+    how much of our part it read in how long (at most what we sent, in at most the time we saw pass before its
+    answer), also when the part came too late; and ``(first, last, bytes)`` of the average's messages to
+    ``arrivals``. The average fails with :class:`ConnectionLost` once
     ``lost`` is set (our daemon dropped its connection to reducer j: :mod:`peer.net.round.link_watch`). Never
     raises."""
     try:
         stream, acks, responses = await _read_average(p2p, plan, j, values, weight, chunk_elems, averages_due,
                                                       connect_timeout, traffic, bandwidth, timings, arrivals,
-                                                      lost, deadline)
+                                                      lost, deadline, claims)
     except Exception as e:
         average.set_exception(e)
         return None
@@ -122,6 +125,8 @@ async def _remote_span(p2p: P2P, plan: GroupPlan, j: int, values: torch.Tensor, 
                 traffic.received += msg.ByteSize()
                 if not (msg.HasField("piece") or msg.contributors or msg.acknowledged or msg.status != Status.OK):
                     seen = list(msg.seen)
+                    if claims is not None:
+                        claims.relayed(msg.claims)
     finally:
         acks.put_nowait(None)  # lets our request stream end, then the reducer closes: read up to that EOF
         if seen is not None:  # (else nothing more is ours to read: we close first)
@@ -134,11 +139,13 @@ async def _remote_span(p2p: P2P, plan: GroupPlan, j: int, values: torch.Tensor, 
 async def _read_average(p2p: P2P, plan: GroupPlan, j: int, values: torch.Tensor, weight: float,
                         chunk_elems: int, deadline: float, connect_timeout: float,
                         traffic: Traffic, bandwidth: Bandwidth, timings: list[tuple[int, float]],
-                        arrivals: list[tuple[float, float, int]], lost: asyncio.Event, hold: float
+                        arrivals: list[tuple[float, float, int]], lost: asyncio.Event, hold: float,
+                        claims: Optional[ClaimBook] = None
                         ) -> tuple[ResponseStream, asyncio.Queue, list[pb.ReduceResponse]]:
     """:func:`_remote_span`'s part and average (by ``deadline``): the open stream (the caller closes it: after an
     error, closed here; our side of it is held open until ``hold`` at most), the queue of our credits (None ends
-    our requests) and the average's messages."""
+    our requests) and the average's messages. Our claim (in ``claims``) goes with the part's header."""
+    own = claims.held.get(plan.my_index) if claims is not None else None
     pieces = await asyncio.get_running_loop().run_in_executor(None, encode_pieces, plan.parts, values, chunk_elems)
     opened = time.monotonic()
     span_length = plan.spans[j][1] - plan.spans[j][0]
@@ -153,6 +160,8 @@ async def _read_average(p2p: P2P, plan: GroupPlan, j: int, values: torch.Tensor,
                 msg = pb.ReduceRequest(offset=offset, piece=piece)
                 if k == 0:
                     msg.group_id, msg.span_index, msg.weight = plan.group_id, j, weight
+                    if own is not None:
+                        msg.claim.CopyFrom(own)
                 await credit.wait(deadline)
                 traffic.sent += msg.ByteSize()
                 await bandwidth.upload.take(msg.ByteSize())
@@ -360,10 +369,13 @@ def _check_spans(plan: GroupPlan, results: dict[int, SpanResult], delta: torch.T
 async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, delta: torch.Tensor,
                         weight: float, *, part_timeout: float, allreduce_timeout: float,
                         connect_timeout: float, chunk_bytes: int, lift: Optional[Lift] = None,
-                        bandwidth: Optional[Bandwidth] = None) -> AllReduceResult:
+                        bandwidth: Optional[Bandwidth] = None, claims: Optional[ClaimBook] = None
+                        ) -> AllReduceResult:
     """Runs one butterfly all-reduce as member ``plan.my_index``; never raises for peer failures. ``lift``: a
     two-level round's level 2 for the span we reduce (:mod:`peer.net.round.levels`); ``bandwidth``: the owner's
-    caps on our parts and the averages we read (None: uncapped). Our span's reduction is registered on
+    caps on our parts and the averages we read (None: uncapped); ``claims``: the members' claims for the group
+    (:mod:`peer.net.trust.claims`, ours in it), which we send with our parts and which the parts and lists we read
+    add to (None: we send and count none). Our span's reduction is registered on
     ``servicer``; the offences it saw and what we conclude of the other reducers are returned
     (``AllReduceResult.verdicts``), not applied.
 
@@ -377,7 +389,7 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
     averages_due = deadline - min(connect_timeout, allreduce_timeout / 4)
     my_start, my_end = plan.spans[plan.my_index]
     bandwidth = bandwidth or Bandwidth()
-    red = SpanReduction(plan, part_timeout, chunk_elems, servicer.excluded, lift, servicer.signer)
+    red = SpanReduction(plan, part_timeout, chunk_elems, servicer.excluded, lift, servicer.signer, claims)
     servicer.register(red)
     index = {str(peer): i for i, peer in enumerate(plan.peer_ids)}
     watch = LinkWatch(p2p, [peer for peer, i in index.items() if i != plan.my_index])
@@ -403,7 +415,7 @@ async def run_allreduce(p2p: P2P, servicer: AllReduceServicer, plan: GroupPlan, 
                 lists[j] = asyncio.ensure_future(_remote_span(p2p, plan, j, values, weight, chunk_elems, deadline,
                                                               connect_timeout, traffic, bandwidth, timings,
                                                               arrivals, watch.lost(str(plan.peer_ids[j])), average,
-                                                              averages_due))
+                                                              averages_due, claims))
                 tasks.append((j, average))
         results: dict[int, SpanResult] = {}
         for j, task in tasks:

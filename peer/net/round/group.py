@@ -22,8 +22,9 @@ from peer.proto import allreduce_pb2 as pb
 # 2: credit on the streams to a peer with a download cap (peer/net/flow/credit.py); 3: two-level rounds (slots);
 # 4: declared uplinks, and deadlines sized from them (peer/net/flow/links.py); 5: spans sized by the declared links;
 # 6: declared bases and expected counts (peer/net/policy/agreement.py); 7: level-2 members declare their groups'
-# sizes, and a slot's level-2 group applies with a majority only (peer/net/round/levels.py)
-PROTOCOL_VERSION = 8
+# sizes, and a slot's level-2 group applies with a majority only (peer/net/round/levels.py); 8: signed spans
+# (peer/net/trust/span_proofs.py); 9: members' claims for their group (peer/net/trust/claims.py)
+PROTOCOL_VERSION = 9
 MAX_GROUP_SIZE = 256
 # Span sizing by links (swarm.span_sizing = "links"): a reducer whose link is under half the group's median gets a
 # share in proportion, in sixteenths of an equal one, down to 1/8 of it; the others get equal shares (a link

@@ -121,6 +121,7 @@ class AllReduceServicer(ServicerBase):
                 yield pb.ReduceResponse(status=Status.REJECTED, error="wrong span index or invalid weight")
                 return
             red.stream_opened(sender)
+            red.claimed(sender, header.claim)
             # we grant credit on the part if we declared a download cap (peer/net/flow/credit.py)
             grants = window(plan.infos[plan.my_index].download_bytes_per_second, 1) > 0
             part = host_memory.empty(red.length, touch=False)  # (filled in order as the pieces arrive)
@@ -159,7 +160,8 @@ class AllReduceServicer(ServicerBase):
                             deadline: float, timing: tuple[float, int]) -> AsyncIterator[pb.ReduceResponse]:
         """Streams our encoded average to ``member``, paced by our upload cap and, when the member declared a
         download cap, by its credit (read from its request stream by a task of ours), then what our own member side
-        received of every span (``red.seen``: the member checks its own against it, :mod:`peer.net.trust.span_proofs`),
+        received of every span (``red.seen``: the member checks its own against it, :mod:`peer.net.trust.span_proofs`)
+        with the members' claims we hold (:mod:`peer.net.trust.claims`),
         then holds the stream open until the member closes its side: it does so only after reading all that, and
         closing first can drop our last message in the daemons (seen ~1/50). The first message tells the member how
         long its part took (``timing``: seconds, bytes). Raises :class:`CreditError` for a credit no honest member
@@ -184,7 +186,7 @@ class AllReduceServicer(ServicerBase):
                 except asyncio.TimeoutError:
                     pass  # (the member reads no list: it applies nothing)
                 else:
-                    yield pb.ReduceResponse(seen=seen)
+                    yield pb.ReduceResponse(seen=seen, claims=red.relayed_claims())
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(reader), timeout=min(self.registration_timeout,
                                                                             time_left(deadline)))

@@ -18,6 +18,7 @@ import torch
 
 from peer.net.trust.exclusion import Offence, PeerVerdict
 from peer.net.round.group import GroupPlan
+from peer.net.trust.claims import ClaimBook
 from peer.net.trust.span_proofs import SpanSigner, span_digest
 from peer.outer.aggregate import aggregate
 from peer.outer.codec import Codec, CodecError, encode_span
@@ -77,20 +78,22 @@ def decode_piece(codec: Codec, piece, offset: int, filled: int, out: torch.Tenso
 
 class SpanReduction:
     """Reducer-side state of one group: collects members' parts of our span, combines them once. Changed only
-    through its methods (the servicer's streams call :meth:`stream_opened`, :meth:`received`, :meth:`add`,
-    :meth:`give_up_on` and :meth:`stream_closed`), on the event loop that serves them. The combination and its
-    encoding run on a worker thread (a fragment's span takes the CPU for a second at 1B scale, which must not stall
-    the loop's streams and heartbeats): the parts are closed first, so nothing it reads changes meanwhile.
+    through its methods (the servicer's streams call :meth:`stream_opened`, :meth:`claimed`, :meth:`received`,
+    :meth:`add`, :meth:`give_up_on` and :meth:`stream_closed`), on the event loop that serves them. The combination
+    and its encoding run on a worker thread (a fragment's span takes the CPU for a second at 1B scale, which must not
+    stall the loop's streams and heartbeats): the parts are closed first, so nothing it reads changes meanwhile.
     :attr:`seen` (what our own member side received of every span, for the reducer to send each member after its
     average) is written once, by :meth:`publish_seen`."""
 
     def __init__(self, plan: GroupPlan, part_timeout: float, chunk_elems: int,
                  excluded: Container[object] = frozenset(), lift: Optional[Lift] = None,
-                 signer: Optional[SpanSigner] = None):
+                 signer: Optional[SpanSigner] = None, claims: Optional[ClaimBook] = None):
         """``excluded``: the peers this peer no longer works with (read only: the swarm's ledger); ``lift``: a
         two-level round's level 2 (peer/net/round/levels.py); the pieces it returns are sent instead of our own
-        encoding of the combined parts; ``signer``: signs our average (None: unsigned, which members refuse)."""
-        self.signer = signer
+        encoding of the combined parts; ``signer``: signs our average (None: unsigned, which members refuse);
+        ``claims``: the members' claims for the group (peer/net/trust/claims.py) that our member side counts, which
+        the parts' headers add to and which we relay with our list (None: a level-2 round, which claims nothing)."""
+        self.signer, self.claims = signer, claims
         self.seen: asyncio.Future[list[pb.SpanSeen]] = asyncio.get_running_loop().create_future()
         self.plan = plan
         self.lift = lift
@@ -126,6 +129,15 @@ class SpanReduction:
         """What our member side received of every span (span order): sent to each member after our average."""
         if not self.seen.done():
             self.seen.set_result(seen)
+
+    def claimed(self, index: int, claim: pb.MemberClaim) -> None:
+        """Member ``index`` sent its claim for the group with its part (kept if valid)."""
+        if self.claims is not None and claim.signature:
+            self.claims.add(index, claim)
+
+    def relayed_claims(self) -> list[pb.MemberClaim]:
+        """The claims we relay to each member with our list (:meth:`publish_seen`)."""
+        return [] if self.claims is None else self.claims.wire()
 
     def stream_opened(self, index: int) -> None:
         """Member ``index`` opened its stream to us: it will ask for our average; we are not idle until it closes."""

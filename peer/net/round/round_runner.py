@@ -13,6 +13,7 @@ which the swarm applies in one place (``SwarmView.learn``). It runs on the ``swa
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures
 import logging
 import time
@@ -22,10 +23,11 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 import torch
 
 from peer.net.view.activity import RoundActivity, RoundStage
-from peer.net.policy.agreement import quorum_size
+from peer.net.policy.agreement import our_count_holds, quorum_size
 from peer.net.round.allreduce import run_allreduce
 from peer.net.view.attendance import early_assembly
 from peer.net.policy.consensus import laggards, nobody_coming, swarm_is_past
+from peer.net.trust.claims import GROUP_ID_CHARS, ClaimBook, Entry, claim_entries, statement, two_groups
 from peer.net.trust.exclusion import Offence, PeerVerdict
 from peer.net.round.group import PROTOCOL_VERSION, GroupError, GroupPlan, holds_our_count
 from peer.net.round.levels import Levels, plan_levels, swarm_lift
@@ -111,6 +113,8 @@ class SwarmView(Protocol):
     def invited(self, here: tuple[int, int]) -> frozenset[str]: ...
     def quorum_peers(self, invited: frozenset[str], here: tuple[int, int]) -> frozenset[str]: ...
     def learn(self, lesson: Lesson) -> list["Absent"]: ...
+    def claim(self, stmt: bytes) -> pb.MemberClaim: ...
+    async def witness(self, entries: list[Entry]) -> Optional[list[Entry]]: ...
 
 
 class RoundRunner:
@@ -290,10 +294,14 @@ class RoundRunner:
                               live=self.target_group_size, deadline=now + deadlines.allreduce - deadlines.part / 2,
                               excluded=sw.refused, guard=sw.guard, bandwidth=sw.bandwidth,
                               learn=lambda verdicts: sw.learn(Lesson(self.here, verdicts=tuple(verdicts))))
+        book = None
+        if not self.levels:  # (one level: each member counts only the members whose claim for the group it holds)
+            stmt = statement(sw.run_key, self.fragment, self.round, plan.group_id)
+            book = ClaimBook(stmt, plan.peer_ids, (plan.my_index, sw.claim(stmt)))
         result = await run_allreduce(sw.p2p, sw.servicer, plan, delta, weight,
                                      part_timeout=deadlines.part, allreduce_timeout=deadlines.allreduce,
                                      connect_timeout=self.cfg.request_timeout, chunk_bytes=self.cfg.chunk_bytes,
-                                     lift=lift, bandwidth=sw.bandwidth)
+                                     lift=lift, bandwidth=sw.bandwidth, claims=book)
         sw.learn(Lesson(self.here, uplink=result.uplink, downlink=result.downlink, verdicts=tuple(result.verdicts)))
         out.spans, out.contributors, out.total_weight = result.spans, result.contributors, result.total_weight
         out.flagged = result.flagged
@@ -310,3 +318,36 @@ class RoundRunner:
             out.status = RoundStatus.OFF_BASE
             out.error = (f"our base {out.base[:12]} differs from the group's {out.group_base[:12]} (round "
                          f"{verdict.base_round if verdict else '?'}): our part counted, nothing applied")
+        elif book is not None and verdict is not None and out.status == RoundStatus.OK:
+            await self._witness(plan, verdict.base, book, out)
+
+    async def _witness(self, plan: GroupPlan, base: str, book: ClaimBook, out: RoundOutcome) -> None:
+        """Must be called before a one-level round we would apply is handed back: publishes the claims we hold
+        of its members and reads everyone's (:mod:`peer.net.trust.claims`), and keeps the round applied only if
+        the members whose claim for this group we hold, and for no other group of the round, hold our count
+        (:func:`~peer.net.policy.agreement.our_count_holds`). A member shown in another group is an offence."""
+        sw = self.swarm
+        keys = book.members()
+        found = None
+        if len(base64.b64encode(plan.group_id)) <= GROUP_ID_CHARS:  # (no published entry holds a longer id)
+            found = await sw.witness(claim_entries(self.fragment, self.round, plan.group_id, book, sw.peer_id))
+        if found is None:
+            out.status, out.spans = RoundStatus.MINORITY, []
+            out.error = "the group's claims could not be published and read back in time: nothing applied"
+            log.info("%s: %s", self.label, out.error)
+            return
+        twice = await asyncio.get_running_loop().run_in_executor(
+            None, two_groups, found, sw.run_key, self.fragment, self.round, plan.group_id, keys)
+        if twice:
+            sw.learn(Lesson(self.here, verdicts=tuple(
+                PeerVerdict(pid, f"{self.label}: claimed another group of this round too", Offence.TWO_GROUPS)
+                for pid in sorted(twice))))
+        kept = [(str(pid), info) for pid, info in zip(plan.peer_ids, plan.infos) if str(pid) in keys.keys() - twice]
+        if our_count_holds([pid for pid, _ in kept], [info for _, info in kept], base, self.counted):
+            return
+        out.status, out.spans = RoundStatus.MINORITY, []
+        named = f" ({', '.join(short_id(p) for p in sorted(twice))} claimed another group too)" if twice else ""
+        out.error = (f"the members whose claim for this group we hold, and for no other group of the round, hold "
+                     f"{len([p for p, _ in kept if p in self.counted])} of the {len(self.counted)} peers we count"
+                     f"{named}: nothing applied")
+        log.warning("%s: %s", self.label, out.error)

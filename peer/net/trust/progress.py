@@ -22,6 +22,7 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils.crypto import RSAPrivateKey
 
 from peer.net.trust.auth import PassChecker, RunAccess, RunAuthorizer, certifies, record_admitted
+from peer.net.trust.claims import ClaimsValidator
 from peer.net.trust.revocations import RevocationValidator
 from peer.net.trust.records import ProgressRecord
 
@@ -81,7 +82,7 @@ def make_validators(run_key: str, private_key: Optional[RSAPrivateKey] = None,
     Must be created before the DHT process is started (validators are handed to it).
     """
     signer = RSASignatureValidator(private_key)
-    validators: list[RecordValidatorBase] = [ProgressValidator(run_key, checker), signer]
+    validators: list[RecordValidatorBase] = [ProgressValidator(run_key, checker), signer, ClaimsValidator(run_key)]
     if checker is not None:
         validators.append(RevocationValidator(checker))
     return validators, signer.local_public_key

@@ -1,0 +1,194 @@
+"""Member claims: one group per member per round, or the evidence of two (pure: no I/O).
+
+A member counted in two groups of one round lets both apply (docs/architecture.md, "One digest for every applied
+round"). So each member signs, with its identity's RSA key (the peer id is its hash), a claim that it is in group
+``gid`` of round ``(fragment, round)`` of the run (:class:`ClaimSigner`), sends it to every reducer with its part,
+and each reducer relays the claims it holds with its list of spans. A member counts toward its quorum only the
+members whose claim for its group it holds (:class:`ClaimBook`). Before applying, every member publishes the claims
+it holds under the run's claims key, then reads everyone's (:mod:`peer.net.witness`; :func:`claim_entries`,
+:func:`two_groups`): a member with a valid claim for another group of the round is not counted. Of two groups that
+share a member, whichever reads second sees the other's claim, so at most one of them applies. Two claims are not a
+proof of malice (an honest peer killed mid-round can rerun the round after a restart), so they count as an offence
+toward exclusion, not a proven one.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import functools
+import re
+import struct
+from typing import Annotated, Iterable, Mapping, Optional
+
+import pydantic
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
+from pydantic import Field, StrictStr
+
+from peer.net.trust.auth import parse_public_key, peer_id_of
+from peer.net.trust.records import Count
+from peer.proto import allreduce_pb2 as pb
+
+_DOMAIN = b"swarmloco claim v1\0"
+# what a claim may hold: a key in OpenSSH form (RSA-2048: ~380 bytes) and a signature (an RSA-4096 key's: 512 bytes)
+MAX_KEY_BYTES, MAX_SIGNATURE_BYTES = 1024, 512
+# a published entry: a group id (hivemind's: 20 bytes, 28 characters) and a signature in base64, a peer id that is an
+# RSA key's ("Qm...", 46 characters); at most MAX_CLAIMS entries per peer (~53 KB at these bounds: a DHT value)
+GROUP_ID_CHARS, SIGNATURE_CHARS, CLAIM_PEER_CHARS, MAX_CLAIMS = 64, 684, 64, 64
+
+
+def statement(run_key: str, fragment: int, round_: int, group_id: bytes) -> bytes:
+    """What a claim signs: the run, the fragment and round, and the group."""
+    run = run_key.encode()
+    return _DOMAIN + struct.pack(">I", len(run)) + run + struct.pack(">QQI", fragment, round_, len(group_id)) + group_id
+
+
+class ClaimSigner:
+    """Signs this peer's claims with its identity key (the key whose hash is our peer id)."""
+
+    def __init__(self, key: RSAPrivateKey):
+        self._key = key
+        self.public = key.get_public_key().to_bytes()
+
+    def claim(self, stmt: bytes) -> pb.MemberClaim:
+        return pb.MemberClaim(key=self.public, signature=self._key.sign(stmt))
+
+
+@functools.lru_cache(maxsize=1024)
+def _key_of(key: bytes, peer_id: str) -> Optional[RSAPublicKey]:
+    """``key`` parsed, if it is the one ``peer_id`` is the hash of (cached: a member's key arrives once per reducer)."""
+    try:
+        parsed = parse_public_key(key)
+        return parsed if peer_id_of(parsed) == peer_id else None
+    except ValueError:
+        return None
+
+
+def key_of(claim: pb.MemberClaim, peer_id: str) -> Optional[RSAPublicKey]:
+    """The claim's key if it is ``peer_id``'s (bounded before it is parsed), else None."""
+    if not 0 < len(claim.key) <= MAX_KEY_BYTES:
+        return None
+    return _key_of(bytes(claim.key), peer_id)
+
+
+def signed(key: RSAPublicKey, stmt: bytes, signature: bytes) -> bool:
+    """Whether ``signature`` (bounded) is ``key``'s of ``stmt``."""
+    if not 0 < len(signature) <= MAX_SIGNATURE_BYTES:
+        return False
+    try:
+        return key.verify(stmt, signature)
+    except Exception:  # (cryptography raises on malformed signatures)
+        return False
+
+
+class ClaimBook:
+    """The claims of one group's members for that group, each checked as it arrives (member index -> claim).
+    One per member side of a round; written on the event loop that runs it, by :meth:`add` only."""
+
+    def __init__(self, stmt: bytes, peer_ids: Iterable[object], own: Optional[tuple[int, pb.MemberClaim]] = None):
+        self.stmt, self.peer_ids = stmt, [str(p) for p in peer_ids]
+        self.held: dict[int, pb.MemberClaim] = {}
+        if own is not None:
+            self.add(*own)
+
+    def add(self, member: int, claim: pb.MemberClaim) -> bool:
+        """Keeps ``claim`` as member ``member``'s if it is its key's valid signature of this group's statement."""
+        if member in self.held:
+            return True
+        if not 0 <= member < len(self.peer_ids) or len(self.peer_ids[member]) > CLAIM_PEER_CHARS:
+            return False  # (a claim no record can publish is not counted: nobody could see it twice)
+        key = key_of(claim, self.peer_ids[member])
+        if key is None or not signed(key, self.stmt, bytes(claim.signature)):
+            return False
+        self.held[member] = pb.MemberClaim(member=member, key=claim.key, signature=claim.signature)
+        return True
+
+    def relayed(self, claims: Iterable[pb.MemberClaim]) -> None:
+        """Adds the valid ones of what a reducer relayed (at most one per member of the group)."""
+        for claim in list(claims)[:len(self.peer_ids)]:
+            self.add(claim.member, claim)
+
+    def wire(self) -> list[pb.MemberClaim]:
+        return [self.held[i] for i in sorted(self.held)]
+
+    def members(self) -> dict[str, RSAPublicKey]:
+        """Peer id -> key of every member whose claim we hold."""
+        out = {}
+        for i, claim in self.held.items():
+            key = key_of(claim, self.peer_ids[i])
+            if key is not None:
+                out[self.peer_ids[i]] = key
+        return out
+
+
+Entry = tuple[int, int, str, str, str]  # (fragment, round, group id, peer id, signature), base64 for the bytes
+_ENTRIES = pydantic.TypeAdapter(Annotated[
+    list[tuple[Count, Count, Annotated[StrictStr, Field(max_length=GROUP_ID_CHARS)],
+               Annotated[StrictStr, Field(max_length=CLAIM_PEER_CHARS)],
+               Annotated[StrictStr, Field(max_length=SIGNATURE_CHARS)]]],
+    Field(max_length=MAX_CLAIMS)])
+_OWNER = re.compile(b".*" + RSASignatureValidator.PUBLIC_KEY_REGEX + b".*", re.DOTALL)
+
+
+def claims_key(run_key: str) -> str:
+    """The DHT key under which each peer publishes its recent claims entries (its subkey: its owner key)."""
+    return f"{run_key}_claims"
+
+
+def parse_entries(value: object) -> list[Entry]:
+    """A peer's published entries, checked strictly (they come from anyone); [] if malformed."""
+    try:
+        return [tuple(e) for e in _ENTRIES.validate_python(value)]  # type: ignore[misc]
+    except (pydantic.ValidationError, TypeError, ValueError):
+        return []
+
+
+class ClaimsValidator(RecordValidatorBase):
+    """Accepts a value under the run's claims key only under a subkey that names its owner's key (so the signature
+    validator enforces ownership), and only a list of entries :func:`parse_entries` accepts. Other keys pass."""
+
+    def __init__(self, run_key: str):
+        self._key_id = DHTID.generate(source=claims_key(run_key)).to_bytes()
+
+    def validate(self, record: DHTRecord) -> bool:
+        if record.key != self._key_id:
+            return True
+        try:
+            subkey = DHTProtocol.serializer.loads(record.subkey)
+            value = DHTProtocol.serializer.loads(record.value)
+            if not isinstance(subkey, bytes) or not _OWNER.fullmatch(subkey):
+                return False
+            return isinstance(value, list) and len(parse_entries(value)) == len(value)
+        except Exception:
+            return False
+
+
+def claim_entries(fragment: int, round_: int, group_id: bytes, book: ClaimBook, me: str) -> list[Entry]:
+    """The entries we publish for one group of ours: the claims of its other members."""
+    gid = base64.b64encode(group_id).decode()
+    return [(fragment, round_, gid, book.peer_ids[i], base64.b64encode(c.signature).decode())
+            for i, c in sorted(book.held.items()) if book.peer_ids[i] != me]
+
+
+def two_groups(entries: Iterable[Entry], run_key: str, fragment: int, round_: int, group_id: bytes,
+               keys: Mapping[str, RSAPublicKey]) -> set[str]:
+    """Of the members ``keys`` names (peer id -> the key of its claim for our group), those a published entry shows
+    with a valid claim for another group of the same round. ``entries`` may come from anyone: each is checked
+    against the key we hold (at most one check per distinct entry; a key's worth of made-up entries, ~10k, is about
+    half a second of checks: run it off the event loop)."""
+    ours = base64.b64encode(group_id).decode()
+    found: set[str] = set()
+    for f, r, gid, pid, sig in set(entries):
+        if f != fragment or r != round_ or gid == ours or pid not in keys or pid in found:
+            continue
+        try:
+            other, signature = base64.b64decode(gid, validate=True), base64.b64decode(sig, validate=True)
+        except (binascii.Error, ValueError):
+            continue
+        if signed(keys[pid], statement(run_key, fragment, round_, other), signature):
+            found.add(pid)
+    return found

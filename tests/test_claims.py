@@ -1,0 +1,120 @@
+"""Member claims (peer/net/trust/claims.py): what counts as a member's word that it is in a group, what a peer may
+publish of it (peer/net/witness.py, through real DHT nodes), and what proves a second group of the same round."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+from hivemind.utils.crypto import RSAPrivateKey
+
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.utils import get_dht_time
+
+from helpers import dht_nodes, run_async
+from peer.net.plumbing.dht import shutdown_dht
+from peer.net.plumbing.dht_storage import BOUNDS
+from peer.net.trust.auth import peer_id_of
+from peer.net.trust.claims import (CLAIM_PEER_CHARS, GROUP_ID_CHARS, MAX_CLAIMS, SIGNATURE_CHARS, ClaimBook,
+                                   ClaimSigner, claim_entries, claims_key, parse_entries, statement, two_groups)
+from peer.net.trust.progress import make_validators
+from peer.net.witness import Witness
+from peer.proto import allreduce_pb2 as pb
+
+RUN, GID, OTHER = "run", b"g" * 20, b"o" * 20
+SIGNERS = [ClaimSigner(RSAPrivateKey()) for _ in range(3)]
+IDS = [peer_id_of(s._key.get_public_key()) for s in SIGNERS]
+STMT = statement(RUN, 1, 7, GID)
+
+
+def test_a_statement_names_the_run_the_fragment_the_round_and_the_group():
+    variants = [statement("run2", 1, 7, GID), statement(RUN, 0, 7, GID), statement(RUN, 1, 8, GID),
+                statement(RUN, 1, 7, OTHER), statement(RUN, 1, 7, GID + b"\0")]
+    assert len({STMT, *variants}) == 6
+
+
+def test_a_book_keeps_only_each_members_own_valid_claim_for_the_group():
+    book = ClaimBook(STMT, IDS, (0, SIGNERS[0].claim(STMT)))
+    assert set(book.held) == {0}
+    assert not book.add(1, SIGNERS[2].claim(STMT))  # another member's key: not member 1's word
+    assert not book.add(1, SIGNERS[1].claim(statement(RUN, 1, 7, OTHER)))  # its claim for another group
+    assert not book.add(1, pb.MemberClaim(key=SIGNERS[1].public, signature=b"\0" * 256))
+    assert not book.add(1, pb.MemberClaim(key=b"k" * 4096, signature=b"s"))  # bounded before it is parsed
+    assert not book.add(5, SIGNERS[1].claim(STMT))  # no such member
+    assert book.add(1, SIGNERS[1].claim(STMT)) and set(book.held) == {0, 1}
+    assert set(book.members()) == {IDS[0], IDS[1]}
+
+
+def test_what_a_reducer_relays_adds_only_the_valid_claims_and_at_most_one_per_member():
+    book = ClaimBook(STMT, IDS)
+    forged = pb.MemberClaim(member=2, key=SIGNERS[0].public, signature=SIGNERS[0].claim(STMT).signature)
+    flood = [pb.MemberClaim(member=1, key=SIGNERS[1].public, signature=b"x")] * 1000
+    book.relayed([forged, *flood])
+    assert book.held == {}
+    book.relayed([*ClaimBook(STMT, IDS, (2, SIGNERS[2].claim(STMT))).wire()])
+    assert set(book.held) == {2} and [c.member for c in book.wire()] == [2]
+
+
+def _entries(book: ClaimBook, gid: bytes = GID, me: str = IDS[0]):
+    return claim_entries(1, 7, gid, book, me)
+
+
+def test_a_record_publishes_the_others_claims_and_a_member_of_two_groups_is_found():
+    ours = ClaimBook(STMT, IDS, (0, SIGNERS[0].claim(STMT)))
+    for i in (1, 2):
+        ours.add(i, SIGNERS[i].claim(STMT))
+    published = _entries(ours)
+    assert [e[3] for e in published] == IDS[1:]  # (not our own: we are in one group)
+    # member 2 also claimed another group of the round, whose member (not in ours) published it
+    theirs = ClaimBook(statement(RUN, 1, 7, OTHER), ["x", IDS[2]], (1, SIGNERS[2].claim(statement(RUN, 1, 7, OTHER))))
+    found = _entries(theirs, OTHER, me="x")
+    rec = [*published, *found]  # (what a peer publishes: lists, through msgpack as the DHT carries them)
+    read = parse_entries(DHTProtocol.serializer.loads(DHTProtocol.serializer.dumps([list(e) for e in rec])))
+    assert two_groups(read, RUN, 1, 7, GID, ours.members()) == {IDS[2]}
+    assert two_groups(read, RUN, 1, 8, GID, ours.members()) == set()  # another round: no second group of ours
+    assert two_groups(read, "run2", 1, 7, GID, ours.members()) == set()
+
+
+@pytest.mark.parametrize("bad", ["gid", "signature", "peer"])
+def test_an_entry_that_is_not_base64_or_not_signed_by_the_member_proves_nothing(bad):
+    ours = ClaimBook(STMT, IDS, (0, SIGNERS[0].claim(STMT)))
+    ours.add(2, SIGNERS[2].claim(STMT))
+    entry = list(_entries(ClaimBook(statement(RUN, 1, 7, OTHER), ["x", IDS[2]],
+                                    (1, SIGNERS[2].claim(statement(RUN, 1, 7, OTHER)))), OTHER, me="x")[0])
+    if bad == "gid":
+        entry[2] = "not base64!"
+    elif bad == "signature":
+        entry[4] = base64.b64encode(SIGNERS[1].claim(statement(RUN, 1, 7, OTHER)).signature).decode()
+    else:
+        entry[3] = IDS[1]  # member 1, whose claim for our group we do not hold
+    assert two_groups([tuple(entry)], RUN, 1, 7, GID, ours.members()) == set()
+
+
+def test_published_entries_are_bounded_and_at_their_bounds_fit_a_dht_value():
+    longest = (1 << 40, 1 << 40, "g" * GROUP_ID_CHARS, "Q" * CLAIM_PEER_CHARS, "s" * SIGNATURE_CHARS)
+    value = [list(longest)] * MAX_CLAIMS
+    assert len(parse_entries(value)) == MAX_CLAIMS
+    assert len(DHTProtocol.serializer.dumps(value)) + 1024 <= BOUNDS.max_value_bytes  # (+ the signature suffix)
+    for bad in ([list(longest)] * (MAX_CLAIMS + 1), [[0, 0, "g", "Q", "s" * (SIGNATURE_CHARS + 1)]], [[-1, 0, "g",
+                "Q", "s"]], [[0, 0, "g", "Q"]], {"a": 1}, "x", None):
+        assert parse_entries(bad) == [], bad
+
+
+def test_what_a_peer_published_is_read_by_the_others_and_outlives_it(tmp_path):
+    """Through three DHT nodes with the run's validators: each witness reads back its own entries with the others';
+    a value that is not a list of entries is refused by the nodes; and what a peer published is still read after its
+    node is gone (claims are never withdrawn: the group that reads second must find them)."""
+    keys = [RSAPrivateKey() for _ in range(3)]
+    made = [make_validators(RUN, key) for key in keys]
+    with dht_nodes(3, tmp_path, validators=lambda i: made[i][0]) as nodes:
+        def witness(i):
+            return Witness(nodes[i], run_key=RUN, subkey=made[i][1], peer_id=f"n{i}", horizon=60.0, timeout=20.0)
+
+        a, b = witness(1), witness(2)
+        mine = [(1, 7, base64.b64encode(GID).decode(), IDS[1], "c2ln")]
+        theirs = [(1, 7, base64.b64encode(OTHER).decode(), IDS[2], "c2ln")]
+        assert set(run_async(a.exchange(mine))) == set(mine)
+        assert set(run_async(b.exchange(theirs))) == set(mine + theirs)
+        assert not nodes[1].store(claims_key(RUN), {"junk": 1}, get_dht_time() + 30, subkey=made[1][1])
+        shutdown_dht(nodes[1])
+        assert set(run_async(b.exchange([]))) == set(mine + theirs)
