@@ -16,7 +16,9 @@ from peer.net.plumbing.dht import shutdown_dht
 from peer.net.plumbing.dht_storage import BOUNDS
 from peer.net.trust.auth import peer_id_of
 from peer.net.trust.claims import (CLAIM_PEER_CHARS, GROUP_ID_CHARS, MAX_CLAIMS, SIGNATURE_CHARS, ClaimBook,
-                                   ClaimSigner, claim_entries, claims_key, parse_entries, statement, two_groups)
+                                   ClaimSigner, claim_entries, claims_key, equivocations, parse_entries, statement,
+                                   two_groups)
+from peer.net.trust.exclusion import Offence
 from peer.net.trust.progress import make_validators
 from peer.net.witness import Witness
 from peer.proto import allreduce_pb2 as pb
@@ -118,3 +120,23 @@ def test_what_a_peer_published_is_read_by_the_others_and_outlives_it(tmp_path):
         assert not nodes[1].store(claims_key(RUN), {"junk": 1}, get_dht_time() + 30, subkey=made[1][1])
         shutdown_dht(nodes[1])
         assert set(run_async(b.exchange([]))) == set(mine + theirs)
+
+
+def test_anyone_who_reads_both_claims_judges_them_once_per_round():
+    """Any reader of the entries, in neither group, judges a member they show with valid claims for two groups of one
+    round (against the key its record is signed with), once per round however often it reads them again; entries
+    that are not the member's valid signatures, or of a member whose key we do not know, prove nothing."""
+    def entry(i: int, gid: bytes, round_: int = 7, signer: int = -1) -> tuple:
+        claim = SIGNERS[i if signer < 0 else signer].claim(statement(RUN, 1, round_, gid))
+        return 1, round_, base64.b64encode(gid).decode(), IDS[i], base64.b64encode(claim.signature).decode()
+
+    keys = {IDS[i]: SIGNERS[i]._key.get_public_key() for i in (1, 2)}  # (member 0's key: unknown)
+    read = [entry(1, GID), entry(1, OTHER), entry(2, GID), entry(2, OTHER, signer=1), entry(0, GID), entry(0, OTHER),
+            entry(1, GID, round_=8), entry(2, OTHER, round_=8)]
+    assert set(equivocations(read, RUN, keys.get)) == {(IDS[1], 1, 7)}
+    witness = Witness(None, run_key=RUN, subkey=b"", peer_id=IDS[0], horizon=60.0, timeout=1.0)  # type: ignore
+    verdicts = run_async(witness.judge(read, keys.get))
+    assert [(v.peer, v.offence) for v in verdicts] == [(IDS[1], Offence.TWO_GROUPS)]
+    assert "fragment 1 round 7" in verdicts[0].why
+    assert run_async(witness.judge(read + [entry(2, GID, round_=8)], keys.get))[0].peer == IDS[2]  # (round 8: new)
+    assert run_async(witness.judge(read, keys.get)) == []

@@ -162,3 +162,22 @@ def test_a_donor_that_fails_three_downloads_in_a_row_is_no_vote_for_a_records_li
     assert set(roster.vouched_peers()) == {ME, A, B}
     roster.donor_failed(B)
     assert set(roster.vouched_peers()) == {ME, A}
+
+
+def test_a_peers_key_is_the_one_its_record_is_signed_with_if_its_id_is_that_keys_hash():
+    """(The key a member's claims are checked against when we hold none of its claims: peer/net/witness.py.)"""
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from peer.net.trust.auth import peer_id_of
+
+    key = RSAPrivateKey().get_public_key()
+    pid, other = peer_id_of(key), peer_id_of(RSAPrivateKey().get_public_key())
+    subkey = b"[owner:" + key.to_bytes() + b"]"
+    roster = Roster(ttl=30.0, exclusions=Exclusions(), admitted=lambda p: True)
+    roster.merge(ValueWithExpiration({subkey: ValueWithExpiration(rec(pid).model_dump(), 1e12),
+                                      b"[owner:" + key.to_bytes() + b"]x": ValueWithExpiration(rec(other).model_dump(),
+                                                                                               1e12)}, 1e12),
+                 dht_now=100.0, me=ME)
+    assert roster.key_of(pid) is not None and roster.key_of(pid).to_bytes() == key.to_bytes()
+    assert roster.key_of(other) is None  # (a record its signer's key does not certify: not its key)
+    assert roster.key_of(A) is None

@@ -13,12 +13,13 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 from hivemind.dht import DHT
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPublicKey
 
 from peer.net.round.reducer import AllReduceServicer
 from peer.net.trust.auth import Admission, RunAccess, encode_pass, identity_key
@@ -354,10 +355,17 @@ class Swarm:
         assert self._claims is not None, "Swarm.start() first"
         return self._claims.claim(stmt)
 
-    async def witness(self, entries: list[Entry]) -> Optional[list[Entry]]:
-        """:meth:`peer.net.witness.Witness.exchange` (on ``swarm-net``)."""
+    async def witness(self, entries: list[Entry], keys: Mapping[str, RSAPublicKey]) -> Optional[list[Entry]]:
+        """:meth:`peer.net.witness.Witness.exchange` (on ``swarm-net``); any peer what it read shows in two groups of
+        one round commits an offence (:meth:`~peer.net.witness.Witness.judge`, checked against its key in ``keys``,
+        the claims of a group of ours, or its record's)."""
         assert self._witness is not None, "Swarm.start() first"
-        return await self._witness.exchange(entries)
+        read = await self._witness.exchange(entries)
+        if read is not None:
+            verdicts = await self._witness.judge(read, lambda pid: keys.get(pid) or self.roster.key_of(pid))
+            for verdict in verdicts:
+                self.exclusions.apply(verdict)
+        return read
 
     def admitted(self, peer: str) -> bool:
         return self.admission.admitted(peer)

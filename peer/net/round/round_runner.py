@@ -18,7 +18,7 @@ import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol
 
 import torch
 
@@ -40,6 +40,7 @@ from peer.util import short_id
 
 if TYPE_CHECKING:
     from hivemind.averaging.group_info import GroupInfo
+    from hivemind.utils.crypto import RSAPublicKey
 
     from peer.config import SwarmConfig
     from peer.net.view.attendance import Absent
@@ -114,7 +115,7 @@ class SwarmView(Protocol):
     def quorum_peers(self, invited: frozenset[str], here: tuple[int, int]) -> frozenset[str]: ...
     def learn(self, lesson: Lesson) -> list["Absent"]: ...
     def claim(self, stmt: bytes) -> pb.MemberClaim: ...
-    async def witness(self, entries: list[Entry]) -> Optional[list[Entry]]: ...
+    async def witness(self, entries: list[Entry], keys: Mapping[str, "RSAPublicKey"]) -> Optional[list[Entry]]: ...
 
 
 class RoundRunner:
@@ -325,12 +326,12 @@ class RoundRunner:
         """Must be called before a one-level round we would apply is handed back: publishes the claims we hold
         of its members and reads everyone's (:mod:`peer.net.trust.claims`), and keeps the round applied only if
         the members whose claim for this group we hold, and for no other group of the round, hold our count
-        (:func:`~peer.net.policy.agreement.our_count_holds`). A member shown in another group is an offence."""
+        (:func:`~peer.net.policy.agreement.our_count_holds`). The swarm judges the members shown in two groups."""
         sw = self.swarm
         keys = book.members()
         found = None
         if len(base64.b64encode(plan.group_id)) <= GROUP_ID_CHARS:  # (no published entry holds a longer id)
-            found = await sw.witness(claim_entries(self.fragment, self.round, plan.group_id, book, sw.peer_id))
+            found = await sw.witness(claim_entries(self.fragment, self.round, plan.group_id, book, sw.peer_id), keys)
         if found is None:
             out.status, out.spans = RoundStatus.MINORITY, []
             out.error = "the group's claims could not be published and read back in time: nothing applied"
@@ -338,10 +339,6 @@ class RoundRunner:
             return
         twice = await asyncio.get_running_loop().run_in_executor(
             None, two_groups, found, sw.run_key, self.fragment, self.round, plan.group_id, keys)
-        if twice:
-            sw.learn(Lesson(self.here, verdicts=tuple(
-                PeerVerdict(pid, f"{self.label}: claimed another group of this round too", Offence.TWO_GROUPS)
-                for pid in sorted(twice))))
         kept = [(str(pid), info) for pid, info in zip(plan.peer_ids, plan.infos) if str(pid) in keys.keys() - twice]
         if our_count_holds([pid for pid, _ in kept], [info for _, info in kept], base, self.counted):
             return

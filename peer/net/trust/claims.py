@@ -19,7 +19,7 @@ import binascii
 import functools
 import re
 import struct
-from typing import Annotated, Iterable, Mapping, Optional
+from typing import Annotated, Callable, Iterable, Mapping, Optional
 
 import pydantic
 from hivemind.dht.crypto import RSASignatureValidator
@@ -70,9 +70,14 @@ def _key_of(key: bytes, peer_id: str) -> Optional[RSAPublicKey]:
 
 def key_of(claim: pb.MemberClaim, peer_id: str) -> Optional[RSAPublicKey]:
     """The claim's key if it is ``peer_id``'s (bounded before it is parsed), else None."""
-    if not 0 < len(claim.key) <= MAX_KEY_BYTES:
+    return peer_key(bytes(claim.key), peer_id)
+
+
+def peer_key(key: bytes, peer_id: str) -> Optional[RSAPublicKey]:
+    """``key`` (OpenSSH form; bounded before it is parsed) if it is the one ``peer_id`` is the hash of, else None."""
+    if not 0 < len(key) <= MAX_KEY_BYTES:
         return None
-    return _key_of(bytes(claim.key), peer_id)
+    return _key_of(key, peer_id)
 
 
 def signed(key: RSAPublicKey, stmt: bytes, signature: bytes) -> bool:
@@ -174,6 +179,33 @@ def claim_entries(fragment: int, round_: int, group_id: bytes, book: ClaimBook, 
             for i, c in sorted(book.held.items()) if book.peer_ids[i] != me]
 
 
+def equivocations(entries: Iterable[Entry], run_key: str, key_of: Callable[[str], Optional[RSAPublicKey]]
+                  ) -> dict[tuple[str, int, int], tuple[str, str]]:
+    """Every (peer, fragment, round) that ``entries`` (anyone's) show with valid claims for two groups, with the two
+    group ids: checked against the key ``key_of(peer)`` gives (None: unknown, skipped), at most one check per distinct
+    entry (run it off the event loop: see :func:`two_groups`)."""
+    gids: dict[tuple[str, int, int], dict[str, set[str]]] = {}
+    for f, r, gid, pid, sig in set(entries):
+        gids.setdefault((pid, f, r), {}).setdefault(gid, set()).add(sig)
+    found = {}
+    for (pid, f, r), claimed in gids.items():
+        if len(claimed) < 2 or (key := key_of(pid)) is None:
+            continue
+        valid = [gid for gid, sigs in claimed.items() if any(_signed_entry(key, run_key, f, r, gid, s) for s in sigs)]
+        if len(valid) >= 2:
+            found[(pid, f, r)] = (valid[0], valid[1])
+    return found
+
+
+def _signed_entry(key: RSAPublicKey, run_key: str, fragment: int, round_: int, gid: str, sig: str) -> bool:
+    """Whether the entry's signature (base64) is ``key``'s of the claim for group ``gid`` (base64)."""
+    try:
+        group, signature = base64.b64decode(gid, validate=True), base64.b64decode(sig, validate=True)
+    except (binascii.Error, ValueError):
+        return False
+    return signed(key, statement(run_key, fragment, round_, group), signature)
+
+
 def two_groups(entries: Iterable[Entry], run_key: str, fragment: int, round_: int, group_id: bytes,
                keys: Mapping[str, RSAPublicKey]) -> set[str]:
     """Of the members ``keys`` names (peer id -> the key of its claim for our group), those a published entry shows
@@ -185,10 +217,6 @@ def two_groups(entries: Iterable[Entry], run_key: str, fragment: int, round_: in
     for f, r, gid, pid, sig in set(entries):
         if f != fragment or r != round_ or gid == ours or pid not in keys or pid in found:
             continue
-        try:
-            other, signature = base64.b64decode(gid, validate=True), base64.b64decode(sig, validate=True)
-        except (binascii.Error, ValueError):
-            continue
-        if signed(keys[pid], statement(run_key, fragment, round_, other), signature):
+        if _signed_entry(keys[pid], run_key, fragment, round_, gid, sig):
             found.add(pid)
     return found

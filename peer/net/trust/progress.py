@@ -21,7 +21,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils.crypto import RSAPrivateKey
 
-from peer.net.trust.auth import PassChecker, RunAccess, RunAuthorizer, certifies, record_admitted
+from peer.net.trust.auth import PassChecker, RunAccess, RunAuthorizer, certifies, owner_key, record_admitted
 from peer.net.trust.claims import ClaimsValidator
 from peer.net.trust.revocations import RevocationValidator
 from peer.net.trust.records import ProgressRecord
@@ -149,6 +149,11 @@ class LiveView:
             if known is None or rec.time > known[1].time:
                 peers[rec.peer_id] = (subkey, rec, local_now)
         self._peers = {pid: v for pid, v in peers.items() if v[2] + self.ttl >= local_now}
+
+    def owner(self, peer: str) -> Optional[bytes]:
+        """The public key (OpenSSH form) that signed ``peer``'s newest record we hold, or None."""
+        held = self._peers.get(peer)
+        return None if held is None else owner_key(held[0])
 
     def live(self, local_now: float) -> dict[str, ProgressRecord]:
         """Records of the peers whose newest record arrived within ``ttl`` of ``local_now``."""

@@ -21,8 +21,11 @@ import random
 import time
 from typing import Callable, Optional
 
+from hivemind.utils.crypto import RSAPublicKey
+
 from peer.net.flow.streams import UNRESOLVED, HostBook
 from peer.net.policy.agreement import partners
+from peer.net.trust.claims import peer_key
 from peer.net.trust.exclusion import Exclusions
 from peer.net.trust.progress import LiveView, SpeedLedger
 from peer.net.trust.records import ProgressRecord
@@ -94,6 +97,12 @@ class Roster:
             return []
         return [pid for pid in self.live_peers()
                 if pid != me and pid not in self._handed and self.hosts.host(pid) == UNRESOLVED]
+
+    def key_of(self, peer: str) -> Optional[RSAPublicKey]:
+        """``peer``'s identity key, as the signature of its newest record we hold names it (None: none held). Any
+        thread."""
+        owner = self.view.owner(peer)
+        return None if owner is None else peer_key(owner, peer)
 
     def live_peers(self) -> dict[str, ProgressRecord]:
         """Progress records of the peers of this run heard from within ``progress_ttl``, without the peers we
