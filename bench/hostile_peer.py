@@ -39,7 +39,8 @@ ATTACK is one of:
   follower-only matchmaking of this peer (hivemind's client mode: it declares nothing) then joins with the same
   member info. Both groups hold a majority of the peers each member counts, both reduce (this peer in both, at
   once), and both apply: the two halves of the honest peers end the round on two digests. Rounds where it leads no
-  group capped at the quorum proceed as the honest peer's (one group).
+  group capped at the quorum proceed as the honest peer's (one group). It signs a member claim for each of its
+  groups (peer/net/trust/claims.py; an honest signer signs one per round).
 
 Every forged thing is logged on this process's console ("HOSTILE: ..."), so a bench can count it. Not part
 of the product: it imports it and patches it in this process only.
@@ -430,6 +431,7 @@ def equivocator() -> None:
 
     from peer.net.policy.agreement import quorum_size
     from peer.net.round import matchmaking, round_runner
+    from peer.net.trust import claims
     from peer.outer.rounds import RoundOutcome, RoundStatus
     from peer.proto import allreduce_pb2 as pb
 
@@ -526,6 +528,11 @@ def equivocator() -> None:
 
     round_runner.RoundRunner._find_group = find_two
     round_runner.RoundRunner._reduce = reduce_both
+
+    def any_claim(self, here, stmt):  # (an honest signer signs one claim per round; this copy signs one per group)
+        return pb.MemberClaim(key=self.public, signature=self._key.sign(stmt))
+
+    claims.ClaimSigner.claim = any_claim
 
 
 ATTACKS = {f.__name__: f for f in (lying_reducer, erring_reducer, two_faced_reducer, round_breaker, sybil_majority,

@@ -215,12 +215,12 @@ def test_every_member_holds_every_valid_claim_the_client_mode_one_through_the_li
     for path in paths:
         ensure_identity(path)
     keys: list[RSAPrivateKey] = [identity_key(path) for path in paths]
-    signers = [ClaimSigner(keys[0] if i == 1 else key) for i, key in enumerate(keys)]
+    signers = [ClaimSigner(keys[0] if i == 1 else key, "run") for i, key in enumerate(keys)]
     books = {}
 
     def claims(i, plan):
         stmt = statement("run", 0, 3, plan.group_id)
-        books[i] = ClaimBook(stmt, plan.peer_ids, (plan.my_index, signers[i].claim(stmt)))
+        books[i] = ClaimBook(stmt, plan.peer_ids, (plan.my_index, signers[i].claim((0, 3), stmt)))
         return books[i]
 
     torch.manual_seed(3)

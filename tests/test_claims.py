@@ -18,15 +18,20 @@ from peer.net.trust.auth import peer_id_of
 from peer.net.trust.claims import (CLAIM_PEER_CHARS, GROUP_ID_CHARS, MAX_CLAIMS, SIGNATURE_CHARS, ClaimBook,
                                    ClaimSigner, claim_entries, claims_key, equivocations, parse_entries, statement,
                                    two_groups)
-from peer.net.trust.exclusion import Offence
+from peer.net.trust.exclusion import Exclusions, Offence
 from peer.net.trust.progress import make_validators
 from peer.net.witness import Witness
 from peer.proto import allreduce_pb2 as pb
 
 RUN, GID, OTHER = "run", b"g" * 20, b"o" * 20
-SIGNERS = [ClaimSigner(RSAPrivateKey()) for _ in range(3)]
+SIGNERS = [ClaimSigner(RSAPrivateKey(), RUN) for _ in range(3)]
 IDS = [peer_id_of(s._key.get_public_key()) for s in SIGNERS]
 STMT = statement(RUN, 1, 7, GID)
+
+
+def sign(i: int, stmt: bytes) -> pb.MemberClaim:
+    """Member i's claim of ``stmt`` signed with its key directly, as a modified client signs any number of them."""
+    return pb.MemberClaim(key=SIGNERS[i].public, signature=SIGNERS[i]._key.sign(stmt))
 
 
 def test_a_statement_names_the_run_the_fragment_the_round_and_the_group():
@@ -36,24 +41,24 @@ def test_a_statement_names_the_run_the_fragment_the_round_and_the_group():
 
 
 def test_a_book_keeps_only_each_members_own_valid_claim_for_the_group():
-    book = ClaimBook(STMT, IDS, (0, SIGNERS[0].claim(STMT)))
+    book = ClaimBook(STMT, IDS, (0, sign(0, STMT)))
     assert set(book.held) == {0}
-    assert not book.add(1, SIGNERS[2].claim(STMT))  # another member's key: not member 1's word
-    assert not book.add(1, SIGNERS[1].claim(statement(RUN, 1, 7, OTHER)))  # its claim for another group
+    assert not book.add(1, sign(2, STMT))  # another member's key: not member 1's word
+    assert not book.add(1, sign(1, statement(RUN, 1, 7, OTHER)))  # its claim for another group
     assert not book.add(1, pb.MemberClaim(key=SIGNERS[1].public, signature=b"\0" * 256))
     assert not book.add(1, pb.MemberClaim(key=b"k" * 4096, signature=b"s"))  # bounded before it is parsed
-    assert not book.add(5, SIGNERS[1].claim(STMT))  # no such member
-    assert book.add(1, SIGNERS[1].claim(STMT)) and set(book.held) == {0, 1}
+    assert not book.add(5, sign(1, STMT))  # no such member
+    assert book.add(1, sign(1, STMT)) and set(book.held) == {0, 1}
     assert set(book.members()) == {IDS[0], IDS[1]}
 
 
 def test_what_a_reducer_relays_adds_only_the_valid_claims_and_at_most_one_per_member():
     book = ClaimBook(STMT, IDS)
-    forged = pb.MemberClaim(member=2, key=SIGNERS[0].public, signature=SIGNERS[0].claim(STMT).signature)
+    forged = pb.MemberClaim(member=2, key=SIGNERS[0].public, signature=sign(0, STMT).signature)
     flood = [pb.MemberClaim(member=1, key=SIGNERS[1].public, signature=b"x")] * 1000
     book.relayed([forged, *flood])
     assert book.held == {}
-    book.relayed([*ClaimBook(STMT, IDS, (2, SIGNERS[2].claim(STMT))).wire()])
+    book.relayed([*ClaimBook(STMT, IDS, (2, sign(2, STMT))).wire()])
     assert set(book.held) == {2} and [c.member for c in book.wire()] == [2]
 
 
@@ -62,13 +67,13 @@ def _entries(book: ClaimBook, gid: bytes = GID, me: str = IDS[0]):
 
 
 def test_a_record_publishes_the_others_claims_and_a_member_of_two_groups_is_found():
-    ours = ClaimBook(STMT, IDS, (0, SIGNERS[0].claim(STMT)))
+    ours = ClaimBook(STMT, IDS, (0, sign(0, STMT)))
     for i in (1, 2):
-        ours.add(i, SIGNERS[i].claim(STMT))
+        ours.add(i, sign(i, STMT))
     published = _entries(ours)
     assert [e[3] for e in published] == IDS[1:]  # (not our own: we are in one group)
     # member 2 also claimed another group of the round, whose member (not in ours) published it
-    theirs = ClaimBook(statement(RUN, 1, 7, OTHER), ["x", IDS[2]], (1, SIGNERS[2].claim(statement(RUN, 1, 7, OTHER))))
+    theirs = ClaimBook(statement(RUN, 1, 7, OTHER), ["x", IDS[2]], (1, sign(2, statement(RUN, 1, 7, OTHER))))
     found = _entries(theirs, OTHER, me="x")
     rec = [*published, *found]  # (what a peer publishes: lists, through msgpack as the DHT carries them)
     read = parse_entries(DHTProtocol.serializer.loads(DHTProtocol.serializer.dumps([list(e) for e in rec])))
@@ -79,14 +84,14 @@ def test_a_record_publishes_the_others_claims_and_a_member_of_two_groups_is_foun
 
 @pytest.mark.parametrize("bad", ["gid", "signature", "peer"])
 def test_an_entry_that_is_not_base64_or_not_signed_by_the_member_proves_nothing(bad):
-    ours = ClaimBook(STMT, IDS, (0, SIGNERS[0].claim(STMT)))
-    ours.add(2, SIGNERS[2].claim(STMT))
+    ours = ClaimBook(STMT, IDS, (0, sign(0, STMT)))
+    ours.add(2, sign(2, STMT))
     entry = list(_entries(ClaimBook(statement(RUN, 1, 7, OTHER), ["x", IDS[2]],
-                                    (1, SIGNERS[2].claim(statement(RUN, 1, 7, OTHER)))), OTHER, me="x")[0])
+                                    (1, sign(2, statement(RUN, 1, 7, OTHER)))), OTHER, me="x")[0])
     if bad == "gid":
         entry[2] = "not base64!"
     elif bad == "signature":
-        entry[4] = base64.b64encode(SIGNERS[1].claim(statement(RUN, 1, 7, OTHER)).signature).decode()
+        entry[4] = base64.b64encode(sign(1, statement(RUN, 1, 7, OTHER)).signature).decode()
     else:
         entry[3] = IDS[1]  # member 1, whose claim for our group we do not hold
     assert two_groups([tuple(entry)], RUN, 1, 7, GID, ours.members()) == set()
@@ -127,7 +132,7 @@ def test_anyone_who_reads_both_claims_judges_them_once_per_round():
     round (against the key its record is signed with), once per round however often it reads them again; entries
     that are not the member's valid signatures, or of a member whose key we do not know, prove nothing."""
     def entry(i: int, gid: bytes, round_: int = 7, signer: int = -1) -> tuple:
-        claim = SIGNERS[i if signer < 0 else signer].claim(statement(RUN, 1, round_, gid))
+        claim = sign(i if signer < 0 else signer, statement(RUN, 1, round_, gid))
         return 1, round_, base64.b64encode(gid).decode(), IDS[i], base64.b64encode(claim.signature).decode()
 
     keys = {IDS[i]: SIGNERS[i]._key.get_public_key() for i in (1, 2)}  # (member 0's key: unknown)
@@ -137,6 +142,24 @@ def test_anyone_who_reads_both_claims_judges_them_once_per_round():
     witness = Witness(None, run_key=RUN, subkey=b"", peer_id=IDS[0], horizon=60.0, timeout=1.0)  # type: ignore
     verdicts = run_async(witness.judge(read, keys.get))
     assert [(v.peer, v.offence) for v in verdicts] == [(IDS[1], Offence.TWO_GROUPS)]
+    exclusions = Exclusions(threshold=3)
+    exclusions.apply(verdicts[0])
+    assert IDS[1] in exclusions  # (a proof: an honest peer signs one claim per round, restarts included)
     assert "fragment 1 round 7" in verdicts[0].why
     assert run_async(witness.judge(read + [entry(2, GID, round_=8)], keys.get))[0].peer == IDS[2]  # (round 8: new)
     assert run_async(witness.judge(read, keys.get)) == []
+
+
+def test_a_signer_signs_one_claim_per_round_also_after_a_restart(tmp_path):
+    path = tmp_path / "claimed_rounds.json"
+    key = RSAPrivateKey()
+    signer = ClaimSigner(key, RUN, path)
+    assert signer.claim((1, 7), STMT) is not None
+    assert signer.claim((1, 7), statement(RUN, 1, 7, OTHER)) is None  # (another group of the same round: none)
+    assert signer.claim((0, 7), statement(RUN, 0, 7, OTHER)) is not None
+    restarted = ClaimSigner(key, RUN, path)  # (the rounds were written before the signatures existed)
+    assert restarted.claim((1, 7), statement(RUN, 1, 7, OTHER)) is None and restarted.claim((1, 8), STMT) is not None
+    assert ClaimSigner(key, "another run", path).claim((1, 7), STMT) is not None  # (another run's rounds: not ours)
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="claimed_rounds.json"):
+        ClaimSigner(key, RUN, path)

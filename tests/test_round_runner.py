@@ -32,9 +32,13 @@ from peer.proto import allreduce_pb2 as pb
 NUMEL, BASE, GID, RUN = 64, "ab" * 16, b"g" * 20, "t"
 # every member's identity (its peer id is the hash of its key): the honest peers our round counts, us included, and
 # made-up ids of a hostile leader's
-SIGNERS = {name: ClaimSigner(RSAPrivateKey()) for name in ["h0", "h1", "h2", "h3", "h4", "s1", "s2", "s3", "s4"]}
+SIGNERS = {name: ClaimSigner(RSAPrivateKey(), RUN) for name in ["h0", "h1", "h2", "h3", "h4", "s1", "s2", "s3", "s4"]}
 P = {name: peer_id_of(signer._key.get_public_key()) for name, signer in SIGNERS.items()}
 NAME = {pid: name for name, pid in P.items()}
+
+
+def sign(name: str, stmt: bytes) -> pb.MemberClaim:
+    return pb.MemberClaim(key=SIGNERS[name].public, signature=SIGNERS[name]._key.sign(stmt))
 ME, HONEST = P["h0"], [P[f"h{i}"] for i in range(5)]
 
 
@@ -53,8 +57,8 @@ class FakeSwarm:
         self.witnessed: list = []  # what our round published
         self.readable = True  # whether the store and read of the records end in time
 
-    def claim(self, stmt):
-        return SIGNERS["h0"].claim(stmt)
+    async def claim(self, here, stmt):
+        return sign("h0", stmt)
 
     async def witness(self, entries, keys):
         self.witnessed.append(entries)
@@ -106,7 +110,7 @@ def decide(monkeypatch, ids: list[str], counts: list[int], bases: list[str] | No
     async def every_span_arrives(p2p, servicer, plan, delta, weight, claims, **kwargs):
         for i, pid in enumerate(plan.peer_ids):
             if pid not in unclaimed:
-                claims.add(i, SIGNERS[NAME[pid]].claim(claims.stmt))
+                claims.add(i, sign(NAME[pid], claims.stmt))
         return AllReduceResult(spans=[Span(a, b, torch.zeros(b - a)) for a, b in plan.spans],
                                contributors=[list(range(len(plan.peer_ids)))] * len(plan.spans), agreed=True)
 
@@ -189,7 +193,7 @@ def another_group(name: str, gid: bytes = b"o" * 20, signer: str = "") -> tuple:
     """A record's entry: ``name``'s claim for group ``gid`` of our round, signed by ``signer`` (default its own)."""
     import base64
 
-    claim = SIGNERS[signer or name].claim(statement(RUN, 0, 3, gid))
+    claim = sign(signer or name, statement(RUN, 0, 3, gid))
     return 0, 3, base64.b64encode(gid).decode(), P[name], base64.b64encode(claim.signature).decode()
 
 

@@ -74,12 +74,15 @@ class Swarm:
 
     def __init__(self, cfg: SwarmConfig, *, run_key: str, codec, identity_path: str,
                  rule: Optional[AggregationRule] = None, access: Optional[RunAccess] = None,
-                 bandwidth: Optional[Bandwidth] = None, on_exclude: Optional[Callable[[str, str], None]] = None):
+                 bandwidth: Optional[Bandwidth] = None, on_exclude: Optional[Callable[[str, str], None]] = None,
+                 claimed_path: Optional[str] = None):
         """``rule``: how our spans are combined when we reduce (the run's; by default the robust rule).
         ``access``: our pass in an authenticated run (None: an open run, anyone may take part).
         ``bandwidth``: the owner's caps on our all-reduce and state-transfer streams (None: uncapped).
-        ``on_exclude(peer, why)``: called once per peer we exclude (:class:`Exclusions`; on ``swarm-net``)."""
+        ``on_exclude(peer, why)``: called once per peer we exclude (:class:`Exclusions`; on ``swarm-net``).
+        ``claimed_path``: where the rounds we signed a claim for are kept across restarts (None: in memory only)."""
         self.bandwidth = bandwidth or Bandwidth()
+        self.claimed_path = claimed_path
         self.cfg = cfg
         self.codec = get_codec(codec)  # a name or a configured codec instance
         self.rule = rule or AggregationRule()
@@ -143,7 +146,7 @@ class Swarm:
         access = self.access
         key = identity_key(self.identity_path)
         validators, self._subkey, auth = dht_security(self.run_key, access, key)
-        self._claims = ClaimSigner(key)
+        self._claims = ClaimSigner(key, self.run_key, self.claimed_path)
         cap_frame_size(frame_limit_for(self.cfg.chunk_bytes))  # before the DHT forks: its streams are bounded too
         self._dht = create_dht(initial_peers=self.cfg.initial_peers, host_maddrs=self.cfg.host_maddrs,
                               announce_maddrs=self.cfg.announce_maddrs, identity_path=self.identity_path,
@@ -350,10 +353,12 @@ class Swarm:
         return asyncio.run_coroutine_threadsafe(tracked(), self._loop)
 
     # ---- what rounds read, and what they taught (round_runner.SwarmView) ----------------------------------------
-    def claim(self, stmt: bytes) -> pb.MemberClaim:
-        """Our claim of ``stmt`` (:func:`peer.net.trust.claims.statement`), signed with our identity's key."""
+    async def claim(self, here: tuple[int, int], stmt: bytes) -> Optional[pb.MemberClaim]:
+        """Our claim of ``stmt`` (:func:`peer.net.trust.claims.statement`) for round ``here``, signed with our
+        identity's key; None if we signed one for that round before (:class:`~peer.net.trust.claims.ClaimSigner`:
+        its disk write on a worker thread)."""
         assert self._claims is not None, "Swarm.start() first"
-        return self._claims.claim(stmt)
+        return await asyncio.get_running_loop().run_in_executor(None, self._claims.claim, here, stmt)
 
     async def witness(self, entries: list[Entry], keys: Mapping[str, RSAPublicKey]) -> Optional[list[Entry]]:
         """:meth:`peer.net.witness.Witness.exchange` (on ``swarm-net``); any peer what it read shows in two groups of

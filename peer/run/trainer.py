@@ -136,7 +136,8 @@ class Trainer:
         self.swarm = Swarm(cfg.swarm, run_key=run_hash, codec=self.codec, identity_path=str(cfg.identity_path),
                            rule=AggregationRule.from_config(cfg.outer), access=access,
                            bandwidth=Bandwidth(lambda: self.owner.controls.limits.get().byte_rates()),
-                           on_exclude=lambda peer, why: self.events.emit("peer_excluded", peer=peer, reason=why))
+                           on_exclude=lambda peer, why: self.events.emit("peer_excluded", peer=peer, reason=why),
+                           claimed_path=str(Path(cfg.run.run_dir) / "claimed_rounds.json"))
         self.figures.swarm = self.swarm
         try:  # the DHT forks a process: start it before anything can initialize CUDA
             try:

@@ -114,7 +114,7 @@ class SwarmView(Protocol):
     def invited(self, here: tuple[int, int]) -> frozenset[str]: ...
     def quorum_peers(self, invited: frozenset[str], here: tuple[int, int]) -> frozenset[str]: ...
     def learn(self, lesson: Lesson) -> list["Absent"]: ...
-    def claim(self, stmt: bytes) -> pb.MemberClaim: ...
+    async def claim(self, here: tuple[int, int], stmt: bytes) -> Optional[pb.MemberClaim]: ...
     async def witness(self, entries: list[Entry], keys: Mapping[str, "RSAPublicKey"]) -> Optional[list[Entry]]: ...
 
 
@@ -298,7 +298,11 @@ class RoundRunner:
         book = None
         if not self.levels:  # (one level: each member counts only the members whose claim for the group it holds)
             stmt = statement(sw.run_key, self.fragment, self.round, plan.group_id)
-            book = ClaimBook(stmt, plan.peer_ids, (plan.my_index, sw.claim(stmt)))
+            own = await sw.claim(self.here, stmt)
+            if own is None:
+                log.warning("%s: we signed a claim for another group of this round before (a restart reran it): we "
+                            "count in no group of it", self.label)
+            book = ClaimBook(stmt, plan.peer_ids, None if own is None else (plan.my_index, own))
         result = await run_allreduce(sw.p2p, sw.servicer, plan, delta, weight,
                                      part_timeout=deadlines.part, allreduce_timeout=deadlines.allreduce,
                                      connect_timeout=self.cfg.request_timeout, chunk_bytes=self.cfg.chunk_bytes,

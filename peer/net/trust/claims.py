@@ -7,9 +7,9 @@ and each reducer relays the claims it holds with its list of spans. A member cou
 members whose claim for its group it holds (:class:`ClaimBook`). Before applying, every member publishes the claims
 it holds under the run's claims key, then reads everyone's (:mod:`peer.net.witness`; :func:`claim_entries`,
 :func:`two_groups`): a member with a valid claim for another group of the round is not counted. Of two groups that
-share a member, whichever reads second sees the other's claim, so at most one of them applies. Two claims are not a
-proof of malice (an honest peer killed mid-round can rerun the round after a restart), so they count as an offence
-toward exclusion, not a proven one.
+share a member, whichever reads second sees the other's claim, so at most one of them applies. An honest peer
+never signs two claims for one round, also across restarts (:class:`ClaimSigner` records the rounds it signed,
+before it signs, and signs none twice), so two are a proof.
 """
 
 from __future__ import annotations
@@ -17,8 +17,11 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
+import json
 import re
 import struct
+import threading
+from pathlib import Path
 from typing import Annotated, Callable, Iterable, Mapping, Optional
 
 import pydantic
@@ -29,7 +32,7 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from pydantic import Field, StrictStr
 
-from peer.net.trust.auth import parse_public_key, peer_id_of
+from peer.net.trust.auth import parse_public_key, peer_id_of, write_private
 from peer.net.trust.records import Count
 from peer.proto import allreduce_pb2 as pb
 
@@ -39,6 +42,7 @@ MAX_KEY_BYTES, MAX_SIGNATURE_BYTES = 1024, 512
 # a published entry: a group id (hivemind's: 20 bytes, 28 characters) and a signature in base64, a peer id that is an
 # RSA key's ("Qm...", 46 characters); at most MAX_CLAIMS entries per peer (~53 KB at these bounds: a DHT value)
 GROUP_ID_CHARS, SIGNATURE_CHARS, CLAIM_PEER_CHARS, MAX_CLAIMS = 64, 684, 64, 64
+MAX_SIGNED_ROUNDS = 4096  # rounds a signer remembers having signed (a restart reruns at most a few recent ones)
 
 
 def statement(run_key: str, fragment: int, round_: int, group_id: bytes) -> bytes:
@@ -48,13 +52,39 @@ def statement(run_key: str, fragment: int, round_: int, group_id: bytes) -> byte
 
 
 class ClaimSigner:
-    """Signs this peer's claims with its identity key (the key whose hash is our peer id)."""
+    """Signs this peer's claims of run ``run_key`` with its identity key (the key whose hash is our peer id), at most
+    one per (fragment, round): a round we signed before, in this process or (``signed_path``: where the rounds are
+    kept, written atomically before each signature) before a restart, gets none. :meth:`claim` may be called from
+    any thread."""
 
-    def __init__(self, key: RSAPrivateKey):
-        self._key = key
+    def __init__(self, key: RSAPrivateKey, run_key: str, signed_path: Optional[str | Path] = None):
+        self._key, self._run = key, run_key
         self.public = key.get_public_key().to_bytes()
+        self._path = None if signed_path is None else Path(signed_path)
+        self._signed: dict[tuple[int, int], None] = {}  # (fragment, round) of this run, oldest first
+        self._lock = threading.Lock()
+        if self._path is not None and self._path.exists():
+            try:
+                saved = json.loads(self._path.read_text())
+                if saved["run"] == run_key:  # (another run's rounds say nothing of this one's)
+                    self._signed = {(int(f), int(r)): None for f, r in saved["rounds"]}
+            except (ValueError, TypeError, KeyError, OSError) as e:
+                raise ValueError(f"{self._path}: unreadable list of the rounds this identity signed ({e}); move it "
+                                 f"away only if no other process of this identity runs") from None
 
-    def claim(self, stmt: bytes) -> pb.MemberClaim:
+    def claim(self, here: tuple[int, int], stmt: bytes) -> Optional[pb.MemberClaim]:
+        """Our claim of ``stmt``, the statement of a group of round ``here`` (fragment, round); None if we signed
+        one for that round already. The round is recorded (and persisted: a disk write) before the signature
+        exists."""
+        with self._lock:
+            if here in self._signed:
+                return None
+            self._signed[here] = None
+            while len(self._signed) > MAX_SIGNED_ROUNDS:
+                del self._signed[next(iter(self._signed))]
+            if self._path is not None:
+                saved = {"run": self._run, "rounds": [list(k) for k in self._signed]}
+                write_private(self._path, json.dumps(saved).encode())
         return pb.MemberClaim(key=self.public, signature=self._key.sign(stmt))
 
 

@@ -37,12 +37,12 @@ class Offence(enum.StrEnum):
     # two averages of one span of one group, each with its reducer's valid signature (span_proofs): a proof, so it
     # excludes at once
     EQUIVOCATION = "equivocation"
-    # a member with valid claims for two groups of one round (peer/net/trust/claims.py): not a proof (an honest peer
-    # restarted mid-round can rerun it; a hostile leader can hand its followers two group ids)
+    # valid claims of one member for two groups of one round (peer/net/trust/claims.py): a proof, since an honest
+    # peer signs at most one per round, also across restarts
     TWO_GROUPS = "two_groups"
 
 
-PROVEN = frozenset({Offence.EQUIVOCATION})  # offences one instance of which is proof enough
+PROVEN = frozenset({Offence.EQUIVOCATION, Offence.TWO_GROUPS})  # offences one instance of which is proof enough
 
 
 @dataclass(frozen=True)
