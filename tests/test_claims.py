@@ -12,6 +12,7 @@ from hivemind.dht.protocol import DHTProtocol
 from hivemind.utils import get_dht_time
 
 from helpers import dht_nodes, run_async
+from peer.errors import SetupError
 from peer.net.plumbing.dht import shutdown_dht
 from peer.net.plumbing.dht_storage import BOUNDS
 from peer.net.trust.auth import peer_id_of
@@ -161,5 +162,5 @@ def test_a_signer_signs_one_claim_per_round_also_after_a_restart(tmp_path):
     assert restarted.claim((1, 7), statement(RUN, 1, 7, OTHER)) is None and restarted.claim((1, 8), STMT) is not None
     assert ClaimSigner(key, "another run", path).claim((1, 7), STMT) is not None  # (another run's rounds: not ours)
     path.write_text("{not json")
-    with pytest.raises(ValueError, match="claimed_rounds.json"):
+    with pytest.raises(SetupError, match="claimed_rounds.json"):  # (one line, exit status 2: peer/errors.py)
         ClaimSigner(key, RUN, path)

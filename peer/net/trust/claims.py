@@ -32,6 +32,7 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from pydantic import Field, StrictStr
 
+from peer.errors import SetupError
 from peer.net.trust.auth import parse_public_key, peer_id_of, write_private
 from peer.net.trust.records import Count
 from peer.proto import allreduce_pb2 as pb
@@ -69,8 +70,8 @@ class ClaimSigner:
                 if saved["run"] == run_key:  # (another run's rounds say nothing of this one's)
                     self._signed = {(int(f), int(r)): None for f, r in saved["rounds"]}
             except (ValueError, TypeError, KeyError, OSError) as e:
-                raise ValueError(f"{self._path}: unreadable list of the rounds this identity signed ({e}); move it "
-                                 f"away only if no other process of this identity runs") from None
+                raise SetupError(f"{self._path}: unreadable list of the rounds this identity signed ({e}); move "
+                                 f"it away only if no other process of this identity runs") from None
 
     def claim(self, here: tuple[int, int], stmt: bytes) -> Optional[pb.MemberClaim]:
         """Our claim of ``stmt``, the statement of a group of round ``here`` (fragment, round); None if we signed
