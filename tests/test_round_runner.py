@@ -60,7 +60,7 @@ class FakeSwarm:
     async def claim(self, here, stmt):
         return sign("h0", stmt)
 
-    async def witness(self, entries, keys):
+    async def witness(self, here, entries, keys):
         self.witnessed.append(entries)
         self.keys = dict(keys)
         return [*self.published, *entries] if self.readable else None

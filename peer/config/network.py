@@ -67,12 +67,6 @@ class SwarmConfig:
     request_timeout: float = setting(3.0, help="Seconds to wait for one matchmaking request to a potential leader.")
     dht_timeout: float = setting(5.0, local=True, help="Seconds to wait for one DHT request; a node that does not "
             "answer is skipped (and banned a while).")
-    @property
-    def witness_timeout(self) -> float:
-        """Seconds a round gets to publish its group's claims and read everyone's before it applies (a store waits up
-        to 2 x dht_timeout while a DHT node is unreachable, a read about one: peer/net/witness.py)."""
-        return 3 * self.dht_timeout
-
     allreduce_timeout: float = setting(60.0, help="Seconds a member waits for all averaged spans after its group "
             "formed.")
     part_timeout: float = setting(30.0, help="Seconds a reducer waits for members' parts before averaging what it "
@@ -115,6 +109,12 @@ class SwarmConfig:
     exclude_after: int = setting(3, local=True, help="Offences (parts that do not decode, parts the robust rule cut "
             "hard, implausible averages) after which this peer stops working with another for the rest of the run "
             "(see peer/net/trust/exclusion.py).")
+
+    @property
+    def witness_timeout(self) -> float:
+        """Seconds a round gets to publish its group's claims and read everyone's before it applies (a store waits up
+        to 2 x dht_timeout while a DHT node is unreachable, a read about one: peer/net/witness.py)."""
+        return 3 * self.dht_timeout
 
     def __post_init__(self) -> None:
         check(bool(self.run_id) and "." not in self.run_id and " " not in self.run_id, "swarm.run_id",

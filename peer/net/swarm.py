@@ -360,16 +360,17 @@ class Swarm:
         assert self._claims is not None, "Swarm.start() first"
         return await asyncio.get_running_loop().run_in_executor(None, self._claims.claim, here, stmt)
 
-    async def witness(self, entries: list[Entry], keys: Mapping[str, RSAPublicKey]) -> Optional[list[Entry]]:
-        """:meth:`peer.net.witness.Witness.exchange` (on ``swarm-net``); any peer what it read shows in two groups of
-        one round commits an offence (:meth:`~peer.net.witness.Witness.judge`, checked against its key in ``keys``,
-        the claims of a group of ours, or its record's)."""
+    async def witness(self, here: tuple[int, int], entries: list[Entry], keys: Mapping[str, RSAPublicKey]
+                      ) -> Optional[list[Entry]]:
+        """:meth:`peer.net.witness.Witness.exchange` for round ``here`` (on ``swarm-net``); any peer what it read
+        shows in two groups of one round is excluded (:meth:`~peer.net.witness.Witness.judge`, checked against its
+        key in ``keys``, the claims of a group of ours, or its record's; applied by :meth:`learn`)."""
         assert self._witness is not None, "Swarm.start() first"
         read = await self._witness.exchange(entries)
         if read is not None:
             verdicts = await self._witness.judge(read, lambda pid: keys.get(pid) or self.roster.key_of(pid))
-            for verdict in verdicts:
-                self.exclusions.apply(verdict)
+            if verdicts:
+                self.learn(Lesson(here, verdicts=tuple(verdicts)))
         return read
 
     def admitted(self, peer: str) -> bool:

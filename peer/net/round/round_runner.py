@@ -115,7 +115,8 @@ class SwarmView(Protocol):
     def quorum_peers(self, invited: frozenset[str], here: tuple[int, int]) -> frozenset[str]: ...
     def learn(self, lesson: Lesson) -> list["Absent"]: ...
     async def claim(self, here: tuple[int, int], stmt: bytes) -> Optional[pb.MemberClaim]: ...
-    async def witness(self, entries: list[Entry], keys: Mapping[str, "RSAPublicKey"]) -> Optional[list[Entry]]: ...
+    async def witness(self, here: tuple[int, int], entries: list[Entry], keys: Mapping[str, "RSAPublicKey"]
+                      ) -> Optional[list[Entry]]: ...
 
 
 class RoundRunner:
@@ -335,7 +336,8 @@ class RoundRunner:
         keys = book.members()
         found = None
         if len(base64.b64encode(plan.group_id)) <= GROUP_ID_CHARS:  # (no published entry holds a longer id)
-            found = await sw.witness(claim_entries(self.fragment, self.round, plan.group_id, book, sw.peer_id), keys)
+            found = await sw.witness(self.here, claim_entries(self.fragment, self.round, plan.group_id, book,
+                                                              sw.peer_id), keys)
         if found is None:
             out.status, out.spans = RoundStatus.MINORITY, []
             out.error = "the group's claims could not be published and read back in time: nothing applied"
