@@ -18,14 +18,12 @@ import base64
 import binascii
 import functools
 import json
-import re
 import struct
 import threading
 from pathlib import Path
 from typing import Annotated, Callable, Iterable, Mapping, Optional
 
 import pydantic
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
@@ -33,7 +31,7 @@ from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from pydantic import Field, StrictStr
 
 from peer.errors import SetupError
-from peer.net.trust.auth import parse_public_key, peer_id_of, write_private
+from peer.net.trust.auth import owner_key, parse_public_key, peer_id_of, write_private
 from peer.net.trust.records import Count
 from peer.proto import allreduce_pb2 as pb
 
@@ -167,7 +165,6 @@ _ENTRIES = pydantic.TypeAdapter(Annotated[
                Annotated[StrictStr, Field(max_length=CLAIM_PEER_CHARS)],
                Annotated[StrictStr, Field(max_length=SIGNATURE_CHARS)]]],
     Field(max_length=MAX_CLAIMS)])
-_OWNER = re.compile(b".*" + RSASignatureValidator.PUBLIC_KEY_REGEX + b".*", re.DOTALL)
 
 
 def claims_key(run_key: str) -> str:
@@ -196,7 +193,7 @@ class ClaimsValidator(RecordValidatorBase):
         try:
             subkey = DHTProtocol.serializer.loads(record.subkey)
             value = DHTProtocol.serializer.loads(record.value)
-            if not isinstance(subkey, bytes) or not _OWNER.fullmatch(subkey):
+            if not isinstance(subkey, bytes) or owner_key(subkey) is None:
                 return False
             return isinstance(value, list) and len(parse_entries(value)) == len(value)
         except Exception:

@@ -11,7 +11,6 @@ merges what a peer reads into its view of who is live; :class:`SpeedLedger` reme
 
 from __future__ import annotations
 
-import re
 from typing import Callable, Mapping, Optional
 
 import pydantic
@@ -26,7 +25,6 @@ from peer.net.trust.claims import ClaimsValidator
 from peer.net.trust.revocations import RevocationValidator
 from peer.net.trust.records import ProgressRecord
 
-_OWNER = re.compile(b".*" + RSASignatureValidator.PUBLIC_KEY_REGEX + b".*", re.DOTALL)
 
 
 class ProgressValidator(RecordValidatorBase):
@@ -53,7 +51,7 @@ class ProgressValidator(RecordValidatorBase):
             value = DHTProtocol.serializer.loads(record.value)
             if self._key_id is None and not (isinstance(value, dict) and "peer_id" in value):
                 return True
-            if not isinstance(subkey, bytes) or not _OWNER.fullmatch(subkey):
+            if not isinstance(subkey, bytes) or owner_key(subkey) is None:
                 return False
             if value is None:  # a withdrawal (the signature validator checks it is the owner's)
                 return True
