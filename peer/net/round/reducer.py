@@ -161,9 +161,9 @@ class AllReduceServicer(ServicerBase):
         """Streams our encoded average to ``member``, paced by our upload cap and, when the member declared a
         download cap, by its credit (read from its request stream by a task of ours), then what our own member side
         received of every span (``red.seen``: the member checks its own against it, :mod:`peer.net.trust.span_proofs`)
-        with the members' claims we hold (:mod:`peer.net.trust.claims`),
-        then holds the stream open until the member closes its side: it does so only after reading all that, and
-        closing first can drop our last message in the daemons (seen ~1/50). The first message tells the member how
+        and the members' claims we hold (:mod:`peer.net.trust.claims`), then holds the stream open until the member
+        closes its side: it does so only after reading all that, and closing first can drop our last message in the
+        daemons (seen ~1/50). The first message tells the member how
         long its part took (``timing``: seconds, bytes). Raises :class:`CreditError` for a credit no honest member
         sends, ``asyncio.TimeoutError`` past ``deadline``."""
         responses = list(await asyncio.shield(red.result))

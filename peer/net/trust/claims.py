@@ -1,4 +1,4 @@
-"""Member claims: one group per member per round, or the evidence of two (pure: no I/O).
+"""Member claims: one group per member per round, or the proof of two (no network; the signer keeps a file).
 
 A member counted in two groups of one round lets both apply (docs/architecture.md, "One digest for every applied
 round"). So each member signs, with its identity's RSA key (the peer id is its hash), a claim that it is in group
