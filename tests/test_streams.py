@@ -7,7 +7,9 @@ import contextlib
 
 import pytest
 
-from peer.net.flow.streams import HOST_LISTING_PERIOD, UNRESOLVED, HostBook, StreamGuard, host_key
+from peer.net.flow.streams import (HOST_LISTING_PERIOD, UNRESOLVED, HostBook, ResponseStream, StreamGuard,
+                                   host_key)
+from peer.proto import allreduce_pb2 as pb
 
 
 def test_a_host_is_an_ipv4_address_or_an_ipv6_64_and_relayed_or_loopback_peers_have_none():
@@ -119,5 +121,40 @@ def test_the_book_lists_the_daemons_connections_once_at_a_time_and_not_more_ofte
         await asyncio.sleep(HOST_LISTING_PERIOD / 2)
         book.list_soon(daemon, timeout=5)
         assert await until(lambda: daemon.calls == 2)
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("end", ["eof", "reset", "broken pipe"])
+def test_a_stream_whose_handler_or_connection_closed_ends_the_same_whichever_the_reader_saw(end):
+    """The responses of a stream we opened end (StopAsyncIteration) when the handler's side closes, and also when
+    the connection breaks first: our writer's failed write to a closed stream ends the reader with
+    BrokenPipeError, a reset with ConnectionResetError, by the race of who wrote last. A member that read either
+    named a reducer that hung up at once by the error's name instead of "no response"."""
+
+    class Writer:
+        closed = False
+
+        def close(self) -> None:
+            self.closed = True
+
+    async def quiet():  # (requests that are never written: the test is the reader's)
+        await asyncio.Event().wait()
+        yield pb.ReduceRequest()
+
+    async def run() -> None:
+        reader, writer = asyncio.StreamReader(), Writer()
+        reader.feed_data(b"\x00\x00")  # (a cut length prefix: the end comes mid-message)
+        if end == "eof":
+            reader.feed_eof()
+        else:
+            reader.set_exception(ConnectionResetError() if end == "reset" else BrokenPipeError(32, "Broken pipe"))
+        stream = ResponseStream(reader, writer, quiet(), pb.ReduceResponse, "rpc_reduce")
+        try:
+            with pytest.raises(StopAsyncIteration):
+                await stream.__anext__()
+        finally:
+            await stream.aclose()
+        assert writer.closed
 
     asyncio.run(run())

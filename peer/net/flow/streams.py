@@ -272,7 +272,9 @@ class ResponseStream:
     async def __anext__(self) -> Any:
         try:
             response, error = await P2P.receive_protobuf(self._type, self._reader)
-        except asyncio.IncompleteReadError:  # the handler's side closed (or the connection did)
+        except (asyncio.IncompleteReadError, ConnectionResetError, BrokenPipeError):
+            # the handler's side closed, or the connection did: read as the stream's end whichever the reader saw
+            # first (our writer's failed write to a closed stream also ends the reader, with BrokenPipeError)
             raise StopAsyncIteration from None
         if error is not None:
             raise P2PHandlerError(f"handler {self._name} failed: {error.message}")
