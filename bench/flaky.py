@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import re
 import subprocess
 import sys
 import time
@@ -22,8 +23,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run_once(module: str, index: int, out_dir: Path, timeout: float) -> tuple[str, bool, float]:
-    base = out_dir / f"{Path(module).stem}-{index}"
-    log = base.with_suffix(".log")
+    path, _, test = module.partition("::")  # (a test's node id names its own runs: test_x-name[case]-3)
+    base = out_dir / re.sub(r"[^\w.\[\]-]+", "_", f"{Path(path).stem}{'-' + test if test else ''}-{index}")
+    log = base.parent / f"{base.name}.log"
     t0 = time.monotonic()
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", module,

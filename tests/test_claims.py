@@ -4,6 +4,7 @@ publish of it (peer/net/witness.py, through real DHT nodes), and what proves a s
 from __future__ import annotations
 
 import base64
+from types import SimpleNamespace
 
 import pytest
 from hivemind.utils.crypto import RSAPrivateKey
@@ -42,7 +43,8 @@ def test_a_statement_names_the_run_the_fragment_the_round_and_the_group():
 
 
 def test_a_book_keeps_only_each_members_own_valid_claim_for_the_group():
-    book = ClaimBook(STMT, IDS, (0, sign(0, STMT)))
+    full: list = []  # (the book's one call once every member's claim is in)
+    book = ClaimBook(STMT, IDS, (0, sign(0, STMT)), on_full=full.append)
     assert set(book.held) == {0}
     assert not book.add(1, sign(2, STMT))  # another member's key: not member 1's word
     assert not book.add(1, sign(1, statement(RUN, 1, 7, OTHER)))  # its claim for another group
@@ -51,6 +53,8 @@ def test_a_book_keeps_only_each_members_own_valid_claim_for_the_group():
     assert not book.add(5, sign(1, STMT))  # no such member
     assert book.add(1, sign(1, STMT)) and set(book.held) == {0, 1}
     assert set(book.members()) == {IDS[0], IDS[1]}
+    assert full == [] and not book.add(2, sign(1, STMT)) and full == []
+    assert book.add(2, sign(2, STMT)) and book.add(2, sign(2, STMT)) and full == [book]
 
 
 def test_what_a_reducer_relays_adds_only_the_valid_claims_and_at_most_one_per_member():
@@ -121,11 +125,29 @@ def test_what_a_peer_published_is_read_by_the_others_and_outlives_it(tmp_path):
         a, b = witness(1), witness(2)
         mine = [(1, 7, base64.b64encode(GID).decode(), IDS[1], "c2ln")]
         theirs = [(1, 7, base64.b64encode(OTHER).decode(), IDS[2], "c2ln")]
-        assert set(run_async(a.exchange(mine))) == set(mine)
+        stores = _count_stores(a)
+        assert set(run_async(a.exchange(mine, a.publish(mine)))) == set(mine)
+        assert stores == [mine]  # (stored early: the exchange only read)
         assert set(run_async(b.exchange(theirs))) == set(mine + theirs)
+
+        async def failed() -> frozenset:  # (an early store that did not end in time: the exchange stores)
+            return frozenset()
+        assert set(run_async(a.exchange(mine, failed()))) == set(mine + theirs) and stores == [mine, mine]
         assert not nodes[1].store(claims_key(RUN), {"junk": 1}, get_dht_time() + 30, subkey=made[1][1])
         shutdown_dht(nodes[1])
         assert set(run_async(b.exchange([]))) == set(mine + theirs)
+
+
+def _count_stores(witness: Witness) -> list:
+    """The entries of each store ``witness`` makes from now on (its DHT's store, wrapped)."""
+    stores, store = [], witness.dht.store
+
+    def counted(key, value, *args, **kwargs):
+        stores.append([tuple(e) for e in value])
+        return store(key, value, *args, **kwargs)
+
+    witness.dht = SimpleNamespace(store=counted, get=witness.dht.get)
+    return stores
 
 
 def test_anyone_who_reads_both_claims_judges_them_once_per_round():

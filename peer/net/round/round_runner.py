@@ -18,7 +18,7 @@ import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, Optional, Protocol
 
 import torch
 
@@ -115,8 +115,9 @@ class SwarmView(Protocol):
     def quorum_peers(self, invited: frozenset[str], here: tuple[int, int]) -> frozenset[str]: ...
     def learn(self, lesson: Lesson) -> list["Absent"]: ...
     async def claim(self, here: tuple[int, int], stmt: bytes) -> Optional[pb.MemberClaim]: ...
-    async def witness(self, here: tuple[int, int], entries: list[Entry], keys: Mapping[str, "RSAPublicKey"]
-                      ) -> Optional[list[Entry]]: ...
+    async def publish_claims(self, entries: list[Entry]) -> frozenset[Entry]: ...
+    async def witness(self, here: tuple[int, int], entries: list[Entry], keys: Mapping[str, "RSAPublicKey"],
+                      published: Optional[Awaitable[frozenset[Entry]]] = None) -> Optional[list[Entry]]: ...
 
 
 class RoundRunner:
@@ -296,48 +297,65 @@ class RoundRunner:
                               live=self.target_group_size, deadline=now + deadlines.allreduce - deadlines.part / 2,
                               excluded=sw.refused, guard=sw.guard, bandwidth=sw.bandwidth,
                               learn=lambda verdicts: sw.learn(Lesson(self.here, verdicts=tuple(verdicts))))
-        book = None
+        book, published = None, None
+
+        def publish_early(full: ClaimBook) -> None:  # (every claim is in: the witness's store overlaps the all-reduce)
+            nonlocal published
+            published = asyncio.ensure_future(sw.publish_claims(self._entries(plan, full)))
+
         if not self.levels:  # (one level: each member counts only the members whose claim for the group it holds)
             stmt = statement(sw.run_key, self.fragment, self.round, plan.group_id)
             own = await sw.claim(self.here, stmt)
             if own is None:
                 log.warning("%s: we signed a claim for another group of this round before (a restart reran it): we "
                             "count in no group of it", self.label)
-            book = ClaimBook(stmt, plan.peer_ids, None if own is None else (plan.my_index, own))
-        result = await run_allreduce(sw.p2p, sw.servicer, plan, delta, weight,
-                                     part_timeout=deadlines.part, allreduce_timeout=deadlines.allreduce,
-                                     connect_timeout=self.cfg.request_timeout, chunk_bytes=self.cfg.chunk_bytes,
-                                     lift=lift, bandwidth=sw.bandwidth, claims=book)
-        sw.learn(Lesson(self.here, uplink=result.uplink, downlink=result.downlink, verdicts=tuple(result.verdicts)))
-        out.spans, out.contributors, out.total_weight = result.spans, result.contributors, result.total_weight
-        out.flagged = result.flagged
-        out.bytes_sent, out.bytes_received = result.traffic.sent, result.traffic.received
-        out.status = RoundStatus.OK if result.agreed else RoundStatus.PARTIAL
-        if not ours:  # (our part went to the group, which may be honest and see more: the progress is carried)
-            held, of = len(members & self.counted), len(self.counted)
-            why = (f"it holds {held} of the {of} peers we count" if 2 * held <= of else
-                   f"most of the {held} peers we count in it declared another base than its {out.group_base[:12]}")
-            out.status, out.spans = RoundStatus.MINORITY, []
-            out.error = f"not ours whatever its members declared: {why}; our part sent, nothing applied"
-            log.info("%s: %s", self.label, out.error)
-        elif not plan.applies:
-            out.status = RoundStatus.OFF_BASE
-            out.error = (f"our base {out.base[:12]} differs from the group's {out.group_base[:12]} (round "
-                         f"{verdict.base_round if verdict else '?'}): our part counted, nothing applied")
-        elif book is not None and verdict is not None and out.status == RoundStatus.OK:
-            await self._witness(plan, verdict.base, book, out)
+            witnessed = ours and plan.applies and len(base64.b64encode(plan.group_id)) <= GROUP_ID_CHARS
+            book = ClaimBook(stmt, plan.peer_ids, None if own is None else (plan.my_index, own),
+                             on_full=publish_early if witnessed else None)
+        try:
+            result = await run_allreduce(sw.p2p, sw.servicer, plan, delta, weight,
+                                         part_timeout=deadlines.part, allreduce_timeout=deadlines.allreduce,
+                                         connect_timeout=self.cfg.request_timeout, chunk_bytes=self.cfg.chunk_bytes,
+                                         lift=lift, bandwidth=sw.bandwidth, claims=book)
+            sw.learn(Lesson(self.here, uplink=result.uplink, downlink=result.downlink,
+                            verdicts=tuple(result.verdicts)))
+            out.spans, out.contributors, out.total_weight = result.spans, result.contributors, result.total_weight
+            out.flagged = result.flagged
+            out.bytes_sent, out.bytes_received = result.traffic.sent, result.traffic.received
+            out.status = RoundStatus.OK if result.agreed else RoundStatus.PARTIAL
+            if not ours:  # (our part went to the group, which may be honest and see more: the progress is carried)
+                held, of = len(members & self.counted), len(self.counted)
+                why = (f"it holds {held} of the {of} peers we count" if 2 * held <= of else
+                       f"most of the {held} peers we count in it declared another base than its "
+                       f"{out.group_base[:12]}")
+                out.status, out.spans = RoundStatus.MINORITY, []
+                out.error = f"not ours whatever its members declared: {why}; our part sent, nothing applied"
+                log.info("%s: %s", self.label, out.error)
+            elif not plan.applies:
+                out.status = RoundStatus.OFF_BASE
+                out.error = (f"our base {out.base[:12]} differs from the group's {out.group_base[:12]} (round "
+                             f"{verdict.base_round if verdict else '?'}): our part counted, nothing applied")
+            elif book is not None and verdict is not None and out.status == RoundStatus.OK:
+                await self._witness(plan, verdict.base, book, out, published)
+        finally:
+            if published is not None:  # (done unless the round ended before its witness)
+                published.cancel()
 
-    async def _witness(self, plan: GroupPlan, base: str, book: ClaimBook, out: RoundOutcome) -> None:
+    def _entries(self, plan: GroupPlan, book: ClaimBook) -> list[Entry]:
+        return claim_entries(self.fragment, self.round, plan.group_id, book, self.swarm.peer_id)
+
+    async def _witness(self, plan: GroupPlan, base: str, book: ClaimBook, out: RoundOutcome,
+                       published: Optional[Awaitable[frozenset[Entry]]]) -> None:
         """Must be called before a one-level round we would apply is handed back: publishes the claims we hold
-        of its members and reads everyone's (:mod:`peer.net.trust.claims`), and keeps the round applied only if
-        the members whose claim for this group we hold, and for no other group of the round, hold our count
+        of its members (unless ``published``, our store of them that started once all were in, did) and reads
+        everyone's (:mod:`peer.net.trust.claims`), and keeps the round applied only if the members whose claim for
+        this group we hold, and for no other group of the round, hold our count
         (:func:`~peer.net.policy.agreement.our_count_holds`). The swarm judges the members shown in two groups."""
         sw = self.swarm
         keys = book.members()
         found = None
         if len(base64.b64encode(plan.group_id)) <= GROUP_ID_CHARS:  # (no published entry holds a longer id)
-            found = await sw.witness(self.here, claim_entries(self.fragment, self.round, plan.group_id, book,
-                                                              sw.peer_id), keys)
+            found = await sw.witness(self.here, self._entries(plan, book), keys, published)
         if found is None:
             out.status, out.spans = RoundStatus.MINORITY, []
             out.error = "the group's claims could not be published and read back in time: nothing applied"

@@ -121,11 +121,15 @@ def signed(key: RSAPublicKey, stmt: bytes, signature: bytes) -> bool:
 
 class ClaimBook:
     """The claims of one group's members for that group, each checked as it arrives (member index -> claim).
-    One per member side of a round; written on the event loop that runs it, by :meth:`add` only."""
+    One per member side of a round; written on the event loop that runs it, by :meth:`add` only. ``on_full`` is
+    called once, from the :meth:`add` that makes the book hold every member's claim (the witness's store can then
+    start while the all-reduce runs: :mod:`peer.net.witness`)."""
 
-    def __init__(self, stmt: bytes, peer_ids: Iterable[object], own: Optional[tuple[int, pb.MemberClaim]] = None):
+    def __init__(self, stmt: bytes, peer_ids: Iterable[object], own: Optional[tuple[int, pb.MemberClaim]] = None,
+                 on_full: Optional[Callable[["ClaimBook"], None]] = None):
         self.stmt, self.peer_ids = stmt, [str(p) for p in peer_ids]
         self.held: dict[int, pb.MemberClaim] = {}
+        self._on_full = on_full
         if own is not None:
             self.add(*own)
 
@@ -139,6 +143,9 @@ class ClaimBook:
         if key is None or not signed(key, self.stmt, bytes(claim.signature)):
             return False
         self.held[member] = pb.MemberClaim(member=member, key=claim.key, signature=claim.signature)
+        if len(self.held) == len(self.peer_ids) and (full := self._on_full) is not None:
+            self._on_full = None
+            full(self)
         return True
 
     def relayed(self, claims: Iterable[pb.MemberClaim]) -> None:
