@@ -56,19 +56,15 @@ class FakeSwarm:
         self.published: list = []  # claims the others' records publish (witness)
         self.witnessed: list = []  # what our round published
         self.readable = True  # whether the store and read of the records end in time
-        self.order: list[str] = []  # when the claims were stored early, and the all-reduce ended
+        self.order: list[str] = []  # when the witness started, and when the all-reduce ended
 
     async def claim(self, here, stmt):
         return sign("h0", stmt)
 
-    async def publish_claims(self, entries):
-        self.order.append(f"stored {len(entries)} early")
-        return frozenset(entries) if self.readable else frozenset()
-
-    async def witness(self, here, entries, keys, published=None):
+    async def witness(self, here, entries, keys):
         self.witnessed.append(entries)
         self.keys = dict(keys)
-        self.order.append("witness" if published is None else f"witness after {len(await published)} stored")
+        self.order.append(f"witness of {len(entries)}")
         return [*self.published, *entries] if self.readable else None
 
     def live_peers(self):
@@ -248,13 +244,13 @@ def test_nothing_is_applied_when_the_claims_cannot_be_published_and_read_back(mo
     assert out.status == RoundStatus.MINORITY and "could not be published" in out.error, out
 
 
-def test_the_claims_are_stored_while_the_all_reduce_runs_once_every_member_s_is_in(monkeypatch):
-    """The witness's store starts as soon as the book holds every member's claim (they come with the parts'
-    headers), so a slow DHT node's wait overlaps the all-reduce; the witness then only reads. A member whose claim
-    never comes leaves the store to the witness, after the all-reduce."""
+def test_the_witness_runs_while_the_all_reduce_does_once_every_member_s_claim_is_in(monkeypatch):
+    """The witness (store, then read) starts as soon as the book holds every member's claim (they come with the
+    parts' headers), so a slow DHT node's wait overlaps the all-reduce, and the round takes its answer. A member
+    whose claim never comes leaves the witness to after the all-reduce."""
     out, swarm = decide(monkeypatch, HONEST[:3], [5] * 3)
     assert out.status == RoundStatus.OK, out
-    assert swarm.order == ["stored 2 early", "all-reduce ends", "witness after 2 stored"], swarm.order
+    assert swarm.order == ["witness of 2", "all-reduce ends"], swarm.order
     out, swarm = decide(monkeypatch, HONEST[:4], [5] * 4, unclaimed=(HONEST[3],))
     assert out.status == RoundStatus.OK, out
-    assert swarm.order == ["all-reduce ends", "witness"], swarm.order
+    assert swarm.order == ["all-reduce ends", "witness of 2"], swarm.order

@@ -13,7 +13,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from typing import Awaitable, Callable, Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 from hivemind.dht import DHT
@@ -360,18 +360,13 @@ class Swarm:
         assert self._claims is not None, "Swarm.start() first"
         return await asyncio.get_running_loop().run_in_executor(None, self._claims.claim, here, stmt)
 
-    async def publish_claims(self, entries: list[Entry]) -> frozenset[Entry]:
-        """:meth:`peer.net.witness.Witness.publish` (on ``swarm-net``)."""
-        assert self._witness is not None, "Swarm.start() first"
-        return await self._witness.publish(entries)
-
-    async def witness(self, here: tuple[int, int], entries: list[Entry], keys: Mapping[str, RSAPublicKey],
-                      published: Optional[Awaitable[frozenset[Entry]]] = None) -> Optional[list[Entry]]:
+    async def witness(self, here: tuple[int, int], entries: list[Entry], keys: Mapping[str, RSAPublicKey]
+                      ) -> Optional[list[Entry]]:
         """:meth:`peer.net.witness.Witness.exchange` for round ``here`` (on ``swarm-net``); any peer what it read
         shows in two groups of one round is excluded (:meth:`~peer.net.witness.Witness.judge`, checked against its
         key in ``keys``, the claims of a group of ours, or its record's; applied by :meth:`learn`)."""
         assert self._witness is not None, "Swarm.start() first"
-        read = await self._witness.exchange(entries, published)
+        read = await self._witness.exchange(entries)
         if read is not None:
             verdicts = await self._witness.judge(read, lambda pid: keys.get(pid) or self.roster.key_of(pid))
             if verdicts:

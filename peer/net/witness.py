@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from typing import Awaitable, Callable, Optional
+from typing import Callable, Optional
 
 from hivemind.dht import DHT
 from hivemind.utils import get_dht_time
@@ -34,8 +34,8 @@ class Witness:
     """Publishes this peer's claims entries and reads everyone's. Created by the swarm with its DHT, our record
     subkey (the owner key that signs), ``horizon`` (seconds a group's entries stay published: as long as another group
     of its round can still be reading) and ``timeout`` (a store and a read: up to 2 x dht_timeout and about one while
-    a DHT node is unreachable). :meth:`publish`, :meth:`exchange` and :meth:`judge` run on ``swarm-net``, the one
-    writer of what we publish and of what we judged."""
+    a DHT node is unreachable). :meth:`exchange` and :meth:`judge` run on ``swarm-net``, the one writer of what we
+    publish and of what we judged."""
 
     def __init__(self, dht: DHT, *, run_key: str, subkey: bytes, peer_id: str, horizon: float, timeout: float):
         self.dht, self.key, self.subkey, self.peer_id = dht, claims_key(run_key), subkey, peer_id
@@ -44,36 +44,20 @@ class Witness:
         self._published: list[tuple[float, Entry]] = []  # (monotonic time, entry), newest first
         self._judged: OrderedDict[tuple[str, int, int], None] = OrderedDict()
 
-    async def publish(self, entries: list[Entry]) -> frozenset[Entry]:
+    async def exchange(self, entries: list[Entry]) -> Optional[list[Entry]]:
         """Adds ``entries`` (:func:`~peer.net.trust.claims.claim_entries` of a group of ours) to what we publish
-        (with the others of the last ``horizon`` s, newest first, at most MAX_CLAIMS) and stores it: the entries
-        stored, or none if the store failed or did not end within ``timeout``. May start while the group's
-        all-reduce runs, once every member's claim is in (its wait on a slow DHT node then overlaps the round's)."""
-        try:
-            await asyncio.wait_for(self._store(entries), self.timeout)
-        except Exception as e:
-            log.info("peer %s: publishing the claims failed: %s", short_id(self.peer_id), type(e).__name__)
-            return frozenset()
-        return frozenset(entries)
-
-    async def _store(self, entries: list[Entry]) -> None:
-        now, new = time.monotonic(), set(entries)
-        kept = [(t, e) for t, e in self._published if t + self.horizon >= now and e not in new]
+        (with the others of the last ``horizon`` s, newest first, at most MAX_CLAIMS), stores it, then reads
+        everyone's: every entry published (None: not done within ``timeout``, or ours read back without
+        ``entries``). What a read finds was stored after our store ended or is read with it: the order the claims
+        rely on. A store's own answer says little (a node keeps the newest of our values, maybe another round's)."""
+        now = time.monotonic()
+        kept = [(t, e) for t, e in self._published if t + self.horizon >= now]
         self._published = [*((now, e) for e in entries), *kept][:MAX_CLAIMS]
         value = [list(e) for _, e in self._published]
-        await self.dht.store(self.key, value, get_dht_time() + self.horizon, subkey=self.subkey, return_future=True)
-
-    async def exchange(self, entries: list[Entry], published: Optional[Awaitable[frozenset[Entry]]] = None
-                       ) -> Optional[list[Entry]]:
-        """Stores ``entries`` as :meth:`publish` does, unless ``published`` (that :meth:`publish` of ours, started
-        earlier) stored them all, then reads everyone's: every entry published (None: not done within ``timeout``,
-        or ours read back without ``entries``). What a read finds was stored after our store ended or is read with
-        it: the order the claims rely on. A store's own answer says little (a node keeps the newest of our values,
-        maybe another round's)."""
 
         async def store_then_read():
-            if published is None or not set(entries) <= await published:
-                await self._store(entries)
+            await self.dht.store(self.key, value, get_dht_time() + self.horizon, subkey=self.subkey,
+                                 return_future=True)
             return await self.dht.get(self.key, latest=True, return_future=True)
 
         try:
@@ -86,10 +70,10 @@ class Witness:
             return None
         read, ours = [], None
         for subkey, item in found.value.items():
-            published_by = parse_entries(item.value)
-            read.extend(published_by)
+            published = parse_entries(item.value)
+            read.extend(published)
             if subkey == self.subkey:
-                ours = set(published_by)
+                ours = set(published)
         if ours is None or not set(entries) <= ours:
             log.info("peer %s: our claims were not read back", short_id(self.peer_id))
             return None

@@ -115,9 +115,8 @@ class SwarmView(Protocol):
     def quorum_peers(self, invited: frozenset[str], here: tuple[int, int]) -> frozenset[str]: ...
     def learn(self, lesson: Lesson) -> list["Absent"]: ...
     async def claim(self, here: tuple[int, int], stmt: bytes) -> Optional[pb.MemberClaim]: ...
-    async def publish_claims(self, entries: list[Entry]) -> frozenset[Entry]: ...
-    async def witness(self, here: tuple[int, int], entries: list[Entry], keys: Mapping[str, "RSAPublicKey"],
-                      published: Optional[Awaitable[frozenset[Entry]]] = None) -> Optional[list[Entry]]: ...
+    async def witness(self, here: tuple[int, int], entries: list[Entry], keys: Mapping[str, "RSAPublicKey"]
+                      ) -> Optional[list[Entry]]: ...
 
 
 class RoundRunner:
@@ -297,11 +296,11 @@ class RoundRunner:
                               live=self.target_group_size, deadline=now + deadlines.allreduce - deadlines.part / 2,
                               excluded=sw.refused, guard=sw.guard, bandwidth=sw.bandwidth,
                               learn=lambda verdicts: sw.learn(Lesson(self.here, verdicts=tuple(verdicts))))
-        book, published = None, None
+        book, early = None, None
 
-        def publish_early(full: ClaimBook) -> None:  # (every claim is in: the witness's store overlaps the all-reduce)
-            nonlocal published
-            published = asyncio.ensure_future(sw.publish_claims(self._entries(plan, full)))
+        def witness_early(full: ClaimBook) -> None:  # (every claim is in: the witness overlaps the all-reduce)
+            nonlocal early
+            early = asyncio.ensure_future(sw.witness(self.here, self._entries(plan, full), full.members()))
 
         if not self.levels:  # (one level: each member counts only the members whose claim for the group it holds)
             stmt = statement(sw.run_key, self.fragment, self.round, plan.group_id)
@@ -311,7 +310,7 @@ class RoundRunner:
                             "count in no group of it", self.label)
             witnessed = ours and plan.applies and len(base64.b64encode(plan.group_id)) <= GROUP_ID_CHARS
             book = ClaimBook(stmt, plan.peer_ids, None if own is None else (plan.my_index, own),
-                             on_full=publish_early if witnessed else None)
+                             on_full=witness_early if witnessed else None)
         try:
             result = await run_allreduce(sw.p2p, sw.servicer, plan, delta, weight,
                                          part_timeout=deadlines.part, allreduce_timeout=deadlines.allreduce,
@@ -336,26 +335,29 @@ class RoundRunner:
                 out.error = (f"our base {out.base[:12]} differs from the group's {out.group_base[:12]} (round "
                              f"{verdict.base_round if verdict else '?'}): our part counted, nothing applied")
             elif book is not None and verdict is not None and out.status == RoundStatus.OK:
-                await self._witness(plan, verdict.base, book, out, published)
+                await self._witness(plan, verdict.base, book, out, early)
         finally:
-            if published is not None:  # (done unless the round ended before its witness)
-                published.cancel()
+            if early is not None:  # (done unless the round ended before its witness)
+                early.cancel()
 
     def _entries(self, plan: GroupPlan, book: ClaimBook) -> list[Entry]:
         return claim_entries(self.fragment, self.round, plan.group_id, book, self.swarm.peer_id)
 
     async def _witness(self, plan: GroupPlan, base: str, book: ClaimBook, out: RoundOutcome,
-                       published: Optional[Awaitable[frozenset[Entry]]]) -> None:
+                       early: Optional[Awaitable[Optional[list[Entry]]]]) -> None:
         """Must be called before a one-level round we would apply is handed back: publishes the claims we hold
-        of its members (unless ``published``, our store of them that started once all were in, did) and reads
-        everyone's (:mod:`peer.net.trust.claims`), and keeps the round applied only if the members whose claim for
-        this group we hold, and for no other group of the round, hold our count
-        (:func:`~peer.net.policy.agreement.our_count_holds`). The swarm judges the members shown in two groups."""
+        of its members and reads everyone's (:mod:`peer.net.trust.claims`; ``early``: that exchange, started once
+        the book held every member's claim, so its entries are final), and keeps the round applied only if the
+        members whose claim for this group we hold, and for no other group of the round, hold our count
+        (:func:`~peer.net.policy.agreement.our_count_holds`). The swarm judges the members shown in two groups.
+        Started early or not, each member's read begins after its own store ended: the order the claims rely on."""
         sw = self.swarm
         keys = book.members()
         found = None
-        if len(base64.b64encode(plan.group_id)) <= GROUP_ID_CHARS:  # (no published entry holds a longer id)
-            found = await sw.witness(self.here, self._entries(plan, book), keys, published)
+        if early is not None:
+            found = await early
+        elif len(base64.b64encode(plan.group_id)) <= GROUP_ID_CHARS:  # (no published entry holds a longer id)
+            found = await sw.witness(self.here, self._entries(plan, book), keys)
         if found is None:
             out.status, out.spans = RoundStatus.MINORITY, []
             out.error = "the group's claims could not be published and read back in time: nothing applied"
