@@ -298,3 +298,71 @@ def test_threads_that_store_large_values_at_once_do_not_corrupt_the_dht_pipe():
             dht.shutdown()
         else:
             dht.kill()
+
+
+async def _record_store_requests(_dht, node) -> None:
+    """(In a DHT process.) Keeps the peer of every store request its node's protocol sends from now on."""
+    sent, get_stub = [], node.protocol.get_stub
+    node.protocol.store_requests_sent = sent
+
+    class Recorded:
+        def __init__(self, stub, peer):
+            self._stub, self._peer = stub, peer
+
+        def __getattr__(self, name):
+            return getattr(self._stub, name)
+
+        async def rpc_store(self, *args, **kwargs):
+            sent.append(str(self._peer))
+            return await self._stub.rpc_store(*args, **kwargs)
+
+    node.protocol.get_stub = lambda peer: Recorded(get_stub(peer), peer)
+
+
+async def _store_requests_sent(_dht, node) -> list:
+    return list(node.protocol.store_requests_sent)
+
+
+async def _bans(_dht, node, peer: str) -> bool:
+    return any(str(p) == peer for p in node.blacklist.banned_peers.data)
+
+
+def _stall(pid: int, sig: int) -> None:
+    """Sends ``sig`` to a DHT process and its p2pd."""
+    import os
+
+    children = [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+    for p in [pid, *children]:
+        os.kill(p, sig)
+
+
+def test_a_store_sends_nothing_to_a_replica_its_node_just_found_stalled(tmp_path):
+    """Through four real DHT processes, one stopped (SIGSTOP: a laptop that sleeps): a store's lookup waits for it
+    and bans it, and the store then sends it no request (hivemind's sent one and waited the whole timeout again: a
+    store took 2 x dht_timeout); with the node back, stores reach it again once the ban ends."""
+    import functools
+    import signal
+
+    from hivemind.utils import get_dht_time
+
+    from helpers import dht_nodes, wait_for
+
+    with dht_nodes(4, tmp_path) as nodes:
+        storer, victim = nodes[1], nodes[3]
+        storer.run_coroutine(_record_store_requests)
+        assert storer.store("before", b"v", get_dht_time() + 60)
+        assert str(victim.peer_id) in storer.run_coroutine(_store_requests_sent)  # (every node is a replica)
+        _stall(victim.pid, signal.SIGSTOP)
+        try:
+            sent = len(storer.run_coroutine(_store_requests_sent))
+            assert storer.store("during", b"v", get_dht_time() + 60)  # (the other replicas took it)
+            assert storer.run_coroutine(functools.partial(_bans, peer=str(victim.peer_id)))
+            assert str(victim.peer_id) not in storer.run_coroutine(_store_requests_sent)[sent:]
+        finally:
+            _stall(victim.pid, signal.SIGCONT)
+
+        def reached() -> bool:
+            sent = len(storer.run_coroutine(_store_requests_sent))
+            storer.store("after", b"v", get_dht_time() + 60)
+            return str(victim.peer_id) in storer.run_coroutine(_store_requests_sent)[sent:]
+        wait_for(reached, 30, "a store that reaches the node again")
