@@ -122,8 +122,8 @@ def signed(key: RSAPublicKey, stmt: bytes, signature: bytes) -> bool:
 class ClaimBook:
     """The claims of one group's members for that group, each checked as it arrives (member index -> claim).
     One per member side of a round; written on the event loop that runs it, by :meth:`add` only. ``on_full`` is
-    called once, from the :meth:`add` that makes the book hold every member's claim (the witness's store can then
-    start while the all-reduce runs: :mod:`peer.net.witness`)."""
+    called once, from the :meth:`add` that makes the book hold every member's claim (the round's witness can then
+    run while its all-reduce does: :mod:`peer.net.round.round_runner`)."""
 
     def __init__(self, stmt: bytes, peer_ids: Iterable[object], own: Optional[tuple[int, pb.MemberClaim]] = None,
                  on_full: Optional[Callable[["ClaimBook"], None]] = None):
