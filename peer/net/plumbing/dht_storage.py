@@ -9,10 +9,8 @@ to 4 MiB), the node (``max_bytes``), or what the other node that asks holds here
 nodes of its host (``max_host_bytes``: :class:`~peer.net.flow.streams.HostBook`; fresh identities share their
 host's, loopback and relayed nodes count one by one). Our own stores count against no peer or host.
 
-A refused store evicts nothing. A store that finds its key full (bytes or subkeys) makes room by dropping entries of
-the key's largest holder (a host; a loopback or relayed node; us), only while that holder holds more of the key than
-the storer then would (:meth:`BoundedStorage._room`): a flood from a few hosts cannot keep a new host's record out,
-nor push out the record of a host that holds less than it. The cache has the same bounds.
+A refused store evicts nothing: a flood cannot push honest records out, only fill the budget for as long as its own
+records live (at most ``max_horizon``); peers refresh their records every beat. The cache has the same bounds.
 :class:`SizeGate` refuses an oversized value before any record validator reads it (each reads every byte).
 """
 
@@ -131,11 +129,8 @@ class BoundedStorage(DHTLocalStorage):
             return False
         if not expiration_time <= get_dht_time() + b.max_horizon:  # (also refuses NaN)
             return False
-        used, new, storer = self.used(), _entry_cost(value, subkey), STORER.get()
+        used, new = self.used(), _entry_cost(value, subkey)
         held = self.data.get(key)
-        dictionary: Optional[DictionaryDHTValue] = None
-        room: list = []  # subkeys the store drops (_room)
-        freed = 0
         if held is None:
             if len(self.data) >= b.max_keys:
                 return False
@@ -143,54 +138,16 @@ class BoundedStorage(DHTLocalStorage):
         elif subkey is None or not isinstance(held.value, DictionaryDHTValue):
             old = self._sizes.get(key, 0)  # (a plain value, or a dictionary a plain value would replace)
         else:
-            dictionary = held.value
-            entry = dictionary.get(subkey)
-            old = 0 if entry is None else _entry_cost(entry.value, subkey)
-            dropped = self._room(key, dictionary, subkey, new, storer)
-            if dropped is None:
+            entry = held.value.get(subkey)
+            if entry is None and len(held.value) >= b.max_subkeys:
                 return False
-            room, freed = dropped, sum(_entry_cost(dictionary.data[sk].value, sk) for sk in room)
-        if not (used - old - freed + new <= b.max_bytes and new <= b.max_key_bytes):
+            old = 0 if entry is None else _entry_cost(entry.value, subkey)
+            if _key_cost(held.value) - old + new > b.max_key_bytes:
+                return False
+        if not (used - old + new <= b.max_bytes and new <= b.max_key_bytes):
             return False
-        if storer is not None and not self._within_quota(key, subkey, storer, new):
-            return False
-        if dictionary is not None:
-            for sk in room:  # (dropped only once the store is admitted)
-                del dictionary[sk]
-                self._uncharge(key, sk)
-        return True
-
-    def _room(self, key, value: DictionaryDHTValue, subkey, new: int, storer: Optional[tuple[str, Optional[str]]]
-              ) -> Optional[list]:
-        """The subkeys to drop so that an entry of ``new`` bytes at ``subkey`` fits its key (bytes and subkeys): each
-        the largest entry of the holder that then holds the most of the key, as long as that holder holds more of
-        it than the storer would with the new entry; None if the entry cannot fit so. Holders: a host, a node
-        without one (loopback, relayed), or us (what no other node stored)."""
-        b = self.bounds
-
-        def holder(charge: Optional[_Charge]) -> str:
-            return "" if charge is None else (charge.host or charge.peer)
-
-        me = "" if storer is None else (storer[1] or storer[0])
-        shares: Counter[str] = Counter()
-        entries: dict[str, list[tuple[int, Any]]] = {}
-        for sk, e in value.items():
-            if sk != subkey:
-                h, cost = holder(self._charges.get((key, sk))), _entry_cost(e.value, sk)
-                shares[h] += cost
-                entries.setdefault(h, []).append((cost, sk))
-        size, mine = sum(shares.values()) + new, shares[me] + new  # (the key's, the storer's, after the store)
-        count, drop = len(value.data) + (subkey not in value.data), []
-        while size > b.max_key_bytes or count > b.max_subkeys:
-            largest = max((h for h in entries if h != me and entries[h]), key=shares.__getitem__, default=None)
-            if largest is None or shares[largest] <= mine:
-                return None
-            cost, sk = max(entries[largest], key=lambda c: c[0])
-            entries[largest].remove((cost, sk))
-            shares[largest] -= cost
-            size, count = size - cost, count - 1
-            drop.append(sk)
-        return drop
+        storer = STORER.get()
+        return storer is None or self._within_quota(key, subkey, storer, new)
 
     def _within_quota(self, key, subkey, storer: tuple[str, Optional[str]], new: int) -> bool:
         """Whether ``storer``'s node, and its host's, may hold ``new`` more bytes here (less what the entry it
