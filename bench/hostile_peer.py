@@ -28,6 +28,16 @@ ATTACK is one of:
 - ``record_flood``: stores ``FLOOD_RECORDS`` records of 1 MiB each under the run's progress key at every beat.
 - ``key_fill``: stores ``FILL_SYBILS`` valid progress records of sybils (each self-certifying, its lists at their
   bounds: ~45 KB) under the run's progress key at every beat, more than a key holds (3.75 MiB), from its one DHT node.
+- ``host_fill``: ``key_fill`` from as many DHT nodes as its host's share of another node's storage takes: another node
+  keeps at most 512 KiB of what one node stores there and 2 MiB of its host's (peer/net/plumbing/dht_storage.py), so
+  ``FILL_NODES`` more nodes on this host (client mode: they store, nobody stores at them) and this peer's node store,
+  each its share, ``HOST_FILL_SYBILS`` sybil records with their lists full (~47 KB) and ``HOST_FILL_SMALL`` as small
+  as a record may be (~950 bytes with its subkey, under suffixes of the sybils' subkeys: less than an honest
+  record), which fill what room the large ones leave, at every beat (each paused where this peer's record is: a
+  swarm that counts them live runs its rounds in two levels), each to expire ``FILL_TTL`` s later (so that a
+  store that lags under load leaves no gap). Two such hosts fill the progress key (2 x 2 MiB > 3.75 MiB) at every
+  node. It reads the others' records only every ``FILL_READ_PERIOD`` s (each read of full keys costs it as much as
+  anyone).
 - ``phantom_group``: leads every round it can (it declares its search ending after ``PHANTOM_SEARCH_S`` instead of
   the run's matchmaking time, so honest followers ask it first), takes one honest follower, refuses the others, and
   assembles a group of the two and ``PHANTOMS`` made-up ids: client-mode members (no span) whose infos declare the
@@ -50,8 +60,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -63,6 +75,11 @@ SYBILS = 6
 HOG_IDENTITIES, HOG_STREAMS = 34, 16  # issue 28: 34 identities, each up to the per-peer stream budget
 FLOOD_RECORDS, FLOOD_BYTES = 40, 1 << 20
 FILL_SYBILS = 90  # x ~45 KB: past the 3.75 MiB a progress key holds
+# host_fill: 5 nodes x 512 KiB > the 2 MiB a host's nodes hold at another node; 48 x ~47 KB > 2 MiB; 100 x ~1 KB:
+# more than the room 47 KB entries leave (< 47 KB at the key's bound, < 47 KB at the host's)
+FILL_NODES, HOST_FILL_SYBILS, HOST_FILL_SMALL = 4, 48, 100
+FILL_TTL = 600.0  # host_fill's records expire this long after each store (a node keeps one up to an hour)
+FILL_READ_PERIOD = 30.0  # host_fill reads the records at most this often (a read of full keys is costly)
 PHANTOMS, PHANTOM_SEARCH_S = 4, 1.0
 EQUIVOCATOR_LEAD_S = 4.0  # its lead declaration's search time (honest peers declare --matchmaking-time, 10 s)
 
@@ -356,18 +373,90 @@ def key_fill() -> None:
     from hivemind.utils.crypto import RSAPrivateKey
 
     from peer.net.trust.auth import peer_id_of
-    from peer.net.trust.records import MAX_FRAGMENTS, MAX_PAST
 
     keys = [RSAPrivateKey() for _ in range(FILL_SYBILS)]
     _sign_for(keys)
     ids = [peer_id_of(key.get_public_key()) for key in keys]
     subkeys = [b"[owner:" + key.get_public_key().to_bytes() + b"]" for key in keys]
-    big, digest = 1 << 40, "f" * 64
-    padding = {"rounds": [big] * MAX_FRAGMENTS, "digests": [digest] * MAX_FRAGMENTS,
-               "past": [(big, big, digest)] * MAX_PAST, "seeking": [[big, big]] * 64, "averaging": [[big, big]] * 64}
+    padding = _full_lists()
     log.warning("HOSTILE: %d sybil records with their lists full at every beat", FILL_SYBILS)
     _rewrite_records(lambda rec: [(None, rec)] + [(sub, {**rec, **padding, "peer_id": pid})
                                                   for sub, pid in zip(subkeys, ids)])
+
+
+def _full_lists() -> dict:
+    """A progress record's lists at their bounds, claiming round 2^40 (~47 KB signed)."""
+    from peer.net.trust.records import MAX_FRAGMENTS, MAX_PAST
+
+    big, digest = 1 << 40, "f" * 64
+    return {"rounds": [big] * MAX_FRAGMENTS, "digests": [digest] * MAX_FRAGMENTS,
+            "past": [(big, big, digest)] * MAX_PAST, "seeking": [[big, big]] * 64, "averaging": [[big, big]] * 64}
+
+
+def host_fill() -> None:
+    """``key_fill`` from ``FILL_NODES`` + 1 nodes of this host (see the module docstring): they start once the swarm
+    has (this peer's DHT first); every record this peer stores under the progress key, they store ``HOST_FILL_SYBILS``
+    large sybil records and ``HOST_FILL_SMALL`` small ones, each node its share in turn."""
+    import hivemind
+    from hivemind.utils import get_dht_time
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from peer.net import heartbeat, swarm
+    from peer.net.plumbing.dht import create_dht
+    from peer.net.trust.auth import peer_id_of
+    from peer.net.trust.progress import make_validators
+
+    keys = [RSAPrivateKey() for _ in range(HOST_FILL_SYBILS)]
+    _sign_for(keys)  # (before any DHT process forks: the more nodes' too)
+    ids = [peer_id_of(key.get_public_key()) for key in keys]
+    subkeys = [b"[owner:" + key.get_public_key().to_bytes() + b"]" for key in keys]
+    padding, nodes = _full_lists(), []
+    start = swarm.Swarm.start
+
+    def started(self, *args, **kwargs):
+        start(self, *args, **kwargs)
+        maddr = "/".join(self.cfg.host_maddrs[0].split("/")[:3]) + "/tcp/0"  # this host's address
+        for _ in range(FILL_NODES):
+            nodes.append(create_dht(initial_peers=self.cfg.initial_peers, host_maddrs=[maddr], announce_maddrs=[],
+                                    identity_path=None, client_mode=True,
+                                    record_validators=make_validators(self.run_key)[0],
+                                    startup_timeout=self.cfg.startup_timeout, wait_timeout=self.cfg.dht_timeout))
+        log.warning("HOSTILE: %d more DHT nodes on %s; %d large and %d small sybil records at every beat", len(nodes),
+                    maddr, HOST_FILL_SYBILS, HOST_FILL_SMALL)
+
+    swarm.Swarm.start = started
+    read, last_read = heartbeat.Heartbeat._read, [float("-inf")]
+
+    async def seldom(self):  # (it needs nothing from the others' records but its start)
+        if time.monotonic() - last_read[0] >= FILL_READ_PERIOD:
+            last_read[0] = time.monotonic()
+            await read(self)
+
+    heartbeat.Heartbeat._read = seldom
+    store, pending = hivemind.DHT.store, {}
+
+    def patched(self, key, value, expiration_time, subkey=None, return_future=False, **kwargs):
+        if isinstance(key, str) and key.endswith("_progress") and isinstance(value, dict) and subkey is not None:
+            small = {k: value[k] for k in ("step", "round", "tokens_per_second", "client_mode", "paused", "time")}
+            records = [(sub, {**value, **padding, "peer_id": pid}) for sub, pid in zip(subkeys, ids)]
+            records += [(subkeys[i % len(keys)] + b"%d" % i, {**small, "peer_id": ids[i % len(keys)]})
+                        for i in range(HOST_FILL_SMALL)]
+            senders = [self, *nodes]
+            for j, node in enumerate(senders):  # (a node still storing the last beat's share skips this one)
+                if j not in pending or pending[j].done():
+                    pending[j] = node.run_coroutine(functools.partial(
+                        _store_all, key=key, records=records[j::len(senders)],
+                        expiration_time=get_dht_time() + FILL_TTL), return_future=True)
+        return store(self, key, value, expiration_time, subkey=subkey, return_future=return_future, **kwargs)
+
+    hivemind.DHT.store = patched
+
+
+async def _store_all(_dht, node, key: str, records: list, expiration_time: float) -> None:
+    """(In a DHT process) ``records``, [(subkey, value)], under ``key`` in one store: one search for the nearest
+    nodes, one request to each (a store a record drowns in the node's queue, and arrives expired)."""
+    subkeys, values = zip(*records)
+    await node.store_many([key] * len(values), list(values), expiration_time, subkeys=list(subkeys))
 
 
 def phantom_group() -> None:
@@ -537,7 +626,7 @@ def equivocator() -> None:
 
 ATTACKS = {f.__name__: f for f in (lying_reducer, erring_reducer, two_faced_reducer, round_breaker, sybil_majority,
                                    far_ahead, served_ahead, forged_donor, shadowing, stream_hog, record_flood, key_fill,
-                                   phantom_group, equivocator)}
+                                   host_fill, phantom_group, equivocator)}
 
 
 def main() -> int:
