@@ -156,6 +156,16 @@ def refusals(log_text: str) -> tuple[int, bool]:
     return (counts[-1] if counts else 0), "from this peer's host" in log_text
 
 
+def tear_down(sampler, procs: list, lab) -> None:
+    """Stops the sampler, kills what is left of every process started, and removes the lab."""
+    if sampler is not None:
+        sampler.stop()
+    for proc in procs:
+        if proc.returncode is None or proc.session_pids():
+            proc.kill_group(signal.SIGKILL)
+    lab.close()
+
+
 def one_run(attack: str, honest: int, steps: int, out: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)  # (the logs and events are appended to: an earlier run's would count)
     out.mkdir(parents=True)
@@ -178,12 +188,7 @@ def one_run(attack: str, honest: int, steps: int, out: Path) -> dict:
         exits = [wait_exit(proc, 900) for proc in peers.values()]
         wall = time.monotonic() - t0
     finally:
-        if sampler is not None:
-            sampler.stop()
-        for proc in procs:
-            if proc.returncode is None or proc.session_pids():
-                proc.kill_group(signal.SIGKILL)
-        lab.close()
+        tear_down(sampler, procs, lab)
     names = list(peers)
     cpu = [sampler.cpu_seconds(n) for n in names]
     refused = [refusals((out / f"{n}.log").read_text(errors="replace")) for n in names]
@@ -269,12 +274,7 @@ def late_run(attack: str, honest: int, steps: int, late_at: int, out: Path) -> d
     finally:
         done.set()
         watcher.join(timeout=5)
-        if sampler is not None:
-            sampler.stop()
-        for proc in procs:
-            if proc.returncode is None or proc.session_pids():
-                proc.kill_group(signal.SIGKILL)
-        lab.close()
+        tear_down(sampler, procs, lab)
     names = list(peers)
     cpu = [sampler.cpu_seconds(n) for n in names]
     honest_ok = {(e["fragment"], e["round"], e["digest"]) for n in names for e in events(out, n, "round")
