@@ -112,9 +112,8 @@ class SwarmConfig:
 
     @property
     def witness_timeout(self) -> float:
-        """Seconds a round gets to publish its group's claims and read everyone's before it applies (while a DHT node
-        is unreachable, a store's lookup waits one dht_timeout for it and the read after it none, since the node is
-        then banned: hivemind_internals.skip_banned_replicas; the rest is margin: peer/net/witness.py)."""
+        """Seconds a round gets to publish its group's claims and read everyone's before it applies (a store waits up
+        to 2 x dht_timeout while a DHT node is unreachable, a read about one: peer/net/witness.py)."""
         return 3 * self.dht_timeout
 
     def __post_init__(self) -> None:

@@ -33,9 +33,9 @@ MAX_JUDGED = 4096  # (peer, fragment, round) judged already, remembered (oldest 
 class Witness:
     """Publishes this peer's claims entries and reads everyone's. Created by the swarm with its DHT, our record
     subkey (the owner key that signs), ``horizon`` (seconds a group's entries stay published: as long as another group
-    of its round can still be reading) and ``timeout`` (a store and a read: about one dht_timeout while a DHT node is
-    unreachable, ``SwarmConfig.witness_timeout``). :meth:`exchange` and :meth:`judge` run on ``swarm-net``, the
-    one writer of what we publish and of what we judged."""
+    of its round can still be reading) and ``timeout`` (a store and a read: up to 2 x dht_timeout and about one while
+    a DHT node is unreachable). :meth:`exchange` and :meth:`judge` run on ``swarm-net``, the one writer of what we
+    publish and of what we judged."""
 
     def __init__(self, dht: DHT, *, run_key: str, subkey: bytes, peer_id: str, horizon: float, timeout: float):
         self.dht, self.key, self.subkey, self.peer_id = dht, claims_key(run_key), subkey, peer_id

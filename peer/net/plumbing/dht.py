@@ -218,8 +218,7 @@ def _parent_bound_dht_class():
     import hivemind
 
     from peer.net.plumbing import dht_storage  # (imported here, in the parent: the DHT process is forked)
-    from peer.net.plumbing.hivemind_internals import (dht_kwargs, read_whole_messages, send_whole_messages,
-                                                      skip_banned_replicas)
+    from peer.net.plumbing.hivemind_internals import dht_kwargs, read_whole_messages, send_whole_messages
 
     if _PARENT_BOUND_DHT is None or _PARENT_BOUND_DHT.__bases__[0] is not hivemind.DHT:  # (tests swap DHT)
 
@@ -233,7 +232,6 @@ def _parent_bound_dht_class():
                 _die_with_parent(self._creator_pid)
                 _register_relay_modes(dht_kwargs(self))
                 dht_storage.install()  # (what the node keeps for others is bounded: peer/net/plumbing/dht_storage.py)
-                skip_banned_replicas()  # (a store waits no second time for a node its lookup just found stalled)
                 read_whole_messages(self)  # (whole messages from our process, however large)
                 super().run()
 

@@ -186,35 +186,3 @@ def read_whole_messages(dht: Any) -> None:
     process (a 61 KiB store under load). The loop reads only after its poll says bytes are there, so waiting for
     the rest of the message is short."""
     dht._inner_pipe = _WholeMessages(dht._inner_pipe)
-
-
-def skip_banned_replicas() -> None:
-    """Makes the DHT nodes started from now on in this process (the DHT process) send no store to a replica they
-    have banned: hivemind's ``Blacklist`` bans a node that did not answer within the DHT's timeout (5 s, then
-    doubling), and its lookups skip it, but its stores do not: a store whose lookup had just waited for a stalled
-    node and banned it then waited the whole timeout again for the same node (2 x ``dht_timeout``; every store of
-    the heartbeat and the claims' witness while a laptop sleeps). A banned replica's store now answers at once as
-    one that did not answer (None), and the store tries the next candidate. hivemind has no option for it; this
-    wraps ``DHTProtocol.call_store`` and tells each node's protocol its node's ``blacklist`` (both public names).
-    Once per process."""
-    from hivemind.dht.node import DHTNode
-    from hivemind.dht.protocol import DHTProtocol
-
-    if getattr(DHTProtocol.call_store, "_skips_banned", False):
-        return
-    call_store, create = DHTProtocol.call_store, DHTNode.create.__func__
-
-    async def call_store_unless_banned(self: Any, peer: Any, *args: Any, **kwargs: Any) -> Any:
-        banned = getattr(self, "banned_peers_of_node", None)
-        if banned is not None and peer in banned:
-            return None
-        return await call_store(self, peer, *args, **kwargs)
-
-    async def create_knowing_bans(cls: Any, *args: Any, **kwargs: Any) -> Any:
-        node = await create(cls, *args, **kwargs)
-        node.protocol.banned_peers_of_node = node.blacklist
-        return node
-
-    setattr(call_store_unless_banned, "_skips_banned", True)
-    setattr(DHTProtocol, "call_store", call_store_unless_banned)
-    setattr(DHTNode, "create", classmethod(create_knowing_bans))

@@ -252,10 +252,10 @@ class _RoundKeys(GroupKeyManager):
 
     - Withdrawing our declaration ("no longer looking for a group") is not awaited. Matchmaking withdraws it
       before it hands the assembled group back, and a DHT store waits for every replica: while one DHT node
-      is unreachable that takes up to a dht_timeout (hivemind_internals.skip_banned_replicas; twice before),
-      so followers learned of their group seconds after the leader and missed its first all-reduce messages.
-      The withdrawal only spares latecomers a join request we would refuse anyway; it finishes (bounded by the
-      DHT's own timeouts) in a task owned by the event loop, which the Swarm cancels at shutdown.
+      is unreachable that takes up to 2 x dht_timeout, so followers learned of their group seconds after the
+      leader and missed its first all-reduce messages. The withdrawal only spares latecomers a join request
+      we would refuse anyway; it finishes (bounded by the DHT's own timeouts) in a task owned by the event
+      loop, which the Swarm cancels at shutdown.
     - The key is never updated when a group assembles: one prefix serves one round, with no group bits.
       hivemind's update draws ``group_size`` of ``target_group_size`` buckets and raised ValueError in a
       follower whose target (its count of live peers) was smaller than the group a leader assembled, as
