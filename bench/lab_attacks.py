@@ -89,24 +89,35 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def cpu_ticks(pid: int) -> tuple[str, int]:
-    """(``p2pd`` or ``python``, user + system clock ticks so far) of one process."""
+def cpu_ticks(pid: int) -> int:
+    """User + system clock ticks so far of one process."""
     stat = Path(f"/proc/{pid}/stat").read_text()
-    name = stat[stat.index("(") + 1:stat.rindex(")")]
     fields = stat[stat.rindex(")") + 2:].split()
-    return ("p2pd" if "p2pd" in name else "python"), int(fields[11]) + int(fields[12])
+    return int(fields[11]) + int(fields[12])
 
 
-def tree_usage(proc: Proc) -> tuple[int, int]:
-    """(resident bytes, open files) of ``proc``'s session: the peer and every process it started."""
+def process_kind(proc: Proc, pid: int) -> str:
+    """``peer`` (the peer's own process), ``dht`` (a Python process it forked) or ``p2pd`` (a libp2p daemon)."""
+    if pid == proc.pid:
+        return "peer"
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return "p2pd" if "p2pd" in stat[stat.index("(") + 1:stat.rindex(")")] else "dht"
+
+
+def tree_usage(proc: Proc) -> tuple[int, int, dict[str, int]]:
+    """(resident bytes, open files, resident bytes by :func:`process_kind`) of ``proc``'s session: the peer and every
+    process it started."""
     rss = files = 0
+    kinds: Counter[str] = Counter()
     for pid in proc.session_pids():
         try:
-            rss += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE
+            n = int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE
             files += len(os.listdir(f"/proc/{pid}/fd"))
+            kinds[process_kind(proc, pid)] += n
+            rss += n
         except (OSError, IndexError, ValueError):  # it exited between the listing and the read
             pass
-    return rss, files
+    return rss, files, dict(kinds)
 
 
 class Sampler:
@@ -117,6 +128,7 @@ class Sampler:
     def __init__(self, peers: dict[str, Proc], period: float = 0.5):
         self.peers, self.period = peers, period
         self.peak = {n: (0, 0) for n in peers}
+        self.kind_peak: dict[str, Counter[str]] = {n: Counter() for n in peers}  # (each kind's own peak)
         self.cpu: dict[str, dict[int, tuple[str, int]]] = {n: {} for n in peers}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
@@ -125,18 +137,15 @@ class Sampler:
     def _run(self) -> None:
         while not self._stop.wait(self.period):
             for n, proc in self.peers.items():
-                rss, files = tree_usage(proc)
+                rss, files, kinds = tree_usage(proc)
                 self.peak[n] = (max(self.peak[n][0], rss), max(self.peak[n][1], files))
+                for kind, used in kinds.items():
+                    self.kind_peak[n][kind] = max(self.kind_peak[n][kind], used)
                 for pid in proc.session_pids():
                     try:
-                        kind, ticks = cpu_ticks(pid)
+                        self.cpu[n][pid] = (process_kind(proc, pid), cpu_ticks(pid))
                     except (OSError, ValueError, IndexError):  # it exited between the listing and the read
                         continue
-                    if pid == proc.pid:
-                        kind = "peer"
-                    elif kind == "python":
-                        kind = "dht"  # the peer's forked DHT process
-                    self.cpu[n][pid] = (kind, ticks)
 
     def cpu_seconds(self, name: str) -> dict[str, float]:
         """CPU seconds of one honest peer's processes, by kind (``peer``, ``dht``, ``p2pd``)."""
@@ -199,6 +208,7 @@ def one_run(attack: str, honest: int, steps: int, out: Path) -> dict:
         "ok_rounds": sum(1 for n in names for e in events(out, n, "round") if e["status"] == "ok"),
         "rounds": sum(1 for n in names for e in events(out, n, "round")),
         "peak_rss": max(sampler.peak[n][0] for n in names),
+        "peak_rss_by_kind": {k: max(sampler.kind_peak[n][k] for n in names) for k in ("peer", "dht", "p2pd")},
         "peak_files": max(sampler.peak[n][1] for n in names),
         "refused": sum(r for r, _ in refused),
         "host_budget": any(h for _, h in refused),
@@ -306,6 +316,7 @@ def late_run(attack: str, honest: int, steps: int, late_at: int, out: Path) -> d
         "late_catch_ups": len(events(out, "late", "catch_up")),
         "probe": probe_summary(out, start[0]["time"] if start else None),
         "peak_rss": max(sampler.peak[n][0] for n in names),
+        "peak_rss_by_kind": {k: max(sampler.kind_peak[n][k] for n in names) for k in ("peer", "dht", "p2pd")},
         "hostile_lines": sum("HOSTILE:" in line for i in range(attackers)
                              for line in (out / f"x{i + 1}.log").read_text(errors="replace").splitlines()),
         "wall_seconds": wall,
@@ -417,17 +428,20 @@ def late_table(rows: list[dict]) -> None:
     print("\n| run | honest final CE | vs clean2 | honest rounds ok | honest ok rounds with the late peer "
           "| late peer: rounds ok with the honest / ok / all | late peer: start to first round with the honest (s) "
           "| late peer final CE | key probe after its start: nodes with the key full / with its record / of "
-          "| forged actions | peak memory of a peer (GiB) | honest run (s) | CPU s of a peer: peer / DHT / p2pd |")
-    print("| --- " * 13 + "|")
+          "| forged actions | peak memory of a peer (GiB) | its peak by process: peer / DHT / p2pd (GiB) "
+          "| honest run (s) | CPU s of a peer: peer / DHT / p2pd |")
+    print("| --- " * 14 + "|")
     for r in rows:
         c, p = r["cpu_seconds"], r["probe"]
         first = "—" if r["late_first_shared"] is None else f"{r['late_first_shared']:.0f}"
         seen = (f"{p['full']} / {p['late_held']} / {p['nodes']}" if p.get("samples") else "no samples")
+        by_kind = " / ".join(f"{r['peak_rss_by_kind'][k] / 2**30:.2f}" for k in ("peer", "dht", "p2pd"))
         print(f"| {r['attack']} | {r['honest_ce']:.4f} | {100 * (r['honest_ce'] / clean - 1):+.2f}% "
               f"| {r['ok_rounds']}/{r['rounds']} | {r['honest_ok_with_late']} "
               f"| {r['late_shared']} / {r['late_ok']} / {r['late_rounds']} | {first} | {r['late_ce']:.4f} "
-              f"| {seen} | {r['hostile_lines']} | {r['peak_rss'] / 2**30:.2f} | {r['wall_seconds']:.0f} "
-              f"| {c['peer']:.0f} / {c['dht']:.0f} / {c['p2pd']:.0f} |")
+              f"| {seen} | {r['hostile_lines']} | {r['peak_rss'] / 2**30:.2f} "
+              f"| {by_kind} "
+              f"| {r['wall_seconds']:.0f} | {c['peer']:.0f} / {c['dht']:.0f} / {c['p2pd']:.0f} |")
     for r in rows:
         print(f"({r['attack']}: the late peer started {r['late_cue']['waited_seconds']:.0f} s after the cue's wait "
               f"began, an honest peer at step {r['late_cue']['honest_step']}"
