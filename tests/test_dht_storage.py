@@ -3,11 +3,15 @@ node."""
 
 import contextlib
 import time
+from collections import Counter
 
+import pytest
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import CompositeValidator, DHTRecord, RecordValidatorBase
-from hivemind.utils import get_dht_time
+from hivemind.utils import get_dht_time, timed_storage
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from helpers import dht_nodes
 from peer.net.plumbing import dht_storage
@@ -205,3 +209,107 @@ def test_a_real_node_keeps_for_another_no_more_than_its_share(tmp_path):
         assert held[0] >= 30
         assert 0 < held[1] <= BOUNDS.max_peer_bytes // (50_000 + 64), held
         assert b.store("honest", b"x" * 50_000, expires)  # b's own store, and room for others: untouched
+
+
+def test_a_full_key_makes_room_for_a_host_that_holds_less_of_it_than_the_largest():
+    """Two hosts fill a key (bytes, then subkeys); a third host's entry still goes in, in place of the largest entry
+    of the host that holds the most of it, and so does ours. A host that holds no less than any other cannot push
+    anyone out, so the flooding hosts cannot push out each other's entries at equal shares, nor ever the smaller
+    ones'."""
+    entry = 1000 + 2 + 64  # (a value of 1000 bytes at a 2-byte subkey)
+    bounds = StorageBounds(max_value_bytes=1000, max_horizon=60.0, max_keys=10, max_subkeys=8,
+                           max_key_bytes=6 * entry, max_bytes=100_000)
+    s, soon = BoundedStorage(bounds=bounds), get_dht_time() + 30
+    for host in ("10.0.0.8", "10.0.0.9"):
+        with storing_for(f"sybil{host[-1]}", host):
+            assert all(s.store(key(0), b"x" * 1000, soon, subkey=f"{host[-1]}{i}".encode()) for i in range(3))
+    with storing_for("sybil8", "10.0.0.8"):  # (shares 3 and 3: nobody holds more than it would)
+        assert not s.store(key(0), b"x" * 1000, soon, subkey=b"83")
+    with storing_for("honest", "10.0.0.1"):
+        assert s.store(key(0), b"h" * 1000, soon, subkey=b"h0")
+        assert s.store(key(0), b"H" * 1000, soon + 1, subkey=b"h0")  # its own refreshed: nothing more dropped
+    held = s.get(key(0)).value
+
+    def hosts() -> list:
+        return sorted(sk[:1] for sk in held.data)
+
+    assert held.get(b"h0").value == b"H" * 1000 and hosts() == [b"8"] * 2 + [b"9"] * 3 + [b"h"]
+    with storing_for("sybil8", "10.0.0.8"):  # (2 held: 3 after, no more than the other flooding host's 3)
+        assert not s.store(key(0), b"y" * 1000, soon + 2, subkey=b"87")
+    with storing_for("sybil9", "10.0.0.9"):  # (3 held: 4 after; the honest host's 1 is never its to drop)
+        assert not s.store(key(0), b"y" * 1000, soon + 2, subkey=b"97")
+    assert s.store(key(0), b"o" * 1000, soon, subkey=b"us")  # ours too, in place of the largest holder's
+    assert hosts() == [b"8"] * 2 + [b"9"] * 2 + [b"h", b"u"]
+    with storing_for("honest2", "10.0.0.2"):  # small entries: room by bytes, then by the subkey bound (8)
+        assert all(s.store(key(0), b"s", soon, subkey=f"s{i}".encode()) for i in range(4))
+    assert hosts() == [b"8", b"9", b"h"] + [b"s"] * 4 + [b"u"]
+    assert s.held_for("sybil8") == s.held_for("sybil9") == entry  # (what was dropped no longer counts)
+
+
+STORERS = [None, ("p1", "10.0.0.1"), ("p2", "10.0.0.1"), ("p3", "10.0.0.2"), ("p4", None), ("p5", None)]
+BOOKED = StorageBounds(max_value_bytes=400, max_horizon=60.0, max_keys=3, max_subkeys=6, max_key_bytes=1500,
+                       max_bytes=2500, max_peer_bytes=1200, max_host_bytes=1800)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.booleans(), st.lists(st.tuples(st.integers(0, 1), st.integers(0, 7), st.integers(1, 400),
+                                         st.integers(0, len(STORERS) - 1), st.integers(1, 20), st.integers(0, 3)),
+                               max_size=60))
+def test_the_books_follow_what_each_key_holds(settle_always, ops):
+    """Whatever is stored, by whom, expiring when (a fake clock): every key and the storage stay within their
+    bounds; each dictionary's book counts every entry it holds, at its cost and for its storer, and no more than
+    what has expired (:class:`~peer.net.plumbing.dht_storage._KeyBook`); settled, it counts exactly that. Books
+    settled at every full key and books settled once a second decide alike on these bounds."""
+    clock = [1000.0]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(timed_storage, "get_dht_time", lambda: clock[0])
+        mp.setattr(dht_storage, "get_dht_time", lambda: clock[0])
+        mp.setattr(dht_storage, "PRUNE_PERIOD", 0.0 if settle_always else 1e9)
+        s = BoundedStorage(bounds=BOOKED)
+        for k, sub, size, who, ttl, wait in ops:
+            token = STORER.set(STORERS[who])
+            try:
+                s.store(key(k), bytes([sub]) * size, clock[0] + ttl, subkey=f"s{sub}".encode())
+            finally:
+                STORER.reset(token)
+            clock[0] += wait
+            used = s.used()  # (drops the keys that expired)
+            held = {k: v.value for k, v in ((k, s.data.get(key(k))) for k in (0, 1)) if v is not None}
+            assert sum(_held_bytes(v) for v in held.values()) <= used <= BOOKED.max_bytes
+            for k, value in held.items():
+                live = {sk: (_holder_of(s, key(k), sk), len(e.value) + len(sk) + 64) for sk, e in value.items()}
+                assert sum(c for _, c in live.values()) <= BOOKED.max_key_bytes and len(live) <= BOOKED.max_subkeys
+                book = s._book(key(k))
+                assert live.items() <= book.entries.items()
+                assert book.total == sum(c for _, c in book.entries.values())
+                book.settle()
+                assert book.entries == live
+                assert dict(book.shares) == dict(sum((Counter({h: c}) for h, c in live.values()), Counter()))
+
+
+def _held_bytes(value) -> int:
+    return sum(len(e.value) + len(sk) + 64 for sk, e in value.items())
+
+
+def _holder_of(s: BoundedStorage, k, subkey) -> str:
+    charge = s._charges.get((k, subkey))
+    return "" if charge is None else (charge.host or charge.peer)
+
+
+def test_a_store_into_a_full_key_does_not_walk_it(monkeypatch):
+    """A node serves every store of a flood: with a key full (1024 entries from two hosts), refused stores, a new
+    host's store that makes room, and a whole dictionary stored again (hivemind's cache stores do) cost a few entry
+    sizes each, not the key's (they walked it twice each: 1024 stores of a full key took a second of CPU)."""
+    s, soon = BoundedStorage(), get_dht_time() + 30
+    for i in range(BOUNDS.max_subkeys):
+        with storing_for(f"sybil{i % 8}", f"10.0.0.{8 + i % 2}"):
+            assert s.store(key(0), b"x" * 900, soon, subkey=f"{i:05d}".encode())
+    sizes = []
+    monkeypatch.setattr(dht_storage, "_entry_cost", lambda *a, f=dht_storage._entry_cost: sizes.append(1) or f(*a))
+    with storing_for("sybil0", "10.0.0.8"):
+        assert not any(s.store(key(0), b"y" * 900, soon, subkey=f"new{i}".encode()) for i in range(100))
+    with storing_for("honest", "10.0.0.1"):
+        assert s.store(key(0), b"h" * 900, soon, subkey=b"honest")
+    items = list(s.get(key(0)).value.items())
+    assert all(s.store(key(0), e.value, soon + 1, subkey=sk) for sk, e in items)
+    assert len(sizes) <= 3 * (100 + 1 + len(items)), len(sizes)

@@ -9,8 +9,12 @@ to 4 MiB), the node (``max_bytes``), or what the other node that asks holds here
 nodes of its host (``max_host_bytes``: :class:`~peer.net.flow.streams.HostBook`; fresh identities share their
 host's, loopback and relayed nodes count one by one). Our own stores count against no peer or host.
 
-A refused store evicts nothing: a flood cannot push honest records out, only fill the budget for as long as its own
-records live (at most ``max_horizon``); peers refresh their records every beat. The cache has the same bounds.
+A refused store evicts nothing. A store that finds its key full (bytes or subkeys) makes room by dropping entries of
+the key's largest holder (a host; a loopback or relayed node; us), only while that holder holds more of the key than
+the storer then would (:meth:`BoundedStorage._room`): a flood from a few hosts cannot keep a new host's record out,
+nor push out the record of a host that holds less than it. A store costs the same whatever its key holds: each key's
+sizes are kept as it changes (:class:`_KeyBook`), since every store of a flood is checked. The cache has the same
+bounds.
 :class:`SizeGate` refuses an oversized value before any record validator reads it (each reads every byte).
 """
 
@@ -65,11 +69,6 @@ def _entry_cost(value: Any, subkey: Any = None) -> int:
     return len(value) + (0 if subkey is None else _subkey_bytes(subkey)) + ENTRY_OVERHEAD
 
 
-def _key_cost(value: DictionaryDHTValue) -> int:
-    """What a dictionary holds now (its expired subkeys dropped as it is read)."""
-    return sum(_entry_cost(e.value, sk) for sk, e in value.items())
-
-
 @dataclass(frozen=True)
 class _Charge:
     """An entry another node stored here: who (its peer id and host) and what it costs."""
@@ -77,6 +76,54 @@ class _Charge:
     peer: str
     host: Optional[str]
     cost: int
+
+
+def _holder(storer: Optional[tuple[str, Optional[str]]]) -> str:
+    """Whose share of a key an entry counts in: its storer's host, the storer itself where it has none (loopback,
+    relayed), or "" for what no other node stored (ours)."""
+    return "" if storer is None else (storer[1] or storer[0])
+
+
+class _KeyBook:
+    """What one dictionary value of the storage holds, kept as its entries are stored and dropped, so that checking a
+    store does not walk the key: each subkey's holder and cost, their sum, and each holder's share. Entries that
+    expire are counted until :meth:`settle` (stale-high: a book refuses more, never admits past a bound). Written
+    only by its :class:`BoundedStorage`."""
+
+    __slots__ = ("value", "entries", "total", "shares", "settled")
+
+    def __init__(self, value: DictionaryDHTValue):
+        self.value = value  # (the dictionary it books: a key's new dictionary gets a new book)
+        self.entries: dict[Any, tuple[str, int]] = {}
+        self.total = 0
+        self.shares: Counter[str] = Counter()
+        self.settled = float("-inf")  # when settle last ran (time.monotonic())
+
+    def put(self, subkey: Any, holder: str, cost: int) -> None:
+        self.drop(subkey)
+        self.entries[subkey] = (holder, cost)
+        self.total += cost
+        self.shares[holder] += cost
+
+    def drop(self, subkey: Any) -> None:
+        held = self.entries.pop(subkey, None)
+        if held is not None:
+            holder, cost = held
+            self.total -= cost
+            self.shares[holder] -= cost
+            if self.shares[holder] <= 0:
+                del self.shares[holder]
+
+    def cost(self, subkey: Any) -> int:
+        held = self.entries.get(subkey)
+        return 0 if held is None else held[1]
+
+    def settle(self) -> None:
+        """Forgets the entries the dictionary no longer holds (expired). Walks the key: callers throttle it."""
+        self.settled = time.monotonic()
+        drop_expired(self.value)
+        for subkey in [sk for sk in self.entries if sk not in self.value.data]:
+            self.drop(subkey)
 
 
 class BoundedStorage(DHTLocalStorage):
@@ -87,6 +134,8 @@ class BoundedStorage(DHTLocalStorage):
         super().__init__(maxsize)
         self.bounds = bounds
         self._sizes: dict[Any, int] = {}  # key -> bytes it held when last stored to (stale-high once entries expire)
+        self._used = 0  # their sum
+        self._books: dict[Any, _KeyBook] = {}  # key -> its dictionary's book
         # (key, subkey) -> who stored it from afar; and their sums, stale-high until a recount (:meth:`_recount`)
         self._charges: dict[tuple[Any, Any], _Charge] = {}
         self._by_peer: Counter[str] = Counter()
@@ -96,8 +145,11 @@ class BoundedStorage(DHTLocalStorage):
     def used(self) -> int:
         """Bytes held (counted when each key was last stored to)."""
         drop_expired(self)
-        self._sizes = {k: n for k, n in self._sizes.items() if k in self.data}
-        return sum(self._sizes.values())
+        if len(self._sizes) != len(self.data):  # (keys expired: every key held was counted when stored)
+            self._sizes = {k: n for k, n in self._sizes.items() if k in self.data}
+            self._books = {k: book for k, book in self._books.items() if k in self.data}
+            self._used = sum(self._sizes.values())
+        return self._used
 
     def store(self, key, value, expiration_time, subkey=None) -> bool:
         if subkey is not None:
@@ -114,9 +166,10 @@ class BoundedStorage(DHTLocalStorage):
         if not self._admits(key, subkey, value, expiration_time):
             return False
         ok = super().store_subkey(key, subkey, value, expiration_time)
-        self._account(key)
         if ok:
             self._charge(key, subkey, _entry_cost(value, subkey))
+            self._book(key).put(subkey, _holder(STORER.get()), _entry_cost(value, subkey))
+        self._account(key)
         return ok
 
     def held_for(self, peer: str) -> int:
@@ -129,8 +182,10 @@ class BoundedStorage(DHTLocalStorage):
             return False
         if not expiration_time <= get_dht_time() + b.max_horizon:  # (also refuses NaN)
             return False
-        used, new = self.used(), _entry_cost(value, subkey)
+        used, new, storer = self.used(), _entry_cost(value, subkey), STORER.get()
         held = self.data.get(key)
+        book: Optional[_KeyBook] = None
+        room: list = []  # subkeys the store drops (_room)
         if held is None:
             if len(self.data) >= b.max_keys:
                 return False
@@ -138,16 +193,71 @@ class BoundedStorage(DHTLocalStorage):
         elif subkey is None or not isinstance(held.value, DictionaryDHTValue):
             old = self._sizes.get(key, 0)  # (a plain value, or a dictionary a plain value would replace)
         else:
-            entry = held.value.get(subkey)
-            if entry is None and len(held.value) >= b.max_subkeys:
+            book = self._book(key)
+            old = book.cost(subkey)
+            dropped = self._room(book, subkey, new, _holder(storer))
+            if dropped is None:
                 return False
-            old = 0 if entry is None else _entry_cost(entry.value, subkey)
-            if _key_cost(held.value) - old + new > b.max_key_bytes:
-                return False
-        if not (used - old + new <= b.max_bytes and new <= b.max_key_bytes):
+            room = dropped
+        freed = 0 if book is None else sum(book.cost(sk) for sk in room)
+        if not (used - old - freed + new <= b.max_bytes and new <= b.max_key_bytes):
             return False
-        storer = STORER.get()
-        return storer is None or self._within_quota(key, subkey, storer, new)
+        if storer is not None and not self._within_quota(key, subkey, storer, new):
+            return False
+        for sk in room:  # (dropped only once the store is admitted)
+            assert book is not None
+            del book.value[sk]
+            book.drop(sk)
+            self._uncharge(key, sk)
+        return True
+
+    def _book(self, key) -> _KeyBook:
+        """The book of the dictionary held at ``key`` (made by walking it where the dictionary is new to us)."""
+        value = self.data[key].value
+        book = self._books.get(key)
+        if book is None or book.value is not value:
+            book = self._books[key] = _KeyBook(value)
+            for sk, e in value.items():
+                charge = self._charges.get((key, sk))
+                book.put(sk, "" if charge is None else _holder((charge.peer, charge.host)), _entry_cost(e.value, sk))
+            book.settled = time.monotonic()
+        return book
+
+    def _room(self, book: _KeyBook, subkey, new: int, me: str) -> Optional[list]:
+        """The subkeys to drop so that an entry of ``new`` bytes at ``subkey``, stored by holder ``me``, fits its key
+        (bytes and subkeys): each the largest entry of the holder that then holds the most of the key, as long as
+        that holder holds more of it than ``me`` would with the new entry; None if the entry cannot fit so. Walks
+        the key only to settle its book (at most once per PRUNE_PERIOD) and to pick what to drop."""
+        b = self.bounds
+
+        def size_and_count() -> tuple[int, int]:  # (the key's, after the store)
+            return book.total - book.cost(subkey) + new, len(book.entries) + (subkey not in book.entries)
+
+        size, count = size_and_count()
+        if size > b.max_key_bytes or count > b.max_subkeys:
+            if time.monotonic() - book.settled >= PRUNE_PERIOD:
+                book.settle()
+                size, count = size_and_count()
+        if size <= b.max_key_bytes and count <= b.max_subkeys:
+            return []
+        shares = Counter(book.shares)
+        if subkey in book.entries:  # (the entry the store replaces counts for nobody)
+            shares[book.entries[subkey][0]] -= book.cost(subkey)
+        mine = shares[me] + new
+        drop: list = []
+        largest_first: dict[str, list[tuple[int, Any]]] = {}
+        while size > b.max_key_bytes or count > b.max_subkeys:
+            largest = max((h for h in shares if h != me), key=shares.__getitem__, default=None)
+            if largest is None or shares[largest] <= mine:
+                return None
+            if largest not in largest_first:
+                largest_first[largest] = sorted(((c, sk) for sk, (h, c) in book.entries.items()
+                                                 if h == largest and sk != subkey), key=lambda e: e[0])
+            cost, sk = largest_first[largest].pop()
+            shares[largest] -= cost
+            size, count = size - cost, count - 1
+            drop.append(sk)
+        return drop
 
     def _within_quota(self, key, subkey, storer: tuple[str, Optional[str]], new: int) -> bool:
         """Whether ``storer``'s node, and its host's, may hold ``new`` more bytes here (less what the entry it
@@ -203,13 +313,15 @@ class BoundedStorage(DHTLocalStorage):
                 del self._by_host[charge.host]
 
     def _account(self, key) -> None:
+        """After a store: the key's size, and the storage's."""
         held = self.data.get(key)
-        if held is None:
-            self._sizes.pop(key, None)
-        elif isinstance(held.value, DictionaryDHTValue):
-            self._sizes[key] = _key_cost(held.value)
-        else:
-            self._sizes[key] = _entry_cost(held.value)
+        if held is None or not isinstance(held.value, DictionaryDHTValue):
+            self._books.pop(key, None)
+        size = 0 if held is None else (self._book(key).total if isinstance(held.value, DictionaryDHTValue)
+                                       else _entry_cost(held.value))
+        self._used += size - self._sizes.pop(key, 0)
+        if held is not None:
+            self._sizes[key] = size
 
 
 class SizeGate(RecordValidatorBase):
