@@ -33,6 +33,7 @@ from pydantic import Field, StrictStr
 from peer.errors import SetupError
 from peer.net.trust.auth import owner_key, parse_public_key, peer_id_of, write_private
 from peer.net.trust.records import Count
+from peer.net.trust.verdicts import Verdicts
 from peer.proto import allreduce_pb2 as pb
 
 _DOMAIN = b"swarmloco claim v1\0"
@@ -193,10 +194,12 @@ class ClaimsValidator(RecordValidatorBase):
 
     def __init__(self, run_key: str):
         self._key_id = DHTID.generate(source=claims_key(run_key)).to_bytes()
+        self._verdicts = Verdicts()
 
     def validate(self, record: DHTRecord) -> bool:
-        if record.key != self._key_id:
-            return True
+        return record.key != self._key_id or self._verdicts.check(record, self._check)
+
+    def _check(self, record: DHTRecord) -> bool:
         try:
             subkey = DHTProtocol.serializer.loads(record.subkey)
             value = DHTProtocol.serializer.loads(record.value)

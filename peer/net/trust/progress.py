@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Callable, Mapping, Optional
 
 import pydantic
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
@@ -24,6 +23,7 @@ from peer.net.trust.auth import PassChecker, RunAccess, RunAuthorizer, certifies
 from peer.net.trust.claims import ClaimsValidator
 from peer.net.trust.revocations import RevocationValidator
 from peer.net.trust.records import ProgressRecord
+from peer.net.trust.verdicts import RememberedSignatures, Verdicts
 
 
 
@@ -42,10 +42,14 @@ class ProgressValidator(RecordValidatorBase):
         the rule, whatever its key (a node that stored what peers reject would make them drop its whole answer)."""
         self._key_id = None if run_key is None else DHTID.generate(source=progress_key(run_key)).to_bytes()
         self.checker = checker
+        self._verdicts = Verdicts()  # (remembered only without a checker: a pass may expire or be revoked)
 
     def validate(self, record: DHTRecord) -> bool:
         if self._key_id is not None and record.key != self._key_id:
             return True
+        return self._check(record) if self.checker is not None else self._verdicts.check(record, self._check)
+
+    def _check(self, record: DHTRecord) -> bool:
         try:
             subkey = DHTProtocol.serializer.loads(record.subkey)
             value = DHTProtocol.serializer.loads(record.value)
@@ -66,7 +70,7 @@ class ProgressValidator(RecordValidatorBase):
 def node_validators() -> list[RecordValidatorBase]:
     """A bootstrap node's record validators (it serves any run): owners' signatures, and progress records
     that speak only for their signer's peer id."""
-    return [ProgressValidator(None), RSASignatureValidator()]
+    return [ProgressValidator(None), RememberedSignatures()]
 
 
 def make_validators(run_key: str, private_key: Optional[RSAPrivateKey] = None,
@@ -79,7 +83,7 @@ def make_validators(run_key: str, private_key: Optional[RSAPrivateKey] = None,
     revocation lists must be the authority's).
     Must be created before the DHT process is started (validators are handed to it).
     """
-    signer = RSASignatureValidator(private_key)
+    signer = RememberedSignatures(private_key)
     validators: list[RecordValidatorBase] = [ProgressValidator(run_key, checker), signer, ClaimsValidator(run_key)]
     if checker is not None:
         validators.append(RevocationValidator(checker))
