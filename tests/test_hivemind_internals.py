@@ -4,10 +4,12 @@ renames one fails here, not in a swarm; and no other module of peer/ or bootstra
 from __future__ import annotations
 
 import ast
+import asyncio
 import importlib
 import inspect
 import re
 import textwrap
+import time
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -298,3 +300,52 @@ def test_threads_that_store_large_values_at_once_do_not_corrupt_the_dht_pipe():
             dht.shutdown()
         else:
             dht.kill()
+
+
+def test_a_request_handler_is_forgotten_however_it_ends():
+    """Two real daemons: a request whose caller gives up (it cancels the call; the daemon tells the handler's side,
+    which cancels the handler) leaves nothing in the handler side's table, nor does one answered; hivemind kept a
+    cancelled handler there for good, with the request's bytes (``forget_ended_handlers``)."""
+    from hivemind.proto import dht_pb2
+
+    from helpers import p2p_mesh
+    from peer.net.plumbing.hivemind_internals import forget_ended_handlers
+
+    forget_ended_handlers()
+    started, ended, release = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def handler(request: dht_pb2.PingRequest, context) -> dht_pb2.PingResponse:
+        started.set()
+        try:
+            await release.wait()
+            return dht_pb2.PingResponse(available=True)
+        finally:
+            ended.set()
+
+    async def until(cond) -> bool:  # (the daemon forwards the cancellation: a few messages)
+        deadline = time.monotonic() + 10
+        while not cond() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return cond()
+
+    async def run() -> None:
+        server, client = await p2p_mesh(2)
+        try:
+            await server.add_protobuf_handler("test.hold", handler, dht_pb2.PingRequest)
+            table = server._client.control._handler_tasks
+            call = asyncio.create_task(client.call_protobuf_handler(
+                server.peer_id, "test.hold", dht_pb2.PingRequest(), dht_pb2.PingResponse))
+            await asyncio.wait_for(started.wait(), 10)
+            call.cancel()
+            assert await until(ended.is_set)  # (the handler was cancelled)
+            assert await until(lambda: not table), table
+            started.clear()
+            release.set()
+            answered = await asyncio.wait_for(client.call_protobuf_handler(
+                server.peer_id, "test.hold", dht_pb2.PingRequest(), dht_pb2.PingResponse), 10)
+            assert answered.available and await until(lambda: not table), table
+        finally:
+            for p in (server, client):
+                await p.shutdown()
+
+    asyncio.run(run())

@@ -218,7 +218,10 @@ def _parent_bound_dht_class():
     import hivemind
 
     from peer.net.plumbing import dht_storage  # (imported here, in the parent: the DHT process is forked)
-    from peer.net.plumbing.hivemind_internals import dht_kwargs, read_whole_messages, send_whole_messages
+    from peer.net.plumbing.hivemind_internals import (dht_kwargs, forget_ended_handlers, read_whole_messages,
+                                                      send_whole_messages)
+
+    forget_ended_handlers()  # (here, in the parent: the DHT process it forks and its own P2P clients inherit it)
 
     if _PARENT_BOUND_DHT is None or _PARENT_BOUND_DHT.__bases__[0] is not hivemind.DHT:  # (tests swap DHT)
 

@@ -22,6 +22,8 @@ PRIVATE = {  # module: the private names the functions below use
     "hivemind.utils.crypto": ["RSAPrivateKey._private_key", "RSAPublicKey._public_key"],
     "hivemind.dht.storage": ["DHTLocalStorage._remove_outdated"],
     "hivemind.p2p.servicer": ["ServicerBase._get_handle_name"],
+    "hivemind.p2p.p2p_daemon_bindings.control": ["ControlClient._handle_persistent_request",
+                                                 "ControlClient._handler_tasks"],
 }
 IN_SUBCLASSES = {  # module: what our subclasses override of a hivemind class or read and write of its state
     # peer/net/round/matchmaking.py's _Matchmaking overrides how a leader vets a join request (to refuse stale,
@@ -186,3 +188,27 @@ def read_whole_messages(dht: Any) -> None:
     process (a 61 KiB store under load). The loop reads only after its poll says bytes are there, so waiting for
     the rest of the message is short."""
     dht._inner_pipe = _WholeMessages(dht._inner_pipe)
+
+
+def forget_ended_handlers() -> None:
+    """Makes hivemind's daemon clients of this process, and of the processes it forks from now on, forget each
+    handler of a request from another peer once it ends, however it ends. hivemind forgets one only once it
+    answered, so a handler cancelled (its caller gave up, and the daemon said so) stayed in the client's table for
+    good with its traceback, which holds the request's frames and bytes (up to 4 MiB each): any peer that gives up
+    on its calls grew the node's process without bound (honest DHT processes to 2.5 GiB under a flood). hivemind
+    has no option for it; this wraps ``ControlClient._handle_persistent_request`` to drop the table's entry
+    (``_handler_tasks``) when the handler ends. Idempotent."""
+    from hivemind.p2p.p2p_daemon_bindings.control import ControlClient
+
+    handle = ControlClient._handle_persistent_request
+    if getattr(handle, "_forgets", False):
+        return
+
+    async def handle_and_forget(self: Any, call_id: Any, request: Any) -> None:
+        try:
+            await handle(self, call_id, request)
+        finally:
+            self._handler_tasks.pop(call_id, None)
+
+    setattr(handle_and_forget, "_forgets", True)
+    setattr(ControlClient, "_handle_persistent_request", handle_and_forget)
