@@ -1,11 +1,12 @@
 """What a full DHT key costs the node that holds or reads it, per operation, CPU only (no network).
 
-    .venv/bin/python bench/full_key.py [--entries 1024] [--value-bytes 900] [--repeats 3]
+    .venv/bin/python bench/full_key.py [--entries 1024] [--value-bytes 900] [--hosts 4] [--repeats 3]
 
 Storage (peer/net/plumbing/dht_storage.py ``BoundedStorage``, the default bounds): a key filled with ``--entries``
-entries of ``--value-bytes`` from two hosts, then timed: the whole key stored again entry by entry (as hivemind
-serves another node's store of a whole dictionary, its caching), the same from a third host, 100 stores of new
-subkeys from one of the filling hosts (refused), and one host's new entry (room made, where the tree has the rule).
+entries of ``--value-bytes`` from ``--hosts`` hosts (one holds at most a quarter of a key), then timed: the whole
+key stored again entry by entry (as hivemind serves another node's store of a whole dictionary, its caching), the
+same from another host, 100 stores of new subkeys from one of the filling hosts (refused), and a new host's entry
+(room made, where the tree has the rule).
 Records (peer/net/trust/progress.py ``make_validators``, an open run): ``--entries`` progress records, signed by
 16 identity keys in turn, checked as hivemind checks a find answer's dictionary (``CompositeValidator``), twice: the
 second pass is what every later read of the same records costs. Run it in worktrees to compare commits.
@@ -25,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 IDENTITIES = 16  # signers of the records
 
 
-def storage_times(entries: int, size: int) -> dict[str, float]:
+def storage_times(entries: int, size: int, hosts: int) -> dict[str, float]:
     from hivemind.dht.routing import DHTID
     from hivemind.utils import get_dht_time
 
@@ -41,7 +42,7 @@ def storage_times(entries: int, size: int) -> dict[str, float]:
             ds.STORER.reset(token)
 
     for i in range(entries):
-        stored((f"sybil{i % 8}", f"10.0.0.{8 + i % 2}"), f"{i:05d}".encode(), os.urandom(size), soon)
+        stored((f"sybil{i % 8}", f"10.0.0.{8 + i % hosts}"), f"{i:05d}".encode(), os.urandom(size), soon)
     items = [(sk, e.value) for sk, e in s.get(key).value.items()]
     out = {}
     for name, who in (("whole key again, ours", None), ("whole key again, a third host", ("x", "10.0.0.3"))):
@@ -95,12 +96,13 @@ def main() -> int:
     ap.add_argument("--entries", type=int, default=1024)
     ap.add_argument("--value-bytes", type=int, default=900)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--hosts", type=int, default=4, help="the hosts that fill the key")
     ap.add_argument("--records-dir", type=Path, default=Path("/tmp/full_key_ids"))
     args = ap.parse_args()
     args.records_dir.mkdir(parents=True, exist_ok=True)
     rows: dict[str, list[float]] = {}
     for _ in range(args.repeats):
-        for name, seconds in {**storage_times(args.entries, args.value_bytes),
+        for name, seconds in {**storage_times(args.entries, args.value_bytes, args.hosts),
                               **record_times(args.entries, args.records_dir)}.items():
             rows.setdefault(name, []).append(seconds)
     print(f"| {args.entries} entries | ms, each of {args.repeats} runs |\n| --- | --- |")

@@ -218,7 +218,7 @@ def test_a_full_key_makes_room_for_a_host_that_holds_less_of_it_than_the_largest
     ones'."""
     entry = 1000 + 2 + 64  # (a value of 1000 bytes at a 2-byte subkey)
     bounds = StorageBounds(max_value_bytes=1000, max_horizon=60.0, max_keys=10, max_subkeys=8,
-                           max_key_bytes=6 * entry, max_bytes=100_000)
+                           max_key_bytes=6 * entry, max_bytes=100_000, max_host_key_share=1.0)  # (the rule alone)
     s, soon = BoundedStorage(bounds=bounds), get_dht_time() + 30
     for host in ("10.0.0.8", "10.0.0.9"):
         with storing_for(f"sybil{host[-1]}", host):
@@ -248,7 +248,7 @@ def test_a_full_key_makes_room_for_a_host_that_holds_less_of_it_than_the_largest
 
 STORERS = [None, ("p1", "10.0.0.1"), ("p2", "10.0.0.1"), ("p3", "10.0.0.2"), ("p4", None), ("p5", None)]
 BOOKED = StorageBounds(max_value_bytes=400, max_horizon=60.0, max_keys=3, max_subkeys=6, max_key_bytes=1500,
-                       max_bytes=2500, max_peer_bytes=1200, max_host_bytes=1800)
+                       max_bytes=2500, max_peer_bytes=1200, max_host_bytes=1800, max_host_key_share=0.5)
 
 
 @settings(max_examples=150, deadline=None)
@@ -282,9 +282,14 @@ def test_the_books_follow_what_each_key_holds(settle_always, ops):
                 book = s._book(key(k))
                 assert live.items() <= book.entries.items()
                 assert book.total == sum(c for _, c in book.entries.values())
+                book.settled = float("-inf")  # (whatever the throttle: settled now)
                 book.settle()
                 assert book.entries == live
                 assert dict(book.shares) == dict(sum((Counter({h: c}) for h, c in live.values()), Counter()))
+                assert dict(book.counts) == dict(Counter(h for h, _ in live.values()))
+                for holder, share in book.shares.items():  # (ours: any share)
+                    assert holder == "" or (share <= 0.5 * BOOKED.max_key_bytes
+                                            and book.counts[holder] <= 0.5 * BOOKED.max_subkeys)
 
 
 def _held_bytes(value) -> int:
@@ -297,12 +302,12 @@ def _holder_of(s: BoundedStorage, k, subkey) -> str:
 
 
 def test_a_store_into_a_full_key_does_not_walk_it(monkeypatch):
-    """A node serves every store of a flood: with a key full (1024 entries from two hosts), refused stores, a new
+    """A node serves every store of a flood: with a key full (1024 entries from four hosts), refused stores, a new
     host's store that makes room, and a whole dictionary stored again (hivemind's cache stores do) cost a few entry
     sizes each, not the key's (they walked it twice each: 1024 stores of a full key took a second of CPU)."""
     s, soon = BoundedStorage(), get_dht_time() + 30
-    for i in range(BOUNDS.max_subkeys):
-        with storing_for(f"sybil{i % 8}", f"10.0.0.{8 + i % 2}"):
+    for i in range(BOUNDS.max_subkeys):  # (four hosts: each holds at most a quarter of a key)
+        with storing_for(f"sybil{i % 8}", f"10.0.0.{8 + i % 4}"):
             assert s.store(key(0), b"x" * 900, soon, subkey=f"{i:05d}".encode())
     sizes = []
     monkeypatch.setattr(dht_storage, "_entry_cost", lambda *a, f=dht_storage._entry_cost: sizes.append(1) or f(*a))
@@ -313,3 +318,34 @@ def test_a_store_into_a_full_key_does_not_walk_it(monkeypatch):
     items = list(s.get(key(0)).value.items())
     assert all(s.store(key(0), e.value, soon + 1, subkey=sk) for sk, e in items)
     assert len(sizes) <= 3 * (100 + 1 + len(items)), len(sizes)
+
+
+def test_one_host_holds_at_most_its_share_of_a_key():
+    """The nodes of one host hold at most ``max_host_key_share`` of a key, in bytes and in subkeys (a node without a
+    host counts alone); replacing its own entries still works, other hosts and our own stores are not held back,
+    and room freed by its expired entries is its again once the key's book settles."""
+    entry = 1000 + 2 + 64  # (a value of 1000 bytes at a 2-byte subkey)
+    bounds = StorageBounds(max_value_bytes=1000, max_horizon=60.0, max_keys=10, max_subkeys=16,
+                           max_key_bytes=8 * entry, max_bytes=100_000, max_host_key_share=0.25)  # (2 entries, 4 keys)
+    s, now = BoundedStorage(bounds=bounds), get_dht_time()
+    with storing_for("sybil1", "10.0.0.9"):
+        assert s.store(key(0), b"x" * 1000, now + 30, subkey=b"a0")
+        assert s.store(key(0), b"x" * 1000, now + 0.5, subkey=b"a1")  # (expires soon)
+    with storing_for("sybil2", "10.0.0.9"):  # (the same host: its quarter of the bytes held)
+        assert not s.store(key(0), b"x" * 10, now + 30, subkey=b"a2")
+    with storing_for("sybil1", "10.0.0.9"):
+        assert s.store(key(0), b"z" * 1000, now + 31, subkey=b"a0")  # its own entry replaced
+    with storing_for("relayed", None):  # (no host: counts alone; small entries: its quarter of the subkeys)
+        assert all(s.store(key(0), b"r", now + 30, subkey=f"r{i}".encode()) for i in range(4))
+        assert not s.store(key(0), b"r", now + 30, subkey=b"r4")
+    with storing_for("honest", "10.0.0.1"):
+        assert s.store(key(0), b"h" * 1000, now + 30, subkey=b"h0")
+    assert all(s.store(key(0), b"o", now + 30, subkey=f"o{i}".encode()) for i in range(5))  # ours: any share
+    deadline = time.monotonic() + 5
+    while s.get(key(0)).value.get(b"a1") is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with storing_for("sybil2", "10.0.0.9"):  # (a1 expired: once the key's book settles, room for one more)
+        settled = time.monotonic() + dht_storage.PRUNE_PERIOD + 5
+        while not s.store(key(0), b"x" * 1000, now + 30, subkey=b"a2") and time.monotonic() < settled:
+            time.sleep(0.05)
+        assert s.get(key(0)).value.get(b"a2") is not None

@@ -1,21 +1,15 @@
-"""What one DHT node keeps for others, bounded.
+"""What one DHT node keeps for others, bounded (hivemind's ``DHTLocalStorage`` keeps anything until it expires).
 
-hivemind's ``DHTLocalStorage`` keeps every record anyone stores, of any size and count, until its writer's expiration.
-:class:`BoundedStorage` takes its place in our DHT processes (:func:`install`, before the node starts) and refuses a
-store (False, as hivemind answers for a stale value) whose value is larger than ``max_value_bytes`` or expires more
-than ``max_horizon`` s ahead; whose key is new at ``max_keys``, or subkey new at ``max_subkeys``; or whose size
-would take past its bound its key (``max_key_bytes``: a key's whole value is one DHT answer, which p2pd carries up
-to 4 MiB), the node (``max_bytes``), or what the other node that asks holds here (``max_peer_bytes``) and all the
-nodes of its host (``max_host_bytes``: :class:`~peer.net.flow.streams.HostBook`; fresh identities share their
-host's, loopback and relayed nodes count one by one). Our own stores count against no peer or host.
-
-A refused store evicts nothing. A store that finds its key full (bytes or subkeys) makes room by dropping entries of
-the key's largest holder (a host; a loopback or relayed node; us), only while that holder holds more of the key than
-the storer then would (:meth:`BoundedStorage._room`): a flood from a few hosts cannot keep a new host's record out,
-nor push out the record of a host that holds less than it. A store costs the same whatever its key holds: each key's
-sizes are kept as it changes (:class:`_KeyBook`), since every store of a flood is checked. The cache has the same
-bounds.
-:class:`SizeGate` refuses an oversized value before any record validator reads it (each reads every byte).
+:class:`BoundedStorage` takes its place in our DHT processes (:func:`install`) and refuses a store (False, as for a
+stale value) past a bound of :class:`StorageBounds`: a value's size and horizon; the keys, a key's subkeys and bytes
+(a key's whole value is one DHT answer, which p2pd carries up to 4 MiB); the node's bytes; what the other node that
+asks holds here, all the nodes of its host, and their share of one key (:class:`~peer.net.flow.streams.HostBook`:
+loopback and relayed nodes count one by one). Our own stores count against no peer or host.
+A refused store evicts nothing; one that finds its key full makes room by dropping the largest entries of the key's
+largest holder (a host; a node without one; us), only while that holder holds more of the key than the storer
+then would (:meth:`BoundedStorage._room`): a flood from a few hosts cannot keep a new host's record out. Every store
+of a flood is checked, so a check costs the same whatever the key holds (:class:`_KeyBook`). The cache has the same
+bounds. :class:`SizeGate` refuses an oversized value before any record validator reads it.
 """
 
 from __future__ import annotations
@@ -56,6 +50,10 @@ class StorageBounds:
     # 2 MiB serves about 35 peers behind one address (a home, a campus NAT), and one host's fills no key.
     max_peer_bytes: int = 512 * 1024
     max_host_bytes: int = 2 * 1024 * 1024
+    # Of one key (bytes and subkeys), one host's nodes (or one node without a host) hold at most this share: filling
+    # a key takes sybils of four hosts, and those of two put half a key's bytes into every answer that reads it.
+    # A quarter holds the claims of about 35 peers behind one address in groups of 64.
+    max_host_key_share: float = 0.25
 
 
 BOUNDS = StorageBounds()
@@ -90,13 +88,14 @@ class _KeyBook:
     expire are counted until :meth:`settle` (stale-high: a book refuses more, never admits past a bound). Written
     only by its :class:`BoundedStorage`."""
 
-    __slots__ = ("value", "entries", "total", "shares", "settled")
+    __slots__ = ("value", "entries", "total", "shares", "counts", "settled")
 
     def __init__(self, value: DictionaryDHTValue):
         self.value = value  # (the dictionary it books: a key's new dictionary gets a new book)
         self.entries: dict[Any, tuple[str, int]] = {}
         self.total = 0
         self.shares: Counter[str] = Counter()
+        self.counts: Counter[str] = Counter()  # each holder's entries
         self.settled = float("-inf")  # when settle last ran (time.monotonic())
 
     def put(self, subkey: Any, holder: str, cost: int) -> None:
@@ -104,6 +103,7 @@ class _KeyBook:
         self.entries[subkey] = (holder, cost)
         self.total += cost
         self.shares[holder] += cost
+        self.counts[holder] += 1
 
     def drop(self, subkey: Any) -> None:
         held = self.entries.pop(subkey, None)
@@ -111,19 +111,30 @@ class _KeyBook:
             holder, cost = held
             self.total -= cost
             self.shares[holder] -= cost
-            if self.shares[holder] <= 0:
-                del self.shares[holder]
+            self.counts[holder] -= 1
+            if self.counts[holder] <= 0:
+                del self.shares[holder], self.counts[holder]
+
+    def held_by(self, holder: str, subkey: Any) -> tuple[int, int]:
+        """The bytes and entries ``holder`` holds of the key, less the entry at ``subkey`` if it is theirs."""
+        size, count = self.shares[holder], self.counts[holder]
+        held = self.entries.get(subkey)
+        return (size - held[1], count - 1) if held is not None and held[0] == holder else (size, count)
 
     def cost(self, subkey: Any) -> int:
         held = self.entries.get(subkey)
         return 0 if held is None else held[1]
 
-    def settle(self) -> None:
-        """Forgets the entries the dictionary no longer holds (expired). Walks the key: callers throttle it."""
+    def settle(self) -> bool:
+        """Forgets the entries the dictionary no longer holds (expired), at most once per PRUNE_PERIOD (it walks
+        the key); whether it did."""
+        if time.monotonic() - self.settled < PRUNE_PERIOD:
+            return False
         self.settled = time.monotonic()
         drop_expired(self.value)
         for subkey in [sk for sk in self.entries if sk not in self.value.data]:
             self.drop(subkey)
+        return True
 
 
 class BoundedStorage(DHTLocalStorage):
@@ -195,6 +206,8 @@ class BoundedStorage(DHTLocalStorage):
         else:
             book = self._book(key)
             old = book.cost(subkey)
+            if storer is not None and not self._within_share(book, subkey, new, _holder(storer)):
+                return False
             dropped = self._room(book, subkey, new, _holder(storer))
             if dropped is None:
                 return False
@@ -223,6 +236,18 @@ class BoundedStorage(DHTLocalStorage):
             book.settled = time.monotonic()
         return book
 
+    def _within_share(self, book: _KeyBook, subkey, new: int, holder: str) -> bool:
+        """Whether ``holder`` (another node's host, or that node) may hold an entry of ``new`` bytes at ``subkey``:
+        at most ``max_host_key_share`` of the key's bytes and of its subkeys, with the entry."""
+        b = self.bounds
+
+        def fits() -> bool:
+            size, count = book.held_by(holder, subkey)
+            return (size + new <= b.max_host_key_share * b.max_key_bytes
+                    and count + 1 <= b.max_host_key_share * b.max_subkeys)
+
+        return fits() or (book.settle() and fits())
+
     def _room(self, book: _KeyBook, subkey, new: int, me: str) -> Optional[list]:
         """The subkeys to drop so that an entry of ``new`` bytes at ``subkey``, stored by holder ``me``, fits its key
         (bytes and subkeys): each the largest entry of the holder that then holds the most of the key, as long as
@@ -234,10 +259,8 @@ class BoundedStorage(DHTLocalStorage):
             return book.total - book.cost(subkey) + new, len(book.entries) + (subkey not in book.entries)
 
         size, count = size_and_count()
-        if size > b.max_key_bytes or count > b.max_subkeys:
-            if time.monotonic() - book.settled >= PRUNE_PERIOD:
-                book.settle()
-                size, count = size_and_count()
+        if (size > b.max_key_bytes or count > b.max_subkeys) and book.settle():
+            size, count = size_and_count()
         if size <= b.max_key_bytes and count <= b.max_subkeys:
             return []
         shares = Counter(book.shares)
