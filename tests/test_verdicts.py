@@ -1,6 +1,7 @@
 """Verdicts on DHT records remembered by their bytes (peer/net/trust/verdicts.py)."""
 
 import dataclasses
+import pickle
 
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
@@ -35,6 +36,8 @@ def test_a_verdict_is_remembered_for_the_same_bytes_only_and_for_the_last_record
     assert not v.check(variants[2], validate) and len(calls) == 5  # (a refusal is remembered too)
     assert v.check(base, validate) and len(calls) == 6  # (forgotten: three records came after it)
     assert v.check(DHTRecord(b"k", None, b"v", 10.0), validate) and len(calls) == 7  # (no subkey: another record)
+    copy = pickle.loads(pickle.dumps(v))  # (validators may travel to another process: nothing remembered there)
+    assert copy.check(base, validate) and len(calls) == 8 and copy.size == 3
 
 
 def test_signatures_and_open_records_are_checked_once_and_forgeries_still_fail(tmp_path, monkeypatch):

@@ -41,6 +41,12 @@ class Verdicts:
         self._seen: OrderedDict[bytes, bool] = OrderedDict()
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict:  # (a copy, pickled or not, starts with no verdicts and its own lock)
+        return {"size": self.size}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["size"])  # type: ignore[misc]
+
     def check(self, record: DHTRecord, validate: Callable[[DHTRecord], bool]) -> bool:
         """``validate(record)``, or what it said of the same bytes before."""
         digest = _digest(record)
