@@ -6,6 +6,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -254,3 +255,20 @@ def test_reconnect_brings_an_isolated_node_back(tmp_path):
         assert dht_node.reconnect(second, peers, timeout=3.0).result(timeout=30) == 1
         assert dht_node.peer_counts(first)[0] == 1  # the answer put us in its table too
         assert dht_node.reconnect(second, peers, timeout=3.0).result(timeout=30) == 1  # nothing missing: no-op
+
+
+def test_a_dht_that_never_becomes_ready_says_where_it_hung(tmp_path, monkeypatch, capfd):
+    """A DHT process whose start hangs (here, before its node exists) prints every thread's stack to the stderr it
+    shares with us once create_dht gives up on it, then is shut down: the log says where the start hung."""
+    import hivemind
+
+    def _stuck_before_the_node_exists(self) -> None:
+        time.sleep(300)
+
+    monkeypatch.setattr(hivemind.DHT, "run", _stuck_before_the_node_exists)  # (the forked process inherits it)
+    with pytest.raises(RuntimeError, match=r"^DHT did not become ready within \d+ s"):
+        dht_node.create_dht(initial_peers=[], host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[],
+                            identity_path=str(tmp_path / "x.id"), client_mode=False, startup_timeout=0.5,
+                            wait_timeout=0.5)
+    err = capfd.readouterr().err
+    assert "_stuck_before_the_node_exists" in err and "thread 0x" in err, err[-2000:]

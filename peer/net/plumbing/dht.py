@@ -17,6 +17,7 @@ hivemind is imported lazily so that ``import peer.net.plumbing.dht`` stays cheap
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import os
 import signal
@@ -36,6 +37,9 @@ _UNSPECIFIED_HOSTS = {("ip4", "0.0.0.0"), ("ip6", "::")}
 JOIN_RETRY_FIRST, JOIN_RETRY_MAX = 1.0, 15.0
 # p2pd's words when none of its bootstrap peers could be connected to.
 _BOOTSTRAP_FAILED = "failed to connect to bootstrap peers"
+# sent to a DHT process that did not become ready in time: it prints every thread's stack (faulthandler) to the
+# stderr it shares with our process, so that the log says where a start hung
+STACKS_SIGNAL = signal.SIGUSR1
 
 # hivemind's P2P.create(force_reachability=...) picks p2pd flags by name; two names of ours are taught to it in
 # the DHT process (_register_relay_modes, through hivemind_internals). STATIC_RELAYS also turns relay discovery
@@ -168,6 +172,9 @@ def _start_dht(
             )
         dht.run_in_background(await_ready=True, timeout=ready_timeout)
     except BaseException as e:
+        if dht is not None and isinstance(e, TimeoutError) and dht.pid is not None and dht.is_alive():
+            log.error("the DHT process did not become ready within %.0f s; its threads' stacks follow", ready_timeout)
+            os.kill(dht.pid, STACKS_SIGNAL)  # (it writes them to the stderr it shares with us, before it is shut)
         if dht is not None:
             shutdown_dht(dht)
         if isinstance(e, TimeoutError):
@@ -232,6 +239,7 @@ def _parent_bound_dht_class():
                 send_whole_messages(self)  # (one sender at a time: our threads all call the DHT)
 
             def run(self) -> None:
+                faulthandler.register(STACKS_SIGNAL, all_threads=True)  # (see _start_dht: a start that hangs)
                 _die_with_parent(self._creator_pid)
                 _register_relay_modes(dht_kwargs(self))
                 dht_storage.install()  # (what the node keeps for others is bounded: peer/net/plumbing/dht_storage.py)
