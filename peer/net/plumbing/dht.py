@@ -174,7 +174,8 @@ def _start_dht(
     except BaseException as e:
         if dht is not None and isinstance(e, TimeoutError) and dht.pid is not None and dht.is_alive():
             log.error("the DHT process did not become ready within %.0f s; its threads' stacks follow", ready_timeout)
-            os.kill(dht.pid, STACKS_SIGNAL)  # (it writes them to the stderr it shares with us, before it is shut)
+            with contextlib.suppress(ProcessLookupError):  # (it may have just exited)
+                os.kill(dht.pid, STACKS_SIGNAL)  # (it writes them to the stderr it shares with us, then is shut)
         if dht is not None:
             shutdown_dht(dht)
         if isinstance(e, TimeoutError):
