@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from quality import BY_KEY, RunResult, Setup, run_one  # noqa: E402
+from quality import BY_KEY, SPARSE_OUTER, RunResult, Setup, run_one  # noqa: E402
 
 from peer.outer.codec import SPARSE_CODECS, get_codec  # noqa: E402
 
@@ -84,12 +84,13 @@ RULES = {"mean": "full", "clipped": "full_clipped"}  # bench/quality.py's method
 
 def method_of(rule: str, codec: str):
     """The rule's full method of bench/quality.py, with ``codec`` on the wire where given (a sparse codec with the
-    error feedback it requires)."""
+    error feedback it requires and the outer optimizer it wants, SPARSE_OUTER)."""
     method = BY_KEY[RULES[rule]]
     if not codec or codec == method.codec:
         return method
+    sparse = SPARSE_OUTER if codec in SPARSE_CODECS else {}
     return dataclasses.replace(method, key=f"{method.key}_{codec}", codec=codec,
-                               error_feedback=method.error_feedback or codec in SPARSE_CODECS)
+                               error_feedback=method.error_feedback or codec in SPARSE_CODECS, **sparse)
 
 
 def run_job(job: tuple[str, str, dict, int, int, str]) -> tuple[str, str, RunResult]:

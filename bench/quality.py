@@ -75,8 +75,9 @@ from peer.outer.codec import get_codec  # noqa: E402
 from peer.local.data import TokenShardSource  # noqa: E402
 from peer.local.markov import MarkovSource  # noqa: E402
 from peer.outer.fragments import partition  # noqa: E402
-from peer.local.inner import InnerLoop  # noqa: E402
-from peer.local.model import build_model, count_parameters, lm_loss  # noqa: E402
+from peer.local.inner import InnerLoop, mean_ce  # noqa: E402
+from peer.run.evaluation import shared_params  # noqa: E402
+from peer.local.model import build_model, count_parameters  # noqa: E402
 from peer.outer.aggregate import AggregationRule  # noqa: E402
 from peer.outer.simulator import FakeTransport, Replica, run_lockstep  # noqa: E402
 from peer.outer.engine import StreamingEngine  # noqa: E402
@@ -102,6 +103,7 @@ class Method:
     merge: str = "alpha"
     eager: bool = False
     outer_lr: float = 0.7
+    outer_momentum: float = 0.9
     aggregator: str = "mean"  # how the reducer combines parts: mean, or clipped (the robust default of a swarm)
 
     def blocks_per_fragment(self, setup: "Setup") -> int:
@@ -111,6 +113,11 @@ class Method:
         t = self.tau[m % len(self.tau)]
         return H if t == "H" else int(t)
 
+
+# The outer optimizer for sparse codecs: no momentum (error feedback already carries what is not sent, and momentum
+# then keeps pushing a coordinate long after its backlog arrived) and a step that makes up for the dilution of the
+# average (a coordinate one member of M sends arrives at 1/M of its value); measured with 4 replicas.
+SPARSE_OUTER = dict(outer_lr=8.0, outer_momentum=0.0)
 
 METHODS: list[Method] = [
     Method("dp", "1", "data-parallel (grads averaged every step)", dp=True),
@@ -142,6 +149,10 @@ EXTRA: list[Method] = [
     Method("full_alpha0", "5", "FP4, tau=5, alpha=0 merge, eager", codec="e3m0", tau=(5,), eager=True),
     # issue 31: sparse codecs (the k largest of every 4096 elements, with error feedback, which they need)
     *[Method(f"topk{k}_ef", "31", f"Streaming + top-{k}/4096 + error feedback", codec=f"topk{k}", error_feedback=True)
+      for k in (32, 64, 128)],
+    # the same with the outer optimizer the sparse codecs want (SPARSE_OUTER; docs/benchmarks.md, issue 31)
+    *[Method(f"topk{k}_sgd", "31", f"Streaming + top-{k}/4096 + error feedback, outer SGD lr "
+             f"{SPARSE_OUTER['outer_lr']:g}", codec=f"topk{k}", error_feedback=True, **SPARSE_OUTER)
       for k in (32, 64, 128)],
 ]
 BY_KEY = {m.key: m for m in METHODS + EXTRA}
@@ -195,6 +206,7 @@ class RunResult:
     final: float = math.nan
     final_replica0: float = math.nan
     final_honest: float = math.nan  # over the replicas that do not tamper with their parts (bench/attacks.py)
+    final_shared: float = math.nan  # the shared model: every fragment's G (the same on every replica), not theta
     excluded: dict = field(default_factory=dict)  # replica -> round it was excluded at (with a robust rule)
     bytes_per_peer: float = 0.0
     rounds: int = 0
@@ -255,11 +267,13 @@ def prepare_stdlib_text(out_dir: Path, vocab_size: int) -> Path:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batch: torch.Tensor) -> float:
-    model.eval()
-    out = []
-    for chunk in batch.split(64):
-        out.append(lm_loss(model(chunk[:, :-1]), chunk[:, 1:], 0.0)[1].item() * chunk.shape[0])
-    return sum(out) / batch.shape[0]
+    return mean_ce(model, batch, chunk=64)
+
+
+def shared_ce(model: torch.nn.Module, engine: StreamingEngine, batch: torch.Tensor) -> float:
+    """The held-out CE of the shared model: every fragment's ``G`` (the same on every replica) in place of
+    ``model``'s own (local) parameters, as the peer's evaluation takes them (:mod:`peer.run.evaluation`)."""
+    return mean_ce(model, batch, params=shared_params(engine.fragments, [st.G for st in engine.states]), chunk=64)
 
 
 def params_finite(model: torch.nn.Module) -> bool:
@@ -312,7 +326,7 @@ def run_one(method: Method, setup: Setup, seed: int, tamper: Optional[dict] = No
             model, blocks = setup.build(seed)
             inner = make_inner(model, setup)
             frags = partition(model, blocks, method.blocks_per_fragment(setup), method.pattern)
-            settings = OuterSettings(H=H, lr=method.outer_lr, momentum=0.9, alpha=method.alpha,
+            settings = OuterSettings(H=H, lr=method.outer_lr, momentum=method.outer_momentum, alpha=method.alpha,
                                      tau=method.tau_of(m, H), eager=method.eager, merge=method.merge, wait_timeout=5.0)
             engine = StreamingEngine(frags, settings, transport.endpoint(m), group_size_hint=lambda: M,
                                      error_feedback_codec=get_codec(method.codec) if method.error_feedback else None)
@@ -357,6 +371,8 @@ def run_one(method: Method, setup: Setup, seed: int, tamper: Optional[dict] = No
         res.final_replica0 = finals[0]
         honest = [v for i, v in enumerate(finals) if i not in (tamper or {})]
         res.final_honest = sum(honest) / len(honest)
+        if engines:
+            res.final_shared = shared_ce(models[0], engines[0], held_out)
     except FloatingPointError as e:  # the inner loop refuses a non-finite loss or gradient
         res.finite, res.error = False, str(e)
     res.finite = res.finite and all(params_finite(m) for m in models) and all(math.isfinite(x) for x in losses)
@@ -382,6 +398,7 @@ def run_all(methods: Sequence[Method], setup: Setup, seeds: Sequence[int], jobs:
     def note(r: RunResult) -> None:
         status = "" if r.finite else f"  NOT FINITE {r.error}"
         log(f"  [{len(results):2d}/{len(todo)}] {r.method:14s} seed {r.seed}: eval CE {r.final:.4f} "
+            f"(shared {r.final_shared:.4f}) "
             f"({r.seconds:.0f} s; {time.perf_counter() - t0:.0f} s elapsed){status}")
         on_result(results)
 
@@ -436,7 +453,7 @@ def run_swarm(method: Method, setup: Setup, seed: int, out_dir: Path, timeout: f
                    "--inner-lr", setup.inner_lr, "--inner-warmup-steps", setup.warmup_steps,
                    "--inner-total-steps", setup.steps, "--inner-weight-decay", 0.1, "--inner-beta1", 0.9,
                    "--inner-beta2", 0.95, "--inner-min-lr-ratio", 0.1, "--inner-grad-clip", 1.0,
-                   "--inner-z-loss", 1e-4, "--outer-lr", method.outer_lr, "--outer-momentum", 0.9,
+                   "--inner-z-loss", 1e-4, "--outer-lr", method.outer_lr, "--outer-momentum", method.outer_momentum,
                    "--outer-sync-every", setup.H, "--outer-schedule", "steps",
                    "--outer-fragment-blocks", method.blocks_per_fragment(setup),
                    "--outer-fragment-pattern", method.pattern,
@@ -513,6 +530,7 @@ def summarize(results: Sequence[RunResult], floor: float, reference: str = "dilo
             key=key, item=BY_KEY[base].item if base in BY_KEY else "", label=BY_KEY[base].label if base in BY_KEY
             else key, seeds=seeds, finals=finals, mean=mean, spread=max(finals) - min(finals), gap=mean - floor,
             rel=statistics.fmean(paired) if paired else math.nan, rel_per_seed=paired,
+            shared=statistics.fmean(runs[s].final_shared for s in seeds),
             mb_per_peer=statistics.fmean(runs[s].bytes_per_peer for s in seeds) / 1e6,
             finite=all(runs[s].finite for s in seeds), seconds=sum(runs[s].seconds for s in seeds)))
     return rows
@@ -520,15 +538,17 @@ def summarize(results: Sequence[RunResult], floor: float, reference: str = "dilo
 
 def format_table(rows: Sequence[dict], floor: float, swarm_note: str = "") -> str:
     lines = [f"entropy floor {floor:.4f} nats/token; eval CE = mean over replicas on the held-out shard; "
-             "rel. diff = paired by seed vs DiLoCo fp32" + swarm_note,
+             "rel. diff = paired by seed vs DiLoCo fp32; shared = the shared parameters G (mean over seeds)"
+             + swarm_note,
              "", "| # | method | eval CE per seed | mean | spread | gap to floor | rel. diff vs DiLoCo (per seed) "
-             "| MB per peer | finite |", "|---|---|---|---:|---:|---:|---|---:|---|"]
+             "| shared | MB per peer | finite |", "|---|---|---|---:|---:|---:|---|---:|---:|---|"]
     for r in rows:
         per_seed = " / ".join(f"{x:.4f}" for x in r["finals"])
         rel = "—" if r["key"] == "diloco" or math.isnan(r["rel"]) else \
             f"{r['rel']:+.2f}% ({' / '.join(f'{x:+.2f}' for x in r['rel_per_seed'])})"
         lines.append(f"| {r['item']} | {r['label']}{' (swarm)' if '@swarm' in r['key'] else ''} | {per_seed} | "
-                     f"{r['mean']:.4f} | {r['spread']:.4f} | {r['gap']:.4f} | {rel} | {r['mb_per_peer']:.1f} | "
+                     f"{r['mean']:.4f} | {r['spread']:.4f} | {r['gap']:.4f} | {rel} | "
+                     f"{'—' if math.isnan(r['shared']) else format(r['shared'], '.4f')} | {r['mb_per_peer']:.1f} | "
                      f"{'yes' if r['finite'] else 'NO'} |")
     return "\n".join(lines)
 
@@ -659,7 +679,7 @@ def main(argv=None) -> int:
              f"vocab {setup.vocab_size}, M={setup.replicas} replicas, "
              f"seq {setup.seq_len} x batch {setup.batch_size}, H={setup.H}, {setup.steps} steps "
              f"({setup.steps * setup.seq_len * setup.batch_size:,} tokens per peer), inner AdamW lr "
-             f"{setup.inner_lr:g}, outer Nesterov 0.7/0.9, {args.seeds} seeds")
+             f"{setup.inner_lr:g}, outer Nesterov 0.7/0.9 (unless the method says), {args.seeds} seeds")
     print(title)
     print(f"{len(methods)} methods x {args.seeds} seeds in the simulator, {args.jobs} job(s); "
           f"torch {torch.__version__}, {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}")
