@@ -96,6 +96,12 @@ def cpu_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])
 
 
+def machine_busy() -> float:
+    """Seconds the machine's cores were busy so far (``/proc/stat``: all but idle and iowait), all cores together."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / TICK
+
+
 def process_kind(proc: Proc, pid: int) -> str:
     """``peer`` (the peer's own process), ``dht`` (a Python process it forked) or ``p2pd`` (a libp2p daemon)."""
     if pid == proc.pid:
@@ -262,7 +268,8 @@ def late_run(attack: str, honest: int, steps: int, late_at: int, out: Path) -> d
                     flags_x) for i in range(attackers)]
         procs.append(Proc.start(lab.run_args(0, [sys.executable, str(Path(__file__).resolve()), "--key-probe", str(out),
                                                  "--initial-peers", *initial]), log_path=out / "probe.log", cwd=REPO))
-        sampler = Sampler(peers)
+        sampler = Sampler({**peers, **{f"x{i + 1}": x for i, x in enumerate(bad)}})  # (the attackers: CPU only)
+        busy0 = machine_busy()
 
         def cue() -> bool:  # an honest peer at step late_at, every attacker's nodes up (or someone exited)
             at = max((e["step"] for n in peers for e in events(out, n, "step")[-1:]), default=0)
@@ -277,6 +284,7 @@ def late_run(attack: str, honest: int, steps: int, late_at: int, out: Path) -> d
         late = None if low["stopped"] else peer(late_host, "late", ["-m", "peer"], honest + 1, ["--client-mode"])
         exits = [wait_exit(proc, 900) for proc in peers.values()]
         wall = time.monotonic() - t0
+        busy = machine_busy() - busy0
         try:
             late_exit = None if late is None else wait_exit(late, 300)
         except TimeoutError:
@@ -321,6 +329,11 @@ def late_run(attack: str, honest: int, steps: int, late_at: int, out: Path) -> d
                              for line in (out / f"x{i + 1}.log").read_text(errors="replace").splitlines()),
         "wall_seconds": wall,
         "cpu_seconds": {k: sum(c[k] for c in cpu) / len(cpu) for k in cpu[0]},
+        # where the machine's CPU went from the attackers' start to the honest peers' exit: every honest peer's
+        # processes, every attacker's, and the machine's busy seconds (all its cores) in that time
+        "cpu_split": {"honest": sum(sum(c.values()) for c in cpu),
+                      "attackers": sum(sum(sampler.cpu_seconds(f"x{i + 1}").values()) for i in range(attackers)),
+                      "machine": busy, "cores": os.cpu_count()},
     }
 
 
@@ -449,7 +462,10 @@ def late_table(rows: list[dict]) -> None:
               f"{r['late_statuses']}, group sizes of its ok rounds {r['late_group_sizes']}, catch-ups "
               f"{r['late_catch_ups']}, exit {r['late_exit']}; {r['honest_failed']} honest peer(s) failed; "
               f"probe samples {r['probe'].get('samples', 0)}; least memory available "
-              f"{r['min_available'] / 2**30:.1f} GiB{' (STOPPED for memory)' if r['stopped_for_memory'] else ''})")
+              f"{r['min_available'] / 2**30:.1f} GiB{' (STOPPED for memory)' if r['stopped_for_memory'] else ''}; "
+              f"CPU s from the attackers' start: honest peers {r['cpu_split']['honest']:.0f}, attackers "
+              f"{r['cpu_split']['attackers']:.0f}, the machine {r['cpu_split']['machine']:.0f} of "
+              f"{r['cpu_split']['cores']} cores x {r['wall_seconds']:.0f} s)")
 
 
 def main() -> int:
