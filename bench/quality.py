@@ -71,6 +71,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from peer.outer import topk  # noqa: E402
 from peer.outer.codec import get_codec  # noqa: E402
 from peer.local.data import TokenShardSource  # noqa: E402
 from peer.local.markov import MarkovSource  # noqa: E402
@@ -114,11 +115,8 @@ class Method:
         return H if t == "H" else int(t)
 
 
-# The outer optimizer for sparse codecs (docs/benchmarks.md, issue 31): less momentum (error feedback already
-# carries what is not sent, and momentum keeps pushing a coordinate for rounds after its backlog arrived) and a
-# larger step (a coordinate that one member of M sends arrives at 1/M of its value); measured with 4 replicas. Half
-# momentum rather than none at the same effective step: as good without an attacker, better against one.
-SPARSE_OUTER = dict(outer_lr=3.0, outer_momentum=0.5)
+# The outer optimizer for sparse codecs (peer/outer/topk.py says why; docs/benchmarks.md, issue 31)
+SPARSE_OUTER = dict(outer_lr=topk.OUTER_LR, outer_momentum=topk.OUTER_MOMENTUM)
 
 METHODS: list[Method] = [
     Method("dp", "1", "data-parallel (grads averaged every step)", dp=True),

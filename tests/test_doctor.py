@@ -55,3 +55,19 @@ def test_the_doctor_says_whether_the_steps_will_be_compiled(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (6, 1))
     assert compiled_steps("auto", cuda) == (CheckVerdict.OK, "steps eager (Triton does not support this card)", "")
     assert compiled_steps("on", cuda)[:2] == (CheckVerdict.OK, "steps compiled (inner.compile = on)")
+
+
+def test_the_doctor_warns_of_a_sparse_codec_under_dilocos_momentum(tmp_path):
+    """A sparse codec with the DiLoCo default (momentum 0.9) works but learns far slower: a warning naming the
+    run's settings to change (not a failure: the run is the operator's). FP4 with the default, and a sparse codec
+    with the recommended optimizer, pass."""
+    base = ("--no-network", "--new-swarm", "--run-dir", str(tmp_path / "r"))
+    code, report = doctor(*base)
+    assert check(report, "outer")["verdict"] == "ok" and "e3m0" in check(report, "outer")["found"], report
+    sparse = ("--outer-codec", "topk32", "--outer-error-feedback")
+    code, report = doctor(*base, *sparse)
+    outer = check(report, "outer")
+    assert outer["verdict"] == "warn" and "momentum 0.9" in outer["found"], report
+    assert "outer.momentum = 0.5" in outer["fix"] and "outer.lr = 3" in outer["fix"], report
+    code, report = doctor(*base, *sparse, "--outer-lr", "3", "--outer-momentum", "0.5")
+    assert check(report, "outer")["verdict"] == "ok", report

@@ -24,6 +24,8 @@ from peer.config import PeerConfig
 from peer.errors import SetupError
 from peer.local import memory
 from peer.local.inner import TRITON_MIN_CAPABILITY, compile_wanted
+from peer.outer import topk
+from peer.outer.codec import SPARSE_CODECS
 from peer.run import preflight
 from peer.run.local_build import memory_setting
 from peer.run.run_dir import RunDirLock
@@ -63,6 +65,7 @@ def run_checks(cfg: PeerConfig, *, network: bool = True, timeout: float = 10.0,
     model_check, params = _model(cfg)
     add(model_check)
     add(_data(cfg))
+    add(_outer(cfg))
     add(_memory(cfg))
     add(_run_dir(cfg))
     add(_disk(cfg, params))
@@ -129,6 +132,19 @@ def _data(cfg: PeerConfig) -> Check:
                      "fix data.paths / data.vocab_size, or run swarm-peer prepare-data")
     return Check("data", CheckVerdict.OK, f"{cfg.data.source}: readable, ids within the vocabulary of "
                  f"{cfg.data.vocab_size} (shard {source.shard_index})")
+
+
+def _outer(cfg: PeerConfig) -> Check:
+    """The run's outer optimizer for its codec: DiLoCo's Nesterov for dense codecs; a warning where a sparse codec
+    runs with more momentum than it wants (its error feedback delivers a backlog at once, which momentum keeps
+    pushing). The run's setting, not this peer's: the fix is its operator's."""
+    o = cfg.outer
+    found = f"{o.codec}, outer Nesterov lr {o.lr:g}, momentum {o.momentum:g}"
+    if o.codec not in SPARSE_CODECS or o.momentum <= topk.OUTER_MOMENTUM:
+        return Check("outer", CheckVerdict.OK, found)
+    return Check("outer", CheckVerdict.WARN, f"{found}: a sparse codec's shared model learns far slower with this "
+                 "much momentum", f"the run's operator: set outer.lr = {topk.OUTER_LR:g} and outer.momentum = "
+                 f"{topk.OUTER_MOMENTUM:g} (README, \"Which codec for your uplink\")")
 
 
 def _memory(cfg: PeerConfig, budget: Optional[int] = None, on_cuda: Optional[bool] = None) -> Check:
