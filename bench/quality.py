@@ -26,7 +26,8 @@ Seeds: seed s sets the initial weights (``torch.manual_seed(s)`` before every re
 all replicas and all methods of seed s start from the same theta_0) and the data shards (replica m
 reads shard ``100 s + m``); the corpus itself (data seed 1234) and the held-out set (shard 10000)
 are the same for every run. Eval loss = mean over the M replicas of each replica's CE on the
-held-out set (for data-parallel: the one model). Runs end ``k H + 6`` steps in, so every round with
+held-out set (for data-parallel: the one model); "shared" = the CE of the shared model (every fragment's G,
+what a run is judged by). Runs end ``k H + 6`` steps in, so every round with
 tau <= 5 has been applied and every method's models are 6 local steps past fragment 0's last sync; the
 curves are evaluated every H steps in the same phase (on the first 32 held-out sequences).
 

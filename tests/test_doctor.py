@@ -62,12 +62,12 @@ def test_the_doctor_warns_of_a_sparse_codec_under_dilocos_momentum(tmp_path):
     run's settings to change (not a failure: the run is the operator's). FP4 with the default, and a sparse codec
     with the recommended optimizer, pass."""
     base = ("--no-network", "--new-swarm", "--run-dir", str(tmp_path / "r"))
-    code, report = doctor(*base)
+    _, report = doctor(*base)
     assert check(report, "outer")["verdict"] == "ok" and "e3m0" in check(report, "outer")["found"], report
     sparse = ("--outer-codec", "topk32", "--outer-error-feedback")
-    code, report = doctor(*base, *sparse)
+    _, report = doctor(*base, *sparse)
     outer = check(report, "outer")
     assert outer["verdict"] == "warn" and "momentum 0.9" in outer["found"], report
     assert "outer.momentum = 0.5" in outer["fix"] and "outer.lr = 3" in outer["fix"], report
-    code, report = doctor(*base, *sparse, "--outer-lr", "3", "--outer-momentum", "0.5")
+    _, report = doctor(*base, *sparse, "--outer-lr", "3", "--outer-momentum", "0.5")
     assert check(report, "outer")["verdict"] == "ok", report

@@ -98,11 +98,7 @@ def test_no_nan_anywhere(results):
         assert all(math.isfinite(x) for x in r.eval_ce), (key, r.eval_ce)
         assert all(math.isfinite(x) for x in r.train_ce[1:]), (key, r.train_ce)  # [0]: no steps yet
         assert math.isfinite(r.final) and math.isfinite(r.final_replica0), key
-        assert method_of(key).dp or math.isfinite(r.final_shared), key  # (data-parallel has no shared G)
-
-
-def method_of(key: str) -> quality.Method:
-    return quality.BY_KEY[key]
+        assert quality.BY_KEY[key].dp or math.isfinite(r.final_shared), key  # (data-parallel has no shared G)
 
 
 def test_the_shared_model_is_every_fragments_G_in_place_of_the_local_weights():
@@ -112,16 +108,19 @@ def test_the_shared_model_is_every_fragments_G_in_place_of_the_local_weights():
     fragments = quality.partition(model, blocks, 2)
     transport = quality.FakeTransport(1)
     engine = quality.StreamingEngine(fragments, quality.OuterSettings(H=10), transport.endpoint(0))
-    batch = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(0))
-    before = quality.evaluate(model, batch)
-    assert quality.shared_ce(model, engine, batch) == before
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    moved = [p.detach().clone() for p in model.parameters()]
-    assert quality.evaluate(model, batch) != before
-    assert quality.shared_ce(model, engine, batch) == before
-    assert all(torch.equal(a, b) for a, b in zip(moved, model.parameters()))
+    try:
+        batch = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(0))
+        before = quality.evaluate(model, batch)
+        assert quality.shared_ce(model, engine, batch) == before
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        moved = [p.detach().clone() for p in model.parameters()]
+        assert quality.evaluate(model, batch) != before
+        assert quality.shared_ce(model, engine, batch) == before
+        assert all(torch.equal(a, b) for a, b in zip(moved, model.parameters()))
+    finally:
+        engine.close()
 
 
 def test_fp4_ends_within_the_noise_band_of_fp32(results):
