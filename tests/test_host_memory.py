@@ -3,6 +3,7 @@ pinned vectors at their size (peer/outer/offload.py)."""
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from peer.outer import host_memory
-from peer.outer.offload import allocator_setting, exact_pinned_sizes, pinned_empty
+from peer.outer.offload import pinned_empty
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -68,30 +69,56 @@ def test_a_large_vector_is_advised_huge_pages_and_an_ordinary_one_is_not():
     assert "hg" not in vm_flags_at(plain.data_ptr() + plain.numel() * 2)
 
 
-def test_the_exact_pinned_setting_keeps_the_process_own_allocator_settings():
-    """torch resets the allocator settings a new setting string leaves out, so ours goes after the process's own
-    (both environment names), and not at all where the process names the key itself."""
-    extra = "pinned_max_round_threshold_mb:64"
-    assert allocator_setting({}, extra) == extra
-    assert allocator_setting({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, extra) == \
-        "expandable_segments:True," + extra
-    both = {"PYTORCH_ALLOC_CONF": "a:1", "PYTORCH_CUDA_ALLOC_CONF": "b:2"}
-    assert allocator_setting(both, extra) == "a:1,b:2," + extra
-    own = "pinned_max_round_threshold_mb:8"
-    assert allocator_setting({"PYTORCH_CUDA_ALLOC_CONF": own}, extra) == own
-    assert exact_pinned_sizes()  # (this torch knows the setting)
+def test_a_registered_vector_is_unregistered_once_after_its_last_view_and_a_refusal_gives_none():
+    """The lifetime the CUDA registration relies on: unregister runs when no tensor on the memory is left, not when
+    the first one goes (a pool hands out slices of its vectors), and exactly once."""
+    calls: list[tuple] = []
+
+    def register(address: int, nbytes: int) -> bool:
+        calls.append(("register", address, nbytes))
+        return True
+
+    t = host_memory.registered(1000, register, lambda address: calls.append(("unregister", address)))
+    assert t is not None and t.shape == (1000,) and t.dtype == torch.float32 and t.device.type == "cpu"
+    address = t.data_ptr()
+    assert calls == [("register", address, 4000)]
+    view = t[10:20]
+    del t
+    gc.collect()
+    view.fill_(2.0)  # (still ours to write)
+    assert calls == [("register", address, 4000)]
+    del view
+    gc.collect()
+    assert calls == [("register", address, 4000), ("unregister", address)]
+    refused: list[int] = []
+    assert host_memory.registered(1000, lambda a, n: False, refused.append) is None
+    gc.collect()
+    assert refused == []
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (bench/gpu.py runs it on one)")
 def test_cuda_a_pinned_vector_takes_its_size_not_the_next_power_of_two():
-    """A pinned vector of 100M + 1 floats (400 MB) holds about its size of pinned memory, where torch's rounding
-    would take 512 MiB."""
+    """A pinned vector of 100M + 1 floats (400 MB) is registered host memory of its size, not a block of torch's
+    pinned allocator (rounded to 512 MiB); copies from and to it do not wait, and dropping it unregisters it."""
     def counters() -> dict:
         return {k: v for k, v in torch.cuda.host_memory_stats().items() if "bytes" in k and "current" in k}
 
     before = counters()
-    vector = pinned_empty(100_000_001)  # (an odd size: no block cached by an earlier test fits it exactly)
+    vector = pinned_empty(100_000_001)
     assert vector.is_pinned() and vector.numel() == 100_000_001
-    grown = [v - before.get(k, 0) for k, v in counters().items()]
-    size = vector.numel() * 4
-    assert max(grown) >= size and all(g < 1.1 * size for g in grown), (size, grown)
+    assert counters() == before  # (none of torch's blocks)
+    vector.copy_(torch.arange(100_000_001, dtype=torch.float32))
+    back = pinned_empty(100_000_001)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        on_device = vector.to("cuda", non_blocking=True)
+        back.copy_(on_device, non_blocking=True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert torch.equal(back, vector)
+    del vector, back, on_device
+    gc.collect()
+    again = pinned_empty(100_000_001)  # (where it reuses a range still registered, registering fails: torch's block)
+    assert again.is_pinned() and counters() == before

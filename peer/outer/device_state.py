@@ -67,8 +67,7 @@ class DeviceState:
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # (the worker's)
         # the worker's pinned staging, allocated once (pinning memory per round costs more than the round's
         # arithmetic and holds up the training thread's CUDA calls meanwhile) and used in turn by an aggregate's
-        # parts on their way in, then G and v on their way out: one vector, as torch's pinned allocator rounds
-        # each to a power of two unless told not to (offload.exact_pinned_sizes)
+        # parts on their way in, then G and v on their way out: one vector
         self._staging = pinned_empty(numel) if self._stream is not None else None
 
     @classmethod

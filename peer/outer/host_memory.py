@@ -7,13 +7,15 @@ that fills it (23 of 38 ms on one core). :func:`empty` asks the kernel for 2 MiB
 these buffers, not for the whole process (torch's ``THP_MEM_ALLOC_ENABLE`` would cover every large tensor). The
 advice is best effort: where it is refused or unknown (not Linux), the vector is an ordinary one. Then the
 allocating thread touches each page once, so that threads writing it later do not fault pages of one mapping at
-the same time (they contend in the kernel, several times slower than one thread).
+the same time (they contend in the kernel, several times slower than one thread). :func:`registered` gives such a
+vector to a pinning function (CUDA's host registration: ``peer/outer/offload.py``) for its lifetime.
 """
 
 from __future__ import annotations
 
 import ctypes
 import sys
+import weakref
 from typing import Callable, Optional
 
 import numpy as np
@@ -66,3 +68,15 @@ def empty_like(t: torch.Tensor) -> torch.Tensor:
     if t.device.type != "cpu" or t.dim() != 1:
         return torch.empty_like(t)
     return empty(t.numel(), t.dtype)
+
+
+def registered(n: int, register: Callable[[int, int], bool],
+               unregister: Callable[[int], None]) -> Optional[torch.Tensor]:
+    """A new fp32 vector of ``n`` elements (as :func:`empty_array`) that ``register(address, nbytes)`` accepted, or
+    None where it refused. ``unregister(address)`` runs once, when the last tensor on the vector's memory is gone and
+    before that memory is freed (the tensors keep the array that owns it alive)."""
+    a = empty_array(n, np.float32)
+    if not register(a.ctypes.data, a.nbytes):
+        return None
+    weakref.finalize(a, unregister, a.ctypes.data)
+    return torch.from_numpy(a)

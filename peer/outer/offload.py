@@ -17,10 +17,7 @@ transfer below is a plain copy (or none), bit for bit the synchronous engine's. 
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import logging
-import os
-import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -31,48 +28,38 @@ from peer.outer.fragments import Fragment
 log = logging.getLogger(__name__)
 
 
-# Pinned blocks above this size are allocated at their size: torch's pinned allocator rounds every block up to a
-# power of two to reuse it for others, and a 1B fragment's 636 MB vector took 1 GiB (4.0 GiB held for 2.5 GiB).
+# Pinned vectors of this size and more are host_memory's, registered with CUDA: torch's pinned allocator rounds every
+# block up to a power of two to reuse it for others (a 1B fragment's 636 MB vector took 1 GiB), and torch 2.11 takes
+# no setting that stops it.
 PINNED_ROUND_MB = 64
 
 
-def allocator_setting(environ: dict[str, str], extra: str) -> str:
-    """The allocator settings to give torch for ``extra`` (``key:value``): the process's own from
-    ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF`` first, since torch resets what a new setting leaves out;
-    none of ours where the process already names that key."""
-    own = ",".join(v for v in (environ.get("PYTORCH_ALLOC_CONF"), environ.get("PYTORCH_CUDA_ALLOC_CONF")) if v)
-    key = extra.split(":", 1)[0]
-    if key in own:
-        return own
-    return f"{own},{extra}" if own else extra
-
-
-@functools.cache
-def exact_pinned_sizes() -> bool:
-    """Asks torch's pinned allocator once not to round blocks above :data:`PINNED_ROUND_MB` (the setting
-    ``pinned_max_round_threshold_mb``); False where this torch refuses it (then blocks are rounded as before)."""
-    setting = allocator_setting(dict(os.environ), f"pinned_max_round_threshold_mb:{PINNED_ROUND_MB}")
-    setters = (getattr(torch._C, "_accelerator_setAllocatorSettings", None),
-               getattr(torch.cuda.memory, "_set_allocator_settings", None))
-    for apply in setters:
-        if apply is None:
-            continue
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)  # (torch 2.13 renamed the second)
-                apply(setting)
-            return True
-        except (RuntimeError, ValueError) as e:
-            log.info("pinned host blocks stay rounded to powers of two: torch refused %r (%s)", setting, e)
-            return False
-    return False
-
-
 def pinned_empty(numel: int) -> torch.Tensor:
-    """A pinned fp32 host vector of ``numel`` elements, allocated at its size where torch allows
-    (:func:`exact_pinned_sizes`). CUDA only."""
-    exact_pinned_sizes()
+    """A pinned fp32 host vector of ``numel`` elements; CUDA only. From :data:`PINNED_ROUND_MB` up it holds exactly its
+    size, in huge pages (``host_memory.registered``), else torch's pinned allocator's block. Torch does not track
+    copies from or to a registered vector: it must outlive those enqueued (the pools wait for their events before
+    reusing one), and dropping it synchronizes the device before its memory is unregistered and freed."""
+    if numel * 4 >= PINNED_ROUND_MB << 20:
+        vector = host_memory.registered(numel, _cuda_register, _cuda_unregister)
+        if vector is not None:
+            return vector
     return torch.empty(numel, dtype=torch.float32, pin_memory=True)
+
+
+def _cuda_register(address: int, nbytes: int) -> bool:
+    err = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
+    if int(err) != 0:
+        log.info("pinning %d bytes by registration failed (%s): torch's pinned allocator instead", nbytes, err)
+        return False
+    return True
+
+
+def _cuda_unregister(address: int) -> None:
+    try:
+        torch.cuda.synchronize()  # (no copy enqueued from or to it may still run)
+        torch.cuda.cudart().cudaHostUnregister(address)
+    except Exception as e:  # (a finalizer: at exit CUDA may be gone already)
+        log.debug("unregistering pinned memory at %#x failed: %s", address, e)
 
 
 class OuterWorker:
