@@ -50,14 +50,17 @@ from peer.local import memory  # noqa: E402
 from peer.local.markov import MarkovSource  # noqa: E402
 from peer.local.inner import InnerLoop, lr_at, split_decay_params  # noqa: E402
 from peer.local.model import PRESETS, build_model, count_parameters, lm_loss  # noqa: E402
-from peer.outer.codec import get_codec, roundtrip  # noqa: E402
+from peer.config.network import SwarmConfig  # noqa: E402
+from peer.net.round.reduction import decode_piece, encode_pieces  # noqa: E402
+from peer.outer import host_memory  # noqa: E402
+from peer.outer.codec import get_codec  # noqa: E402
 from peer.outer.engine import StreamingEngine  # noqa: E402
 from peer.outer.settings import OuterSettings  # noqa: E402
 from peer.outer.fragments import partition  # noqa: E402
 from peer.outer.schedule import rolling_copies  # noqa: E402
 from peer.outer.rounds import RoundOutcome, RoundStatus, Span  # noqa: E402
 from peer.util import host_peak_bytes  # noqa: E402
-from step_clock import StepClock, allocator_counts, counts_between, profile_table, summary  # noqa: E402
+from step_clock import StepClock, allocator_counts, counts_between, idle_gaps, profile_table, summary  # noqa: E402
 
 # Dense bf16 peak (FLOP/s) by device name, for MFU; unknown devices print tokens/s only.
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12, "3090": 71e12}
@@ -67,14 +70,21 @@ INNER = dict(lr=3e-4, weight_decay=0.1, betas=(0.9, 0.95), warmup_steps=10, tota
 
 class EchoTransport:
     """Every round comes back as a complete group of two identical peers would return it: our Delta through the
-    wire codec (encode, then decode of the same bytes), computed on a worker thread."""
+    wire codec on a worker thread, in the swarm's streamed pieces of ``swarm.chunk_bytes`` (encoded as a member
+    encodes its parts, each decoded into the average as it would arrive). One message for a whole fragment would
+    hold the GIL for tens of milliseconds at 1B (its bytes copied into the message twice), stalling the training
+    thread's autograd in a way the swarm never does (docs/benchmarks.md, 2026-11-30)."""
 
-    def __init__(self, codec: str):
-        self.codec = codec
+    def __init__(self, codec: str, chunk_bytes: int = SwarmConfig().chunk_bytes):
+        self.codec = get_codec(codec)
+        self.chunk_elems = max(1, chunk_bytes // 4)
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="echo-allreduce")
 
     def _round(self, fragment: int, round_: int, delta: torch.Tensor, weight: float) -> RoundOutcome:
-        average = roundtrip(delta, self.codec)
+        average = host_memory.empty(delta.numel(), touch=False)
+        filled = 0
+        for offset, piece in encode_pieces(self.codec, delta, self.chunk_elems):
+            filled += decode_piece(self.codec, piece, offset, filled, average)
         return RoundOutcome(fragment, round_, RoundStatus.OK, group_size=2, spans=[Span(0, delta.numel(), average)],
                             total_weight=2 * weight)
 
@@ -250,6 +260,8 @@ def one_preset(args) -> dict:
             trace = f"{args.trace_dir}/{args.one}-{name}-trace.json.gz" if args.trace_dir else ""
             profiles += f"\n{args.one} {name}, {args.profile_steps} steps profiled:\n" + profile_table(
                 lambda i, fn=fn: fn(batches[i % len(batches)]), args.profile_steps, device, trace=trace)
+            if trace and device.type == "cuda":
+                profiles += "\n" + idle_gaps(trace)
     inner.check_finite()
     engine.close()
     if profiler is not None:
@@ -342,9 +354,10 @@ def timeline_lines(r: dict) -> str:
                                                           for k, v in t["lead_s"].items())
              + f"; peer steps where the device caught up with the host: {t['peer_steps_device_caught_up']}",
              f"synchronizing allocator calls in the timed blocks: {r['allocator_calls']}",
-             "slowest peer steps (ms; the device's lead, ms; what): " + ", ".join(
-                 f"{1e3 * s['seconds']:.1f} ({lead_ms(s['lead'])}{'; ' + s['label'] if s['label'] else ''})"
-                 for s in t["slowest"])]
+             "slowest peer steps (ms on the device; the device's lead, ms; ms on the host; steps after a launch; "
+             "what): " + ", ".join(
+                 f"{1e3 * s['seconds']:.1f} ({lead_ms(s['lead'])}; {1e3 * s['host']:.0f}; +{s['after_launch']}"
+                 f"{'; ' + s['label'] if s['label'] else ''})" for s in t["slowest"])]
     return "\n".join(lines)
 
 

@@ -3,7 +3,9 @@
 # of ../shared/gpu/ copied to .gpu-kit/ and its wheels (plus torchao's) in .whl/:
 #   SECTIONS="tests swarm bench1b compile" OUT=$OUT bash bench/gpu_session.sh   (carry: [".gpu-kit", ".whl"])
 # Seconds on an H100 (2026-11-28): install 22, tests 40 (the swarm beside them), bench1b 140 without its memory
-# children (MEMORY=0; with them and a profile it ran past 240), profile 60, bench100m 105, codec 12; a start ~35.
+# children (MEMORY=0), profile 60, bench100m 105, codec 12; a start ~35. On an H200 (2026-11-30): tests with the
+# swarm 111, bench1b 201 with its memory children and no profile (PROFILE1B=0), 229 with both (T1B=330: its
+# limit), codec 12, stall 45. bench1b's profile prints the training stream's idle gaps and the host op in each.
 # Each section writes $OUT/<name>.txt as soon as it is done (a call cut short still reports what ran), one file per
 # section because the device tool brings back at most 8; the JSON of the benches stays on the machine.
 #   tests     pytest -k cuda                              bench1b   bench/gpu.py 1B, step clock, memory, a profile
@@ -45,7 +47,7 @@ section tests 100 python3 -m pytest -q -rs -p no:cacheprovider --continue-on-col
 wait
 skip1b=tests,codec; [ "${MEMORY:-1}" = 0 ] && skip1b=tests,codec,memory  # (1B's memory children: about 80 s)
 section profile 120 "${GPU[@]}" --presets 100M --skip tests,codec,memory --profile-steps 12 --out /tmp/profile.json
-section bench1b 240 "${GPU[@]}" --presets 1B --skip $skip1b --profile-steps 8 --trace-dir "$OUT/traces" \
+section bench1b "${T1B:-240}" "${GPU[@]}" --presets 1B --skip $skip1b --profile-steps "${PROFILE1B:-8}" --trace-dir "$OUT/traces" \
   --out /tmp/bench1b.json
 section bench100m 200 bash -c "${GPU[*]} --presets 100M --skip tests,codec,memory --out /tmp/b100.json;
   ${GPU[*]} --presets 100M --skip tests,codec,memory --compile --out /tmp/b100c.json"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
+import json
 import os
 import shutil
 import statistics
@@ -26,6 +27,9 @@ class Step:
     label: str  # what the step did besides training ("launch 3", "apply 3", or "")
     seconds: float  # the step's length on the device's timeline (the host's on the CPU)
     lead: Optional[float]  # the device's distance behind the host at the step's end (None on the CPU)
+    host: float  # the host's time from the previous step's end to this one's (a stall there may idle the device
+    # mid-step and still leave a lead at its end)
+    after_launch: Optional[int] = None  # steps since the last step that launched a round (None: none yet)
 
 
 class StepClock:
@@ -54,12 +58,17 @@ class StepClock:
         if self.cuda:
             torch.cuda.synchronize(self.device)
         (h0, e0, _), out = self._marks[0], []
-        for (h_prev, e_prev, _), (h, e, label) in zip(self._marks, self._marks[1:]):
+        launched: Optional[int] = None
+        for i, ((h_prev, e_prev, _), (h, e, label)) in enumerate(zip(self._marks, self._marks[1:])):
+            if label.startswith("launch"):
+                launched = i
+            after = None if launched is None else i - launched
             if self.cuda:
                 d_prev, d = e0.elapsed_time(e_prev) / 1e3, e0.elapsed_time(e) / 1e3
-                out.append(Step(label=label, seconds=d - d_prev, lead=d - (h - h0)))
+                seconds, lead = d - d_prev, d - (h - h0)
             else:
-                out.append(Step(label=label, seconds=h - h_prev, lead=None))
+                seconds, lead = h - h_prev, None
+            out.append(Step(label=label, seconds=seconds, lead=lead, host=h - h_prev, after_launch=after))
         return out
 
 
@@ -118,3 +127,37 @@ def profile_table(fn, n_steps: int, device: torch.device, rows: int = 25, trace:
     if device.type == "cuda":
         tables.insert(0, averages.table(sort_by="self_cuda_time_total", row_limit=rows))
     return "\n".join(tables)
+
+
+def idle_gaps(trace: str, min_ms: float = 1.0, show: int = 8) -> str:
+    """The training stream's idle gaps in a chrome trace (``profile_table``'s, gzipped or not): each gap of at least
+    ``min_ms`` with the innermost host op that began before it and lasted past its middle (the op the host was stuck
+    in while the device waited: the next kernel starts a little after the host launches it). The training stream is
+    the one that ran the most kernels."""
+    with (gzip.open(trace, "rt") if trace.endswith(".gz") else open(trace)) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    kernels: dict[Any, list] = {}
+    for e in spans:
+        if e.get("cat") == "kernel":
+            kernels.setdefault(e.get("tid"), []).append(e)
+    if not kernels:
+        return "no kernels in the trace"
+    stream = max(kernels, key=lambda k: len(kernels[k]))
+    run = sorted(kernels[stream], key=lambda e: e["ts"])
+    t0, end, gaps = run[0]["ts"], run[0]["ts"] + run[0]["dur"], []
+    for e in run[1:]:
+        if e["ts"] - end >= 1e3 * min_ms:
+            gaps.append((end, e["ts"]))
+        end = max(end, e["ts"] + e["dur"])
+    host = [e for e in spans if e.get("cat") == "cpu_op"]
+    lines = [f"training stream {stream}: {len(run)} kernels over {(end - t0) / 1e3:.1f} ms, idle {len(gaps)} times for "
+             f"at least {min_ms:g} ms, {sum(b - a for a, b in gaps) / 1e3:.1f} ms in all"]
+    for a, b in sorted(gaps, key=lambda g: g[0] - g[1])[:show]:
+        around = [e for e in host if e["ts"] <= a and e["ts"] + e["dur"] >= (a + b) / 2]
+        inner = min(around, key=lambda e: e["dur"], default=None)
+        what = (f"{inner['name']} (thread {inner.get('tid')}, {inner['dur'] / 1e3:.1f} ms)" if inner
+                else "no host op (Python, or a wait outside torch's ops)")
+        lines.append(f"  {(b - a) / 1e3:.1f} ms at +{(a - t0) / 1e3:.1f} ms, inside {what}")
+    return "\n".join(lines)
