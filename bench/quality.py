@@ -72,7 +72,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from peer.outer import topk  # noqa: E402
+from peer.config.fields import SPARSE_OUTER_STEP  # noqa: E402
 from peer.outer.codec import get_codec  # noqa: E402
 from peer.local.data import TokenShardSource  # noqa: E402
 from peer.local.markov import MarkovSource  # noqa: E402
@@ -116,8 +116,8 @@ class Method:
         return H if t == "H" else int(t)
 
 
-# The outer optimizer for sparse codecs (peer/outer/topk.py says why; docs/benchmarks.md, issue 31)
-SPARSE_OUTER = dict(outer_lr=topk.OUTER_LR, outer_momentum=topk.OUTER_MOMENTUM)
+# The outer optimizer for sparse codecs, what outer.lr / momentum = auto take (peer/config/fields.py says why)
+SPARSE_OUTER = dict(outer_lr=SPARSE_OUTER_STEP[0], outer_momentum=SPARSE_OUTER_STEP[1])
 
 METHODS: list[Method] = [
     Method("dp", "1", "data-parallel (grads averaged every step)", dp=True),

@@ -28,7 +28,9 @@ def test_env_list_and_bool():
 
 
 @pytest.mark.parametrize("text, needle", [
-    ("[outer]\nlr = -1.0\n", "outer.lr: must be > 0"),
+    ("[outer]\nlr = -1.0\n", "outer.lr: must be auto or a number > 0"),
+    ("[outer]\nlr = \"fast\"\n", "outer.lr: must be auto or a number > 0 (got 'fast')"),
+    ("[outer]\nmomentum = true\n", "outer.momentum in"),
     ("[outer]\nbogus = 1\n", "unknown key 'outer.bogus'"),
     ("[nosuch]\nx = 1\n", "unknown section [nosuch]"),
     ("[model]\nseq_len = 'long'\n", "model.seq_len"),
@@ -63,9 +65,28 @@ def test_run_hash_covers_shared_settings_only():
     assert base.run_hash() != shared.run_hash()
 
 
+def test_the_outer_step_auto_stands_for_each_codecs_and_hashes_as_its_numbers(tmp_path):
+    """``auto`` (the default) is DiLoCo's Nesterov 0.7 / 0.9 with a dense codec and 3.0 / 0.5 with a top-k one,
+    resolved once the codec is known (a flag, the environment or the file may set either); a number set by hand
+    stays; a run that spells out auto's numbers is the same run."""
+    def outer(**over):
+        return build_config(None, {**NEW, **{("outer", k): v for k, v in over.items()}}, environ={}).outer
+
+    assert outer().nesterov == (0.7, 0.9) and outer(codec="fp8").nesterov == (0.7, 0.9)
+    sparse = dict(codec="topk32", error_feedback=True)
+    assert outer(**sparse).nesterov == (3.0, 0.5)
+    assert outer(**sparse, momentum=0.8).nesterov == (3.0, 0.8) and outer(lr=1.5).nesterov == (1.5, 0.9)
+    toml = tmp_path / "c.toml"
+    toml.write_text('[outer]\nlr = 2\nmomentum = "auto"\n')
+    cfg = build_config(str(toml), NEW, environ={"SWARM_OUTER_CODEC": "topk64", "SWARM_OUTER_ERROR_FEEDBACK": "1"})
+    assert cfg.outer.nesterov == (2.0, 0.5) and isinstance(cfg.outer.lr, float)
+    by_hand = build_config(None, {**NEW, ("outer", "lr"): 0.7, ("outer", "momentum"): 0.9}, environ={})
+    assert by_hand.run_hash() == build_config(None, NEW, environ={}).run_hash()
+
+
 @pytest.mark.parametrize("argv, needle", [
-    (["run", "--new-swarm", "--outer-lr", "abc"], "outer.lr: expected float"),
-    (["run", "--new-swarm", "--outer-momentum", "1.5"], "outer.momentum: must be in [0, 1)"),
+    (["run", "--new-swarm", "--outer-lr", "abc"], "outer.lr: must be auto or a number > 0 (got 'abc')"),
+    (["run", "--new-swarm", "--outer-momentum", "1.5"], "outer.momentum: must be auto or a number in [0, 1)"),
     (["run"], "--initial-peers is empty"),
 ])
 def test_cli_exits_2_with_one_line(capsys, argv, needle):

@@ -83,7 +83,7 @@ def parse_overrides(ns: argparse.Namespace) -> dict[tuple[str, str], object]:
             continue
         section, key = dest.split("__", 1)
         typ = types[(section, key)]
-        if typ in (int, float) or typ == int | str:
+        if typ in (int, float) or typ in (int | str, float | str):
             value = parse_scalar(section, key, typ, value)
         elif typ == list[str]:
             value = [item for v in value for item in v.replace(",", " ").split()]

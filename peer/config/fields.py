@@ -17,6 +17,18 @@ CODEC_NAMES = ("e3m0", "fp8", "bf16", "fp32", "topk32", "topk64", "topk128")
 # peer/local/inner.py's OPTIMIZERS (a test keeps them equal)
 INNER_OPTIMIZERS = ("adamw", "adamw8bit")
 COMPILE_CHOICES = ("auto", "on", "off")  # inner.compile (peer/local/inner.py: compile_wanted)
+# outer.lr / outer.momentum = auto: DiLoCo's Nesterov for the dense codecs; for the top-k ones a larger step and half
+# the momentum (measured with 4 peers: docs/benchmarks.md, "The shared model, and the outer optimizer of the sparse
+# codecs"): error feedback delivers a coordinate's backlog at once, which momentum 0.9 keeps pushing for rounds, and a
+# coordinate one of M members sends arrives at 1/M of its value, which the larger step makes up. Half momentum rather
+# than none: as good without an attacker, better against one.
+DENSE_OUTER_STEP = (0.7, 0.9)
+SPARSE_OUTER_STEP = (3.0, 0.5)
+
+
+def auto_outer_step(codec: str) -> tuple[float, float]:
+    """The outer Nesterov (lr, momentum) that ``auto`` stands for with ``codec``."""
+    return SPARSE_OUTER_STEP if codec.startswith("topk") else DENSE_OUTER_STEP
 
 
 class ConfigError(ValueError):

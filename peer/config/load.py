@@ -67,6 +67,11 @@ def parse_scalar(section: str, key: str, typ: Any, raw: str) -> Any:
             return float(raw)
         if typ == int | str:
             return int(raw) if raw.strip().lstrip("-").isdigit() else raw.strip()
+        if typ == float | str:
+            try:
+                return float(raw)
+            except ValueError:
+                return raw.strip()  # (a name: the section's check says which it takes)
         if typ == list[str]:
             return [item for item in raw.replace(",", " ").split() if item]
         return raw
@@ -82,6 +87,10 @@ def _coerce_toml(section: str, key: str, typ: Any, value: Any, source: str) -> A
         if isinstance(value, (int, str)) and not isinstance(value, bool):
             return value
         raise ConfigError(f"{where} in {source}: expected an integer or a name (got {value!r})")
+    if typ == float | str:
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+            return float(value) if isinstance(value, int) else value
+        raise ConfigError(f"{where} in {source}: expected a number or a name (got {value!r})")
     if typ == list[str]:
         if isinstance(value, str):
             return [value]

@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from peer.config.fields import (CODEC_NAMES, COMPILE_CHOICES, INNER_OPTIMIZERS, MAX_MBPS, MIN_MBPS, ConfigError, check,
-                                parse_active_hours, setting, valid_mbps)
+from peer.config.fields import (CODEC_NAMES, COMPILE_CHOICES, INNER_OPTIMIZERS, MAX_MBPS, MIN_MBPS, ConfigError,
+                                auto_outer_step, check, parse_active_hours, setting, valid_mbps)
 
 
 @dataclass(kw_only=True)
@@ -113,8 +113,10 @@ class InnerConfig:
 
 @dataclass(kw_only=True)
 class OuterConfig:
-    lr: float = setting(0.7, help="Outer Nesterov learning rate (DiLoCo: 0.7).")
-    momentum: float = setting(0.9, help="Outer Nesterov momentum (DiLoCo: 0.9).")
+    lr: float | str = setting("auto", help="Outer Nesterov learning rate, or auto: DiLoCo's 0.7 with a dense codec, "
+            "3.0 with a top-k one (resolved when the config is read).")
+    momentum: float | str = setting("auto", help="Outer Nesterov momentum, or auto: DiLoCo's 0.9 with a dense codec, "
+            "0.5 with a top-k one (resolved when the config is read).")
     sync_every: int = setting(100, help="H: inner steps between two syncs of the same fragment.")
     fragment_blocks: int = setting(3, help="k: transformer blocks per fragment (P = ceil(L/k) fragments); 0 syncs "
             "the whole model (DiLoCo).")
@@ -165,15 +167,19 @@ class OuterConfig:
     clip_iterations: int = setting(1, help="clipped: CenteredClip steps (1-20).")
 
     def __post_init__(self) -> None:
-        check(self.lr > 0, "outer.lr", "> 0", self.lr)
-        check(0 <= self.momentum < 1, "outer.momentum", "in [0, 1)", self.momentum)
+        check(self.codec in CODEC_NAMES, "outer.codec", " or ".join(CODEC_NAMES), self.codec)
+        # auto becomes its number here, so the run's hash, the engine and the doctor all see the step it stands for
+        auto_lr, auto_momentum = auto_outer_step(self.codec)
+        self.lr, self.momentum = _resolved(self.lr, auto_lr), _resolved(self.momentum, auto_momentum)
+        check(isinstance(self.lr, float) and self.lr > 0, "outer.lr", "auto or a number > 0", self.lr)
+        check(isinstance(self.momentum, float) and 0 <= self.momentum < 1, "outer.momentum",
+              "auto or a number in [0, 1)", self.momentum)
         check(self.sync_every >= 1, "outer.sync_every", ">= 1", self.sync_every)
         check(self.fragment_blocks >= 0, "outer.fragment_blocks", ">= 0", self.fragment_blocks)
         check(self.fragment_pattern in ("strided", "sequential"), "outer.fragment_pattern", "strided or sequential",
                self.fragment_pattern)
         check(self.schedule in ("steps", "clock"), "outer.schedule", "steps or clock", self.schedule)
         check(self.round_seconds > 0, "outer.round_seconds", "> 0", self.round_seconds)
-        check(self.codec in CODEC_NAMES, "outer.codec", " or ".join(CODEC_NAMES), self.codec)
         check(not self.codec.startswith("topk") or self.error_feedback, "outer.error_feedback",
               f"true with outer.codec = {self.codec} (a sparse codec sends a few percent of each round's outer "
               "gradient; error feedback carries the rest into the next rounds)", self.error_feedback)
@@ -196,6 +202,20 @@ class OuterConfig:
         check(self.max_weight_cap >= max(self.weight_cap, self.length_cap), "outer.max_weight_cap",
                ">= outer.weight_cap and outer.length_cap", self.max_weight_cap)
         check(1 <= self.clip_iterations <= 20, "outer.clip_iterations", "in [1, 20]", self.clip_iterations)
+
+    @property
+    def nesterov(self) -> tuple[float, float]:
+        """The outer step's (lr, momentum), ``auto`` resolved for the codec (a valid config holds numbers)."""
+        return float(self.lr), float(self.momentum)
+
+
+def _resolved(value: float | str, auto: float) -> float | str:
+    """``auto`` as the number it stands for, an integer as a float; anything else as given (checked after)."""
+    if value == "auto":
+        return auto
+    if isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
 
 
 @dataclass(kw_only=True)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from peer.config import OuterConfig, default_of
+from peer.config.fields import DENSE_OUTER_STEP
 from peer.util import Ema
 
 
@@ -24,8 +25,8 @@ class OuterSettings:
     """
 
     H: int
-    lr: float = default_of(OuterConfig, "lr")
-    momentum: float = default_of(OuterConfig, "momentum")
+    lr: float = DENSE_OUTER_STEP[0]  # (``auto``'s values for a dense codec: a config resolves it for its codec)
+    momentum: float = DENSE_OUTER_STEP[1]
     alpha: float = default_of(OuterConfig, "alpha")
     tau: int = 0
     eager: bool = default_of(OuterConfig, "eager")
@@ -41,7 +42,8 @@ class OuterSettings:
     @classmethod
     def from_config(cls, outer: OuterConfig) -> "OuterSettings":
         """The settings of ``outer`` (``tau = auto`` starts at 0: the engine's ``tau_fn`` decides per round)."""
-        return cls(H=outer.sync_every, lr=outer.lr, momentum=outer.momentum, alpha=outer.alpha,
+        lr, momentum = outer.nesterov
+        return cls(H=outer.sync_every, lr=lr, momentum=momentum, alpha=outer.alpha,
                    tau=outer.tau if isinstance(outer.tau, int) else 0, eager=outer.eager, merge=outer.merge,
                    wait_timeout=outer.wait_timeout)
 

@@ -26,11 +26,6 @@ from peer.proto import codec_pb2
 
 BLOCK = 4096  # elements per block: a 12-bit index
 TOPK_KS = (32, 64, 128)  # the registered densities: 0.78%, 1.6%, 3.1%
-# The outer step these codecs want (measured with 4 peers: docs/benchmarks.md, "The shared model, and the outer
-# optimizer of the sparse codecs"): error feedback delivers a coordinate's backlog at once, which DiLoCo's momentum
-# 0.9 keeps pushing for rounds; a coordinate one of M members sends arrives at 1/M of its value, which a larger
-# step makes up. Half momentum rather than none: as good without an attacker, better against one.
-OUTER_LR, OUTER_MOMENTUM = 3.0, 0.5
 
 
 def entries_for(numel: int, k: int) -> int:

@@ -21,10 +21,10 @@ from typing import Callable, Optional
 import torch
 
 from peer.config import PeerConfig
+from peer.config.fields import auto_outer_step
 from peer.errors import SetupError
 from peer.local import memory
 from peer.local.inner import TRITON_MIN_CAPABILITY, compile_wanted
-from peer.outer import topk
 from peer.outer.codec import SPARSE_CODECS
 from peer.run import preflight
 from peer.run.local_build import memory_setting
@@ -139,12 +139,14 @@ def _outer(cfg: PeerConfig) -> Check:
     runs with more momentum than it wants (its error feedback delivers a backlog at once, which momentum keeps
     pushing). The run's setting, not this peer's: the fix is its operator's."""
     o = cfg.outer
-    found = f"{o.codec}, outer Nesterov lr {o.lr:g}, momentum {o.momentum:g}"
-    if o.codec not in SPARSE_CODECS or o.momentum <= topk.OUTER_MOMENTUM:
+    lr, momentum = o.nesterov
+    found = f"{o.codec}, outer Nesterov lr {lr:g}, momentum {momentum:g}"
+    wanted_lr, wanted_momentum = auto_outer_step(o.codec)
+    if o.codec not in SPARSE_CODECS or momentum <= wanted_momentum:
         return Check("outer", CheckVerdict.OK, found)
     return Check("outer", CheckVerdict.WARN, f"{found}: a sparse codec's shared model learns far slower with this "
-                 "much momentum", f"the run's operator: set outer.lr = {topk.OUTER_LR:g} and outer.momentum = "
-                 f"{topk.OUTER_MOMENTUM:g} (README, \"Which codec for your uplink\")")
+                 "much momentum", f"the run's operator: set outer.lr and outer.momentum = auto ({wanted_lr:g} and "
+                 f"{wanted_momentum:g} with this codec; README, \"Which codec for your uplink\")")
 
 
 def _memory(cfg: PeerConfig, budget: Optional[int] = None, on_cuda: Optional[bool] = None) -> Check:
