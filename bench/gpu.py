@@ -6,14 +6,14 @@
 1. **Step overhead.** A plain PyTorch loop (autocast bf16 on CUDA, fused AdamW on CUDA, grad clip; no host
    synchronization) against the peer's step: :class:`peer.local.inner.InnerLoop` plus the
    :class:`peer.outer.engine.StreamingEngine` launching and applying every fragment's rounds (the full method:
-   fragments of 3 blocks, FP4 e3m0, overlap ``--tau``, eager updates) through an echo transport whose rounds run
-   the wire codec's encode and decode on a worker thread, as the swarm's event loop does (the network itself is
-   not in it: bench/utilization.py measures links). Same model, batch, precision and device; the two loops
-   alternate in ``--blocks`` blocks of ``--steps`` steps, so drift in clocks or thermals hits both. Prints the
-   mean wall time per step of each over all blocks (syncs included), the overhead ratio (goal: peer <= 1.02 x
-   plain), tokens/s, on CUDA the model FLOPs utilization (6 N tokens/s + attention, against the device's
-   dense bf16 peak where known), and the training thread's time in each launch and each apply that had work
-   (median and max; goal < 5 ms). Both loops use ``--micro-batch`` and ``--activation-checkpointing``.
+   fragments of 3 blocks, FP4 e3m0, overlap ``--tau``, eager updates) through an echo transport whose rounds run the
+   wire codec's encode and decode on a worker thread, in the swarm's pieces, as the swarm's event loop does (the
+   network itself is not in it: bench/utilization.py measures links). Same model, batch, precision and device; the
+   two loops alternate in ``--blocks`` blocks of ``--steps`` steps, so drift in clocks or thermals hits both. Prints
+   the mean wall time per step of each over all blocks (syncs included), the overhead ratio (goal: peer <= 1.02 x
+   plain), tokens/s, on CUDA the model FLOPs utilization (6 N tokens/s + attention, against the device's dense bf16
+   peak where known), and the training thread's time in each launch and each apply that had work (median and max;
+   goal < 5 ms). Both loops use ``--micro-batch`` and ``--activation-checkpointing``.
 2. **Memory.** Per preset and loop, in a child process of its own that runs that loop alone (H + tau + 2 steps:
    every fragment launched and applied): peak VRAM (``torch.cuda.max_memory_allocated``) and peak host RSS
    (VmHWM); beside them, what the model, AdamW and the outer state take by their sizes.

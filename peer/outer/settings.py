@@ -19,7 +19,8 @@ from peer.util import Ema
 @dataclass(kw_only=True)
 class OuterSettings:
     """The engine's view of the ``[outer]`` settings. :class:`~peer.config.OuterConfig` (``peer/config/sections.py``)
-    is the one source of truth: it documents every field, and the defaults here are its defaults. ``H`` is its
+    is the one source of truth: it documents every field, and the defaults here are its defaults (``lr`` and
+    ``momentum``: what its ``auto`` is for a dense codec; a config resolves it for its own codec). ``H`` is its
     ``sync_every``; ``tau`` is an integer (``auto`` is resolved round by round through the engine's
     ``tau_fn``). Build it from a config with :meth:`from_config`; tests and the simulator set fields directly.
     """
