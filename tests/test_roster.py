@@ -146,6 +146,42 @@ def test_a_peer_that_does_not_hold_the_state_it_advertised_is_no_vote_for_a_reco
     assert set(roster.vouched_peers()) == {A, C}
 
 
+def test_a_partner_that_moved_past_the_state_we_asked_for_votes_again_once_another_vote_holds_its_new_state():
+    """In a swarm whose rounds come faster than its heartbeats, every partner asked for the state its last record
+    advertised may have moved past it and say "no such state". Muting them all for the records' ttl kept a rejoined
+    peer's round searching 9 s for a group the others had applied before it started (docs/benchmarks.md,
+    2026-11-30). A partner votes again once its record shows a later state of that fragment that another vote holds
+    too. A record that moves on to a state no other vote holds (far_ahead's next claim) stays no vote, and so does a
+    donor that failed to deliver anything (no state named)."""
+    now = [100.0]
+    roster = Roster(ttl=30.0, exclusions=Exclusions(threshold=1), admitted=lambda pid: True, clock=lambda: now[0])
+
+    def at(pid: str, round_: int, digest: str, t: float) -> ProgressRecord:  # (fragment 0's state; fragment 1's fixed)
+        return ProgressRecord(**{**rec(pid).model_dump(), "rounds": [round_, 1], "digests": [digest, "7b" * 6],
+                                 "time": t})
+
+    roster.merge(entries(at(ME, 17, "0a" * 6, 1.0), *(at(p, 16, "1b" * 6, 1.0) for p in (A, B, C)),
+                         at(D, 1000, "4e" * 6, 1.0)), dht_now=100.0, me=ME)
+    roster.met({A, B, C, D})
+    assert set(roster.vouched_peers()) == {A, B, C, D}
+    for pid in (A, B, C):
+        roster.unheld(pid, (0, 16))
+    roster.unheld(D, (0, 1000))
+    assert set(roster.vouched_peers()) == {ME}  # (no partner votes: ours alone, no one past our state)
+    now[0] += 2.0  # the next read: A and B applied rounds 17 to 19 alike, C one more, D claims one more too
+    roster.merge(entries(at(ME, 17, "0a" * 6, 2.0), at(A, 19, "2c" * 6, 2.0), at(B, 19, "2c" * 6, 2.0),
+                         at(C, 20, "3d" * 6, 2.0), at(D, 1001, "5f" * 6, 2.0)), dht_now=102.0, me=ME)
+    assert set(roster.vouched_peers()) == {A, B}
+    roster.merge(entries(at(C, 19, "2c" * 6, 3.0)), dht_now=103.0, me=ME)  # (C's record, read again at round 19)
+    assert set(roster.vouched_peers()) == {A, B, C}
+    roster.unheld(B)  # (three failed downloads: no state named)
+    assert set(roster.vouched_peers()) == {A, C}
+    now[0] += 31.0  # the marks' ttl
+    fresh = [at(p, 25, "6a" * 6, 4.0) for p in (ME, A, B, C, D)]
+    roster.merge(entries(*fresh), dht_now=134.0, me=ME)
+    assert set(roster.vouched_peers()) == {A, B, C, D}
+
+
 def test_a_donor_that_fails_three_downloads_in_a_row_is_no_vote_for_a_records_lifetime():
     """A donor whose record advertises a state it never delivers (busy at every ask, an error answer, a cut stream)
     kept every catch-up failing as one that says it holds none did: its third failure in a row makes it unheld. A

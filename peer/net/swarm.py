@@ -413,7 +413,7 @@ class Swarm:
         if lesson.waited:
             self.punctuality.settle(dict(lesson.waited), self.roster.partnered, self.live_peers())
         for peer in lesson.unheld:
-            self.roster.unheld(peer)
+            self.roster.unheld(peer, lesson.here)
         for peer in lesson.failed:
             self.roster.donor_failed(peer)
         for peer in lesson.served:

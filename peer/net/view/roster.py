@@ -57,7 +57,8 @@ class Roster:
         self._partners: dict[str, float] = {}  # peer id -> when we last were in a group with it
         self._partner_hosts: dict[str, Optional[str]] = {}  # partner id -> its host when last resolved
         self._ttl = ttl
-        self._unheld: dict[str, float] = {}  # peer id -> until when its records are no vote (:meth:`unheld`)
+        # peer id -> (until when its records are no vote, the fragment and round it did not serve; None: any)
+        self._unheld: dict[str, tuple[float, Optional[tuple[int, int]]]] = {}  # (:meth:`unheld`)
         self._failures: dict[str, int] = {}  # donor id -> state downloads it failed in a row (:meth:`donor_failed`)
         self._handed: frozenset[str] = frozenset()  # live others already handed out as arrivals
         self._shuffle = random.Random().shuffle
@@ -129,19 +130,41 @@ class Roster:
         for them; either way one host is one vote, however many of its ids sat in our groups. (Whom a round waits
         for is :mod:`peer.net.view.attendance`'s call: a newcomer has met no one, and a group that never waited
         for it would rarely let it in.)"""
-        now = self._clock()
-        live = {pid: rec for pid, rec in self.live_peers().items() if self._unheld.get(pid, 0.0) <= now}
+        every = self.live_peers()
+        live = {pid: rec for pid, rec in every.items() if not self._muted(pid, every)}
         return self.partner_votes(live) or self.anchored(live)
 
-    def unheld(self, peer: str) -> None:
-        """``peer``, asked for a state its record advertised, said it holds none: its records are no vote
-        (:meth:`vouched_peers`) for the records' ``ttl``. A record that claims the swarm far ahead, or a state
-        it cannot serve, would otherwise keep every catch-up failing and every round ``behind``. (An honest peer
-        serves its last two states: it says this only after two rounds within one of its heartbeats.)"""
+    def unheld(self, peer: str, asked: Optional[tuple[int, int]] = None) -> None:
+        """``peer``, asked for the state its record advertised (``asked``: that fragment and round; None: a state
+        it never delivers, :meth:`donor_failed`), said it holds none: its records are no vote (:meth:`vouched_peers`)
+        for the records' ``ttl``. A record that claims the swarm far ahead, or a state it cannot serve, would
+        otherwise keep every catch-up failing and every round ``behind``. An honest peer serves its last two states,
+        so it says this when it applied two rounds since the record we planned from (a swarm whose rounds come
+        faster than its heartbeats): its vote is back once its record shows a later state of that fragment that
+        another vote holds too (:meth:`_muted`); a record far ahead, held by no other vote, stays no vote."""
         now = self._clock()
-        kept = {p: until for p, until in self._unheld.items() if until > now}
-        kept[peer] = now + self._ttl
-        self._unheld = dict(sorted(kept.items(), key=lambda kv: kv[1])[-MAX_PARTNERS:])
+        kept = {p: mark for p, mark in self._unheld.items() if mark[0] > now}
+        kept[peer] = (now + self._ttl, asked)
+        self._unheld = dict(sorted(kept.items(), key=lambda kv: kv[1][0])[-MAX_PARTNERS:])
+
+    def _muted(self, peer: str, live: dict[str, ProgressRecord]) -> bool:
+        """Whether ``peer``'s record is no vote now (:meth:`unheld`): marked within ``ttl``, and, where the mark
+        names the state it did not serve, its record not yet at a later state of that fragment that a vote of
+        another peer (:meth:`partner_votes`, else :meth:`anchored`, without ``peer``) also holds."""
+        until, asked = self._unheld.get(peer, (0.0, None))
+        if until <= self._clock():
+            return False
+        rec = live.get(peer)
+        if asked is None or rec is None:
+            return True
+        fragment, round_ = asked
+        if len(rec.rounds) <= fragment or len(rec.digests) <= fragment or rec.rounds[fragment] <= round_:
+            return True
+        state = (rec.rounds[fragment], rec.digests[fragment])
+        rest = {pid: r for pid, r in live.items() if pid != peer}
+        voters = self.partner_votes(rest) or self.anchored(rest)
+        return not any(pid != self._me and len(r.rounds) > fragment and len(r.digests) > fragment
+                       and (r.rounds[fragment], r.digests[fragment]) == state for pid, r in voters.items())
 
     def donor_failed(self, peer: str) -> None:
         """``peer``, asked for a state its record advertised, failed to deliver it for a reason other than a lie or
@@ -151,7 +174,7 @@ class Roster:
         row (no :meth:`donor_served` between) makes it unheld."""
         failures = self._failures.pop(peer, 0) + 1
         if failures >= MAX_DONOR_FAILURES:
-            self.unheld(peer)
+            self.unheld(peer)  # (whatever state: it delivered none)
         else:
             self._failures = dict(list({**self._failures, peer: failures}.items())[-MAX_PARTNERS:])
 
